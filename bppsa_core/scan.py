@@ -1,0 +1,230 @@
+"""Scans over chains of transposed Jacobians: the heart of BPPSA.
+
+Back-propagation through a recurrence is the affine chain, consumed from its end:
+
+    x_k = x_{k+1} @ M_k + b_k,      k = n-1, ..., 0,   x_n given,
+
+written for row vectors: ``x`` is a batch of gradients (B, H), ``M_k`` is one (H, H) element per
+sample (or one shared by the whole batch; dense or factored, see ``bppsa_core.chain``) and ``b_k``
+is an optional injected gradient. For a recurrent layer ``M_k = dh_{k+1}/dh_k`` (the Jacobian of step
+k+1), ``b_k`` is the gradient that reaches h_k from outside the layer and x_k = dL/dh_k. For a row
+vector, ``x @ J`` is the column-vector product ``J^T x``, so ``M_k`` holds the Jacobian itself and
+the chain is DESIGN.md's ``g_{t-1} = J_t^T g_t + u_{t-1}`` without a transpose copy; read from the
+end, it is the paper's scan of [g_T, J_T^T, ..., J_1^T]. Composing two elements is a plain matrix
+product (the later one on the left): ``x @ M_k @ M_{k-1}``. Affine maps compose associatively,
+which is what lets the chain be scanned in parallel. Everything stays in time order: no strategy
+flips or copies the chain.
+
+Every strategy returns ``[x_0, x_1, ..., x_n]`` as one (n + 1, B, H) tensor:
+
+* ``sequential``: n dependent matrix-vector steps; the reference twin of the others.
+* ``blelloch``: the paper's work-efficient scan, one batched tensor operation per level: the up-sweep
+  pairs neighbours (matrix @ matrix, except the spine that starts with ``x_n``, which stays a vector),
+  the down-sweep fills in the rest (all matrix-vector). ``levels`` limits the up/down levels; the
+  middle is scanned sequentially (the paper's heterogeneous variant). Each level writes a temporary
+  of half the size of the one before, so the working set is about one extra chain.
+* ``chunked``: the two-level scan. The chain is cut into chunks of ``chunk`` elements; all chunks are
+  reduced to one matrix each in parallel (``chunk`` dependent batched products), the few chunk
+  aggregates are scanned, and every chunk is expanded from its entry vector with matrix-vector
+  products. The same O(n) matrix products as Blelloch's scan, depth ~2·chunk + scan(n / chunk), and a
+  small working set.
+
+No strategy pads the chain to a power of two, and elements shared by the batch (a batch dimension of
+1) broadcast instead of being copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from bppsa_core.chain import Chain, DenseChain, Index, as_chain
+
+log = logging.getLogger(__name__)
+
+Strategy = Literal["auto", "sequential", "blelloch", "chunked"]
+STRATEGIES: tuple[str, ...] = ("auto", "sequential", "blelloch", "chunked")
+
+# Below this many elements, a chunked scan has too few chunks to pay for its extra matrix work.
+_MIN_PARALLEL_LENGTH = 16
+# Multiply-adds a 2-core CPU does in large GEMMs in the time one small tensor op costs in overhead
+# (measured: ~5 us per op, ~70 GFLOP/s). Sets where the scan's O(H) extra work stops paying for its
+# shorter dependency chain.
+_CPU_FLOPS_PER_OP = 2.0e5
+
+
+def _vec(chain: Chain, x: Tensor, idx: Index, offsets: Tensor | None) -> Tensor:
+    """Row vectors through selected elements: x @ M[idx] (+ offsets[idx]); x is ([S,] B, H)."""
+    y = chain.rmul(x.unsqueeze(-2), idx).squeeze(-2)
+    return y if offsets is None else y.add_(offsets[idx])
+
+
+def _check(chain: Chain, x_last: Tensor, offsets: Tensor | None) -> None:
+    n, bm, h = chain.length, chain.batch, chain.hidden
+    if x_last.dim() != 2 or x_last.shape[1] != h:
+        raise ValueError(f"x_last must have shape (B, {h}), got {tuple(x_last.shape)}")
+    batch = x_last.shape[0]
+    if bm not in (1, batch):
+        raise ValueError(f"chain elements have batch size {bm}; accepted: 1 (shared) or x_last's {batch}")
+    if offsets is not None and tuple(offsets.shape) != (n, batch, h):
+        raise ValueError(f"offsets must have shape {(n, batch, h)}, got {tuple(offsets.shape)}")
+
+
+def default_chunk(n: int) -> int:
+    """Chunk size that balances the two dependent loops (2·chunk) against the chunk count.
+
+    A chunked scan issues a few ops per reduce step, per expand step and per chunk aggregate, so its
+    op count is ~2·C + n/C: minimal near C = sqrt(n / 2).
+    """
+    return max(1, round(math.sqrt(n / 2)))
+
+
+def choose_strategy(n: int, batch: int, hidden: int, device: torch.device) -> str:
+    """Pick a scan strategy for n elements of (hidden x hidden), ``batch`` samples each.
+
+    CPU: the sequential scan issues ~n dependent small ops; the chunked scan ~3·sqrt(2n) ops plus
+    n·B·H³ extra multiply-adds in large GEMMs. Pick the cheaper, an op costing ``_CPU_FLOPS_PER_OP``.
+    GPU: the paper's Blelloch scan, whose depth is 2·log2(n) batched levels. (The fused GPU kernels
+    of a later issue replace this choice.)
+    """
+    if n < _MIN_PARALLEL_LENGTH:
+        return "sequential"
+    if device.type != "cpu":
+        return "blelloch"
+    cost_seq = n * _CPU_FLOPS_PER_OP + n * batch * hidden**2
+    cost_chunk = 3 * math.sqrt(2 * n) * _CPU_FLOPS_PER_OP + n * batch * hidden**3
+    return "chunked" if cost_chunk < cost_seq else "sequential"
+
+
+def scan(
+    elements: Tensor | Chain,
+    x_last: Tensor,
+    offsets: Tensor | None = None,
+    *,
+    strategy: Strategy = "auto",
+    chunk: int | None = None,
+    levels: int | None = None,
+) -> Tensor:
+    """Solve ``x_k = x_{k+1} @ M_k + offsets[k]`` for k = n-1..0 from x_n = x_last; return x_0..x_n.
+
+    Args:
+        elements: the chain M_0..M_{n-1}: a (n, B or 1, H, H) tensor, a ``DenseChain`` or a
+            ``FactoredChain`` (``bppsa_core.chain``); a batch size of 1 is shared by all samples.
+        x_last: (B, H) the vector the chain starts from (the gradient at the last time step).
+        offsets: optional (n, B, H) injected gradients; None is the paper's pure linear chain.
+        strategy: "sequential", "blelloch", "chunked", or "auto" (see ``choose_strategy``).
+        chunk: chunk size for "chunked"; default ``default_chunk(n)``.
+        levels: up/down levels for "blelloch" before a sequential middle; None runs all levels.
+
+    Returns:
+        (n + 1, B, H) tensor whose row k is x_k (row n is x_last).
+    """
+    chain = as_chain(elements)
+    _check(chain, x_last, offsets)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown scan strategy {strategy!r}; accepted: {', '.join(STRATEGIES)}")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk}")
+    if levels is not None and levels < 0:
+        raise ValueError(f"levels must be a non-negative integer or None, got {levels}")
+    if strategy == "auto":
+        strategy = choose_strategy(chain.length, x_last.shape[0], chain.hidden, x_last.device)
+    if strategy == "sequential":
+        return sequential_scan(chain, x_last, offsets)
+    if strategy == "blelloch":
+        return blelloch_scan(chain, x_last, offsets, levels=levels)
+    return chunked_scan(chain, x_last, offsets, chunk=chunk)
+
+
+def sequential_scan(elements: Tensor | Chain, x_last: Tensor, offsets: Tensor | None = None) -> Tensor:
+    """The reference twin: n dependent matrix-vector steps, as BPTT takes them."""
+    chain = as_chain(elements)
+    n = chain.length
+    out = x_last.new_empty((n + 1, *x_last.shape))
+    out[n] = x = x_last
+    for k in reversed(range(n)):
+        x = _vec(chain, x, k, offsets)
+        out[k] = x
+    return out
+
+
+def blelloch_scan(
+    elements: Tensor | Chain, x_last: Tensor, offsets: Tensor | None = None, *, levels: int | None = None
+) -> Tensor:
+    """Blelloch's up-sweep/down-sweep, one batched op per level, any chain length.
+
+    One level pairs the chain from its end: the spine takes M_{n-1} (a matrix-vector product), then
+    (M_{n-2} M_{n-3}), (M_{n-4} M_{n-5}), ... become one dense element each (matrix-matrix); an
+    unpaired M_0 is left for the down-sweep. Scanning the paired chain one level down yields x_k at
+    every other k; the down-sweep gets the rest from their neighbours (all matrix-vector). With
+    ``levels`` set, the scan turns sequential after that many levels (heterogeneous BPPSA).
+    """
+    chain = as_chain(elements)
+    n = chain.length
+    if n == 0 or levels == 0:
+        return sequential_scan(chain, x_last, offsets)
+    pairs = (n - 1) // 2
+    lo0 = (n - 1) - 2 * pairs  # 1 when M_0 stays unpaired
+    lo, hi = slice(lo0, lo0 + 2 * pairs, 2), slice(lo0 + 1, lo0 + 1 + 2 * pairs, 2)
+    # Up-sweep: the spine absorbs M_{n-1}; each pair (hi, lo) = (k+1, k) folds into M_{k+1} @ M_k.
+    spine = _vec(chain, x_last, n - 1, offsets)
+    up = DenseChain(chain.rmul(chain.dense(hi), lo))
+    up_b = None if offsets is None else _vec(chain, offsets[hi], lo, offsets)
+    kept = blelloch_scan(up, spine, up_b, levels=None if levels is None else levels - 1)
+    out = x_last.new_empty((n + 1, *x_last.shape))
+    out[n] = x_last
+    out[lo0:n:2] = kept  # x at lo0, lo0 + 2, ..., n - 1
+    # Down-sweep: every other x_j = x_{j+1} @ M_j + b_j, all at once.
+    rest = slice(1 - lo0, n - 1, 2)
+    count = len(range(1 - lo0, n - 1, 2))
+    if count:
+        out[rest] = _vec(chain, out[2 - lo0 : n : 2][:count], rest, offsets)
+    return out
+
+
+def chunked_scan(
+    elements: Tensor | Chain, x_last: Tensor, offsets: Tensor | None = None, *, chunk: int | None = None
+) -> Tensor:
+    """Two-level scan: reduce chunks in parallel, scan their aggregates, expand inside chunks.
+
+    Chunks q = 0..P-2 are the full runs [qC, (q+1)C); the last, the spine, holds the remainder
+    r = n - (P-1)·C (1 <= r <= C). The spine starts at x_n, so it is walked with matrix-vector products
+    during the reduce loop and is done by then; chunk 0's aggregate is never needed, so only chunks
+    1..P-2 are reduced to matrices. Every step of every loop selects one strided slice of elements:
+    no padding, no copy of the chain, and the loop's large buffers are reused.
+    """
+    chain = as_chain(elements)
+    n = chain.length
+    c = default_chunk(n) if chunk is None else chunk
+    p = math.ceil(n / c)
+    if p <= 2:  # at most one chunk besides the spine: nothing to reduce in parallel
+        return sequential_scan(chain, x_last, offsets)
+    full = (p - 1) * c  # chunks 0..P-2 end here; the spine is [full, n)
+
+    out = x_last.new_empty((n + 1, *x_last.shape))
+    out[n] = x = x_last
+    first = slice(2 * c - 1, full, c)  # the last element of chunks 1..P-2: applied first
+    agg = chain.dense(first).clone(memory_format=torch.contiguous_format)  # a buffer we may overwrite
+    spare, work = torch.empty_like(agg), agg.new_empty(chain.work_shape(agg))
+    agg_b = None if offsets is None else offsets[first]
+    for i in range(c):
+        if i < n - full:  # the spine
+            k = n - 1 - i
+            x = _vec(chain, x, k, offsets)
+            out[k] = x
+        if i > 0:  # reduce chunks 1..P-2 to one affine element each
+            idx = slice(2 * c - 1 - i, full, c)
+            if agg_b is not None:
+                agg_b = _vec(chain, agg_b, idx, offsets)
+            agg, spare = chain.rmul(agg, idx, out=spare, work=work), agg
+    # x at the top of chunks 0..P-2: a scan over the P-2 aggregates, started from the spine's end.
+    y = scan(agg, x, agg_b, strategy="auto")
+    for i in range(c):
+        idx = slice(c - 1 - i, full, c)
+        y = _vec(chain, y, idx, offsets)
+        out[idx] = y
+    return out
