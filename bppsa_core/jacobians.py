@@ -12,9 +12,9 @@ A cell supplies three things, all parallel over time and batch:
 * ``factors``: the per-step vectors the Jacobians and the weight gradients need, recovered from the
   layer's input, previous states and outputs (the forward ran in PyTorch's fused kernel and kept none).
 * ``chain``: the elements J_t in time order (the scan consumes them from t = T down).
-* ``preactivation_grads``: from g_t = dL/dh_t, the gradients of the input-side and hidden-side
-  pre-activations, from which every weight, bias and input gradient is one reduction or matmul
-  (``layer_grads``).
+* ``preactivation_grads``: from g_t = dL/dh_t (which it may overwrite: the scan's output is
+  scratch by then), the gradients of the input-side and hidden-side pre-activations, from which
+  every weight, bias and input gradient is one reduction or matmul (``layer_grads``).
 
 PyTorch's gate layouts are used throughout: RNN ``h' = f(W_ih x + b_ih + W_hh h + b_hh)``; GRU rows
 (r, z, n), ``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``, ``h' = (1 - z) * n + z * h``.
@@ -67,9 +67,9 @@ class RNNCell:
         return FactoredChain(fp.unsqueeze(-2), w.w_hh.unsqueeze(0))
 
     def preactivation_grads(self, g: Tensor, factors: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-        """delta_t = f'(z_t) * g_t; input and hidden sides share the pre-activation."""
+        """delta_t = f'(z_t) * g_t, written into g; input and hidden sides share the pre-activation."""
         (fp,) = factors
-        delta = fp * g
+        delta = g.mul_(fp)
         return delta, delta
 
 
@@ -130,6 +130,8 @@ def layer_grads(
     d_w_ih = gi.t() @ x.flatten(0, -2)
     d_w_hh = gh.t() @ h_prev.flatten(0, -2)
     d_b_ih = gi.sum(0) if w.b_ih is not None else None
-    d_b_hh = gh.sum(0) if w.b_hh is not None else None
+    d_b_hh = None
+    if w.b_hh is not None:  # an RNN's two biases share one pre-activation: sum once, copy (H,)
+        d_b_hh = d_b_ih.clone() if grad_hid is grad_in and d_b_ih is not None else gh.sum(0)
     dx = grad_in @ w.w_ih if need_input else None
     return dx, LayerWeights(d_w_ih, d_w_hh, d_b_ih, d_b_hh)

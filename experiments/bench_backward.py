@@ -198,7 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
     print(machine_line(device))
-    print(f"loss on {'h_T' if args.loss == 'last' else 'every output'}, {args.dtype}, median of {args.repeats}")
+    print(
+        f"loss on {'h_T' if args.loss == 'last' else 'every output'}, {args.dtype}, median of {args.repeats}"
+    )
     print(format_table(rows, args.strategies))
     return 0
 
