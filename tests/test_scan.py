@@ -1,0 +1,173 @@
+"""Every scan strategy against the sequential twin, and the twin against the plain recurrence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import rel_err
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bppsa_core.chain import DenseChain, FactoredChain
+from bppsa_core.scan import blelloch_scan, choose_strategy, chunked_scan, scan, sequential_scan
+
+F64 = torch.float64
+
+
+def random_chain(n: int, batch: int, hidden: int, shared: bool, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scale = 1.0 / math.sqrt(hidden)  # keeps long products bounded
+    return torch.randn(n, 1 if shared else batch, hidden, hidden, generator=g, dtype=F64) * scale
+
+
+def random_factored(n: int, batch: int, hidden: int, k: int, diagonal: bool, seed: int) -> FactoredChain:
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.rand(n, batch, k, hidden, generator=g, dtype=F64)
+    weights = torch.randn(k, hidden, hidden, generator=g, dtype=F64) / (k * math.sqrt(hidden))
+    diag = torch.rand(n, batch, hidden, generator=g, dtype=F64) * 0.5 if diagonal else None
+    return FactoredChain(scales, weights, diag)
+
+
+def plain_recurrence(m: torch.Tensor, x_last: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """DESIGN.md's BPTT in column-vector form, one sample and one step at a time."""
+    n, batch = m.shape[0], x_last.shape[0]
+    out = torch.empty(n + 1, batch, x_last.shape[1], dtype=x_last.dtype)
+    for b in range(batch):
+        g = x_last[b]
+        out[n, b] = g
+        for k in reversed(range(n)):
+            jt = m[k, 0 if m.shape[1] == 1 else b].T  # the transposed Jacobian
+            g = jt @ g + (0 if offsets is None else offsets[k, b])
+            out[k, b] = g
+    return out
+
+
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+def test_sequential_twin_is_the_plain_recurrence(affine: bool, shared: bool) -> None:
+    m = random_chain(9, 3, 4, shared, seed=1)
+    x = torch.randn(3, 4, dtype=F64)
+    b = torch.randn(9, 3, 4, dtype=F64) if affine else None
+    assert rel_err(plain_recurrence(m, x, b), sequential_scan(m, x, b)) < 1e-14
+
+
+@given(
+    n=st.integers(1, 70),
+    batch=st.integers(1, 4),
+    hidden=st.integers(1, 5),
+    shared=st.booleans(),
+    affine=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_parallel_scans_match_sequential_on_dense_chains(n, batch, hidden, shared, affine, seed) -> None:
+    m = random_chain(n, batch, hidden, shared, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch, hidden, generator=g, dtype=F64)
+    b = torch.randn(n, batch, hidden, generator=g, dtype=F64) if affine else None
+    ref = sequential_scan(m, x, b)
+    assert ref.shape == (n + 1, batch, hidden)
+    assert rel_err(ref, blelloch_scan(m, x, b)) < 1e-10
+    assert rel_err(ref, chunked_scan(m, x, b)) < 1e-10
+    assert rel_err(ref, scan(m, x, b, strategy="auto")) < 1e-10
+
+
+@given(
+    n=st.integers(1, 50),
+    batch=st.integers(1, 3),
+    hidden=st.integers(1, 4),
+    k=st.integers(1, 3),
+    diagonal=st.booleans(),
+    affine=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_parallel_scans_match_sequential_on_factored_chains(n, batch, hidden, k, diagonal, affine, seed):
+    chain = random_factored(n, batch, hidden, k, diagonal, seed)
+    x = torch.randn(batch, hidden, dtype=F64)
+    b = torch.randn(n, batch, hidden, dtype=F64) if affine else None
+    ref = sequential_scan(chain.dense(), x, b)
+    for strategy in ("sequential", "blelloch", "chunked"):
+        assert rel_err(ref, scan(chain, x, b, strategy=strategy)) < 1e-10, strategy
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 31, 64, 100])
+def test_every_levels_value_gives_the_same_result(n: int) -> None:
+    m = random_chain(n, 2, 3, False, seed=n)
+    x = torch.randn(2, 3, dtype=F64)
+    b = torch.randn(n, 2, 3, dtype=F64)
+    ref = sequential_scan(m, x, b)
+    for levels in range(math.ceil(math.log2(n + 1)) + 2):
+        assert rel_err(ref, blelloch_scan(m, x, b, levels=levels)) < 1e-10, levels
+
+
+@pytest.mark.parametrize("n", [1, 7, 30, 61])
+def test_every_chunk_size_gives_the_same_result(n: int) -> None:
+    m = random_chain(n, 3, 2, True, seed=n)
+    x = torch.randn(3, 2, dtype=F64)
+    b = torch.randn(n, 3, 2, dtype=F64)
+    ref = sequential_scan(m, x, b)
+    for chunk in range(1, n + 2):
+        assert rel_err(ref, chunked_scan(m, x, b, chunk=chunk)) < 1e-10, chunk
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "blelloch", "chunked"])
+def test_scan_leaves_its_inputs_untouched(strategy: str) -> None:
+    m = random_chain(40, 2, 3, False, seed=3)
+    x = torch.randn(2, 3, dtype=F64)
+    b = torch.randn(40, 2, 3, dtype=F64)
+    copies = [t.clone() for t in (m, x, b)]
+    scan(m, x, b, strategy=strategy, chunk=4)
+    for before, after in zip(copies, (m, x, b), strict=True):
+        assert torch.equal(before, after)
+
+
+def test_factored_chain_folds_like_its_definition() -> None:
+    chain = random_factored(4, 2, 3, 2, True, seed=5)
+    s, w, d = chain.scales, chain.weights, chain.diagonal
+    expected = torch.einsum("nbki,kij->nbij", s, w) + torch.diag_embed(d)
+    manual = sum(torch.diag_embed(s[:, :, j]) @ w[j] for j in range(2)) + torch.diag_embed(d)
+    assert rel_err(manual, expected) < 1e-14
+    assert rel_err(expected, chain.dense()) < 1e-14
+    rows = torch.randn(4, 2, 5, 3, dtype=F64)
+    assert rel_err(rows @ expected, chain.rmul(rows, slice(None))) < 1e-14
+    assert rel_err(rows[1] @ expected[1], chain.rmul(rows[1], 1)) < 1e-14
+
+
+def test_float32_scans_stay_close_to_float64() -> None:
+    m = random_chain(3000, 4, 8, False, seed=7)
+    x = torch.randn(4, 8, dtype=F64)
+    ref = sequential_scan(m, x)
+    for strategy in ("blelloch", "chunked"):
+        assert rel_err(ref, scan(m.float(), x.float(), strategy=strategy).double()) < 1e-4
+
+
+def test_auto_prefers_the_chunked_scan_for_long_small_chains_on_cpu() -> None:
+    cpu = torch.device("cpu")
+    assert choose_strategy(8, 16, 20, cpu) == "sequential"
+    assert choose_strategy(1000, 16, 20, cpu) == "chunked"
+    assert choose_strategy(1000, 16, 1024, cpu) == "sequential"  # H^3 work outweighs the depth
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"strategy": "magic"}, "unknown scan strategy 'magic'; accepted: auto, sequential"),
+        ({"chunk": 0}, "chunk must be a positive integer, got 0"),
+        ({"levels": -1}, "levels must be a non-negative integer or None, got -1"),
+    ],
+)
+def test_bad_options_are_named(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        scan(random_chain(4, 2, 3, False, 0), torch.zeros(2, 3, dtype=F64), **kwargs)
+
+
+def test_bad_shapes_are_named() -> None:
+    with pytest.raises(ValueError, match=r"x_last must have shape \(B, 3\), got \(2, 4\)"):
+        scan(random_chain(4, 2, 3, False, 0), torch.zeros(2, 4, dtype=F64))
+    with pytest.raises(ValueError, match="chain elements have batch size 2; accepted: 1"):
+        scan(random_chain(4, 2, 3, False, 0), torch.zeros(5, 3, dtype=F64))
+    with pytest.raises(ValueError, match=r"offsets must have shape \(4, 2, 3\)"):
+        scan(random_chain(4, 2, 3, False, 0), torch.zeros(2, 3, dtype=F64), torch.zeros(3, 2, 3, dtype=F64))
+    with pytest.raises(ValueError, match=r"dense chain elements must have shape \(n, B or 1, H, H\)"):
+        DenseChain(torch.zeros(4, 3, 3))
