@@ -1,0 +1,1 @@
+"""Training loop, phase timing, benchmarks and result records; uses bppsa_core and datasets."""
