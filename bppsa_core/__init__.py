@@ -1,13 +1,13 @@
 """BPPSA: back-propagation through recurrent layers as a parallel scan.
 
-``bppsa_core.nn``: drop-in ``RNN`` / ``GRU`` modules with a scan-based backward.
-``bppsa_core.scan``: the scans (sequential reference, Blelloch, chunked).
-``bppsa_core.jacobians``: folded per-step Jacobians and the gradients that follow the scan.
+``bppsa_core.nn``: drop-in ``RNN`` / ``GRU`` modules with a scan-based backward (re-exported here).
+``bppsa_core.scan``: the scans (sequential reference twin, Blelloch, chunked).
+``bppsa_core.chain``: dense and factored chains of Jacobian elements, as the scans consume them.
+``bppsa_core.jacobians``: per-step Jacobians of RNN and GRU cells and the gradients that follow.
 
-A library: it imports nothing beyond torch and logs instead of printing.
+A library: it imports nothing beyond torch, and logs instead of printing.
 """
 
 from bppsa_core.nn import GRU, RNN
-from bppsa_core.scan import scan
 
-__all__ = ["GRU", "RNN", "scan"]
+__all__ = ["GRU", "RNN"]

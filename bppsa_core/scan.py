@@ -55,6 +55,9 @@ _MIN_PARALLEL_LENGTH = 16
 # (measured: ~5 us per op, ~70 GFLOP/s). Sets where the scan's O(H) extra work stops paying for its
 # shorter dependency chain.
 _CPU_FLOPS_PER_OP = 2.0e5
+# Up-sweep levels with more elements than this (B·H² each counted) are computed in _SLABS slabs.
+_SLAB_THRESHOLD = 1 << 20
+_SLABS = 16
 
 
 def _vec(chain: Chain, x: Tensor, idx: Index, offsets: Tensor | None) -> Tensor:
@@ -172,7 +175,7 @@ def blelloch_scan(
     lo, hi = slice(lo0, lo0 + 2 * pairs, 2), slice(lo0 + 1, lo0 + 1 + 2 * pairs, 2)
     # Up-sweep: the spine absorbs M_{n-1}; each pair (hi, lo) = (k+1, k) folds into M_{k+1} @ M_k.
     spine = _vec(chain, x_last, n - 1, offsets)
-    up = DenseChain(chain.rmul(chain.dense(hi), lo))
+    up = DenseChain(_pair_products(chain, lo0, pairs))
     up_b = None if offsets is None else _vec(chain, offsets[hi], lo, offsets)
     kept = blelloch_scan(up, spine, up_b, levels=None if levels is None else levels - 1)
     out = x_last.new_empty((n + 1, *x_last.shape))
@@ -183,6 +186,29 @@ def blelloch_scan(
     count = len(range(1 - lo0, n - 1, 2))
     if count:
         out[rest] = _vec(chain, out[2 - lo0 : n : 2][:count], rest, offsets)
+    return out
+
+
+def _pair_products(chain: Chain, lo0: int, pairs: int) -> Tensor:
+    """The up-sweep's products M_{k+1} @ M_k for k = lo0, lo0 + 2, ...: (pairs, B or 1, H, H).
+
+    A large level is computed in slabs, so that the temporaries (the left factors made dense, a
+    product's scaled copy) stay a fraction of the output: the level's peak memory is about its
+    output, not three times it.
+    """
+    h = chain.hidden
+    big = pairs * chain.batch * h * h > _SLAB_THRESHOLD
+    slab = max(1, math.ceil(pairs / _SLABS)) if big else max(pairs, 1)
+    out = None
+    for s in range(0, max(pairs, 1), slab):
+        e = min(pairs, s + slab)
+        hi, lo = slice(lo0 + 1 + 2 * s, lo0 + 1 + 2 * e, 2), slice(lo0 + 2 * s, lo0 + 2 * e, 2)
+        prod = chain.rmul(chain.dense(hi), lo)
+        if e == pairs and out is None:
+            return prod
+        if out is None:
+            out = prod.new_empty((pairs, *prod.shape[1:]))
+        out[s:e] = prod
     return out
 
 
