@@ -18,18 +18,16 @@ When only ``h_n`` carries gradient (the paper's loss on the last state), ``outpu
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence
 
 from bppsa_core.jacobians import Cell, GRUCell, LayerWeights, RNNCell, layer_grads
 from bppsa_core.scan import STRATEGIES, scan
-
-log = logging.getLogger(__name__)
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
 
@@ -84,6 +82,7 @@ class _ScanBackward(torch.autograd.Function):
         return outs[-1], h_n
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_out: Tensor | None, grad_hn: Tensor | None) -> tuple[Tensor | None, ...]:
         spec: _Spec = ctx.spec
         x, h0, *rest = ctx.saved_tensors

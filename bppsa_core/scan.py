@@ -136,6 +136,7 @@ def scan(
         raise ValueError(f"levels must be a non-negative integer or None, got {levels}")
     if strategy == "auto":
         strategy = choose_strategy(chain.length, x_last.shape[0], chain.hidden, x_last.device)
+        log.debug("scan of %d elements: auto chose %s", chain.length, strategy)
     if strategy == "sequential":
         return sequential_scan(chain, x_last, offsets)
     if strategy == "blelloch":

@@ -205,3 +205,12 @@ def test_wrong_input_size_is_named() -> None:
         RuntimeError, match=r"input.size\(-1\) must be equal to input_size. Expected 2, got 5"
     ):
         bnn.RNN(2, 3)(torch.randn(4, 1, 5))
+
+
+def test_double_backward_is_refused_not_silently_wrong() -> None:
+    rnn = bnn.RNN(2, 3).double()
+    x = torch.randn(5, 2, 2, dtype=F64, requires_grad=True)
+    _, h_n = rnn(x)
+    (gx,) = torch.autograd.grad(h_n.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        gx.sum().backward()
