@@ -136,7 +136,16 @@ def _state_grads(
 class _BPPSAMixin:
     """Shared by RNN and GRU: option checks and the forward that routes through the scan."""
 
-    def _init_bppsa(self, backward: str, strategy: str, chunk: int | None, levels: int | None) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        backward: str = "bppsa",
+        strategy: str = "auto",
+        chunk: int | None = None,
+        levels: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)  # torch.nn.RNN / GRU: its arguments, parameters and checks
         if backward not in BACKWARDS:
             raise ValueError(f"unknown backward {backward!r}; accepted: {', '.join(BACKWARDS)}")
         if strategy not in STRATEGIES:
@@ -209,30 +218,6 @@ class RNN(_BPPSAMixin, torch.nn.RNN):
     layers, packed sequences (rejected with an error).
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        backward: str = "bppsa",
-        strategy: str = "auto",
-        chunk: int | None = None,
-        levels: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_bppsa(backward, strategy, chunk, levels)
-
 
 class GRU(_BPPSAMixin, torch.nn.GRU):
     """``torch.nn.GRU`` with ``backward="bppsa"`` (default) or ``"bptt"``; see ``RNN``."""
-
-    def __init__(
-        self,
-        *args: Any,
-        backward: str = "bppsa",
-        strategy: str = "auto",
-        chunk: int | None = None,
-        levels: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_bppsa(backward, strategy, chunk, levels)

@@ -212,5 +212,5 @@ def test_double_backward_is_refused_not_silently_wrong() -> None:
     x = torch.randn(5, 2, 2, dtype=F64, requires_grad=True)
     _, h_n = rnn(x)
     (gx,) = torch.autograd.grad(h_n.sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+    with pytest.raises(RuntimeError, match=r"once_differentiable|does not require grad"):
         gx.sum().backward()
