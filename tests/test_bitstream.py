@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import run_child
 
 from datasets.bitstream import NUM_CLASSES, BitstreamDataset, bitstream_loaders, sample_bits
 
@@ -61,22 +57,15 @@ def test_loader_batches_are_float32_batch_time_one() -> None:
 
 def test_long_sequences_never_hold_the_data_set_in_memory() -> None:
     child = (
-        "import resource; from datasets.bitstream import bitstream_loaders\n"
+        "from datasets.bitstream import bitstream_loaders\n"
         "train, _ = bitstream_loaders(30_000, 256)\n"
+        "before = rss_bytes()\n"
+        "reset_peak()\n"
         "for i, (x, y) in zip(range(3), train): pass\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
-    )
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, "-c", child],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root)},
+        "print(peak_bytes() - before)\n"
     )
     # The float32 data set would be 50,000 x 30,000 x 4 B = 6 GB; a batch is ~92 MB.
-    assert int(out.stdout) < 1.0e9
+    assert int(run_child(child)) < 300e6
 
 
 @pytest.mark.parametrize(
