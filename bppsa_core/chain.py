@@ -49,6 +49,9 @@ class DenseChain:
     def hidden(self) -> int:
         return self.elements.shape[-1]
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.elements,)
+
     def work_shape(self, x: Tensor) -> tuple[int, ...]:
         """Shape of the ``work`` buffer ``rmul`` takes for x (unused by dense chains)."""
         return (0,)
@@ -110,6 +113,9 @@ class FactoredChain:
         if self.diagonal is not None:
             out.addcmul_(x, self.diagonal[idx].unsqueeze(-2))
         return out
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.scales, self.weights) + (() if self.diagonal is None else (self.diagonal,))
 
     def work_shape(self, x: Tensor) -> tuple[int, ...]:
         """Shape of the ``work`` buffer ``rmul`` takes for x."""

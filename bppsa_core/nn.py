@@ -18,6 +18,7 @@ When only ``h_n`` carries gradient (the paper's loss on the last state), ``outpu
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,8 +60,15 @@ class _Spec:
 
 
 def _native_layer(spec: _Spec, x: Tensor, h0: Tensor, w: tuple[Tensor, ...]) -> Tensor:
-    """One layer of PyTorch's fused RNN/GRU forward, time-major; returns (T, B, H)."""
-    out, _ = _NATIVE[spec.mode](x, h0.unsqueeze(0), list(w), spec.bias, 1, 0.0, False, False, False)
+    """One layer of PyTorch's fused RNN/GRU forward, time-major; returns (T, B, H).
+
+    On cuDNN, the weights of a layer after the first are a slice of the module's flattened buffer
+    that cuDNN does not take as its own, so it copies them per call and warns; the warning is
+    expected here and silenced (the copy is a few KB for the paper's sizes).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not part of single contiguous chunk of memory.*")
+        out, _ = _NATIVE[spec.mode](x, h0.unsqueeze(0), list(w), spec.bias, 1, 0.0, False, False, False)
     return out
 
 
@@ -88,6 +96,12 @@ class _ScanBackward(torch.autograd.Function):
         x, h0, *rest = ctx.saved_tensors
         n_w = spec.num_layers * spec.per_layer
         weights, outs = tuple(rest[:n_w]), rest[n_w:]
+        # Under autocast the forward kept lower-precision states; the backward runs in the weights'
+        # dtype (autograd casts each returned gradient back to its input's dtype).
+        dtype = weights[0].dtype
+        x, h0, outs = x.to(dtype), h0.to(dtype), [o.to(dtype) for o in outs]
+        grad_out = None if grad_out is None else grad_out.to(dtype)
+        grad_hn = None if grad_hn is None else grad_hn.to(dtype)
         grad_w: list[Tensor | None] = [None] * n_w
         grad_h0 = [None] * spec.num_layers
         u = grad_out  # gradient reaching each h_t of the current layer from outside
@@ -180,6 +194,7 @@ class _BPPSAMixin:
                 "packed sequences are not supported by backward='bppsa' yet; pad them "
                 "(torch.nn.utils.rnn.pad_packed_sequence) or use backward='bptt'"
             )
+        self._update_flat_weights()  # weights swapped by functional_call or a parametrization
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad
             or (hx is not None and hx.requires_grad)

@@ -57,6 +57,8 @@ _MIN_PARALLEL_LENGTH = 16
 _CPU_FLOPS_PER_OP = 2.0e5
 # Up-sweep levels with more elements than this (B·H² each counted) are computed in _SLABS slabs.
 _SLAB_THRESHOLD = 1 << 20
+# Largest Blelloch up-sweep (bytes of dense float32 elements) that "auto" accepts on a GPU.
+_GPU_BLELLOCH_BYTES = 1 << 30
 _SLABS = 16
 
 
@@ -91,13 +93,14 @@ def choose_strategy(n: int, batch: int, hidden: int, device: torch.device) -> st
 
     CPU: the sequential scan issues ~n dependent small ops; the chunked scan ~3·sqrt(2n) ops plus
     n·B·H³ extra multiply-adds in large GEMMs. Pick the cheaper, an op costing ``_CPU_FLOPS_PER_OP``.
-    GPU: the paper's Blelloch scan, whose depth is 2·log2(n) batched levels. (The fused GPU kernels
-    of a later issue replace this choice.)
+    GPU: the paper's Blelloch scan, whose depth is 2·log2(n) batched levels, unless its up-sweep
+    (about one dense chain, n·B·H² elements) would pass ``_GPU_BLELLOCH_BYTES``; then the chunked
+    scan, whose working set is a few chunk aggregates. (Fused GPU kernels replace this choice.)
     """
     if n < _MIN_PARALLEL_LENGTH:
         return "sequential"
     if device.type != "cpu":
-        return "blelloch"
+        return "blelloch" if n * batch * hidden**2 * 4 <= _GPU_BLELLOCH_BYTES else "chunked"
     cost_seq = n * _CPU_FLOPS_PER_OP + n * batch * hidden**2
     cost_chunk = 3 * math.sqrt(2 * n) * _CPU_FLOPS_PER_OP + n * batch * hidden**3
     return "chunked" if cost_chunk < cost_seq else "sequential"
@@ -125,9 +128,18 @@ def scan(
 
     Returns:
         (n + 1, B, H) tensor whose row k is x_k (row n is x_last).
+
+    The scan is itself a backward pass and builds no autograd graph: inputs that require grad, with
+    grad mode on, are refused.
     """
     chain = as_chain(elements)
     _check(chain, x_last, offsets)
+    inputs = (*chain.tensors(), x_last) + (() if offsets is None else (offsets,))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        raise ValueError(
+            "scan() builds no autograd graph; pass tensors that do not require grad "
+            "(detach them, or call it under torch.no_grad())"
+        )
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown scan strategy {strategy!r}; accepted: {', '.join(STRATEGIES)}")
     if chunk is not None and chunk < 1:

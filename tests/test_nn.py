@@ -214,3 +214,34 @@ def test_double_backward_is_refused_not_silently_wrong() -> None:
     (gx,) = torch.autograd.grad(h_n.sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match=r"once_differentiable|does not require grad"):
         gx.sum().backward()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_functional_call_and_parametrizations_use_the_current_weights(kind: str) -> None:
+    ref, ours = pair(kind, 3, 4)
+    x = torch.randn(6, 2, 3, dtype=F64)
+    swapped = {n: p.detach() * 2 for n, p in ref.named_parameters()}
+    expected = torch.func.functional_call(ref, swapped, (x,))[0]
+    assert torch.allclose(torch.func.functional_call(ours, swapped, (x,))[0], expected)
+    grads_of = []
+    for m in (ref, ours):
+        torch.nn.utils.parametrizations.weight_norm(m, "weight_hh_l0")
+        out, _ = m(x)
+        out.pow(2).sum().backward()
+        grads_of.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads_of, strict=True):
+        assert b is not None and rel_err(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cpu_autocast_trains_like_torch_nn(kind: str) -> None:
+    ref, ours = pair(kind, 3, 4, dtype=torch.float32)
+    x = torch.randn(20, 2, 3)
+    grads_of = []
+    for m in (ref, ours):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = m(x)
+        out.float().pow(2).sum().backward()
+        grads_of.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads_of, strict=True):
+        assert b.dtype == torch.float32 and rel_err(a, b) < 3e-2  # both see bfloat16 states

@@ -142,11 +142,21 @@ def test_float32_scans_stay_close_to_float64() -> None:
         assert rel_err(ref, scan(m.float(), x.float(), strategy=strategy).double()) < 1e-4
 
 
-def test_auto_prefers_the_chunked_scan_for_long_small_chains_on_cpu() -> None:
-    cpu = torch.device("cpu")
+def test_auto_choices() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert choose_strategy(8, 16, 20, cpu) == "sequential"
     assert choose_strategy(1000, 16, 20, cpu) == "chunked"
     assert choose_strategy(1000, 16, 1024, cpu) == "sequential"  # H^3 work outweighs the depth
+    assert choose_strategy(1000, 16, 20, gpu) == "blelloch"
+    assert choose_strategy(10_000, 16, 256, gpu) == "chunked"  # a 42 GB up-sweep would not fit
+
+
+def test_scan_refuses_inputs_that_require_grad() -> None:
+    m = random_chain(5, 2, 3, False, 0).requires_grad_()
+    with pytest.raises(ValueError, match="scan\\(\\) builds no autograd graph"):
+        scan(m, torch.zeros(2, 3, dtype=F64))
+    with torch.no_grad():
+        assert scan(m, torch.zeros(2, 3, dtype=F64)).shape == (6, 2, 3)
 
 
 @pytest.mark.parametrize(
