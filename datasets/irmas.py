@@ -305,7 +305,10 @@ def extract(
         "skipped": skipped,
         "fixed": fixed,
     }
-    _write_atomic(payload, path)
+    try:
+        _write_atomic(payload, path)
+    except OSError as exc:  # the features are still good: say so, and carry on without a cache
+        log.warning("could not write the IRMAS cache %s (%s); the next run extracts again", path, exc)
     return IRMASFeatures(**payload, cache_path=str(path), from_cache=False, seconds=time.perf_counter() - t0)
 
 
@@ -357,7 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", required=True, help="folder with the 11 IRMAS class folders")
     parser.add_argument("--frames", default="m", help="feature setting: s, m or l")
     parser.add_argument("--cache-dir", default=None, help=f"default: {default_cache_dir()}")
-    parser.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    parser.add_argument(
+        "--workers", type=int, default=None, help="processes (default or 0: all cores; 1: no subprocess)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:

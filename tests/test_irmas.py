@@ -175,3 +175,13 @@ def test_cli_reports_the_cache_and_fails_in_one_line(tree: Path, tmp_path: Path,
     assert irmas.main(["--root", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m datasets.irmas: error: IRMAS root")
+
+
+def test_an_unwritable_cache_warns_and_still_returns_features(tmp_path: Path, caplog) -> None:
+    (tmp_path / "voi").mkdir()
+    soundfile.write(tmp_path / "voi" / "a.wav", stereo_clip(4), RATE)
+    blocker = tmp_path / "file-not-folder"
+    blocker.write_text("x")
+    data = extract(tmp_path, "l", blocker / "cache", workers=1, progress=False)
+    assert data.features.shape == (1, 1034, 12)
+    assert "could not write the IRMAS cache" in caplog.text
