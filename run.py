@@ -1,17 +1,51 @@
-"""Main entry point of the suite.
+"""The suite's entry point: train a recurrent classifier with a BPPSA or BPTT backward.
 
-Until the Hydra training app lands, the main job is the backward benchmark on the paper's vanilla RNN
-(B = 16, H = 20): PyTorch's BPTT backward against BPPSA's, T = 100 and 1000, on the CPU. Arguments
-are those of ``python -m experiments.bench_backward``.
+    python run.py                                  # the main job: bitstream RNN, CPU-sized
+    python run.py model=gru dataset=irmas dataset.root=/data/IRMAS-TrainingData
+    python run.py -m experiment=rnn_seq_len         # a paper sweep (both backward modes)
+    python run.py -m experiment=rnn_seq_len hydra/launcher=slurm hydra.launcher.partition=gpu
+
+Configuration lives in conf/ (Hydra). Every run writes records.csv and summary.json into its
+folder (outputs/<name>/<time>, or multirun/<name>/run_<overrides> in a sweep), and prints a
+summary table. Bad input ends with one line on stderr and a non-zero exit.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from experiments import bench_backward
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
 
-DEFAULTS = ["--model", "rnn", "--T", "100", "1000", "--B", "16", "--H", "20", "--repeats", "5"]
+from experiments.config import check_group_overrides
+from experiments.runner import Outcome, remove_if_only_hydra, run_job
+from experiments.summary import print_summary
+
+CONF = Path(__file__).resolve().parent / "conf"
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    sweeping = hc.mode == RunMode.MULTIRUN
+    outcome: Outcome = run_job(cfg, run_dir, record_refused=sweeping)
+    if sweeping:  # the sweep goes on; the merge reports failures at its end
+        return
+    if outcome.status == "failed":
+        if outcome.bad_input:
+            remove_if_only_hydra(run_dir)
+        print(f"run.py: error: {outcome.error}", file=sys.stderr)
+        sys.exit(2 if outcome.bad_input else 1)
+    print_summary(run_dir, skipped=outcome.status == "skipped")
+
 
 if __name__ == "__main__":
-    raise SystemExit(bench_backward.main(sys.argv[1:] or DEFAULTS))
+    problem = check_group_overrides(sys.argv[1:], CONF)
+    if problem:
+        print(f"run.py: error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    main()

@@ -1,0 +1,157 @@
+"""Devices and the paper's number of workers p, and a description of the machine for the records.
+
+Workers: on the CPU, ``hardware.workers`` sets torch's thread count. On a GPU it confines the run
+to that many streaming multiprocessors through a CUDA green context
+(``torch.cuda.green_contexts``, beta; its API changed between torch 2.11 and 2.13, and both are
+handled), so one GPU yields the whole scaling-with-workers curve. Where the build or the driver has
+no green contexts, asking for fewer SMs than the GPU has fails with one clear line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import platform
+import subprocess
+from collections.abc import Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class HardwareError(ValueError):
+    """A device or worker setting this machine cannot honour, said in one line."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is cuda where available, else cpu; anything else must exist here."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise HardwareError(f"unknown hardware.device {name!r}; accepted: auto, cpu, cuda, cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise HardwareError(f"unsupported hardware.device {name!r}; accepted: auto, cpu, cuda, cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise HardwareError(
+                f"hardware.device={name} asked for, but CUDA is not available here; accepted: cpu"
+            )
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise HardwareError(
+                f"hardware.device={name}: this machine has {torch.cuda.device_count()} GPU(s); "
+                f"accepted: cuda:0 .. cuda:{torch.cuda.device_count() - 1}"
+            )
+        device = torch.device("cuda", index)
+    return device
+
+
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@contextlib.contextmanager
+def limit_workers(device: torch.device, workers: int | None) -> Iterator[int]:
+    """Run the body on ``workers`` CPU threads or GPU SMs; yields the number actually used."""
+    if device.type == "cpu":
+        before = torch.get_num_threads()
+        used = workers or before
+        torch.set_num_threads(used)
+        try:
+            yield used
+        finally:
+            torch.set_num_threads(before)
+        return
+    total = sm_count(device)
+    if workers is None or workers >= total:
+        yield total
+        return
+    context = _green_context(device, workers)
+    enter = getattr(context, "set_context", None) or context.make_current
+    leave = getattr(context, "pop_context", None) or context.pop_current
+    enter()
+    try:
+        yield workers
+    finally:
+        leave()
+
+
+def _green_context(device: torch.device, workers: int):  # the type differs by torch version
+    """A green context of ``workers`` SMs, or one clear line saying why there is none."""
+    try:
+        from torch.cuda import green_contexts
+    except ImportError:
+        green_contexts = None
+    if green_contexts is None or not getattr(green_contexts, "SUPPORTED", False):
+        raise HardwareError(
+            f"hardware.workers={workers} needs CUDA green contexts, which this torch build "
+            f"({torch.__version__}) lacks; accepted here: hardware.workers=null (all SMs)"
+        )
+    try:  # torch 2.13: keyword-only create(num_sms=, device_id=); 2.11: create(num_sms, device_id)
+        return green_contexts.GreenContext.create(num_sms=workers, device_id=device.index or 0)
+    except Exception as exc:  # the driver's refusal comes as RuntimeError with a long text
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HardwareError(
+            f"hardware.workers={workers}: could not create a green context of {workers} SMs ({first}); "
+            "accepted here: hardware.workers=null (all SMs)"
+        ) from None
+
+
+def describe(device: torch.device, workers_used: int) -> dict:
+    """Device name, worker counts and the versions the timings depend on."""
+    info = {
+        "device_type": device.type,
+        "torch_version": torch.__version__,
+        "workers_used": workers_used,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            device_name=props.name,
+            sm_total=props.multi_processor_count,
+            sm_used=workers_used,
+            cuda_version=torch.version.cuda,
+            cudnn_version=torch.backends.cudnn.version(),
+            driver_version=_nvidia_driver(),
+        )
+    else:
+        info.update(
+            device_name=_cpu_name(),
+            cpu_cores=os.cpu_count(),
+            threads_used=workers_used,
+            sm_total=None,
+            sm_used=None,
+            cuda_version=None,
+            cudnn_version=None,
+            driver_version=None,
+        )
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip().splitlines()[0] if done.stdout.strip() else None

@@ -1,0 +1,210 @@
+"""The training loop: a recurrent classifier, trained with every iteration's phases timed apart.
+
+Each iteration is timed in three phases, forward (model and loss), backward (``loss.backward()``;
+for BPPSA this includes building the Jacobians, as the paper counts it) and optimizer step: CUDA
+events on a GPU, a synchronized wall clock on the CPU. The first ``warmup_iters`` iterations of a
+run are left out of the phase sums. One row per epoch records the sums, the iteration counts, the
+epoch's wall time, loss, accuracy and throughput, so no second "no-backward" run is needed to get
+the backward time.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from bppsa_core import GRU, RNN
+
+PHASES = ("forward", "backward", "step")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite: the run stops and is recorded as failed."""
+
+
+class Classifier(nn.Module):
+    """A recurrent layer and a linear head on its last state: the paper's models."""
+
+    def __init__(
+        self,
+        kind: str,
+        features: int,
+        hidden: int,
+        classes: int,
+        num_layers: int = 1,
+        nonlinearity: str = "tanh",
+        backward: str = "bppsa",
+        strategy: str = "auto",
+        chunk: int | None = None,
+        levels: int | None = None,
+    ) -> None:
+        super().__init__()
+        scan = {"backward": backward, "strategy": strategy, "chunk": chunk, "levels": levels}
+        if kind == "gru":
+            self.rnn = GRU(features, hidden, num_layers=num_layers, batch_first=True, **scan)
+        else:
+            self.rnn = RNN(
+                features, hidden, num_layers=num_layers, nonlinearity=nonlinearity, batch_first=True, **scan
+            )
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, h_n = self.rnn(x)
+        return self.head(h_n[-1])
+
+
+class PhaseTimer:
+    """Accumulates the time of named phases; CUDA events on a GPU, wall clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[str, object, object]] = []
+        self.totals = dict.fromkeys(PHASES, 0.0)
+
+    def time(self, phase: str, fn: Callable[[], object], record: bool) -> object:
+        """Run ``fn``; add its duration to ``phase`` when ``record``."""
+        if not record:
+            return fn()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            self.pending.append((phase, start, end))
+            return out
+        t0 = time.perf_counter()
+        out = fn()
+        self.totals[phase] += time.perf_counter() - t0
+        return out
+
+    def collect(self) -> dict[str, float]:
+        """Seconds per phase since the last collect (synchronizes a GPU)."""
+        if self.pending:
+            torch.cuda.synchronize()
+            for phase, start, end in self.pending:
+                self.totals[phase] += start.elapsed_time(end) / 1e3
+            self.pending.clear()
+        out, self.totals = self.totals, dict.fromkeys(PHASES, 0.0)
+        return out
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint holds besides the model and optimizer."""
+
+    epoch: int = 0  # epochs finished
+    iteration: int = 0  # iterations finished, over all epochs
+    wall: float = 0.0  # seconds of training so far, evaluation excluded
+
+
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    return torch.optim.Adam(params, lr=lr)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
+    """Mean loss and accuracy over a loader."""
+    model.eval()
+    total, correct, count = 0.0, 0, 0
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        total += F.cross_entropy(logits, y, reduction="sum").item()
+        correct += (logits.argmax(-1) == y).sum().item()
+        count += len(y)
+    model.train()
+    return total / max(count, 1), correct / max(count, 1)
+
+
+def train_epoch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader,
+    device: torch.device,
+    state: TrainState,
+    warmup_iters: int,
+    progress: bool,
+) -> dict:
+    """One epoch; returns its row (phase sums, counts, loss, accuracy, throughput)."""
+    from tqdm import tqdm
+
+    timer = PhaseTimer(device)
+    loss_sum, correct, seen, timed, iterations = 0.0, 0, 0, 0, 0
+    t0 = time.perf_counter()
+    bar = tqdm(loader, desc=f"epoch {state.epoch + 1}", leave=False, disable=not progress, file=sys.stderr)
+    for x, y in bar:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        record = state.iteration >= warmup_iters
+        logits, loss = timer.time("forward", lambda x=x, y=y: _forward(model, x, y), record)
+        optimizer.zero_grad(set_to_none=True)
+        timer.time("backward", loss.backward, record)
+        timer.time("step", optimizer.step, record)
+        value = loss.item()
+        if not math.isfinite(value):
+            raise NonFiniteLossError(
+                f"training loss became {value} at epoch {state.epoch + 1}, iteration {state.iteration + 1}; "
+                "the run stops (try a smaller trainer.lr)"
+            )
+        loss_sum += value * len(y)
+        correct += (logits.argmax(-1) == y).sum().item()
+        seen += len(y)
+        timed += record
+        iterations += 1
+        state.iteration += 1
+        bar.set_postfix(loss=f"{value:.4f}", refresh=False)
+    epoch_s = time.perf_counter() - t0
+    state.wall += epoch_s
+    phases = timer.collect()
+    return {
+        "epoch": state.epoch + 1,
+        "iterations": iterations,
+        "timed_iterations": timed,
+        **{f"{p}_s": phases[p] for p in PHASES},
+        "epoch_s": epoch_s,
+        "wall_s": state.wall,
+        "loss": loss_sum / max(seen, 1),
+        "accuracy": correct / max(seen, 1),
+        "samples_per_s": seen / epoch_s if epoch_s > 0 else float("nan"),
+    }
+
+
+def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = model(x)
+    return logits, F.cross_entropy(logits, y)
+
+
+def save_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, rows: list[dict]
+) -> None:
+    """Everything a resumed run needs, written atomically."""
+    from experiments.records import write_atomic
+
+    payload = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "state": vars(state),
+        "rows": rows,
+        "rng": torch.get_rng_state(),
+    }
+    write_atomic(path, lambda p: torch.save(payload, p))
+
+
+def load_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[TrainState, list[dict]]:
+    payload = torch.load(path, weights_only=False)
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    torch.set_rng_state(payload["rng"])
+    return TrainState(**payload["state"]), payload["rows"]

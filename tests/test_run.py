@@ -1,0 +1,198 @@
+"""run.py and the experiment configs: composition, runs, sweeps, resume, failures, bad input.
+
+Every run writes into pytest's temporary folders (hydra.run.dir / hydra.sweep.dir), never into the
+repository, and logs with logger=csv or logger=none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from experiments import runner, train
+from experiments.config import validate
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+TINY = ["dataset.seq_len=8", "dataset.num_samples=80", "trainer.epochs=2", "trainer.warmup_iters=1"]
+PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def run_py(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def composed(*overrides: str, hydra: bool = False):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_composes_validates_and_sweeps_both_backwards(preset: str) -> None:
+    extra = ["dataset.root=/data/irmas"] if preset.startswith("gru") else []
+    cfg = composed(f"experiment={preset}", *extra, hydra=True)
+    validate(cfg)
+    assert cfg.name == preset
+    params = cfg.hydra.sweeper.params
+    assert params["backward"] == "bppsa,bptt"
+    text = (CONF / "experiment" / f"{preset}.yaml").read_text()
+    assert "figure" in text.lower() or "hardware-sensitivity" in text  # each states its paper figure
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model=gru", "dataset=irmas", "dataset.root=/x", "dataset.frames=l"],
+        ["backward=bptt", "logger=none", "hardware.device=cpu", "hardware.workers=1"],
+        ["logger=wandb", "logger.mode=online", "backward.strategy=blelloch", "backward.levels=2"],
+    ],
+)
+def test_group_options_compose_and_validate(overrides: list[str]) -> None:
+    validate(composed(*overrides))
+
+
+def test_slurm_launcher_composes_without_a_cluster() -> None:
+    cfg = composed("hydra/launcher=slurm", "hydra.launcher.partition=gpu", hydra=True)
+    launcher = cfg.hydra.launcher
+    assert "submitit" in launcher._target_ and launcher.gpus_per_node == 1
+    assert launcher.partition == "gpu" and launcher.timeout_min > 0
+
+
+def test_the_default_job_runs_and_records(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run_py(*TINY, "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "rnn on bitstream, T=8, B=16, backward=bppsa" in done.stdout
+    assert "bwd ms" in done.stdout and "status completed" in done.stdout
+    records = pd.read_csv(run_dir / "records.csv")
+    assert records["epoch"].tolist() == [1, 2]
+    assert {"forward_s", "backward_s", "step_s", "loss", "accuracy", "samples_per_s", "device_name"} <= set(
+        records.columns
+    )
+    assert records["timed_iterations"].sum() == records["iterations"].sum() - 1  # one warm-up iteration
+    assert (records["backward_s"] > 0).all()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["config"]["dataset"]["seq_len"] == 8
+    assert {"commit", "dirty"} <= set(summary["git"]) and summary["versions"]["torch"] == torch.__version__
+    assert summary["device"]["device_type"] == "cpu" and summary["totals"]["epochs"] == 2
+    assert not (ROOT / "outputs").exists() or not any((ROOT / "outputs").rglob(run_dir.name))
+
+
+def test_a_sweep_merges_its_jobs_and_skips_them_when_rerun(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    args = ["-m", *TINY, "logger=csv", "backward=bppsa,bptt", f"hydra.sweep.dir={sweep}"]
+    first = run_py(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    merged = pd.read_csv(sweep / "records.csv")
+    assert sorted(merged["backward"].unique()) == ["bppsa", "bptt"] and len(merged) == 4
+    jobs = pd.read_csv(sweep / "jobs.csv")
+    assert jobs["status"].tolist() == ["completed", "completed"]
+    started = {p: json.loads(p.read_text())["started"] for p in sweep.glob("*/summary.json")}
+    second = run_py(*args, cwd=tmp_path)
+    assert second.returncode == 0 and "skipping" in second.stdout + second.stderr
+    assert {p: json.loads(p.read_text())["started"] for p in sweep.glob("*/summary.json")} == started
+    assert len(pd.read_csv(sweep / "records.csv")) == 4
+
+
+def test_a_failed_job_is_recorded_and_the_others_kept(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    done = run_py(
+        "-m", *TINY[1:], "logger=csv", "dataset.seq_len=0,6", f"hydra.sweep.dir={sweep}", cwd=tmp_path
+    )
+    assert done.returncode == 1
+    assert "1 of 2 jobs completed" in done.stdout
+    jobs = pd.read_csv(sweep / "jobs.csv").set_index("run")
+    assert sorted(jobs["status"]) == ["completed", "failed"]
+    assert "dataset.seq_len must be a positive integer, got 0" in jobs["error"].dropna().iloc[0]
+    assert pd.read_csv(sweep / "records.csv")["seq_len"].unique().tolist() == [6]
+
+
+def test_resume_continues_a_killed_run_without_duplicate_rows(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["dataset.seq_len=200", "dataset.num_samples=1600", "trainer.epochs=3", "logger=csv"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    while not (run_dir / "checkpoint.pt").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed = pd.read_csv(run_dir / "records.csv")
+    assert len(killed) < 3  # killed before the end
+    done = run_py(*args, "trainer.resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    records = pd.read_csv(run_dir / "records.csv")
+    assert records["epoch"].tolist() == [1, 2, 3]
+    assert records.loc[: len(killed) - 1, "loss"].tolist() == killed["loss"].tolist()
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypatch) -> None:
+    real = train.F.cross_entropy
+    monkeypatch.setattr(train.F, "cross_entropy", lambda *a, **k: real(*a, **k) * float("nan"))
+    cfg = composed(*TINY, "logger=none")
+    outcome = runner.run_job(cfg, tmp_path)
+    assert outcome.status == "failed" and not outcome.bad_input
+    assert "training loss became nan at epoch 1, iteration 1" in outcome.error
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "loss became nan" in summary["error"]
+    assert not (tmp_path / "records.csv").exists()  # no epoch finished
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["model=lstm"], "unknown model 'lstm'; accepted: gru, rnn"),
+        (["dataset=mnist"], "unknown dataset 'mnist'; accepted: bitstream, irmas"),
+        (["dataset.seq_len=0"], "dataset.seq_len must be a positive integer, got 0"),
+        (["trainer.batch_size=-4"], "trainer.batch_size must be a positive integer, got -4"),
+        (["trainer.batch_size=abc"], "trainer.batch_size must be a positive integer, got 'abc'"),
+        (["dataset=irmas"], "dataset.root is required"),
+        (["dataset=irmas", "dataset.root=/no/such/irmas"], "IRMAS root '/no/such/irmas' does not exist"),
+        (["hardware.device=tpu"], "unknown hardware.device 'tpu'; accepted: auto, cpu, cuda"),
+    ],
+)
+def test_bad_input_fails_in_one_line_and_leaves_no_files(tmp_path: Path, args, message: str) -> None:
+    run_dir = tmp_path / "run"
+    done = run_py(*args, "logger=csv", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("run.py: error: ") and message in lines[0]
+    assert not run_dir.exists()
+
+
+def test_an_empty_irmas_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "irmas").mkdir()
+    done = run_py(
+        "dataset=irmas",
+        f"dataset.root={tmp_path / 'irmas'}",
+        "logger=csv",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2 and "holds no class folder with .wav clips" in done.stderr
