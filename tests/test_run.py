@@ -28,8 +28,10 @@ TINY = ["dataset.seq_len=8", "dataset.num_samples=80", "trainer.epochs=2", "trai
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
-def run_py(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+def run_py(
+    *args: str, cwd: Path, timeout: float = 120, wandb: str = "disabled"
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": wandb}
     return subprocess.run(
         [sys.executable, str(ROOT / "run.py"), *args],
         cwd=cwd,
@@ -196,3 +198,44 @@ def test_an_empty_irmas_folder_is_refused(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert done.returncode == 2 and "holds no class folder with .wav clips" in done.stderr
+
+
+def test_gru_on_irmas_trains_from_a_generated_tree(tmp_path: Path) -> None:
+    from test_irmas import write_tree
+
+    tree = write_tree(tmp_path / "IRMAS-TrainingData", per_class=1)
+    run_dir = tmp_path / "run"
+    done = run_py(
+        "model=gru",
+        "dataset=irmas",
+        f"dataset.root={tree}",
+        "dataset.frames=l",
+        f"dataset.cache_dir={tmp_path / 'cache'}",
+        "trainer.epochs=1",
+        "trainer.batch_size=4",
+        "logger=csv",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "gru on irmas, T=1034, B=4, backward=bppsa" in done.stdout
+    records = pd.read_csv(run_dir / "records.csv")
+    assert records[["seq_len", "features", "frames"]].iloc[0].tolist() == [1034, 12, "l"]
+
+
+def test_wandb_runs_offline_in_the_run_folder_with_one_cpu_thread(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env_free = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *TINY, "hardware.workers=1", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env={**env_free, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    offline = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(offline) == 1  # the default logger: W&B, offline, no network
+    records = pd.read_csv(run_dir / "records.csv")
+    assert records["threads_used"].tolist() == [1, 1]
