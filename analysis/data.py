@@ -1,0 +1,183 @@
+"""Reading result folders, and the speedups computed from them.
+
+Reads only result files (``records.csv`` and ``summary.json`` as ``experiments.records`` writes
+them): a sweep folder's merged table, or its run folders' tables when the sweep was cut short,
+or a single run folder, or a CSV file.
+
+Speedups follow the paper. Per (configuration, device), with BPTT and BPPSA runs of the same
+configuration:
+
+* overall = median epoch time of BPTT / median epoch time of BPPSA;
+* backward = median backward time per timed iteration of BPTT / the same of BPPSA (BPPSA's
+  Jacobian building happens inside its backward, so it is counted as backward work).
+
+The spread is a 95 % bootstrap interval of the ratio of medians (resampling each side's epochs,
+1000 draws, a fixed seed), so the same input always gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+REQUIRED = (
+    "model",
+    "dataset",
+    "seq_len",
+    "batch_size",
+    "backward",
+    "device_name",
+    "epoch",
+    "timed_iterations",
+    "forward_s",
+    "backward_s",
+    "step_s",
+    "epoch_s",
+    "wall_s",
+    "loss",
+)
+# What identifies a comparison: the same configuration on the same device, backward aside.
+CONFIG_KEYS = (
+    "model",
+    "dataset",
+    "frames",
+    "seq_len",
+    "features",
+    "batch_size",
+    "hidden_size",
+    "workers_used",
+    "device_name",
+)
+PHASES = ("forward", "backward", "step")
+BOOTSTRAP_DRAWS = 1000
+BOOTSTRAP_SEED = 0
+
+
+class AnalysisError(ValueError):
+    """Missing or malformed input, said in one line."""
+
+
+def _tables_under(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    merged = path / "records.csv"
+    if merged.is_file() and any(p.is_dir() and (p / "records.csv").is_file() for p in path.iterdir()):
+        return [merged]  # a finished sweep: its merge holds every run
+    if merged.is_file():
+        return [merged]  # a single run folder
+    return sorted(path.glob("*/records.csv"))  # a sweep cut short before its merge
+
+
+def load_results(paths: Sequence[str | Path]) -> pd.DataFrame:
+    """All epoch rows under ``paths``, one frame; raises AnalysisError naming what is wrong."""
+    if not paths:
+        raise AnalysisError(
+            "no result paths given; accepted: sweep folders, run folders or records.csv files"
+        )
+    frames = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise AnalysisError(f"result path {str(path)!r} does not exist")
+        tables = _tables_under(path)
+        if not tables:
+            raise AnalysisError(
+                f"no records.csv under {str(path)!r}; expected a sweep folder (multirun/<name>), "
+                "a run folder, or a records.csv file"
+            )
+        for table in tables:
+            try:
+                frame = pd.read_csv(table)
+            except (OSError, ValueError, pd.errors.EmptyDataError) as exc:
+                raise AnalysisError(f"cannot read {table}: {str(exc).splitlines()[0]}") from None
+            missing = [c for c in REQUIRED if c not in frame.columns]
+            if frame.empty:
+                continue
+            if missing:
+                raise AnalysisError(
+                    f"{table} lacks the columns {', '.join(missing)}; is it a run's records.csv?"
+                )
+            if "run" not in frame.columns:
+                frame["run"] = table.parent.name
+            frame["source"] = str(path)
+            frames.append(frame)
+    if not frames:
+        raise AnalysisError("the result files hold no epoch rows yet")
+    data = pd.concat(frames, ignore_index=True)
+    data["workers_used"] = _workers_used(data)
+    for col in CONFIG_KEYS:
+        if col not in data.columns:
+            data[col] = np.nan
+    for phase in PHASES:
+        data[f"{phase}_per_iter_s"] = data[f"{phase}_s"] / data["timed_iterations"].where(
+            data["timed_iterations"] > 0
+        )
+    return data
+
+
+def _workers_used(data: pd.DataFrame) -> pd.Series:
+    """CPU threads or GPU SMs the run used."""
+    used = pd.Series(np.nan, index=data.index)
+    for col in ("sm_used", "threads_used"):
+        if col in data.columns:
+            used = used.fillna(data[col])
+    return used
+
+
+def _bootstrap(a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
+    """95 % interval of median(a) / median(b) over resampled epochs."""
+    ra = np.median(rng.choice(a, (BOOTSTRAP_DRAWS, len(a))), axis=1)
+    rb = np.median(rng.choice(b, (BOOTSTRAP_DRAWS, len(b))), axis=1)
+    lo, hi = np.percentile(ra / rb, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def speedups(data: pd.DataFrame) -> pd.DataFrame:
+    """One row per (configuration, device) with both a BPTT and a BPPSA run: speedups and spreads."""
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    keys = [k for k in CONFIG_KEYS if data[k].notna().any()]
+    rows = []
+    for key, group in data.groupby(keys, dropna=False, sort=True):
+        sides = {mode: group[group["backward"] == mode] for mode in ("bptt", "bppsa")}
+        if any(side.empty for side in sides.values()):
+            continue
+        row = dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True))
+        for label, column in (("overall", "epoch_s"), ("backward", "backward_per_iter_s")):
+            bptt = sides["bptt"][column].dropna().to_numpy()
+            bppsa = sides["bppsa"][column].dropna().to_numpy()
+            if len(bptt) == 0 or len(bppsa) == 0:
+                row.update({f"{label}_speedup": np.nan, f"{label}_lo": np.nan, f"{label}_hi": np.nan})
+                continue
+            row[f"{label}_speedup"] = float(np.median(bptt) / np.median(bppsa))
+            row[f"{label}_lo"], row[f"{label}_hi"] = _bootstrap(bptt, bppsa, rng)
+        row["epochs_bptt"], row["epochs_bppsa"] = len(sides["bptt"]), len(sides["bppsa"])
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    for key in CONFIG_KEYS:  # every key is a column, also those no run set (e.g. frames for bitstream)
+        if key not in table.columns:
+            table[key] = np.nan
+    return table
+
+
+def provenance(paths: Iterable[str | Path]) -> dict:
+    """Git commits, dirty flags and versions named by the summaries under ``paths``."""
+    commits, versions = set(), set()
+    for raw in paths:
+        path = Path(raw)
+        candidates = [path / "summary.json", *path.glob("*/summary.json")] if path.is_dir() else []
+        for summary_path in candidates:
+            try:
+                summary = json.loads(summary_path.read_text())
+            except (OSError, ValueError):
+                continue
+            git = summary.get("git") or {}
+            if git.get("commit"):
+                commits.add(git["commit"][:12] + (" (dirty)" if git.get("dirty") else ""))
+            v = summary.get("versions") or {}
+            if v.get("torch"):
+                versions.add(f"torch {v['torch']}, python {v.get('python')}")
+    return {"commits": sorted(commits), "versions": sorted(versions)}

@@ -1,0 +1,86 @@
+"""A Markdown report of a set of results: the speedup table, the figures, and their provenance.
+
+    python -m analysis.report multirun/rnn_seq_len multirun/rnn_batch --out report/
+
+Writes ``report.md`` (and the figures beside it): per (configuration, device), the overall and the
+backward speedup of BPPSA over BPTT as medians with a 95 % bootstrap interval (see
+``analysis.data``), then every figure, then the git commits and versions the results came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from analysis.data import AnalysisError, load_results, provenance, speedups
+from analysis.figures import FIGURES, make_figures
+
+
+def speedup_markdown(table: pd.DataFrame) -> str:
+    """The speedup table as Markdown: one row per configuration and device."""
+    if table.empty:
+        return "_No configuration has both a BPTT and a BPPSA run yet._"
+    head = ["model", "dataset", "frames", "T", "B", "device", "overall speedup", "backward speedup", "epochs"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in table.itertuples():
+        frames = r.frames if isinstance(r.frames, str) else "-"
+        cells = [
+            r.model,
+            r.dataset,
+            frames,
+            str(int(r.seq_len)),
+            str(int(r.batch_size)),
+            str(r.device_name),
+            f"{r.overall_speedup:.2f}× [{r.overall_lo:.2f}, {r.overall_hi:.2f}]",
+            f"{r.backward_speedup:.2f}× [{r.backward_lo:.2f}, {r.backward_hi:.2f}]",
+            f"{r.epochs_bptt} / {r.epochs_bppsa}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_report(paths: Sequence[str | Path], out: Path) -> Path:
+    data = load_results(paths)
+    out.mkdir(parents=True, exist_ok=True)
+    make_figures(data, out)
+    table = speedups(data)
+    origin = provenance(paths)
+    parts = [
+        "# BPPSA results",
+        "Sources: " + ", ".join(f"`{p}`" for p in paths),
+        "## Speedups of BPPSA over BPTT",
+        "Median over epochs, 95 % bootstrap interval in brackets; overall = epoch time, backward = "
+        "backward time per iteration (BPPSA's Jacobian building included); epochs = BPTT / BPPSA.",
+        speedup_markdown(table),
+        "## Figures",
+        *[f"![{name}]({name}.png) ([PDF]({name}.pdf))" for name in FIGURES],
+        "## Provenance",
+        "Commits: " + (", ".join(origin["commits"]) or "unknown"),
+        "Versions: " + ("; ".join(origin["versions"]) or "unknown"),
+    ]
+    report = out / "report.md"
+    report.write_text("\n\n".join(parts) + "\n")
+    table.to_csv(out / "speedups.csv", index=False)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", help="sweep folders, run folders or records.csv files")
+    parser.add_argument("--out", default="report", help="output folder (default: report)")
+    args = parser.parse_args(argv)
+    try:
+        report = write_report(args.paths, Path(args.out))
+    except AnalysisError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

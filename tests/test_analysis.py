@@ -1,0 +1,213 @@
+"""analysis: speedups, figures and the report, from synthetic tables and from a real tiny sweep."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import pytest
+
+from analysis import figures, report
+from analysis.data import AnalysisError, load_results, speedups
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rows(
+    backward: str, seq_len: int, batch: int, device: str, epoch_s: float, bwd_iter: float, epochs: int = 4
+):
+    """Epoch rows of one run as records.csv has them; times vary a little around the given values."""
+    out = []
+    for e in range(epochs):
+        jitter = 1.0 + 0.01 * (e % 2)
+        out.append(
+            {
+                "name": "synthetic",
+                "model": "rnn",
+                "dataset": "bitstream",
+                "frames": None,
+                "seq_len": seq_len,
+                "features": 1,
+                "batch_size": batch,
+                "hidden_size": 20,
+                "backward": backward,
+                "device_name": device,
+                "threads_used": 2,
+                "epoch": e + 1,
+                "iterations": 10,
+                "timed_iterations": 10,
+                "forward_s": 0.1,
+                "backward_s": 10 * bwd_iter * jitter,
+                "step_s": 0.01,
+                "epoch_s": epoch_s * jitter,
+                "wall_s": epoch_s * (e + 1),
+                "loss": 2.0 - 0.1 * e,
+                "accuracy": 0.1,
+                "run": f"{backward}-{seq_len}-{batch}-{device}",
+            }
+        )
+    return out
+
+
+def write_sweep(folder: Path, table: list[dict], merged: bool = True) -> Path:
+    frame = pd.DataFrame(table)
+    for run, part in frame.groupby("run"):
+        (folder / run).mkdir(parents=True)
+        part.to_csv(folder / run / "records.csv", index=False)
+    if merged:
+        frame.to_csv(folder / "records.csv", index=False)
+    return folder
+
+
+def t_sweep() -> list[dict]:
+    table = []
+    for t in (10, 100, 1000):
+        table += rows("bptt", t, 16, "GPU-A", epoch_s=0.002 * t, bwd_iter=1e-4 * t)
+        table += rows("bppsa", t, 16, "GPU-A", epoch_s=0.001 * t, bwd_iter=1e-5 * t)
+    return table
+
+
+def test_speedups_are_ratios_of_medians_per_configuration_and_device() -> None:
+    data = load_results_from(t_sweep() + rows("bptt", 10, 16, "GPU-B", 1.0, 1.0))  # GPU-B has no BPPSA run
+    table = speedups(data).sort_values("seq_len")
+    assert table["device_name"].unique().tolist() == ["GPU-A"]
+    assert table["seq_len"].tolist() == [10, 100, 1000]
+    assert table["overall_speedup"].round(6).tolist() == [2.0, 2.0, 2.0]
+    assert table["backward_speedup"].round(6).tolist() == [10.0, 10.0, 10.0]
+    assert (table["backward_lo"] <= table["backward_speedup"]).all()
+    assert (table["backward_hi"] >= table["backward_speedup"]).all()
+    assert (table["backward_hi"] - table["backward_lo"] < 0.5).all()
+    assert speedups(data).equals(speedups(data))  # the bootstrap is seeded
+
+
+def load_results_from(table: list[dict], tmp: Path | None = None) -> pd.DataFrame:
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(dir=tmp)) / "sweep"
+    return load_results([write_sweep(folder, table)])
+
+
+def test_a_sweep_cut_short_is_read_from_its_run_folders(tmp_path: Path) -> None:
+    folder = write_sweep(tmp_path / "sweep", t_sweep(), merged=False)
+    data = load_results([folder])
+    assert len(data) == len(t_sweep()) and data["run"].nunique() == 6
+
+
+def test_figure_8_has_log_axes_labels_a_1x_line_and_says_what_is_missing() -> None:
+    fig = figures.fig8(load_results_from(t_sweep()))
+    a, b, c, _, e, _ = fig.axes[:6]
+    assert (a.get_xscale(), a.get_yscale()) == ("log", "log")
+    assert a.get_xlabel() == "sequence length T" and "BPPSA backward" in a.get_ylabel()
+    assert c.get_ylabel() == "backward speedup (BPTT / BPPSA)"
+    assert any(line.get_linestyle() == "--" and set(line.get_ydata()) == {1.0} for line in c.get_lines())
+    texts = [t.get_text() for t in b.texts]
+    assert texts and texts[0].startswith("no data: BPPSA runs at 2+ values of batch size B")
+    assert e.get_xscale() == "log" and "time per iteration" in e.get_ylabel()
+    plt.close(fig)
+
+
+def test_every_figure_is_written_and_reproducible_byte_for_byte(tmp_path: Path) -> None:
+    data = load_results_from(t_sweep(), tmp_path)
+    first = figures.make_figures(data, tmp_path / "a")
+    second = figures.make_figures(data, tmp_path / "b")
+    names = sorted(p.name for p in first)
+    assert names == sorted(f"{n}.{ext}" for n in figures.FIGURES for ext in ("png", "pdf"))
+    for p, q in zip(first, second, strict=True):
+        assert p.read_bytes() == q.read_bytes(), p.name
+
+
+def test_scaling_figure_plots_backward_time_against_workers(tmp_path: Path) -> None:
+    table = []
+    for p in (1, 2, 4):
+        for mode, t in (("bptt", 1.0), ("bppsa", 2.0 / p)):
+            for r in rows(mode, 1000, 16, "CPU", 1.0, t):
+                table.append({**r, "threads_used": p, "run": f"{mode}-{p}"})
+    fig = figures.scaling(load_results_from(table, tmp_path))
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and ax.get_xlabel().startswith("workers p")
+    plt.close(fig)
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda p: p / "nowhere", "does not exist"),
+        (lambda p: p, "no records.csv under"),
+        (
+            lambda p: (p / "records.csv").write_text("a,b\n1,2\n") and p / "records.csv",
+            "lacks the columns model",
+        ),
+    ],
+)
+def test_missing_or_malformed_input_is_named(tmp_path: Path, setup, message: str, capsys) -> None:
+    target = setup(tmp_path)
+    with pytest.raises(AnalysisError, match=message):
+        load_results([target])
+    assert figures.main([str(target), "--out", str(tmp_path / "fig")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "fig").exists()
+
+
+def test_report_from_a_real_tiny_sweep(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "-m",
+            "logger=csv",
+            "trainer.epochs=2",
+            "dataset.num_samples=80",
+            "dataset.seq_len=6,12",
+            "backward=bppsa,bptt",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert report.main([str(sweep), "--out", str(tmp_path / "report")]) == 0
+    text = (tmp_path / "report" / "report.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("| rnn | bitstream")]
+    assert [line.split("|")[4].strip() for line in table] == ["6", "12"]
+    assert "× [" in table[0] and "![fig8](fig8.png)" in text
+    assert "Commits: " in text and "torch " in text
+    assert (tmp_path / "report" / "fig8.pdf").is_file()
+
+
+def test_gru_figures_split_by_feature_setting(tmp_path: Path) -> None:
+    table = []
+    for frames, t in (("s", 259), ("m", 517), ("l", 1034)):
+        for batch in (16, 32):
+            for mode, bwd in (("bptt", 0.02), ("bppsa", 0.01)):
+                for r in rows(mode, t, batch, "GPU-A", 1.0, bwd):
+                    table.append(
+                        {
+                            **r,
+                            "model": "gru",
+                            "dataset": "irmas",
+                            "frames": frames,
+                            "run": f"{mode}-{frames}-{batch}",
+                        }
+                    )
+    data = load_results_from(table, tmp_path)
+    fig9 = figures.fig9(data)
+    labels = [t.get_text() for t in fig9.axes[0].get_xticklabels()]
+    assert len(labels) == 12 and labels[0] == "l B=16\nbppsa"
+    assert fig9.axes[0].get_ylabel() == "time per iteration (s)"
+    fig13 = figures.fig13(data)
+    assert [ax.get_title() for ax in fig13.axes[:3]] == ["Fig. 13 (s)", "Fig. 13 (m)", "Fig. 13 (l)"]
+    assert all(ax.get_xlabel() == "wall-clock training time (s)" for ax in fig13.axes[:3])
+    table_ = speedups(data)
+    assert len(table_) == 6 and set(table_["frames"]) == {"s", "m", "l"}
+    assert table_["backward_speedup"].round(6).eq(2.0).all()
+    figures.save(fig9, tmp_path / "out", "fig9")
+    figures.save(fig13, tmp_path / "out", "fig13")
