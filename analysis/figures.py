@@ -169,9 +169,9 @@ def fig9(data: pd.DataFrame) -> plt.Figure:
         return fig
     device = gru["device_name"].value_counts().idxmax()
     gru = gru[gru["device_name"] == device].assign(frames=gru["frames"].fillna("?"))
-    med = _medians(gru, ["frames", "batch_size", "backward"]).sort_values(
-        ["frames", "batch_size", "backward"]
-    )
+    med = _medians(gru, ["frames", "batch_size", "backward"])
+    med["order"] = med["frames"].map({"s": 0, "m": 1, "l": 2})  # the paper's order, not the alphabet's
+    med = med.sort_values(["order", "batch_size", "backward"]).reset_index(drop=True)
     labels = [f"{r.frames} B={r.batch_size}\n{r.backward}" for r in med.itertuples()]
     bottom = pd.Series(0.0, index=med.index)
     for phase, column in PHASE_COLUMNS.items():

@@ -201,7 +201,7 @@ def test_gru_figures_split_by_feature_setting(tmp_path: Path) -> None:
     data = load_results_from(table, tmp_path)
     fig9 = figures.fig9(data)
     labels = [t.get_text() for t in fig9.axes[0].get_xticklabels()]
-    assert len(labels) == 12 and labels[0] == "l B=16\nbppsa"
+    assert len(labels) == 12 and labels[0] == "s B=16\nbppsa" and labels[-1] == "l B=32\nbptt"
     assert fig9.axes[0].get_ylabel() == "time per iteration (s)"
     fig13 = figures.fig13(data)
     assert [ax.get_title() for ax in fig13.axes[:3]] == ["Fig. 13 (s)", "Fig. 13 (m)", "Fig. 13 (l)"]
