@@ -42,13 +42,38 @@ def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
 
 
 @_quiet_csr
-def csr_from_coo(rows: Tensor, cols: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
-    """A CSR matrix from (row, column, value) triplets with no duplicates."""
-    order = torch.argsort(rows * shape[1] + cols)
-    rows, cols, values = rows[order], cols[order], values[order]
-    crow = torch.zeros(shape[0] + 1, dtype=torch.int64)
-    crow[1:] = torch.cumsum(torch.bincount(rows, minlength=shape[0]), 0)
+def _csr(crow: Tensor, cols: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
     return torch.sparse_csr_tensor(crow, cols, values, size=shape, check_invariants=False)
+
+
+def _out_size(size: int, pad: int, dil: int, k: int, stride: int) -> int:
+    return (size + 2 * pad - dil * (k - 1) - 1) // stride + 1
+
+
+def _pattern(c: int, h: int, w: int, og: int, cg: int, kernel, stride, padding, dilation):
+    """The J^T pattern of a (grouped) sliding window, generated directly in CSR order.
+
+    Entries are laid out over (input channel, input row, input col, output channel in the group,
+    kernel row descending, kernel col descending): rows ascend, and within a row the output index
+    (o, i, j) ascends, so no sort is needed. Returns the mask of valid entries over that layout,
+    their output (column) indices, the row pointer, and the output height and width.
+    """
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = _pair(kernel), _pair(stride), _pair(padding), _pair(dilation)
+    ho, wo = _out_size(h, ph, dh, kh, sh), _out_size(w, pw, dw, kw, sw)
+
+    def axis(size: int, k: int, s: int, pad: int, dil: int, n_out: int) -> tuple[Tensor, Tensor]:
+        num = torch.arange(size).view(-1, 1) + pad - torch.arange(k - 1, -1, -1).view(1, -1) * dil
+        out = torch.div(num, s, rounding_mode="floor")
+        return (num % s == 0) & (num >= 0) & (out < n_out), out  # (size, k): valid, output coordinate
+
+    vi, oi = axis(h, kh, sh, ph, dh, ho)
+    vj, oj = axis(w, kw, sw, pw, dw, wo)
+    o = (torch.arange(c) // cg).view(c, 1, 1, 1, 1, 1) * og + torch.arange(og).view(1, 1, 1, og, 1, 1)
+    mask = (vi.view(1, h, 1, 1, kh, 1) & vj.view(1, 1, w, 1, 1, kw)).expand(c, h, w, og, kh, kw)
+    cols = (o * ho + oi.view(1, h, 1, 1, kh, 1)) * wo + oj.view(1, 1, w, 1, 1, kw)
+    crow = torch.zeros(c * h * w + 1, dtype=torch.int64)
+    crow[1:] = torch.cumsum(mask.reshape(c * h * w, -1).sum(1), 0)
+    return mask, cols.expand(c, h, w, og, kh, kw)[mask], crow, ho, wo
 
 
 def conv2d_jt(
@@ -62,78 +87,45 @@ def conv2d_jt(
     """J^T of ``F.conv2d(x, weight, ...)`` for one sample ``x`` (C, H, W): (C·H·W, O·Ho·Wo)."""
     c, h, w = x.shape
     o, cg, kh, kw = weight.shape
-    (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
-    ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-    wo = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     og = o // groups
-    # Every (output channel, output row, output col, input channel in group, kernel row, kernel col).
-    oc, i, j, ci, p, q = torch.meshgrid(
-        torch.arange(o),
-        torch.arange(ho),
-        torch.arange(wo),
-        torch.arange(cg),
-        torch.arange(kh),
-        torch.arange(kw),
-        indexing="ij",
-    )
-    hin = i * sh - ph + p * dh
-    win = j * sw - pw + q * dw
-    cin = (oc // og) * cg + ci
-    keep = (hin >= 0) & (hin < h) & (win >= 0) & (win < w)
-    rows = (cin * h + hin) * w + win
-    cols = (oc * ho + i) * wo + j
-    values = weight[oc, ci, p, q]
-    return csr_from_coo(rows[keep], cols[keep], values[keep].to(x.dtype), (c * h * w, o * ho * wo))
+    mask, cols, crow, ho, wo = _pattern(c, h, w, og, cg, (kh, kw), stride, padding, dilation)
+    # weight[g·og + oo, c mod cg, p, q] per (input channel, oo, p descending, q descending)
+    wg = weight.detach().reshape(groups, og, cg, kh, kw).permute(0, 2, 1, 3, 4).reshape(c, og, kh, kw)
+    wg = wg.flip(-1, -2).to(x.dtype)
+    values = wg.view(c, 1, 1, og, kh, kw).expand(c, h, w, og, kh, kw)[mask]
+    return _csr(crow, cols, values, (c * h * w, o * ho * wo))
 
 
 def relu_jt(x: Tensor) -> Tensor:
     """J^T of ReLU: the diagonal f'(x) (all n entries stored: the pattern is the diagonal)."""
     n = x.numel()
-    idx = torch.arange(n)
-    return csr_from_coo(idx, idx, (x.reshape(-1) > 0).to(x.dtype), (n, n))
-
-
-def _windows(c: int, h: int, w: int, kernel, stride, padding) -> tuple[Tensor, Tensor, Tensor, int, int]:
-    """(input index or -1 outside, output index, window position) of every pooling window element."""
-    (kh, kw), (sh, sw), (ph, pw) = _pair(kernel), _pair(stride), _pair(padding)
-    ho = (h + 2 * ph - kh) // sh + 1
-    wo = (w + 2 * pw - kw) // sw + 1
-    ch, i, j, p, q = torch.meshgrid(
-        torch.arange(c), torch.arange(ho), torch.arange(wo), torch.arange(kh), torch.arange(kw), indexing="ij"
-    )
-    hin, win = i * sh - ph + p, j * sw - pw + q
-    inside = (hin >= 0) & (hin < h) & (win >= 0) & (win < w)
-    rows = torch.where(inside, (ch * h + hin) * w + win, -1)
-    cols = (ch * ho + i) * wo + j
-    return rows, cols, inside, ho, wo
+    return _csr(torch.arange(n + 1), torch.arange(n), (x.reshape(-1) > 0).to(x.dtype), (n, n))
 
 
 def maxpool2d_jt(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
     """J^T of ``F.max_pool2d``: every (input, window) membership; 1 at the window's maximum."""
     c, h, w = x.shape
     stride = kernel_size if stride is None else stride
-    rows, cols, inside, ho, wo = _windows(c, h, w, kernel_size, stride, padding)
+    _, cols, crow, ho, wo = _pattern(c, h, w, 1, 1, kernel_size, stride, padding, 1)
     _, argmax = F.max_pool2d(x.unsqueeze(0), kernel_size, stride, padding, return_indices=True)
-    winner = (torch.arange(c).view(c, 1, 1) * h * w + argmax[0]).reshape(-1)  # flat input index per output
-    values = (rows == winner[cols]).to(x.dtype)
-    return csr_from_coo(rows[inside], cols[inside], values[inside], (c * h * w, c * ho * wo))
+    winner = (torch.arange(c).view(c, 1, 1) * h * w + argmax[0]).reshape(-1)  # input index per output
+    rows = torch.repeat_interleave(torch.arange(c * h * w), crow.diff())
+    return _csr(crow, cols, (rows == winner[cols]).to(x.dtype), (c * h * w, c * ho * wo))
 
 
 def avgpool2d_jt(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
     """J^T of ``F.avg_pool2d`` (count_include_pad=True, PyTorch's default): 1 / kernel area."""
     c, h, w = x.shape
     stride = kernel_size if stride is None else stride
-    rows, cols, inside, ho, wo = _windows(c, h, w, kernel_size, stride, padding)
+    _, cols, crow, ho, wo = _pattern(c, h, w, 1, 1, kernel_size, stride, padding, 1)
     kh, kw = _pair(kernel_size)
-    values = torch.full(rows.shape, 1.0 / (kh * kw), dtype=x.dtype)
-    return csr_from_coo(rows[inside], cols[inside], values[inside], (c * h * w, c * ho * wo))
+    return _csr(crow, cols, torch.full(cols.shape, 1.0 / (kh * kw), dtype=x.dtype), (c * h * w, c * ho * wo))
 
 
 def flatten_jt(x: Tensor) -> Tensor:
     """J^T of a flatten: the identity."""
     n = x.numel()
-    idx = torch.arange(n)
-    return csr_from_coo(idx, idx, torch.ones(n, dtype=x.dtype), (n, n))
+    return _csr(torch.arange(n + 1), torch.arange(n), torch.ones(n, dtype=x.dtype), (n, n))
 
 
 @_quiet_csr

@@ -114,3 +114,15 @@ def test_product_flops_count_matching_nonzero_pairs() -> None:
     a = torch.tensor([[1.0, 0, 2], [0, 3, 0]]).to_sparse_csr()  # column nnz: 1, 1, 1
     b = torch.tensor([[1.0, 1], [0, 1], [1, 1]]).to_sparse_csr()  # row nnz: 2, 1, 2
     assert sparse.spgemm_flops(a, b) == 2 * (1 * 2 + 1 * 1 + 1 * 2)
+
+
+def test_table_1_reproduces_the_papers_sparsities(capsys) -> None:
+    from experiments import jacobian_table
+
+    assert jacobian_table.main(["--rows", "4", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("| ")}
+    assert rows["Conv2d"][2].strip() == "3072 x 65536"
+    for layer, paper in (("Conv2d", "0.99157"), ("ReLU", "0.99998"), ("MaxPool2d", "0.99994")):
+        assert rows[layer][3].strip().startswith(f"{paper} ({paper})"), layer
+    assert "4 sampled rows, scaled to all rows" in out
