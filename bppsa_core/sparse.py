@@ -84,7 +84,10 @@ def conv2d_jt(
     dilation: int | tuple[int, int] = 1,
     groups: int = 1,
 ) -> Tensor:
-    """J^T of ``F.conv2d(x, weight, ...)`` for one sample ``x`` (C, H, W): (C·H·W, O·Ho·Wo)."""
+    """J^T of ``F.conv2d(x, weight, ...)`` for one sample ``x`` (C, H, W): (C·H·W, O·Ho·Wo).
+
+    Zero weights (a pruned layer) are left out of the pattern.
+    """
     c, h, w = x.shape
     o, cg, kh, kw = weight.shape
     og = o // groups
@@ -93,6 +96,12 @@ def conv2d_jt(
     wg = weight.detach().reshape(groups, og, cg, kh, kw).permute(0, 2, 1, 3, 4).reshape(c, og, kh, kw)
     wg = wg.flip(-1, -2).to(x.dtype)
     values = wg.view(c, 1, 1, og, kh, kw).expand(c, h, w, og, kh, kw)[mask]
+    if (wg == 0).any():  # pruned weights are part of the pattern known before training: drop them
+        keep = values != 0
+        rows = torch.repeat_interleave(torch.arange(c * h * w), crow.diff())[keep]
+        crow = torch.zeros_like(crow)
+        crow[1:] = torch.cumsum(torch.bincount(rows, minlength=c * h * w), 0)
+        cols, values = cols[keep], values[keep]
     return _csr(crow, cols, values, (c * h * w, o * ho * wo))
 
 

@@ -38,6 +38,16 @@ def test_conv2d(cin, cout, k, stride, padding, dilation, groups, hw) -> None:
     assert torch.equal(jt.to_dense(), dense_jt(fn, x))
 
 
+def test_pruned_conv_weights_leave_the_pattern() -> None:
+    x = torch.randn(2, 5, 5, dtype=F64)
+    w = torch.randn(3, 2, 3, 3, dtype=F64)
+    full = sparse.conv2d_jt(x, w, padding=1)._nnz()
+    w[torch.rand(w.shape) < 0.7] = 0
+    jt = sparse.conv2d_jt(x, w, padding=1)
+    assert jt._nnz() < full and (jt.values() != 0).all()
+    assert torch.equal(jt.to_dense(), dense_jt(lambda t: F.conv2d(t.unsqueeze(0), w, padding=1)[0], x))
+
+
 def test_relu_keeps_its_whole_diagonal() -> None:
     x = torch.randn(3, 4, 5, dtype=F64)
     x[0, 0, 0] = 0.0
@@ -126,3 +136,37 @@ def test_table_1_reproduces_the_papers_sparsities(capsys) -> None:
     for layer, paper in (("Conv2d", "0.99157"), ("ReLU", "0.99998"), ("MaxPool2d", "0.99994")):
         assert rows[layer][3].strip().startswith(f"{paper} ({paper})"), layer
     assert "4 sampled rows, scaled to all rows" in out
+
+
+def test_pruned_vgg_study_writes_its_tables_and_fig_10(tmp_path, capsys) -> None:
+    import pandas as pd
+
+    from analysis import fig10
+    from experiments import pruned_vgg
+
+    out = tmp_path / "study"
+    argv = ["--out", str(out), "--width", "0.0625", "--steps", "2", "--ratios", "0.9", "--levels", "2", "all"]
+    assert pruned_vgg.main(argv) == 0
+    summary = pd.read_csv(out / "summary.csv").set_index("method")
+    assert list(summary.index) == ["BP", "BPPSA levels=2", "BPPSA levels=all"]
+    assert summary.loc["BP", "steps"] == 23  # 8 convs, 8 ReLUs, 5 pools, flatten, linear
+    assert summary.loc["BPPSA levels=2", "steps"] < 23 and summary.loc["BPPSA levels=all", "steps"] <= 10
+    assert (summary["grad_rel_err"].dropna() < 1e-5).all()
+    assert (summary["critical_flops"] <= summary["total_flops"]).all()
+    products = pd.read_csv(out / "products.csv")
+    assert products["critical"].any() and (products["flops"] > 0).all()
+    assert fig10.main([str(out), "--out", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "fig10.png").is_file() and (tmp_path / "fig" / "fig10.pdf").is_file()
+    assert fig10.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "fig")]) == 2
+    assert "run python -m experiments.pruned_vgg first" in capsys.readouterr().err
+
+
+def test_pruned_vgg_rejects_bad_arguments(capsys) -> None:
+    from experiments import pruned_vgg
+
+    with pytest.raises(SystemExit):
+        pruned_vgg.main(["--out", "x", "--ratios", "1.5"])
+    assert "1.5 is not a pruning ratio; accepted: 0 <= ratio < 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pruned_vgg.main(["--out", "x", "--image-size", "16"])
+    assert "--image-size 16 is too small for 5 max-pools" in capsys.readouterr().err
