@@ -29,6 +29,9 @@ import seaborn as sns
 
 from analysis.data import AnalysisError, load_results, speedups
 
+sns.set_theme(style="whitegrid")  # every figure of the suite, fig. 10 included, in one style
+plt.rcParams.update({"svg.hashsalt": "bppsa", "pdf.compression": 6})
+
 PHASE_COLUMNS = {
     "forward": "forward_per_iter_s",
     "backward": "backward_per_iter_s",
@@ -62,6 +65,22 @@ def _medians(data: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return data.groupby(keys, dropna=False)[[*list(PHASE_COLUMNS.values()), "epoch_s"]].median().reset_index()
 
 
+def _loss_curves(ax: plt.Axes, rows: pd.DataFrame) -> None:
+    """Training loss against cumulative training time, one line per run (figs. 7 and 13)."""
+    sns.lineplot(
+        data=rows,
+        x="wall_s",
+        y="loss",
+        hue="backward",
+        style="device_name",
+        units="run",
+        estimator=None,
+        ax=ax,
+    )
+    ax.set_xlabel("wall-clock training time (s)")
+    ax.set_ylabel("training loss")
+
+
 def fig7(data: pd.DataFrame) -> plt.Figure:
     """Training loss against wall-clock time, RNN, BPTT vs BPPSA."""
     rnn = _pick(data[data["model"] == "rnn"], "rnn_curve")
@@ -69,18 +88,7 @@ def fig7(data: pd.DataFrame) -> plt.Figure:
     if rnn.empty:
         _no_data(ax, "no RNN runs (experiment=rnn_curve)")
     else:
-        sns.lineplot(
-            data=rnn,
-            x="wall_s",
-            y="loss",
-            hue="backward",
-            style="device_name",
-            units="run",
-            estimator=None,
-            ax=ax,
-        )
-        ax.set_xlabel("wall-clock training time (s)")
-        ax.set_ylabel("training loss")
+        _loss_curves(ax, rnn)
     ax.set_title("Fig. 7: RNN training loss vs wall-clock time")
     fig.tight_layout()
     return fig
@@ -196,18 +204,7 @@ def fig13(data: pd.DataFrame) -> plt.Figure:
         if rows.empty:
             _no_data(ax, f"no GRU runs with frames={setting}")
         else:
-            sns.lineplot(
-                data=rows,
-                x="wall_s",
-                y="loss",
-                hue="backward",
-                style="device_name",
-                units="run",
-                estimator=None,
-                ax=ax,
-            )
-            ax.set_xlabel("wall-clock training time (s)")
-            ax.set_ylabel("training loss")
+            _loss_curves(ax, rows)
         ax.set_title(f"Fig. 13 ({setting})")
     fig.tight_layout()
     return fig
@@ -251,8 +248,6 @@ def save(fig: plt.Figure, out: Path, name: str) -> list[Path]:
 
 def make_figures(data: pd.DataFrame, out: Path) -> list[Path]:
     """Every figure from ``data`` into ``out``; returns the files written."""
-    plt.rcParams.update({"svg.hashsalt": "bppsa", "pdf.compression": 6})
-    sns.set_theme(style="whitegrid")
     written = []
     for name in FIGURES:
         written += save(globals()[name](data), out, name)
