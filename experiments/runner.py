@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from datasets.irmas import IRMASError
 from experiments import records
 from experiments.config import ConfigError, validate
 from experiments.hardware import HardwareError, describe, limit_workers, resolve_device
@@ -41,6 +42,8 @@ from experiments.train import (
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
+# Problems with what the user asked for: one line, exit status 2, no run folder left behind.
+BAD_INPUT = (ConfigError, HardwareError, LoggerError, IRMASError)
 
 
 @dataclass
@@ -48,12 +51,6 @@ class Outcome:
     status: str  # completed | skipped | failed
     error: str | None = None
     bad_input: bool = False
-
-
-def _bad_input_types() -> tuple[type[Exception], ...]:
-    from datasets.irmas import IRMASError
-
-    return (ConfigError, HardwareError, LoggerError, IRMASError)
 
 
 def make_loaders(cfg: DictConfig, batch_size: int, workers: int):
@@ -163,7 +160,7 @@ def run_job(cfg: DictConfig, run_dir: Path, record_refused: bool = False) -> Out
             )
         summary.update(status="completed", totals=_totals(rows))
         return Outcome("completed")
-    except _bad_input_types() as exc:
+    except BAD_INPUT as exc:
         summary.update(status="failed", error=str(exc))
         return Outcome("failed", str(exc), bad_input=not started)
     except KeyboardInterrupt:

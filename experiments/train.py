@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from bppsa_core import GRU, RNN
+from experiments.records import write_atomic
 
 PHASES = ("forward", "backward", "step")
 
@@ -188,8 +189,6 @@ def save_checkpoint(
     path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, rows: list[dict]
 ) -> None:
     """Everything a resumed run needs, written atomically."""
-    from experiments.records import write_atomic
-
     payload = {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
