@@ -28,6 +28,9 @@ Every strategy returns ``[x_0, x_1, ..., x_n]`` as one (n + 1, B, H) tensor:
   aggregates are scanned, and every chunk is expanded from its entry vector with matrix-vector
   products. The same O(n) matrix products as Blelloch's scan, depth ~2·chunk + scan(n / chunk), and a
   small working set.
+* ``triton``: the chunked scan as three Triton kernels for an RNN's factored chain
+  (``bppsa_core.triton_scan``; ``chunked`` is its twin). Only when asked for: its GPU speed is
+  still to be measured.
 
 No strategy pads the chain to a power of two, and elements shared by the batch (a batch dimension of
 1) broadcast instead of being copied.
@@ -37,17 +40,18 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from bppsa_core.chain import Chain, DenseChain, Index, as_chain
+from bppsa_core.chain import Chain, DenseChain, FactoredChain, Index, as_chain
 
 log = logging.getLogger(__name__)
 
-Strategy = Literal["auto", "sequential", "blelloch", "chunked"]
-STRATEGIES: tuple[str, ...] = ("auto", "sequential", "blelloch", "chunked")
+Strategy = Literal["auto", "sequential", "blelloch", "chunked", "triton"]
+STRATEGIES: tuple[str, ...] = ("auto", "sequential", "blelloch", "chunked", "triton")
 
 # Below this many elements, a chunked scan has too few chunks to pay for its extra matrix work.
 _MIN_PARALLEL_LENGTH = 16
@@ -153,7 +157,32 @@ def scan(
         return sequential_scan(chain, x_last, offsets)
     if strategy == "blelloch":
         return blelloch_scan(chain, x_last, offsets, levels=levels)
+    if strategy == "triton":
+        return _triton(chain, x_last, offsets, chunk)
     return chunked_scan(chain, x_last, offsets, chunk=chunk)
+
+
+def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | None) -> Tensor:
+    """The chunked scan in Triton kernels (``bppsa_core.triton_scan``), where it applies."""
+    try:
+        from bppsa_core import triton_scan
+    except ImportError:
+        raise ValueError("strategy='triton' needs the triton package; accepted here: auto, chunked") from None
+    if x_last.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("strategy='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+    fits = isinstance(chain, FactoredChain) and triton_scan.supports(
+        chain.scales, chain.weights, chain.diagonal
+    )
+    if not fits:
+        raise ValueError(
+            "strategy='triton' takes a float32 RNN chain (one factored term, H <= 64); "
+            "accepted for this chain: auto, sequential, blelloch, chunked"
+        )
+    n = chain.length
+    scales = chain.scales[:, :, 0].expand(n, x_last.shape[0], chain.hidden)
+    return triton_scan.triton_chunked_scan(
+        scales, chain.weights[0], x_last, offsets, chunk or default_chunk(n)
+    )
 
 
 def sequential_scan(elements: Tensor | Chain, x_last: Tensor, offsets: Tensor | None = None) -> Tensor:
