@@ -177,9 +177,20 @@ def _product(a: Tensor, b: Tensor) -> tuple[Tensor, dict]:
     return out, {**info, "flops": spgemm_flops(a, b)}
 
 
+def _matvec_cost(a: Tensor) -> dict:
+    """Cost of a sparse matrix times a dense vector: 2 x nnz."""
+    return {
+        "m": a.shape[0],
+        "k": a.shape[1],
+        "n": 1,
+        "nnz_a": a._nnz(),
+        "nnz_b": a.shape[1],
+        "flops": 2 * a._nnz(),
+    }
+
+
 def _matvec(a: Tensor, v: Tensor) -> tuple[Tensor, dict]:
-    info = {"m": a.shape[0], "k": a.shape[1], "n": 1, "nnz_a": a._nnz(), "nnz_b": a.shape[1]}
-    return a @ v, {**info, "flops": 2 * a._nnz()}
+    return a @ v, _matvec_cost(a)
 
 
 def sparse_scan(
@@ -233,18 +244,5 @@ def backprop_cost(elements: list[Tensor]) -> ScanCost:
     """Plain back-propagation over the same chain: n dependent sparse matrix-vector products."""
     cost = ScanCost()
     for e in reversed(elements):
-        cost.level(
-            0,
-            "sequential",
-            [
-                {
-                    "m": e.shape[0],
-                    "k": e.shape[1],
-                    "n": 1,
-                    "nnz_a": e._nnz(),
-                    "nnz_b": e.shape[1],
-                    "flops": 2 * e._nnz(),
-                }
-            ],
-        )
+        cost.level(0, "sequential", [_matvec_cost(e)])
     return cost

@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--strategies",
         nargs="+",
         default=["chunked", "blelloch"],
-        choices=[s for s in STRATEGIES],
+        choices=STRATEGIES,
         help="BPPSA scan strategies to time",
     )
     parser.add_argument("--loss", choices=("last", "all"), default="last", help="loss on h_T or every output")
