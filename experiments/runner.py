@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from datasets.irmas import IRMASError
+from datasets.bitstream import NUM_CLASSES, bitstream_loaders
+from datasets.irmas import CLASSES, IRMASError, irmas_loaders
 from experiments import records
 from experiments.config import ConfigError, validate
 from experiments.hardware import HardwareError, describe, limit_workers, resolve_device
@@ -57,12 +58,8 @@ def make_loaders(cfg: DictConfig, batch_size: int, workers: int):
     """Train and test loaders of the configured dataset, and its class count."""
     d = cfg.dataset
     if d.kind == "bitstream":
-        from datasets.bitstream import NUM_CLASSES, bitstream_loaders
-
         loaders = bitstream_loaders(d.seq_len, batch_size, d.num_samples, d.seed, d.train_fraction, workers)
         return (*loaders, NUM_CLASSES)
-    from datasets.irmas import CLASSES, irmas_loaders
-
     loaders = irmas_loaders(d.root, d.frames, batch_size, d.cache_dir, None, d.train_fraction, d.seed)
     return (*loaders, len(CLASSES))
 
