@@ -27,16 +27,12 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from analysis.data import AnalysisError, load_results, speedups
+from analysis.data import PHASES, AnalysisError, load_results, speedups
 
 sns.set_theme(style="whitegrid")  # every figure of the suite, fig. 10 included, in one style
 plt.rcParams.update({"svg.hashsalt": "bppsa", "pdf.compression": 6})
 
-PHASE_COLUMNS = {
-    "forward": "forward_per_iter_s",
-    "backward": "backward_per_iter_s",
-    "step": "step_per_iter_s",
-}
+PHASE_COLUMNS = {p: f"{p}_per_iter_s" for p in PHASES}  # the columns load_results adds
 FIGURES = ("fig7", "fig8", "fig9", "fig13", "scaling")
 
 

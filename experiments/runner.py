@@ -31,6 +31,7 @@ from experiments.config import ConfigError, validate
 from experiments.hardware import HardwareError, describe, limit_workers, resolve_device
 from experiments.loggers import LoggerError, RunLogger
 from experiments.train import (
+    PHASES,
     Classifier,
     NonFiniteLossError,
     TrainState,
@@ -206,7 +207,7 @@ def _totals(rows: list[dict]) -> dict:
         "final_loss": last["loss"],
         "final_accuracy": last["accuracy"],
         "final_test_accuracy": last.get("test_accuracy"),
-        **{f"{p}_s": sum(r[f"{p}_s"] for r in rows) for p in ("forward", "backward", "step")},
+        **{f"{p}_s": sum(r[f"{p}_s"] for r in rows) for p in PHASES},
         "timed_iterations": sum(r["timed_iterations"] for r in rows),
     }
 
