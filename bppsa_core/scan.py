@@ -28,9 +28,11 @@ Every strategy returns ``[x_0, x_1, ..., x_n]`` as one (n + 1, B, H) tensor:
   aggregates are scanned, and every chunk is expanded from its entry vector with matrix-vector
   products. The same O(n) matrix products as Blelloch's scan, depth ~2·chunk + scan(n / chunk), and a
   small working set.
-* ``triton``: the chunked scan as three Triton kernels for an RNN's factored chain
-  (``bppsa_core.triton_scan``; ``chunked`` is its twin). Only when asked for: its GPU speed is
-  still to be measured.
+* ``triton``: the chunked scan as three Triton kernels for a factored chain of up to three terms
+  (RNN H <= 64, GRU H <= 32; ``bppsa_core.triton_scan``, whose twin is ``chunked``).
+* ``graph``: on a GPU, the eager per-level scan (Blelloch, or chunked when Blelloch's up-sweep
+  would not fit) captured once per shape in a CUDA graph and replayed: one launch instead of one
+  per op, for the chains the Triton kernels do not take.
 
 No strategy pads the chain to a power of two, and elements shared by the batch (a batch dimension of
 1) broadcast instead of being copied.
@@ -41,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections import OrderedDict
 from typing import Literal
 
 import torch
@@ -50,8 +53,8 @@ from bppsa_core.chain import Chain, DenseChain, FactoredChain, Index, as_chain
 
 log = logging.getLogger(__name__)
 
-Strategy = Literal["auto", "sequential", "blelloch", "chunked", "triton"]
-STRATEGIES: tuple[str, ...] = ("auto", "sequential", "blelloch", "chunked", "triton")
+Strategy = Literal["auto", "sequential", "blelloch", "chunked", "triton", "graph"]
+STRATEGIES: tuple[str, ...] = ("auto", "sequential", "blelloch", "chunked", "triton", "graph")
 
 # Below this many elements, a chunked scan has too few chunks to pay for its extra matrix work.
 _MIN_PARALLEL_LENGTH = 16
@@ -92,14 +95,27 @@ def default_chunk(n: int) -> int:
     return max(1, round(math.sqrt(n / 2)))
 
 
-def choose_strategy(n: int, batch: int, hidden: int, device: torch.device) -> str:
+def choose_strategy(n: int, batch: int, hidden: int, device: torch.device, kernel_fits: bool = False) -> str:
     """Pick a scan strategy for n elements of (hidden x hidden), ``batch`` samples each.
+
+    CPU: see ``eager_strategy``. GPU: the Triton kernels when the chain fits them (``kernel_fits``:
+    ``bppsa_core.triton_scan.supports``), else the eager scan captured in a CUDA graph: on a GPU
+    the cost is launches, and both paths issue a handful however long the chain. (A reasoned
+    default: the GPU timings that would confirm it are still to be measured.)
+    """
+    if device.type == "cpu":
+        return eager_strategy(n, batch, hidden, device)
+    return "triton" if kernel_fits else "graph"
+
+
+def eager_strategy(n: int, batch: int, hidden: int, device: torch.device) -> str:
+    """The best scan made of plain PyTorch ops, one launch each.
 
     CPU: the sequential scan issues ~n dependent small ops; the chunked scan ~3·sqrt(2n) ops plus
     n·B·H³ extra multiply-adds in large GEMMs. Pick the cheaper, an op costing ``_CPU_FLOPS_PER_OP``.
     GPU: the paper's Blelloch scan, whose depth is 2·log2(n) batched levels, unless its up-sweep
     (about one dense chain, n·B·H² elements) would pass ``_GPU_BLELLOCH_BYTES``; then the chunked
-    scan, whose working set is a few chunk aggregates. (Fused GPU kernels replace this choice.)
+    scan, whose working set is a few chunk aggregates.
     """
     if n < _MIN_PARALLEL_LENGTH:
         return "sequential"
@@ -126,7 +142,8 @@ def scan(
             ``FactoredChain`` (``bppsa_core.chain``); a batch size of 1 is shared by all samples.
         x_last: (B, H) the vector the chain starts from (the gradient at the last time step).
         offsets: optional (n, B, H) injected gradients; None is the paper's pure linear chain.
-        strategy: "sequential", "blelloch", "chunked", or "auto" (see ``choose_strategy``).
+        strategy: "sequential", "blelloch", "chunked", "triton", "graph", or "auto" (see
+            ``choose_strategy``).
         chunk: chunk size for "chunked"; default ``default_chunk(n)``.
         levels: up/down levels for "blelloch" before a sequential middle; None runs all levels.
 
@@ -151,15 +168,49 @@ def scan(
     if levels is not None and levels < 0:
         raise ValueError(f"levels must be a non-negative integer or None, got {levels}")
     if strategy == "auto":
-        strategy = choose_strategy(chain.length, x_last.shape[0], chain.hidden, x_last.device)
+        on_gpu = x_last.device.type == "cuda" and x_last.device.index not in _BROKEN_KERNELS
+        kernel_fits = on_gpu and _kernel_fits(chain)
+        strategy = choose_strategy(chain.length, x_last.shape[0], chain.hidden, x_last.device, kernel_fits)
         log.debug("scan of %d elements: auto chose %s", chain.length, strategy)
+        if strategy == "triton":
+            try:
+                return _triton(chain, x_last, offsets, chunk)
+            except _kernel_errors() as exc:  # a GPU the kernels cannot compile for: never fail "auto"
+                _BROKEN_KERNELS.add(x_last.device.index)
+                log.warning("Triton scan kernels failed on %s (%s); using the graph scan", x_last.device, exc)
+                strategy = "graph"
     if strategy == "sequential":
         return sequential_scan(chain, x_last, offsets)
     if strategy == "blelloch":
         return blelloch_scan(chain, x_last, offsets, levels=levels)
     if strategy == "triton":
         return _triton(chain, x_last, offsets, chunk)
+    if strategy == "graph":
+        return _graphed(chain, x_last, offsets, chunk, levels)
     return chunked_scan(chain, x_last, offsets, chunk=chunk)
+
+
+# CUDA devices on which the Triton kernels failed to compile; "auto" stops trying them there.
+_BROKEN_KERNELS: set[int | None] = set()
+
+
+def _kernel_errors() -> tuple[type[BaseException], ...]:
+    """Triton's compile-time failures (too many registers, an unsupported GPU), caught by "auto"."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return (CompilationError, OutOfResources)
+
+
+def _kernel_fits(chain: Chain) -> bool:
+    """Whether the Triton kernels take this chain (and triton is installed)."""
+    try:
+        from bppsa_core import triton_scan
+    except ImportError:
+        return False
+    return isinstance(chain, FactoredChain) and triton_scan.supports(
+        chain.scales, chain.weights, chain.diagonal
+    )
 
 
 def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | None) -> Tensor:
@@ -167,22 +218,82 @@ def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | N
     try:
         from bppsa_core import triton_scan
     except ImportError:
-        raise ValueError("strategy='triton' needs the triton package; accepted here: auto, chunked") from None
+        raise ValueError(
+            "strategy='triton' needs the triton package; accepted here: auto, sequential, blelloch, chunked"
+        ) from None
     if x_last.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("strategy='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
-    fits = isinstance(chain, FactoredChain) and triton_scan.supports(
-        chain.scales, chain.weights, chain.diagonal
-    )
-    if not fits:
+    if not _kernel_fits(chain):
         raise ValueError(
-            "strategy='triton' takes a float32 RNN chain (one factored term, H <= 64); "
-            "accepted for this chain: auto, sequential, blelloch, chunked"
+            "strategy='triton' takes a float32 factored chain of at most 3 terms with K * Hp^2 <= 4096 "
+            "(RNN: H <= 64, GRU: H <= 32); accepted for this chain: auto, sequential, blelloch, "
+            "chunked, graph"
         )
-    n = chain.length
-    scales = chain.scales[:, :, 0].expand(n, x_last.shape[0], chain.hidden)
     return triton_scan.triton_chunked_scan(
-        scales, chain.weights[0], x_last, offsets, chunk or default_chunk(n)
+        chain.scales, chain.weights, x_last, offsets, chunk or default_chunk(chain.length), chain.diagonal
     )
+
+
+# Captured scans: (shapes, dtypes, options) -> (graph, static inputs, static output). Bounded: a
+# training run sees a few shapes (its batch size, a smaller last batch).
+_GRAPHS: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]] = OrderedDict()
+_MAX_GRAPHS = 16
+
+
+def _graphed(
+    chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | None, levels: int | None
+) -> Tensor:
+    """The eager per-level scan, captured in a CUDA graph once per shape and replayed.
+
+    The inputs are copied into the graph's static buffers and the result is copied out, so the
+    caller may keep or overwrite it. Blelloch's scan is captured (with ``levels``), or the chunked
+    one when Blelloch's up-sweep would not fit (``eager_strategy``).
+    """
+    if x_last.device.type != "cuda":
+        raise ValueError(
+            "strategy='graph' needs a CUDA device; accepted here: auto, sequential, blelloch, chunked"
+        )
+    inner = eager_strategy(chain.length, x_last.shape[0], chain.hidden, x_last.device)
+    tensors = [*chain.tensors(), x_last] + ([] if offsets is None else [offsets])
+    key = (
+        type(chain),
+        tuple((tuple(t.shape), t.dtype, t.device) for t in tensors),
+        offsets is None,
+        inner,
+        chunk,
+        levels,
+    )
+
+    def run(ts: list[Tensor]) -> Tensor:
+        n_chain = len(chain.tensors())
+        c = type(chain)(*ts[:n_chain])
+        b = None if offsets is None else ts[-1]
+        if inner == "blelloch":
+            return blelloch_scan(c, ts[n_chain], b, levels=levels)
+        if inner == "chunked":
+            return chunked_scan(c, ts[n_chain], b, chunk=chunk)
+        return sequential_scan(c, ts[n_chain], b)
+
+    if key not in _GRAPHS:
+        static = [t.detach().clone() for t in tensors]
+        side = torch.cuda.Stream(device=x_last.device)
+        side.wait_stream(torch.cuda.current_stream(x_last.device))
+        with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require
+            run(static)
+        torch.cuda.current_stream(x_last.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the autograd engine calls the backward from its own device thread
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = run(static)
+        _GRAPHS[key] = (graph, static, out)
+        if len(_GRAPHS) > _MAX_GRAPHS:
+            _GRAPHS.popitem(last=False)
+    _GRAPHS.move_to_end(key)
+    graph, static, out = _GRAPHS[key]
+    for dst, src in zip(static, tensors, strict=True):
+        dst.copy_(src)
+    graph.replay()
+    return out.clone()
 
 
 def sequential_scan(elements: Tensor | Chain, x_last: Tensor, offsets: Tensor | None = None) -> Tensor:
@@ -290,7 +401,7 @@ def chunked_scan(
                 agg_b = _vec(chain, agg_b, idx, offsets)
             agg, spare = chain.rmul(agg, idx, out=spare, work=work), agg
     # x at the top of chunks 0..P-2: a scan over the P-2 aggregates, started from the spine's end.
-    y = scan(agg, x, agg_b, strategy="auto")
+    y = scan(agg, x, agg_b, strategy=eager_strategy(p - 2, agg.shape[1], chain.hidden, x.device))
     for i in range(c):
         idx = slice(c - 1 - i, full, c)
         y = _vec(chain, y, idx, offsets)
