@@ -18,6 +18,7 @@ When only ``h_n`` carries gradient (the paper's loss on the last state), ``outpu
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,14 @@ from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence
 
 from bppsa_core.jacobians import Cell, GRUCell, LayerWeights, RNNCell, layer_grads
-from bppsa_core.scan import STRATEGIES, scan
+from bppsa_core.scan import (
+    STRATEGIES,
+    default_chunk,
+    kernel_errors,
+    kernels_failed,
+    kernels_usable,
+    scan,
+)
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
 
@@ -110,11 +118,16 @@ class _ScanBackward(torch.autograd.Function):
             inp = x if i == 0 else outs[i - 1]
             h = outs[i]
             h_prev = torch.cat((h0[i : i + 1], h[:-1]))
-            factors = spec.cell.factors(inp, h_prev, h, w)
             last = None if grad_hn is None else grad_hn[i]
-            g = _state_grads(spec, factors, w, u, last, h)
-            grad_h0[i] = g[0]
-            g_in, g_hid = spec.cell.preactivation_grads(g[1:], factors)
+            fused = _fused_rnn_layer(spec, h, w, u, last)
+            if fused is not None:
+                grad_h0[i], g_in = fused
+                g_hid = g_in
+            else:
+                factors = spec.cell.factors(inp, h_prev, h, w)
+                g = _state_grads(spec, factors, w, u, last, h)
+                grad_h0[i] = g[0]
+                g_in, g_hid = spec.cell.preactivation_grads(g[1:], factors)
             need_input = i > 0 or ctx.needs_input_grad[1]
             u, dw = layer_grads(g_in, g_hid, inp, h_prev, w, need_input)
             grad_w[i * spec.per_layer : (i + 1) * spec.per_layer] = [
@@ -138,13 +151,50 @@ def _state_grads(
     ``u`` (T, B, H) is the gradient reaching h_1..h_T from outside the layer, ``u_last`` the extra
     gradient on h_T (from h_n); either may be None.
     """
-    parts = [t for t in (None if u is None else u[-1], u_last) if t is not None]
-    start = sum(parts[1:], parts[0]) if parts else torch.zeros_like(h[-1])
     offsets = None
     if u is not None:  # u_0 = 0 (nothing reaches h_0 from outside), u_1, ..., u_{T-1}
         offsets = torch.cat((torch.zeros_like(u[:1]), u[:-1]))
     chain = spec.cell.chain(factors, w)
+    start = _last_grad(u, u_last, h)
     return scan(chain, start, offsets, strategy=spec.strategy, chunk=spec.chunk, levels=spec.levels)
+
+
+def _last_grad(u: Tensor | None, u_last: Tensor | None, h: Tensor) -> Tensor:
+    """dL/dh_T: what reaches the last state from the outputs and from h_n."""
+    parts = [t for t in (None if u is None else u[-1], u_last) if t is not None]
+    return sum(parts[1:], parts[0]) if parts else torch.zeros_like(h[-1])
+
+
+def _fused_rnn_layer(
+    spec: _Spec, h: Tensor, w: LayerWeights, u: Tensor | None, u_last: Tensor | None
+) -> tuple[Tensor, Tensor] | None:
+    """g_0 and the deltas of a tanh/relu RNN layer from the fused Triton kernels, or None.
+
+    Taken with strategy "triton" (on a GPU or under TRITON_INTERPRET=1) and with "auto" on a GPU,
+    for the chains the kernels fit (``triton_scan.supports``); everything else goes through
+    ``scan``, which also gives "triton"'s error messages.
+    """
+    if not isinstance(spec.cell, RNNCell) or spec.strategy not in ("auto", "triton"):
+        return None
+    if spec.strategy == "auto" and not kernels_usable(h.device):
+        return None
+    if h.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from bppsa_core import triton_scan
+    except ImportError:
+        return None
+    if not triton_scan.supports(h, w.w_hh.unsqueeze(0), None):
+        return None
+    chunk = spec.chunk or default_chunk(h.shape[0])
+    g_last = _last_grad(u, u_last, h)
+    try:
+        return triton_scan.rnn_layer_backward(h, w.w_hh, g_last, u, spec.cell.nonlinearity, chunk)
+    except kernel_errors() as exc:
+        if spec.strategy == "triton":
+            raise
+        kernels_failed(h.device, exc)
+        return None
 
 
 class _BPPSAMixin:

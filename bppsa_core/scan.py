@@ -168,16 +168,14 @@ def scan(
     if levels is not None and levels < 0:
         raise ValueError(f"levels must be a non-negative integer or None, got {levels}")
     if strategy == "auto":
-        on_gpu = x_last.device.type == "cuda" and x_last.device.index not in _BROKEN_KERNELS
-        kernel_fits = on_gpu and _kernel_fits(chain)
+        kernel_fits = kernels_usable(x_last.device) and _kernel_fits(chain)
         strategy = choose_strategy(chain.length, x_last.shape[0], chain.hidden, x_last.device, kernel_fits)
         log.debug("scan of %d elements: auto chose %s", chain.length, strategy)
         if strategy == "triton":
             try:
                 return _triton(chain, x_last, offsets, chunk)
-            except _kernel_errors() as exc:  # a GPU the kernels cannot compile for: never fail "auto"
-                _BROKEN_KERNELS.add(x_last.device.index)
-                log.warning("Triton scan kernels failed on %s (%s); using the graph scan", x_last.device, exc)
+            except kernel_errors() as exc:  # a GPU the kernels cannot compile for: never fail "auto"
+                kernels_failed(x_last.device, exc)
                 strategy = "graph"
     if strategy == "sequential":
         return sequential_scan(chain, x_last, offsets)
@@ -194,12 +192,23 @@ def scan(
 _BROKEN_KERNELS: set[int | None] = set()
 
 
-def _kernel_errors() -> tuple[type[BaseException], ...]:
+def kernel_errors() -> tuple[type[BaseException], ...]:
     """Triton's compile-time failures (too many registers, an unsupported GPU), caught by "auto"."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
     return (CompilationError, OutOfResources)
+
+
+def kernels_usable(device: torch.device) -> bool:
+    """Whether "auto" may run the Triton kernels on this device: a GPU where they have not failed."""
+    return device.type == "cuda" and device.index not in _BROKEN_KERNELS
+
+
+def kernels_failed(device: torch.device, exc: BaseException) -> None:
+    """Record that the kernels failed to compile on ``device``: "auto" stops trying them there."""
+    _BROKEN_KERNELS.add(device.index)
+    log.warning("Triton scan kernels failed on %s (%s); using the graph scan", device, exc)
 
 
 def _kernel_fits(chain: Chain) -> bool:

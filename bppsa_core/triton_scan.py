@@ -12,6 +12,11 @@ offsets. Three launches, however long the chain:
    aggregates sequentially, writing every chunk's entry vector;
 3. ``_expand``: one program per (chunk 0..P-2, sample) walks its chunk from its entry vector.
 
+``rnn_layer_backward`` runs the same three kernels as a tanh/relu RNN layer's whole scan step of
+the backward: they build each Jacobian from the layer's output (f'(z_t) = 1 - h_t^2 or [h_t > 0])
+instead of reading a chain, and write the deltas f'(z_t) * g_t the weight gradients need instead of
+every g_t, so the chain, the offsets copy and the delta pass never touch memory.
+
 Loop bounds (chunk size, remainder, aggregate count) are compile-time constants: one compilation
 per sequence length and chunk size, which a training run keeps fixed (and Triton's interpreter
 cannot take a run-time loop bound with NumPy 2.4). H is padded to a power of two of at least 16
@@ -52,11 +57,40 @@ def _load_weights(w_ptr, H, K: tl.constexpr, HP: tl.constexpr):
 
 
 @triton.jit
-def _mat_step(agg, s_row, e_row, H, w0, w1, w2, K: tl.constexpr, HAS_E: tl.constexpr, HP: tl.constexpr):
+def _scale(ptr, r, vec, ACT: tl.constexpr):
+    """One scale vector: read as is (ACT 0), or f'(z) from an RNN's output h: 1 - h^2 (1), [h > 0] (2)."""
+    v = tl.load(ptr + r, mask=vec, other=0.0)
+    if ACT == 1:
+        v = 1.0 - v * v
+    if ACT == 2:
+        v = tl.where(v > 0, 1.0, 0.0)
+    return v
+
+
+@triton.jit
+def _offset(b_ptr, k, b, B, H, r, vec, SHIFT: tl.constexpr):
+    """Element k's offset: row k of the offsets, or row k - 1 with SHIFT (none for k = 0)."""
+    return tl.load(b_ptr + ((k - SHIFT) * B + b) * H + r, mask=vec & (k >= SHIFT), other=0.0)
+
+
+@triton.jit
+def _mat_step(
+    agg,
+    s_row,
+    e_row,
+    H,
+    w0,
+    w1,
+    w2,
+    K: tl.constexpr,
+    HAS_E: tl.constexpr,
+    ACT: tl.constexpr,
+    HP: tl.constexpr,
+):
     """agg @ M for one element: s_row points at its K scale vectors, e_row at its diagonal."""
     r = tl.arange(0, HP)
     vec = r < H
-    s = tl.load(s_row + r, mask=vec, other=0.0)
+    s = _scale(s_row, r, vec, ACT)
     out = tl.dot(agg * s[None, :], w0, input_precision="ieee")
     if K > 1:
         s = tl.load(s_row + H + r, mask=vec, other=0.0)
@@ -70,12 +104,14 @@ def _mat_step(agg, s_row, e_row, H, w0, w1, w2, K: tl.constexpr, HAS_E: tl.const
 
 
 @triton.jit
-def _vec_step(y, s_row, e_row, H, w0, w1, w2, K: tl.constexpr, HAS_E: tl.constexpr, HP: tl.constexpr):
-    """y @ M for one element and one row vector y."""
+def _vec_step(
+    y, s_row, e_row, H, w0, w1, w2, K: tl.constexpr, HAS_E: tl.constexpr, ACT: tl.constexpr, HP: tl.constexpr
+):
+    """y @ M for one element and one row vector y; also y * s (an RNN's delta when K = 1)."""
     r = tl.arange(0, HP)
     vec = r < H
-    s = tl.load(s_row + r, mask=vec, other=0.0)
-    out = tl.sum((y * s)[:, None] * w0, axis=0)
+    ys = y * _scale(s_row, r, vec, ACT)
+    out = tl.sum(ys[:, None] * w0, axis=0)
     if K > 1:
         s = tl.load(s_row + H + r, mask=vec, other=0.0)
         out += tl.sum((y * s)[:, None] * w1, axis=0)
@@ -84,7 +120,7 @@ def _vec_step(y, s_row, e_row, H, w0, w1, w2, K: tl.constexpr, HAS_E: tl.constex
         out += tl.sum((y * s)[:, None] * w2, axis=0)
     if HAS_E:
         out += y * tl.load(e_row + r, mask=vec, other=0.0)
-    return out
+    return out, ys
 
 
 @triton.jit
@@ -103,6 +139,8 @@ def _reduce(
     K: tl.constexpr,
     HAS_E: tl.constexpr,
     HAS_B: tl.constexpr,
+    ACT: tl.constexpr,
+    SHIFT: tl.constexpr,
     HP: tl.constexpr,
 ):
     q = tl.program_id(0) + 1  # chunks 1..P-2
@@ -117,13 +155,54 @@ def _reduce(
         k = q * C + C - 1 - i
         s_row = s_ptr + k * S_K + b * S_B
         e_row = e_ptr + (k * B + b) * H
-        agg = _mat_step(agg, s_row, e_row, H, w0, w1, w2, K, HAS_E, HP)
+        agg = _mat_step(agg, s_row, e_row, H, w0, w1, w2, K, HAS_E, ACT, HP)
         if HAS_B:
-            c = _vec_step(c, s_row, e_row, H, w0, w1, w2, K, HAS_E, HP)
-            c += tl.load(b_ptr + (k * B + b) * H + r, mask=vec, other=0.0)
+            c, _ = _vec_step(c, s_row, e_row, H, w0, w1, w2, K, HAS_E, ACT, HP)
+            c += _offset(b_ptr, k, b, B, H, r, vec, SHIFT)
     j = q - 1
     tl.store(agg_ptr + ((j * B + b) * H + r[:, None]) * H + r[None, :], agg, mask=mat)
     tl.store(aggb_ptr + (j * B + b) * H + r, c, mask=vec)
+
+
+@triton.jit
+def _walk_step(
+    y,
+    k,
+    b,
+    s_ptr,
+    e_ptr,
+    b_ptr,
+    out_ptr,
+    d_ptr,
+    B,
+    H,
+    S_K,
+    S_B,
+    w0,
+    w1,
+    w2,
+    K: tl.constexpr,
+    HAS_E: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACT: tl.constexpr,
+    SHIFT: tl.constexpr,
+    FUSED: tl.constexpr,
+    HP: tl.constexpr,
+):
+    """x_k from y = x_{k+1}, stored: every x_k, or (FUSED) only x_0 and every delta = x_{k+1} * s_k."""
+    r = tl.arange(0, HP)
+    vec = r < H
+    y_next, ys = _vec_step(
+        y, s_ptr + k * S_K + b * S_B, e_ptr + (k * B + b) * H, H, w0, w1, w2, K, HAS_E, ACT, HP
+    )
+    if HAS_B:
+        y_next += _offset(b_ptr, k, b, B, H, r, vec, SHIFT)
+    if FUSED:
+        tl.store(d_ptr + (k * B + b) * H + r, ys, mask=vec)
+        tl.store(out_ptr + b * H + r, y_next, mask=vec & (k == 0))
+    else:
+        tl.store(out_ptr + (k * B + b) * H + r, y_next, mask=vec)
+    return y_next
 
 
 @triton.jit
@@ -136,6 +215,7 @@ def _spine(
     aggb_ptr,
     x_ptr,
     out_ptr,
+    d_ptr,
     entry_ptr,
     B,
     H,
@@ -147,6 +227,9 @@ def _spine(
     K: tl.constexpr,
     HAS_E: tl.constexpr,
     HAS_B: tl.constexpr,
+    ACT: tl.constexpr,
+    SHIFT: tl.constexpr,
+    FUSED: tl.constexpr,
     HP: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -155,13 +238,14 @@ def _spine(
     mat = vec[:, None] & vec[None, :]
     w0, w1, w2 = _load_weights(w_ptr, H, K, HP)
     y = tl.load(x_ptr + b * H + r, mask=vec, other=0.0)
-    tl.store(out_ptr + (N * B + b) * H + r, y, mask=vec)
+    if not FUSED:
+        tl.store(out_ptr + (N * B + b) * H + r, y, mask=vec)
     for i in range(0, REM):  # the remainder chunk, from x_n down
         k = N - 1 - i
-        y = _vec_step(y, s_ptr + k * S_K + b * S_B, e_ptr + (k * B + b) * H, H, w0, w1, w2, K, HAS_E, HP)
-        if HAS_B:
-            y += tl.load(b_ptr + (k * B + b) * H + r, mask=vec, other=0.0)
-        tl.store(out_ptr + (k * B + b) * H + r, y, mask=vec)
+        y = _walk_step(
+            y, k, b, s_ptr, e_ptr, b_ptr, out_ptr, d_ptr, B, H, S_K, S_B, w0, w1, w2,
+            K, HAS_E, HAS_B, ACT, SHIFT, FUSED, HP,
+        )  # fmt: skip
     tl.store(entry_ptr + (NAGG * B + b) * H + r, y, mask=vec)
     for i in range(0, NAGG):  # aggregates of chunks P-2 .. 1: entry of chunk j is x at (j + 1) C
         j = NAGG - 1 - i
@@ -178,6 +262,7 @@ def _expand(
     b_ptr,
     entry_ptr,
     out_ptr,
+    d_ptr,
     B,
     H,
     S_K,
@@ -186,6 +271,9 @@ def _expand(
     K: tl.constexpr,
     HAS_E: tl.constexpr,
     HAS_B: tl.constexpr,
+    ACT: tl.constexpr,
+    SHIFT: tl.constexpr,
+    FUSED: tl.constexpr,
     HP: tl.constexpr,
 ):
     q = tl.program_id(0)  # chunks 0..P-2
@@ -196,10 +284,10 @@ def _expand(
     y = tl.load(entry_ptr + (q * B + b) * H + r, mask=vec, other=0.0)
     for i in range(0, C):
         k = q * C + C - 1 - i
-        y = _vec_step(y, s_ptr + k * S_K + b * S_B, e_ptr + (k * B + b) * H, H, w0, w1, w2, K, HAS_E, HP)
-        if HAS_B:
-            y += tl.load(b_ptr + (k * B + b) * H + r, mask=vec, other=0.0)
-        tl.store(out_ptr + (k * B + b) * H + r, y, mask=vec)
+        y = _walk_step(
+            y, k, b, s_ptr, e_ptr, b_ptr, out_ptr, d_ptr, B, H, S_K, S_B, w0, w1, w2,
+            K, HAS_E, HAS_B, ACT, SHIFT, FUSED, HP,
+        )  # fmt: skip
 
 
 def _padded(h: int) -> int:
@@ -230,31 +318,84 @@ def triton_chunked_scan(
     scales (n, B or 1, K, H), weights (K, H, H), diagonal (n, B or 1, H) or None, x_last (B, H),
     offsets (n, B, H) or None. Returns x_0..x_n as (n + 1, B, H).
     """
-    n, _, k, h = scales.shape
-    batch = x_last.shape[0]
-    p = math.ceil(n / chunk)
-    if p < 2:  # a single chunk: nothing to run in parallel, the twin's sequential walk does it
+    n, h = scales.shape[0], scales.shape[-1]
+    if math.ceil(n / chunk) < 2:  # a single chunk: nothing to run in parallel, the twin walks it
         from bppsa_core.chain import FactoredChain
         from bppsa_core.scan import sequential_scan
 
         return sequential_scan(FactoredChain(scales, weights, diagonal), x_last, offsets)
+    out = x_last.new_empty((n + 1, x_last.shape[0], h))
+    _launch(scales, weights, diagonal, x_last, offsets, chunk, out, None, act=0, shift=0)
+    return out
+
+
+ACTIVATIONS = {"tanh": 1, "relu": 2}
+
+
+def rnn_layer_backward(
+    h: Tensor, w_hh: Tensor, g_last: Tensor, u: Tensor | None, nonlinearity: str, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """One tanh/relu RNN layer's backward in the kernels, with its Jacobians built in them.
+
+    h (T, B, H) are the layer's outputs h_1..h_T, ``g_last`` (B, H) the gradient at h_T, ``u``
+    (T, B, H) or None the gradient reaching h_1..h_T from outside (its last row is already in
+    ``g_last``). The kernels read f'(z_t) off h_t (1 - h^2 or [h > 0]) instead of a stored chain,
+    take u shifted by one step instead of a copied offset tensor, and write only what the weight
+    gradients need: g_0 = dL/dh_0 (B, H) and delta_t = f'(z_t) * dL/dh_t for t = 1..T (T, B, H).
+    The weight gradients then stay GEMMs over delta (``layer_grads``): delta must be written for
+    the input-side gradients anyway, and reducing dW_hh inside the kernels would need per-program
+    partial sums about as large as delta, or non-deterministic atomics.
+    """
+    n, batch, hid = h.shape
+    if math.ceil(n / chunk) < 2:  # a single chunk: the twin's sequential walk
+        from bppsa_core.chain import FactoredChain
+        from bppsa_core.scan import sequential_scan
+
+        fp = 1.0 - h * h if nonlinearity == "tanh" else (h > 0).to(h.dtype)
+        offsets = None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))
+        g = sequential_scan(FactoredChain(fp.unsqueeze(2), w_hh.unsqueeze(0)), g_last, offsets)
+        return g[0], g[1:].mul_(fp)
+    g0 = g_last.new_empty((1, batch, hid))
+    delta = h.new_empty((n, batch, hid))
+    _launch(
+        h.unsqueeze(2), w_hh.unsqueeze(0), None, g_last, u, chunk, g0, delta, ACTIVATIONS[nonlinearity], 1
+    )
+    return g0[0], delta
+
+
+def _launch(
+    scales: Tensor,
+    weights: Tensor,
+    diagonal: Tensor | None,
+    x_last: Tensor,
+    offsets: Tensor | None,
+    chunk: int,
+    out: Tensor,
+    delta: Tensor | None,
+    act: int,
+    shift: int,
+) -> None:
+    """The three launches, for a chain of at least two chunks."""
+    n, _, k, h = scales.shape
+    batch = x_last.shape[0]
+    p = math.ceil(n / chunk)
     s = scales.contiguous()
     s_k, s_b = s.stride(0), (s.stride(1) if s.shape[1] == batch else 0)
     w = weights.contiguous()
     has_e, has_b = diagonal is not None, offsets is not None
     e = diagonal.expand(n, batch, h).contiguous() if has_e else s  # not read when HAS_E is false
     b = offsets.contiguous() if has_b else s
-    hp = _padded(h)
-    out = x_last.new_empty((n + 1, batch, h))
+    d = out if delta is None else delta
     agg = s.new_empty((max(p - 2, 1), batch, h, h))
     aggb = s.new_zeros((max(p - 2, 1), batch, h))
     entry = s.new_empty((p - 1, batch, h))
-    flags = {"K": k, "HAS_E": has_e, "HAS_B": has_b, "HP": hp}
+    flags = {"K": k, "HAS_E": has_e, "HAS_B": has_b, "ACT": act, "SHIFT": shift, "HP": _padded(h)}
     if p > 2:
         _reduce[(p - 2, batch)](s, w, e, b, agg, aggb, batch, h, s_k, s_b, chunk, **flags)
     rem = n - (p - 1) * chunk
+    fused = delta is not None
+    x = x_last.contiguous()
     _spine[(batch,)](
-        s, w, e, b, agg, aggb, x_last.contiguous(), out, entry, batch, h, n, s_k, s_b, rem, p - 2, **flags
+        s, w, e, b, agg, aggb, x, out, d, entry, batch, h, n, s_k, s_b, rem, p - 2, FUSED=fused, **flags
     )
-    _expand[(p - 1, batch)](s, w, e, b, entry, out, batch, h, s_k, s_b, chunk, **flags)
-    return out
+    _expand[(p - 1, batch)](s, w, e, b, entry, out, d, batch, h, s_k, s_b, chunk, FUSED=fused, **flags)

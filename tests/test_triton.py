@@ -90,3 +90,69 @@ def test_chains_the_kernels_do_not_take_are_refused(chain, why) -> None:
     match = "strategy='triton' takes a float32 factored chain of at most 3 terms"
     with pytest.raises(ValueError, match=match):
         scan(chain, torch.zeros(2, chain.hidden, dtype=chain.tensors()[0].dtype), strategy="triton")
+
+
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+@pytest.mark.parametrize(("n", "batch", "hidden", "chunk"), [(37, 3, 5, 4), (9, 1, 20, 2), (7, 2, 3, 8)])
+@pytest.mark.parametrize("outside", [False, True])
+def test_the_fused_rnn_backward_matches_its_twin(nonlinearity, n, batch, hidden, chunk, outside) -> None:
+    """Jacobians built in the kernels from h, offsets read shifted, only g_0 and the deltas written."""
+    from bppsa_core import triton_scan
+
+    g = torch.Generator().manual_seed(n + hidden)
+    h = torch.rand(n, batch, hidden, generator=g) * 2 - 1  # tanh/relu outputs: (-1, 1); relu zeroes < 0
+    h = h if nonlinearity == "tanh" else h.clamp_min(0)
+    w = torch.randn(hidden, hidden, generator=g) / hidden**0.5
+    g_last = torch.randn(batch, hidden, generator=g)
+    u = torch.randn(n, batch, hidden, generator=g) if outside else None
+    fp = 1 - h * h if nonlinearity == "tanh" else (h > 0).float()
+    offsets = None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))
+    x = chunked_scan(FactoredChain(fp.unsqueeze(2), w.unsqueeze(0)), g_last, offsets, chunk=chunk)
+    g0, delta = triton_scan.rnn_layer_backward(h, w, g_last, u, nonlinearity, chunk)
+    assert g0.shape == (batch, hidden) and delta.shape == (n, batch, hidden)
+    assert rel_err(x[0].double(), g0.double()) < 1e-5
+    assert rel_err((x[1:] * fp).double(), delta.double()) < 1e-5
+
+
+def test_an_rnn_with_the_triton_strategy_takes_the_fused_path(monkeypatch) -> None:
+    from bppsa_core import triton_scan
+
+    calls = []
+    fused = triton_scan.rnn_layer_backward
+    monkeypatch.setattr(triton_scan, "rnn_layer_backward", lambda *a: calls.append(1) or fused(*a))
+    torch.manual_seed(0)
+    ref = torch.nn.RNN(2, 6, nonlinearity="relu")
+    ours = bnn.RNN(2, 6, nonlinearity="relu", strategy="triton", chunk=4)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(23, 2, 2)
+    grads = []
+    for m in (ref, ours):
+        m(x)[1].pow(2).sum().backward()  # loss on h_n only: the pure linear chain
+        grads.append([p.grad for p in m.parameters()])
+    assert calls == [1]
+    for a, b in zip(*grads, strict=True):
+        assert rel_err(a, b) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["auto", "triton", "graph", "blelloch", "chunked"])
+@pytest.mark.parametrize(("ref_cls", "our_cls"), [(torch.nn.RNN, bnn.RNN), (torch.nn.GRU, bnn.GRU)])
+def test_every_gpu_path_gives_cudnn_gradients(strategy, ref_cls, our_cls) -> None:
+    """Each GPU path, twice (the graph path replays its capture), against cuDNN's BPTT. cuDNN may run
+    its fp32 forward in TF32 (``torch.backends.cudnn.allow_tf32``), hence the looser tolerance."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    torch.manual_seed(0)
+    ref = ref_cls(3, 20, batch_first=True).cuda()
+    ours = our_cls(3, 20, batch_first=True, strategy=strategy).cuda()
+    ours.load_state_dict(ref.state_dict())
+    for seed in (1, 2):
+        x = torch.randn(16, 517, 3, generator=torch.Generator().manual_seed(seed)).cuda()
+        grads = []
+        for m in (ref, ours):
+            m.zero_grad()
+            out, h_n = m(x)
+            (out.mean() + h_n.pow(2).sum()).backward()
+            grads.append([p.grad for p in m.parameters()])
+        for a, b in zip(*grads, strict=True):
+            assert rel_err(a, b) < 2e-3
