@@ -50,6 +50,22 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def check_strategy(mode: str, strategy: str, device: torch.device) -> None:
+    """Refuse a scan strategy this run's device cannot run, before anything is written."""
+    if mode != "bppsa" or device.type == "cuda":
+        return
+    on_cpu = "auto, sequential, blelloch, chunked"
+    if strategy == "graph":
+        raise HardwareError(
+            f"backward.strategy=graph needs a CUDA device, and this run's is {device}; accepted: {on_cpu}"
+        )
+    if strategy == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise HardwareError(
+            f"backward.strategy=triton needs a CUDA device (or TRITON_INTERPRET=1), and this run's is "
+            f"{device}; accepted: {on_cpu}"
+        )
+
+
 def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 

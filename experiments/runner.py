@@ -28,7 +28,7 @@ from datasets.bitstream import NUM_CLASSES, bitstream_loaders
 from datasets.irmas import CLASSES, IRMASError, irmas_loaders
 from experiments import records
 from experiments.config import ConfigError, validate
-from experiments.hardware import HardwareError, describe, limit_workers, resolve_device
+from experiments.hardware import HardwareError, check_strategy, describe, limit_workers, resolve_device
 from experiments.loggers import LoggerError, RunLogger
 from experiments.train import (
     PHASES,
@@ -125,6 +125,7 @@ def run_job(cfg: DictConfig, run_dir: Path, record_refused: bool = False) -> Out
     started = False
     try:
         device = resolve_device(cfg.hardware.device)
+        check_strategy(cfg.backward.mode, cfg.backward.strategy, device)
         torch.manual_seed(cfg.trainer.seed)
         with limit_workers(device, cfg.hardware.workers) as used:
             summary["device"] = info = describe(device, used)

@@ -177,6 +177,10 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
         (["dataset=irmas"], "dataset.root is required"),
         (["dataset=irmas", "dataset.root=/no/such/irmas"], "IRMAS root '/no/such/irmas' does not exist"),
         (["hardware.device=tpu"], "unknown hardware.device 'tpu'; accepted: auto, cpu, cuda"),
+        (
+            ["hardware.device=cpu", "backward.strategy=graph"],
+            "backward.strategy=graph needs a CUDA device, and this run's is cpu; accepted: auto, sequential",
+        ),
     ],
 )
 def test_bad_input_fails_in_one_line_and_leaves_no_files(tmp_path: Path, args, message: str) -> None:
