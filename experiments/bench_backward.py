@@ -1,31 +1,71 @@
 """Backward-pass benchmark: PyTorch's BPTT (autograd over its fused RNN/GRU) against BPPSA.
 
     python -m experiments.bench_backward --model rnn --T 100 1000 10000 --B 16 --H 20
+    python -m experiments.bench_backward --device cuda --suite issue7     # every table of the issue
 
-For every configuration both modules share weights and inputs; each backward is timed on its own
-(forward excluded) as the median of ``--repeats`` runs after ``--warmup`` runs, all in one process,
-so the ratio BPPSA / BPTT compares like with like. The last column is the largest relative gradient
-difference between the two, a check that the timed code computes the same thing.
+Three tables (``--tables``), all timed in one process with one clock (CUDA events on a GPU),
+medians of ``--repeats`` runs after ``--warmup``, so every ratio compares like with like:
 
-Prints a Markdown table. Imports nothing beyond torch, so it runs on a bare GPU machine.
+* ``backward``: the full backward (forward excluded) of BPTT and of BPPSA per scan strategy; both
+  modules share weights and inputs, and the last column is the largest relative gradient difference
+  between them, a check that the timed code computes the same thing. A strategy that cannot run for
+  the device or shape (it raises ValueError) gets "n/a" cells and a note under the table.
+* ``scan``: the scan alone on the identical chain, BPPSA per strategy against the peers
+  ``torch._higher_order_ops.associative_scan`` and ``jax.lax.associative_scan``
+  (``experiments.bench_scan``), each checked against the sequential twin.
+* ``epoch``: one training epoch of the paper's RNN task (bitstream, 10 classes, loss on h_T, Adam)
+  with BPTT and with BPPSA.
+
+Both timing tables carry floor estimates: the bytes a backward must move over the measured copy
+bandwidth, and the Blelloch scan's 2·ceil(log2 T) levels times the measured per-launch cost.
+``--suite issue7`` runs the issue's configurations (RNN T sweep, RNN B sweep, GRU IRMAS shapes) and
+the epoch comparison; ``--quick`` shrinks them to seconds on a CPU.
+
+Prints Markdown; progress goes to stderr. Imports nothing beyond torch at module level (triton, jax
+and numpy are imported where used), so it runs on a bare GPU machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import importlib.metadata
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from bppsa_core import nn as bnn
 from bppsa_core.scan import STRATEGIES
+from experiments.bench_scan import (
+    Floors,
+    bench_scan,
+    failure,
+    fmt_ms,
+    format_scan_table,
+    measure_floors,
+    notes_lines,
+    timer,
+)
 
 MODELS = ("rnn", "gru")
+TABLES = ("backward", "scan", "epoch")
+PEER_NAMES = ("torch", "jax")
+SUITES = ("issue7",)
+# Strategies timed when --strategies is not given; those not in STRATEGIES (yet) are left out.
+DEFAULT_STRATEGIES = {
+    "cpu": ("chunked", "blelloch"),
+    "cuda": ("blelloch", "chunked", "graph", "triton", "auto"),
+}
+# The paper's RNN task: bitstream, 10 classes, Adam at lr 1e-5, 32,000 training samples.
+CLASSES = 10
+PAPER_LR = 1e-5
+TRAIN_SAMPLES = 32_000
 
 
 @dataclass
@@ -35,8 +75,34 @@ class Row:
     batch: int
     hidden: int
     bptt_ms: float
-    bppsa_ms: dict[str, float]
+    bppsa_ms: dict[str, float | str]  # a time, or the text of a cell that was not timed ("n/a")
     max_rel_err: float
+    floor_bytes_ms: float | None = None
+    floor_levels_ms: float | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ConfigSet:
+    """A titled list of configurations (T, B, H, F) of one model."""
+
+    title: str
+    model: str
+    configs: tuple[tuple[int, int, int, int], ...]
+
+
+@dataclass
+class EpochRow:
+    steps: int
+    batch: int
+    hidden: int
+    samples: int
+    iterations: int
+    strategy: str
+    bptt_s: float
+    bppsa_s: float
+    bptt_loss: float
+    bppsa_loss: float
 
 
 def _positive(text: str) -> int:
@@ -49,27 +115,25 @@ def _positive(text: str) -> int:
     return value
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
-    """Milliseconds of one call: CUDA events on a GPU, synchronized wall clock elsewhere."""
-    if device.type == "cuda":
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an integer; accepted: non-negative integers"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; accepted: non-negative integers")
+    return value
 
-        def cuda_time(fn: Callable[[], None]) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            return start.elapsed_time(end)
 
-        return cuda_time
+def default_strategies(device: torch.device) -> list[str]:
+    """The strategies timed on this kind of device, among those ``bppsa_core.scan`` knows."""
+    wanted = DEFAULT_STRATEGIES["cuda" if device.type == "cuda" else "cpu"]
+    return [s for s in wanted if s in STRATEGIES]
 
-    def wall_time(fn: Callable[[], None]) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
 
-    return wall_time
+# -------------------------------------------------------------------------------------- full backward
 
 
 def time_backward(
@@ -81,7 +145,7 @@ def time_backward(
     repeats: int,
 ) -> tuple[float, list[torch.Tensor]]:
     """Median backward time (ms) of ``loss`` through ``module``, and the gradients of the last run."""
-    clock = _timer(x.device)
+    clock = timer(x.device)
     times = []
     for i in range(warmup + repeats):
         module.zero_grad(set_to_none=True)
@@ -106,102 +170,424 @@ def bench(
     warmup: int = 2,
     repeats: int = 5,
     seed: int = 0,
+    floors: Floors | None = None,
 ) -> Row:
-    """Time one configuration: BPTT, then BPPSA with every scan strategy."""
+    """Time one configuration: BPTT, then BPPSA with every scan strategy that runs here.
+
+    A strategy that refuses the device or shape (ValueError) gets an "n/a" cell, any other failure
+    an "error" cell; either way its message goes to the row's notes and the other columns go on.
+    """
     torch.manual_seed(seed)
     ref_cls, our_cls = (torch.nn.RNN, bnn.RNN) if model == "rnn" else (torch.nn.GRU, bnn.GRU)
     ref = ref_cls(features, hidden, batch_first=True).to(device, dtype)
     x = torch.bernoulli(torch.full((batch, steps, features), 0.5, device=device, dtype=dtype))
     head = torch.randn(hidden, 1, device=device, dtype=dtype)
     bptt_ms, ref_grads = time_backward(ref, x, head, loss, warmup, repeats)
-    times, err = {}, 0.0
+    times: dict[str, float | str] = {}
+    notes: dict[str, str] = {}
+    err = 0.0
     for strategy in strategies:
         ours = our_cls(features, hidden, batch_first=True, strategy=strategy).to(device, dtype)
         ours.load_state_dict(ref.state_dict())
-        times[strategy], grads = time_backward(ours, x, head, loss, warmup, repeats)
+        try:
+            times[strategy], grads = time_backward(ours, x, head, loss, warmup, repeats)
+        except Exception as exc:  # a strategy that cannot run is reported, not raised
+            times[strategy], notes[strategy] = failure(exc)
+            continue
         for a, b in zip(ref_grads, grads, strict=True):
             err = max(err, ((a - b).norm() / a.norm().clamp_min(1e-30)).item())
-    return Row(model, steps, batch, hidden, bptt_ms, times, err)
+    row = Row(model, steps, batch, hidden, bptt_ms, times, err, notes=notes)
+    if floors is not None:
+        row.floor_bytes_ms = floors.bytes_ms(steps, batch, hidden, 1 if model == "rnn" else 3)
+        row.floor_levels_ms = floors.levels_ms(steps)
+    return row
 
 
 def format_table(rows: Sequence[Row], strategies: Sequence[str]) -> str:
-    """Markdown table: times in ms and BPPSA / BPTT ratios."""
+    """Markdown table: times in ms, BPPSA / BPTT ratios, the best speedup and the floors."""
+    with_floors = all(r.floor_bytes_ms is not None for r in rows)
     head = ["model", "T", "B", "H", "BPTT ms"]
     for s in strategies:
         head += [f"{s} ms", f"{s} / BPTT"]
+    head += ["best BPPSA", "BPTT / best"]
+    if with_floors:
+        head += ["floor bytes ms", "floor levels ms", "best / floor"]
     head.append("max rel grad diff")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r.model, str(r.steps), str(r.batch), str(r.hidden), f"{r.bptt_ms:.2f}"]
+        cells = [r.model, str(r.steps), str(r.batch), str(r.hidden), fmt_ms(r.bptt_ms)]
+        timed = {}
         for s in strategies:
-            cells += [f"{r.bppsa_ms[s]:.2f}", f"{r.bppsa_ms[s] / r.bptt_ms:.3f}"]
+            v = r.bppsa_ms.get(s, "n/a")
+            cells += [fmt_ms(v), f"{v / r.bptt_ms:.3g}" if isinstance(v, float) else v]
+            if isinstance(v, float):
+                timed[s] = v
+        best = min(timed.items(), key=lambda sv: sv[1]) if timed else None
+        cells += [f"{best[0]} {fmt_ms(best[1])}", f"{r.bptt_ms / best[1]:.3g}"] if best else ["n/a", "n/a"]
+        if with_floors:
+            floor = max(r.floor_bytes_ms, r.floor_levels_ms)
+            cells += [f"{r.floor_bytes_ms:.3g}", f"{r.floor_levels_ms:.3g}"]
+            cells.append(f"{best[1] / floor:.3g}" if best else "n/a")
         cells.append(f"{r.max_rel_err:.1e}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------- end-to-end epoch
+
+
+def bitstream_batches(
+    steps: int, batch: int, samples: int, device: torch.device, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``samples`` shuffled training samples of the bitstream task, in batches, on the device."""
+    from datasets.bitstream import BitstreamDataset
+
+    data = BitstreamDataset(steps, split="train", seed=seed)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))[:samples].tolist()
+    out = []
+    for i in range(0, len(order), batch):
+        x, y = data.__getitems__(order[i : i + batch])
+        out.append((x.to(device), y.to(device)))
+    return out
+
+
+def _train(
+    model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], lr: float
+) -> torch.Tensor:
+    """One pass of Adam over the batches; the summed loss stays on the device (no sync per step)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    total = torch.zeros((), device=batches[0][0].device)
+    for x, y in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        total += loss.detach()
+    return total
+
+
+def epoch_comparison(
+    steps: int,
+    batch: int,
+    hidden: int,
+    samples: int,
+    device: torch.device,
+    strategy: str = "auto",
+    warmup: int = 2,
+    seed: int = 0,
+    lr: float = PAPER_LR,
+) -> EpochRow:
+    """One epoch of BPTT and one of BPPSA from the same weights over the same batches, same clock.
+
+    The batches are generated beforehand and kept on the device, so the epoch times forward, loss,
+    backward and Adam step of every batch, with one synchronization at its end. ``warmup``
+    iterations on a copy of each model come first (cuDNN plans, Triton compilation, graph capture).
+    """
+    clock = timer(device)
+    _progress(f"bitstream: {samples} samples, T={steps} ...")
+    batches = bitstream_batches(steps, batch, samples, device, seed)
+    from experiments.train import Classifier  # the suite's model (its imports need pandas, not hydra)
+
+    torch.manual_seed(seed)
+    bptt = Classifier("rnn", 1, hidden, CLASSES, backward="bptt").to(device)
+    bppsa = Classifier("rnn", 1, hidden, CLASSES, backward="bppsa", strategy=strategy).to(device)
+    bppsa.load_state_dict(bptt.state_dict())
+    seconds, losses = [], []
+    for name, model in (("BPTT", bptt), (f"BPPSA ({strategy})", bppsa)):
+        _progress(f"epoch with {name} ...")
+        _train(copy.deepcopy(model), batches[:1] * max(1, warmup), lr)
+        total = torch.zeros(())
+        ms = clock(lambda model=model, total=total: total.copy_(_train(model, batches, lr)))
+        seconds.append(ms / 1e3)
+        losses.append(total.item() / len(batches))
+    taken = sum(len(y) for _, y in batches)
+    return EpochRow(steps, batch, hidden, taken, len(batches), strategy, *seconds, *losses)
+
+
+def format_epoch_table(rows: Sequence[EpochRow]) -> str:
+    """Markdown table: epoch seconds of BPTT and BPPSA, their ratio, and each epoch's mean loss."""
+    strategy = rows[0].strategy if rows else "auto"
+    head = ["model", "T", "B", "H", "samples", "iterations", "BPTT epoch s", f"BPPSA ({strategy}) epoch s"]
+    head += ["BPTT / BPPSA", "BPTT mean loss", "BPPSA mean loss"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = ["rnn", str(r.steps), str(r.batch), str(r.hidden), str(r.samples), str(r.iterations)]
+        cells += [f"{r.bptt_s:.4g}", f"{r.bppsa_s:.4g}", f"{r.bptt_s / r.bppsa_s:.3g}"]
+        cells += [f"{r.bptt_loss:.6f}", f"{r.bppsa_loss:.6f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- suites
+
+
+def suite_sets(name: str, quick: bool = False) -> tuple[list[ConfigSet], tuple[int, int, int, int]]:
+    """The configuration sets of a suite and its epoch comparison (T, B, H, samples).
+
+    issue7: the paper's RNN sweeps (T at B = 16; B = 2, 4, ..., 256 in powers of two at T = 1000;
+    H = 20, one input feature) and its GRU IRMAS shapes (settings s/m/l: T 259/517/1034 with
+    38/24/12 features, each at B 16/32/64; H = 20 as conf/model/gru.yaml). ``quick``: the same
+    tables on shapes small enough for seconds on a CPU.
+    """
+    if name != "issue7":
+        raise ValueError(f"unknown suite {name!r}; accepted: {', '.join(SUITES)}")
+    if quick:
+        lengths, t_batch, batches, b_len, hidden = (10, 30), 4, (2, 4), 30, 5
+        gru_shapes, gru_batches, epoch = ((13, 4), (26, 3)), (2,), (30, 8, 20, 32)
+    else:
+        lengths, t_batch, b_len, hidden = (10, 30, 100, 300, 1000, 3000, 10000, 30000), 16, 1000, 20
+        batches = tuple(2**k for k in range(1, 9))
+        gru_shapes, gru_batches = ((259, 38), (517, 24), (1034, 12)), (16, 32, 64)
+        epoch = (1000, 16, 20, TRAIN_SAMPLES)
+    sets = [
+        ConfigSet(
+            f"RNN, T sweep (B = {t_batch}, H = {hidden})",
+            "rnn",
+            tuple((t, t_batch, hidden, 1) for t in lengths),
+        ),
+        ConfigSet(
+            f"RNN, B sweep (T = {b_len}, H = {hidden})", "rnn", tuple((b_len, b, hidden, 1) for b in batches)
+        ),
+        ConfigSet(
+            f"GRU, IRMAS shapes s/m/l (H = {hidden})",
+            "gru",
+            tuple((t, b, hidden, f) for t, f in gru_shapes for b in gru_batches),
+        ),
+    ]
+    return sets, epoch
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
 def machine_line(device: torch.device) -> str:
     """What the numbers were measured on."""
     if device.type == "cuda":
-        where = torch.cuda.get_device_name(device)
+        where = f"{torch.cuda.get_device_name(device)}, cuDNN {torch.backends.cudnn.version()}"
     else:
         where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    return f"device: {device.type} ({where}); torch {torch.__version__}; python {platform.python_version()}"
+    line = f"device: {device.type} ({where}); torch {torch.__version__}; python {platform.python_version()}"
+    return line + "; " + "; ".join(f"{p} {_version(p)}" for p in ("triton", "jax", "jaxlib"))
+
+
+def _version(package: str) -> str:
+    """An installed package's version, read without importing it."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+_started = [time.perf_counter()]
+
+
+def _progress(text: str) -> None:
+    """A progress line on stderr, with the seconds since ``main`` started."""
+    print(f"[bench {time.perf_counter() - _started[0]:7.1f} s] {text}", file=sys.stderr, flush=True)
+
+
+def _backward_table(
+    cs: ConfigSet,
+    strategies: Sequence[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    args: argparse.Namespace,
+    floors: Floors,
+    heading: bool,
+) -> None:
+    """Time and print the full-backward table of one configuration set."""
+    rows = []
+    for t, b, h, f in cs.configs:
+        _progress(f"backward {cs.model} T={t} B={b} H={h} F={f} ...")
+        rows.append(
+            bench(
+                cs.model,
+                t,
+                b,
+                h,
+                f,
+                strategies,
+                device,
+                dtype,
+                args.loss,
+                args.warmup,
+                args.repeats,
+                floors=floors,
+            )
+        )
+    _say(f"\n### Full backward: {cs.title}\n" if heading else "")
+    _say(format_table(rows, strategies))
+    _notes(rows)
+
+
+def _scan_table(
+    cs: ConfigSet,
+    strategies: Sequence[str],
+    device: torch.device,
+    args: argparse.Namespace,
+    floors: Floors,
+    heading: bool,
+) -> None:
+    """Time and print the scan-only table (BPPSA and its peers) of one configuration set."""
+    rows = []
+    for t, b, h, f in cs.configs:
+        _progress(f"scan {cs.model} T={t} B={b} H={h} ...")
+        rows.append(
+            bench_scan(
+                cs.model, t, b, h, f, strategies, device, floors, args.warmup, args.repeats, peers=args.peers
+            )
+        )
+    _say(f"\n### Scan only, identical chain: {cs.title}\n" if heading else "")
+    _say(format_scan_table(rows, strategies))
+    _notes(rows)
+
+
+def _notes(rows: Sequence[object]) -> None:
+    lines = notes_lines(rows)
+    if lines:
+        _say("\nNot timed (n/a: the method refused this device or shape; error: it failed):")
+        for line in lines:
+            _say(line)
+
+
+LEGEND = (
+    "Full backward: forward excluded; 's / BPTT' < 1 and 'BPTT / best' > 1 mean BPPSA is faster; the "
+    "last column is the largest relative gradient difference from autograd's. Scan only: x_0..x_T of "
+    "one layer's chain from x_T in float32; the peers take the dense (T, B, H, H) elements (their "
+    "building not timed); 'peer / best' > 1: BPPSA's best strategy is that many times faster; rel diff: "
+    "norm-wise, against the sequential scan in float64; the jax peer is timed by the wall clock around a "
+    "blocking call, after jit compilation."
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=MODELS, default="rnn")
-    parser.add_argument("--T", type=_positive, nargs="+", default=[100, 1000, 10000], help="sequence lengths")
-    parser.add_argument("--B", type=_positive, default=16, help="batch size")
-    parser.add_argument("--H", type=_positive, default=20, help="hidden size")
-    parser.add_argument("--F", type=_positive, default=1, help="input features")
+    parser.add_argument("--suite", choices=SUITES, default=None, help="run the issue's configurations")
+    parser.add_argument("--quick", action="store_true", help="the suite on small shapes (seconds, CPU)")
+    parser.add_argument(
+        "--tables",
+        nargs="+",
+        choices=TABLES,
+        default=None,
+        help="tables to print (default: backward; with --suite: all)",
+    )
+    parser.add_argument("--model", choices=MODELS, default=None, help="rnn (default) or gru")
+    parser.add_argument(
+        "--T", type=_positive, nargs="+", default=None, help="sequence lengths (100 1000 10000)"
+    )
+    parser.add_argument("--B", type=_positive, default=None, help="batch size (16)")
+    parser.add_argument("--H", type=_positive, default=None, help="hidden size (20)")
+    parser.add_argument("--F", type=_positive, default=None, help="input features (1)")
     parser.add_argument(
         "--strategies",
         nargs="+",
-        default=["chunked", "blelloch"],
+        default=None,
         choices=STRATEGIES,
-        help="BPPSA scan strategies to time",
+        help="BPPSA scan strategies to time (default: chunked blelloch on a CPU; "
+        "blelloch chunked graph triton auto on a GPU, those that exist)",
     )
     parser.add_argument("--loss", choices=("last", "all"), default="last", help="loss on h_T or every output")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--threads", type=_positive, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--repeats", type=_positive, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=_non_negative, default=2)
+    parser.add_argument(
+        "--epoch-samples",
+        type=_positive,
+        default=None,
+        help=f"training samples in the epoch comparison (default {TRAIN_SAMPLES}, the paper's)",
+    )
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        choices=PEER_NAMES,
+        default=list(PEER_NAMES),
+        help="peer scans in the scan table (default: torch jax; none with an empty list)",
+    )
+    parser.add_argument(
+        "--epoch-strategy", choices=STRATEGIES, default="auto", help="BPPSA strategy of the epoch comparison"
+    )
     args = parser.parse_args(argv)
+    _started[0] = time.perf_counter()
     try:
         device = torch.device(args.device)
     except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
         parser.error(f"unknown device {args.device!r}; accepted: cpu, cuda, cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"device {args.device!r} asked for, but CUDA is not available here; accepted: cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        parser.error(f"device {args.device!r}: there are {torch.cuda.device_count()} CUDA devices here")
+    fixed = [f"--{k}" for k in ("model", "T", "B", "H", "F") if getattr(args, k) is not None]
+    if args.suite and fixed:
+        parser.error(f"--suite runs fixed configurations; {', '.join(fixed)} apply without --suite")
+    if args.quick and not args.suite:
+        parser.error("--quick shrinks a suite; accepted: --suite issue7 --quick")
+    if args.epoch_samples is not None and args.epoch_samples > TRAIN_SAMPLES:
+        parser.error(
+            f"--epoch-samples: {args.epoch_samples} is more than the {TRAIN_SAMPLES} training samples"
+        )
+    tables = args.tables or (list(TABLES) if args.suite else ["backward"])
+    model = args.model or "rnn"
+    if not args.suite and "epoch" in tables and model != "rnn":
+        parser.error("the epoch comparison is the paper's RNN bitstream task; accepted: --model rnn")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    rows = []
-    for steps in args.T:
-        print(f"[bench] {args.model} T={steps} B={args.B} H={args.H} ...", file=sys.stderr, flush=True)
-        rows.append(
-            bench(
-                args.model,
-                steps,
-                args.B,
-                args.H,
-                args.F,
-                args.strategies,
-                device,
-                dtype,
-                args.loss,
-                args.warmup,
-                args.repeats,
-            )
-        )
-    print(machine_line(device))
-    print(
+    strategies = args.strategies or default_strategies(device)
+
+    if args.suite:
+        sets, (e_t, e_b, e_h, e_n) = suite_sets(args.suite, args.quick)
+        epochs = [(e_t, e_b, e_h, args.epoch_samples or e_n)]
+    else:
+        b, h, f = args.B or 16, args.H or 20, args.F or 1
+        lengths = args.T or [100, 1000, 10000]
+        sets = [ConfigSet(f"{model.upper()}", model, tuple((t, b, h, f) for t in lengths))]
+        epochs = [(t, b, h, args.epoch_samples or TRAIN_SAMPLES) for t in lengths]
+
+    _say(machine_line(device))
+    _say(
         f"loss on {'h_T' if args.loss == 'last' else 'every output'}, {args.dtype}, median of {args.repeats}"
+        f" after {args.warmup} warm-up runs; strategies: {' '.join(strategies)}"
     )
-    print(format_table(rows, args.strategies))
+    floors = measure_floors(device)
+    _say(f"measured: copy bandwidth {floors.bandwidth_gbs:.1f} GB/s, {floors.launch_us:.2f} µs per launch")
+    _say(f"\n{floors.note()}\n\n{LEGEND}")
+    if args.suite:
+        _say(f"\n## Suite {args.suite}{' (quick shapes)' if args.quick else ''}")
+    heading = bool(args.suite) or len(tables) > 1
+    # The backward tables and the epoch come first, the prototype and optional peers last.
+    if "backward" in tables:
+        for cs in sets:
+            _backward_table(cs, strategies, device, dtype, args, floors, heading)
+    if "epoch" in tables:
+        rows, failed = [], []
+        for t, b, h, n in epochs:
+            try:
+                rows.append(epoch_comparison(t, b, h, n, device, args.epoch_strategy, args.warmup))
+            except Exception as exc:  # reported, so that the tables after it still run
+                failed.append(f"- T={t}: {type(exc).__name__}: {exc}".splitlines()[0])
+        _say("\n### End-to-end training epoch: bitstream RNN, BPTT vs BPPSA\n" if heading else "")
+        _say(format_epoch_table(rows))
+        if failed:
+            _say("\nFailed:\n" + "\n".join(failed))
+        _say(
+            f"\nOne epoch each from the same weights over the same shuffled batches (Adam, lr {PAPER_LR:g}, "
+            "loss on h_T), batches generated on the device beforehand; forward, loss, backward and step "
+            "of every batch, one synchronization at the end. Mean losses agreeing shows the same training."
+        )
+    if "scan" in tables:
+        if dtype != torch.float32:
+            _progress("the scan table runs in float32 (the peers and Triton take float32)")
+        for cs in sets:
+            _scan_table(cs, strategies, device, args, floors, heading)
+    _progress("done")
     return 0
 
 

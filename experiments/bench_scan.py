@@ -1,0 +1,386 @@
+"""Scan-only benchmark: BPPSA's scans and their peers on the identical chain, and hardware floors.
+
+    python -m experiments.bench_backward --tables scan --T 100 1000 10000 --B 16 --H 20
+
+The chain is a real recurrent layer's: PyTorch's RNN (or GRU) runs forward on random bits, and
+``bppsa_core.jacobians`` turns its states into the factored Jacobians (tanh RNN: f'(z_t) of shape
+(T, B, 1, H) and the shared W_hh); x_last is a random gradient on h_T. Every method computes all of
+x_0..x_T from them:
+
+* BPPSA: ``bppsa_core.scan.scan`` per strategy, on the factored chain, as the backward uses it;
+* the peers, ``torch._higher_order_ops.associative_scan`` (generic mode) and
+  ``jax.lax.associative_scan``, on the affine elements (A_k, c_k): A_k is M_k made dense (T, B, H, H)
+  and c_k = 0, followed by one element (0, x_last). The map x -> x @ A + c applied first as (A1, c1)
+  and then as (A2, c2) is (A1 @ A2, c1 @ A2 + c2); a reverse inclusive scan with that combine leaves
+  x_k in c at position k. Building the dense elements is left out of the peers' times.
+
+Every result is checked against ``sequential_scan`` run in float64 (norm-wise relative difference).
+The floors are what no implementation can beat on the measured machine: the bytes a backward must
+move over the measured copy bandwidth, and the Blelloch scan's dependent levels times the measured
+cost of one launch. This module imports nothing beyond torch; numpy and jax are imported when used.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from bppsa_core.chain import FactoredChain
+from bppsa_core.jacobians import GRUCell, LayerWeights, RNNCell
+from bppsa_core.scan import scan, sequential_scan
+
+TORCH_PEER = "torch assoc_scan"
+JAX_PEER = "jax assoc_scan"
+PEERS = (TORCH_PEER, JAX_PEER)
+
+Clock = Callable[[Callable[[], object]], float]
+
+
+def timer(device: torch.device) -> Clock:
+    """Milliseconds of one call: CUDA events on a GPU, synchronized wall clock elsewhere."""
+    if device.type == "cuda":
+
+        def cuda_time(fn: Callable[[], object]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            return start.elapsed_time(end)
+
+        return cuda_time
+
+    def wall_time(fn: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    return wall_time
+
+
+def median_ms(fn: Callable[[], object], clock: Clock, warmup: int, repeats: int) -> float:
+    """Median of ``repeats`` timed calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        clock(fn)
+    return statistics.median(clock(fn) for _ in range(repeats))
+
+
+# ---------------------------------------------------------------------------------------------- floors
+
+
+def min_bytes(steps: int, batch: int, hidden: int, terms: int = 1, itemsize: int = 4) -> int:
+    """Bytes a BPPSA backward must move at the least: read one (T, B, H) tensor (the states h, or
+    f'(z) made from them), read the K shared (H, H) recurrent weights, write x_0..x_T."""
+    return itemsize * (steps * batch * hidden + terms * hidden * hidden + (steps + 1) * batch * hidden)
+
+
+def dependent_levels(steps: int) -> int:
+    """Dependent levels of the paper's Blelloch scan of a chain of T elements: 2·ceil(log2 T)."""
+    return 2 * math.ceil(math.log2(steps)) if steps > 1 else 1
+
+
+@dataclass(frozen=True)
+class Floors:
+    """The measured machine constants the floors are made of."""
+
+    bandwidth_gbs: float  # copy bandwidth, bytes read + written per second / 1e9
+    launch_us: float  # time of one tiny op among many issued back to back
+
+    def bytes_ms(self, steps: int, batch: int, hidden: int, terms: int = 1) -> float:
+        return min_bytes(steps, batch, hidden, terms) / (self.bandwidth_gbs * 1e6)
+
+    def levels_ms(self, steps: int) -> float:
+        return dependent_levels(steps) * self.launch_us / 1e3
+
+    def note(self) -> str:
+        """What the floor columns count, for the lines under a table."""
+        return (
+            f"Floors: bytes = 4·(T·B·H read (h, or f'(z) made from it) + K·H² (W_hh; K = 1 RNN, 3 GRU) + "
+            f"(T+1)·B·H written (x_0..x_T)) / copy bandwidth {self.bandwidth_gbs:.1f} GB/s (read + written, "
+            f"a large copy on the device); levels = 2·ceil(log2 T) Blelloch levels × {self.launch_us:.2f} "
+            "µs per launch (back-to-back tiny ops). best / floor = best BPPSA time / the larger floor; a "
+            "fused kernel path may go below the levels floor, which assumes one launch per level."
+        )
+
+
+def measure_floors(device: torch.device, repeats: int = 5) -> Floors:
+    """Copy bandwidth (a large device-to-device copy) and the per-launch cost of a tiny op."""
+    clock = timer(device)
+    nbytes = (256 if device.type == "cuda" else 64) << 20
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src), clock, 2, repeats)
+    count = 1000 if device.type == "cuda" else 200
+    x = torch.zeros(1, device=device)
+
+    def launches() -> None:
+        for _ in range(count):
+            x.add_(1.0)
+
+    launch_ms = median_ms(launches, clock, 1, repeats) / count
+    return Floors(bandwidth_gbs=2 * nbytes / (copy_ms * 1e6), launch_us=launch_ms * 1e3)
+
+
+# ----------------------------------------------------------------------------------------------- chain
+
+
+def layer_chain(
+    model: str,
+    steps: int,
+    batch: int,
+    hidden: int,
+    features: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[FactoredChain, Tensor]:
+    """The factored Jacobian chain of one RNN or GRU layer run on random bits, and a random x_last."""
+    torch.manual_seed(seed)
+    cls = torch.nn.RNN if model == "rnn" else torch.nn.GRU
+    layer = cls(features, hidden).to(device, dtype)
+    x = torch.bernoulli(torch.full((steps, batch, features), 0.5, device=device, dtype=dtype))
+    with torch.no_grad():
+        h, _ = layer(x)
+        params = (layer.weight_ih_l0, layer.weight_hh_l0, layer.bias_ih_l0, layer.bias_hh_l0)
+        w = LayerWeights(*(p.detach() for p in params))
+        h_prev = torch.cat((torch.zeros_like(h[:1]), h[:-1]))
+        cell = RNNCell() if model == "rnn" else GRUCell()
+        chain = cell.chain(cell.factors(x, h_prev, h, w), w)
+    x_last = torch.randn(batch, hidden, device=device, dtype=dtype)
+    return chain, x_last
+
+
+def _as_double(chain: FactoredChain) -> FactoredChain:
+    d = None if chain.diagonal is None else chain.diagonal.double()
+    return FactoredChain(chain.scales.double(), chain.weights.double(), d)
+
+
+def rel_diff(out: Tensor, ref: Tensor) -> float:
+    """Norm-wise relative difference of ``out`` from the reference."""
+    out = out.to(ref.device, ref.dtype)
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+# ----------------------------------------------------------------------------------------------- peers
+
+
+def affine_elements(chain: FactoredChain, x_last: Tensor) -> tuple[Tensor, Tensor]:
+    """The chain as affine elements for a generic scan: A (n+1, B, H, H), c (n+1, B, H).
+
+    Elements 0..n-1 are (M_k, 0); element n is (0, x_last), so the reverse scan's c at k is x_k.
+    """
+    n, h, b = chain.length, chain.hidden, x_last.shape[0]
+    a = x_last.new_zeros((n + 1, b, h, h))
+    a[:n] = chain.dense()
+    c = x_last.new_zeros((n + 1, b, h))
+    c[n] = x_last
+    return a, c
+
+
+def combine(first: tuple[Tensor, Tensor], then: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Compose two affine maps x -> x @ A + c, ``first`` applied first: (A1 @ A2, c1 @ A2 + c2).
+
+    Works on single elements ((B, H, H), (B, H)) and on stacks of them (a leading dimension).
+    """
+    (a1, c1), (a2, c2) = first, then
+    return a1 @ a2, (c1.unsqueeze(-2) @ a2).squeeze(-2) + c2
+
+
+def torch_associative_scan(a: Tensor, c: Tensor) -> Tensor:
+    """x_0..x_n by PyTorch's prototype ``associative_scan`` in generic mode, reversed over time."""
+    from torch._higher_order_ops import associative_scan
+
+    return associative_scan(combine, (a, c), dim=0, reverse=True, combine_mode="generic")[1]
+
+
+def jax_peer(a: Tensor, c: Tensor) -> tuple[Callable[[], object], Callable[[object], Tensor]] | str:
+    """A jitted ``jax.lax.associative_scan`` over (A, c) on A's device, and a converter of its result
+    to a torch tensor; or the text of the cell when it cannot run ("not installed", "n/a (...)").
+
+    Matrix products run at full float32 precision (``Precision.HIGHEST``; jax's default on a GPU
+    is TF32), as torch's do. XLA is asked not to preallocate GPU memory, which torch shares.
+    """
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    try:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+    except ImportError:
+        return "not installed"
+    platform = "gpu" if a.device.type == "cuda" else "cpu"
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError:
+        return f"n/a (jax has no {platform} backend)"
+    dev = devices[min(a.device.index or 0, len(devices) - 1)]
+    highest = jax.lax.Precision.HIGHEST
+
+    def jcombine(first, then):
+        (a1, c1), (a2, c2) = first, then
+        return jnp.matmul(a1, a2, precision=highest), (
+            jnp.matmul(c1[..., None, :], a2, precision=highest)[..., 0, :] + c2
+        )
+
+    fn = jax.jit(lambda a, c: jax.lax.associative_scan(jcombine, (a, c), reverse=True, axis=0)[1])
+    args = (jax.device_put(a.cpu().numpy(), dev), jax.device_put(c.cpu().numpy(), dev))
+
+    def run() -> object:
+        return fn(*args).block_until_ready()
+
+    return run, lambda out: torch.from_numpy(np.array(out))
+
+
+# ----------------------------------------------------------------------------------------------- table
+
+
+@dataclass
+class ScanRow:
+    """One configuration: per method its time (ms) or the text of its cell, and its difference."""
+
+    model: str
+    steps: int
+    batch: int
+    hidden: int
+    cells: dict[str, float | str]
+    diffs: dict[str, float]
+    floor_bytes_ms: float
+    floor_levels_ms: float
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def best(self, methods: Sequence[str]) -> tuple[str, float] | None:
+        timed = [(m, v) for m in methods if isinstance(v := self.cells.get(m), float)]
+        return min(timed, key=lambda mv: mv[1]) if timed else None
+
+
+def failure(exc: Exception) -> tuple[str, str]:
+    """The cell and the note of a method that did not run: "n/a" when it refuses the device or shape
+    (ValueError, as ``bppsa_core.scan`` does), "error" when anything else went wrong."""
+    if isinstance(exc, ValueError):
+        return "n/a", str(exc).splitlines()[0]
+    return "error", f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def bench_scan(
+    model: str,
+    steps: int,
+    batch: int,
+    hidden: int,
+    features: int,
+    strategies: Sequence[str],
+    device: torch.device,
+    floors: Floors,
+    warmup: int = 2,
+    repeats: int = 5,
+    seed: int = 0,
+    peers: Sequence[str] = ("torch", "jax"),
+) -> ScanRow:
+    """Time every strategy and peer ("torch", "jax") on one layer's chain; check each against the
+    float64 twin."""
+    chain, x_last = layer_chain(model, steps, batch, hidden, features, device, seed=seed)
+    twin = sequential_scan(_as_double(chain), x_last.double())
+    clock = timer(device)
+    cells: dict[str, float | str] = {}
+    diffs: dict[str, float] = {}
+    notes: dict[str, str] = {}
+    for s in strategies:
+        try:
+            diffs[s] = rel_diff(scan(chain, x_last, strategy=s), twin)  # also a first warm-up
+            cells[s] = median_ms(lambda s=s: scan(chain, x_last, strategy=s), clock, warmup, repeats)
+        except Exception as exc:  # a strategy that cannot run is reported, not raised
+            cells[s], notes[s] = failure(exc)
+    if peers:
+        a, c = affine_elements(chain, x_last)
+        if "torch" in peers:
+            try:
+                diffs[TORCH_PEER] = rel_diff(torch_associative_scan(a, c), twin)
+                cells[TORCH_PEER] = median_ms(lambda: torch_associative_scan(a, c), clock, warmup, repeats)
+            except Exception as exc:  # a prototype: any failure is reported, not raised
+                cells[TORCH_PEER] = f"n/a ({type(exc).__name__})"
+                notes[TORCH_PEER] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if "jax" in peers:
+            cells[JAX_PEER] = _run_jax(a, c, twin, diffs, notes, warmup, repeats)
+        del a, c
+    terms = chain.weights.shape[0]
+    return ScanRow(
+        model,
+        steps,
+        batch,
+        hidden,
+        cells,
+        diffs,
+        floors.bytes_ms(steps, batch, hidden, terms),
+        floors.levels_ms(steps),
+        notes,
+    )
+
+
+def _run_jax(
+    a: Tensor,
+    c: Tensor,
+    twin: Tensor,
+    diffs: dict[str, float],
+    notes: dict[str, str],
+    warmup: int,
+    repeats: int,
+) -> float | str:
+    """The jax peer's median ms (wall clock around a blocking call; compilation excluded) or its cell."""
+    try:
+        peer = jax_peer(a, c)
+        if isinstance(peer, str):
+            return peer
+        run, to_torch = peer
+        diffs[JAX_PEER] = rel_diff(to_torch(run()), twin)  # compiles
+        return median_ms(run, timer(torch.device("cpu")), warmup, repeats)
+    except Exception as exc:  # an optional peer: any failure is reported, not raised
+        notes[JAX_PEER] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return f"n/a ({type(exc).__name__})"
+
+
+def fmt_ms(value: float | str) -> str:
+    """A time in ms with four significant digits, or a cell's text."""
+    if isinstance(value, str):
+        return value
+    return f"{value:.4g}" if value < 1000 else f"{value:.0f}"
+
+
+def format_scan_table(rows: Sequence[ScanRow], strategies: Sequence[str]) -> str:
+    """Markdown table: ms per method, each peer's time over the best BPPSA time, floors, checks."""
+    peers = [p for p in PEERS if any(p in r.cells for r in rows)]
+    head = ["model", "T", "B", "H", *(f"{m} ms" for m in (*strategies, *peers)), "best BPPSA"]
+    head += [f"{p} / best" for p in peers]
+    head += ["floor bytes ms", "floor levels ms", "best / floor", "BPPSA max rel diff"]
+    head += [f"{p} rel diff" for p in peers]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.model, str(r.steps), str(r.batch), str(r.hidden)]
+        cells += [fmt_ms(r.cells.get(m, "n/a")) for m in (*strategies, *peers)]
+        best = r.best(strategies)
+        cells.append("n/a" if best is None else f"{best[0]} {fmt_ms(best[1])}")
+        for p in peers:
+            v = r.cells.get(p)
+            cells.append(f"{v / best[1]:.3g}" if best and isinstance(v, float) else "n/a")
+        floor = max(r.floor_bytes_ms, r.floor_levels_ms)
+        cells += [f"{r.floor_bytes_ms:.3g}", f"{r.floor_levels_ms:.3g}"]
+        cells.append("n/a" if best is None else f"{best[1] / floor:.3g}")
+        ours = [r.diffs[s] for s in strategies if s in r.diffs]
+        cells.append(f"{max(ours):.1e}" if ours else "n/a")
+        cells += [f"{r.diffs[p]:.1e}" if p in r.diffs else "n/a" for p in peers]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def notes_lines(rows: Sequence[object]) -> list[str]:
+    """One line per method that did not run somewhere, with the first reason it gave."""
+    seen: dict[str, str] = {}
+    for r in rows:
+        for method, why in getattr(r, "notes", {}).items():
+            seen.setdefault(method, why)
+    return [f"- {method}: {why}" for method, why in seen.items()]
