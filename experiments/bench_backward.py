@@ -1,7 +1,7 @@
 """Backward-pass benchmark: PyTorch's BPTT (autograd over its fused RNN/GRU) against BPPSA.
 
     python -m experiments.bench_backward --model rnn --T 100 1000 10000 --B 16 --H 20
-    python -m experiments.bench_backward --device cuda --suite issue7     # every table of the issue
+    python -m experiments.bench_backward --device cuda --suite paper   # all tables, the paper's shapes
 
 Three tables (``--tables``), all timed in one process with one clock (CUDA events on a GPU),
 medians of ``--repeats`` runs after ``--warmup``, so every ratio compares like with like:
@@ -18,7 +18,7 @@ medians of ``--repeats`` runs after ``--warmup``, so every ratio compares like w
 
 Both timing tables carry floor estimates: the bytes a backward must move over the measured copy
 bandwidth, and the Blelloch scan's 2·ceil(log2 T) levels times the measured per-launch cost.
-``--suite issue7`` runs the issue's configurations (RNN T sweep, RNN B sweep, GRU IRMAS shapes) and
+``--suite paper`` runs the paper's configurations (RNN T sweep, RNN B sweep, GRU IRMAS shapes) and
 the epoch comparison; ``--quick`` shrinks them to seconds on a CPU.
 
 Prints Markdown; progress goes to stderr. Imports nothing beyond torch at module level (triton, jax
@@ -56,7 +56,7 @@ from experiments.bench_scan import (
 MODELS = ("rnn", "gru")
 TABLES = ("backward", "scan", "epoch")
 PEER_NAMES = ("torch", "jax")
-SUITES = ("issue7",)
+SUITES = ("paper",)
 # Strategies timed when --strategies is not given; those not in STRATEGIES (yet) are left out.
 DEFAULT_STRATEGIES = {
     "cpu": ("chunked", "blelloch"),
@@ -324,12 +324,12 @@ def format_epoch_table(rows: Sequence[EpochRow]) -> str:
 def suite_sets(name: str, quick: bool = False) -> tuple[list[ConfigSet], tuple[int, int, int, int]]:
     """The configuration sets of a suite and its epoch comparison (T, B, H, samples).
 
-    issue7: the paper's RNN sweeps (T at B = 16; B = 2, 4, ..., 256 in powers of two at T = 1000;
+    paper: the paper's RNN sweeps (T at B = 16; B = 2, 4, ..., 256 in powers of two at T = 1000;
     H = 20, one input feature) and its GRU IRMAS shapes (settings s/m/l: T 259/517/1034 with
     38/24/12 features, each at B 16/32/64; H = 20 as conf/model/gru.yaml). ``quick``: the same
     tables on shapes small enough for seconds on a CPU.
     """
-    if name != "issue7":
+    if name != "paper":
         raise ValueError(f"unknown suite {name!r}; accepted: {', '.join(SUITES)}")
     if quick:
         lengths, t_batch, batches, b_len, hidden = (10, 30), 4, (2, 4), 30, 5
@@ -528,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.suite and fixed:
         parser.error(f"--suite runs fixed configurations; {', '.join(fixed)} apply without --suite")
     if args.quick and not args.suite:
-        parser.error("--quick shrinks a suite; accepted: --suite issue7 --quick")
+        parser.error("--quick shrinks a suite; accepted: --suite paper --quick")
     if args.epoch_samples is not None and args.epoch_samples > TRAIN_SAMPLES:
         parser.error(
             f"--epoch-samples: {args.epoch_samples} is more than the {TRAIN_SAMPLES} training samples"

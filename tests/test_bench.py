@@ -138,7 +138,7 @@ def test_scan_table_methods_agree_with_the_sequential_twin(capsys, no_jax) -> No
 
 
 def test_quick_suite_prints_every_table(capsys, no_jax) -> None:
-    argv = ["--suite", "issue7", "--quick", "--repeats", "1", "--warmup", "0"]
+    argv = ["--suite", "paper", "--quick", "--repeats", "1", "--warmup", "0"]
     assert bench_backward.main(argv) == 0
     out = capsys.readouterr().out
     titles = [line[4:] for line in out.splitlines() if line.startswith("### ")]
@@ -210,8 +210,8 @@ def test_default_strategies_are_those_that_exist(monkeypatch) -> None:
         (["--epoch-samples", "40000"], "--epoch-samples: 40000 is more than the 32000 training samples"),
         (["--tables", "forward"], "argument --tables: invalid choice: 'forward'"),
         (["--suite", "issue9"], "argument --suite: invalid choice: 'issue9'"),
-        (["--suite", "issue7", "--T", "10"], "--suite runs fixed configurations; --T apply without --suite"),
-        (["--quick"], "--quick shrinks a suite; accepted: --suite issue7 --quick"),
+        (["--suite", "paper", "--T", "10"], "--suite runs fixed configurations; --T apply without --suite"),
+        (["--quick"], "--quick shrinks a suite; accepted: --suite paper --quick"),
         (["--model", "gru", "--tables", "epoch"], "the epoch comparison is the paper's RNN bitstream task"),
         (["--peers", "numpy"], "argument --peers: invalid choice: 'numpy'"),
     ],
