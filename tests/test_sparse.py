@@ -18,34 +18,74 @@ def dense_jt(fn, x: torch.Tensor) -> torch.Tensor:
     return jac.reshape(-1, x.numel()).t()
 
 
-@pytest.mark.parametrize(
-    ("cin", "cout", "k", "stride", "padding", "dilation", "groups", "hw"),
-    [
-        (3, 4, 3, 1, 1, 1, 1, (6, 6)),
-        (2, 3, (3, 2), (2, 1), (1, 0), 1, 1, (7, 5)),
-        (4, 6, 3, 1, 2, 2, 2, (6, 7)),
-        (4, 4, 1, 2, 0, 1, 4, (5, 5)),
-    ],
-)
+def check_jt(jt: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+    """A valid CSR J^T (int64 indices, sorted distinct columns per row) equal to autograd's, on x's device."""
+    assert jt.layout == torch.sparse_csr
+    crow, col = jt.crow_indices(), jt.col_indices()
+    assert crow.dtype == col.dtype == torch.int64
+    assert crow.device == col.device == jt.values().device == x.device
+    torch.sparse_csr_tensor(crow, col, jt.values(), jt.shape, check_invariants=True)
+    assert torch.equal(jt.to_dense(), dense)
+
+
+CONVS = [  # cin, cout, kernel, stride, padding, dilation, groups, (h, w)
+    (3, 4, 3, 1, 1, 1, 1, (6, 6)),
+    (2, 3, (3, 2), (2, 1), (1, 0), 1, 1, (7, 5)),
+    (4, 6, 3, 1, 2, 2, 2, (6, 7)),
+    (4, 4, 1, 2, 0, 1, 4, (5, 5)),
+    (3, 4, 3, 2, 1, 1, 1, (7, 8)),  # stride 2: two interleaved runs per axis
+    (2, 4, 3, 3, 2, 2, 2, (9, 10)),  # stride 3, dilation 2, groups
+    (2, 2, 5, 2, 4, 1, 1, (5, 6)),  # padding past the kernel: many border runs
+    (4, 8, (2, 3), (3, 2), (0, 2), (2, 1), 4, (8, 7)),  # grouped, 2 outputs per group
+    (3, 2, 3, 4, 0, 1, 1, (7, 6)),  # stride past the kernel: rows in no window
+    (3, 8, 3, 1, 1, 1, 1, (12, 12)),  # VGG's first layer, smaller
+    (1, 1, 1, 1, 0, 1, 1, (1, 1)),
+]
+
+
+def conv_fn(w: torch.Tensor, stride, padding, dilation, groups):
+    return lambda t: F.conv2d(t.unsqueeze(0), w, None, stride, padding, dilation, groups)[0]
+
+
+@pytest.mark.parametrize(("cin", "cout", "k", "stride", "padding", "dilation", "groups", "hw"), CONVS)
 def test_conv2d(cin, cout, k, stride, padding, dilation, groups, hw) -> None:
     kh, kw = (k, k) if isinstance(k, int) else k
     x = torch.randn(cin, *hw, dtype=F64)
     w = torch.randn(cout, cin // groups, kh, kw, dtype=F64)
-    b = torch.randn(cout, dtype=F64)
-    fn = lambda t: F.conv2d(t.unsqueeze(0), w, b, stride, padding, dilation, groups)[0]  # noqa: E731
     jt = sparse.conv2d_jt(x, w, stride, padding, dilation, groups)
-    assert jt.layout == torch.sparse_csr
-    assert torch.equal(jt.to_dense(), dense_jt(fn, x))
+    check_jt(jt, x, dense_jt(conv_fn(w, stride, padding, dilation, groups), x))
+    # every (input, output) pair of a receptive field is stored, as the paper counts
+    ones = dense_jt(conv_fn(torch.ones_like(w), stride, padding, dilation, groups), x)
+    assert jt._nnz() == int(ones.count_nonzero())
 
 
-def test_pruned_conv_weights_leave_the_pattern() -> None:
-    x = torch.randn(2, 5, 5, dtype=F64)
-    w = torch.randn(3, 2, 3, 3, dtype=F64)
-    full = sparse.conv2d_jt(x, w, padding=1)._nnz()
+def test_conv2d_float32_values_are_the_weights() -> None:
+    x = torch.randn(3, 9, 9)
+    w = torch.randn(5, 3, 3, 3)
+    jt = sparse.conv2d_jt(x, w, 2, 1)
+    assert jt.values().dtype == torch.float32
+    assert torch.equal(jt.to_dense(), dense_jt(conv_fn(w, 2, 1, 1, 1), x))
+
+
+@pytest.mark.parametrize(("cin", "cout", "k", "stride", "padding", "dilation", "groups", "hw"), CONVS[:9])
+def test_pruned_conv_weights_leave_the_pattern(cin, cout, k, stride, padding, dilation, groups, hw) -> None:
+    kh, kw = (k, k) if isinstance(k, int) else k
+    x = torch.randn(cin, *hw, dtype=F64)
+    w = torch.randn(cout, cin // groups, kh, kw, dtype=F64)
+    full = sparse.conv2d_jt(x, w, stride, padding, dilation, groups)._nnz()
     w[torch.rand(w.shape) < 0.7] = 0
-    jt = sparse.conv2d_jt(x, w, padding=1)
-    assert jt._nnz() < full and (jt.values() != 0).all()
-    assert torch.equal(jt.to_dense(), dense_jt(lambda t: F.conv2d(t.unsqueeze(0), w, padding=1)[0], x))
+    w.view(-1)[0] = 1.0  # at least one weight survives
+    jt = sparse.conv2d_jt(x, w, stride, padding, dilation, groups)
+    dense = dense_jt(conv_fn(w, stride, padding, dilation, groups), x)
+    check_jt(jt, x, dense)
+    assert (jt.values() != 0).all() and jt._nnz() == int(dense.count_nonzero()) <= full
+
+
+def test_fully_pruned_conv_stores_nothing() -> None:
+    x = torch.randn(2, 5, 5, dtype=F64)
+    jt = sparse.conv2d_jt(x, torch.zeros(3, 2, 3, 3, dtype=F64), padding=1)
+    assert jt._nnz() == 0 and jt.shape == (50, 75)
+    assert torch.equal(jt.crow_indices(), torch.zeros(51, dtype=torch.int64))
 
 
 def test_relu_keeps_its_whole_diagonal() -> None:
@@ -53,16 +93,69 @@ def test_relu_keeps_its_whole_diagonal() -> None:
     x[0, 0, 0] = 0.0
     jt = sparse.relu_jt(x)
     assert jt._nnz() == x.numel()
-    assert torch.equal(jt.to_dense(), dense_jt(torch.relu, x))
+    check_jt(jt, x, dense_jt(torch.relu, x))
 
 
-@pytest.mark.parametrize(("k", "s", "p"), [(2, 2, 0), (3, 2, 1), (3, 1, 0)])
-def test_pools(k, s, p) -> None:
-    x = torch.randn(2, 7, 6, dtype=F64)
+POOLS = [  # kernel, stride, padding, (h, w), disjoint (the fast path)
+    (2, 2, 0, (8, 6), True),  # every input in exactly one window
+    (2, 2, 0, (7, 5), True),  # the last row and column in no window
+    (2, 3, 0, (8, 7), True),  # gaps between windows
+    ((1, 2), (2, 3), 0, (7, 8), True),
+    (3, 3, 0, (9, 9), True),
+    (2, 2, 1, (7, 6), False),  # padded
+    (3, 2, 1, (7, 6), False),  # overlapping and padded
+    (3, 1, 0, (7, 6), False),  # overlapping
+    ((3, 2), (1, 2), (1, 0), (6, 7), False),
+]
+
+
+@pytest.mark.parametrize(("k", "s", "p", "hw", "disjoint"), POOLS)
+@pytest.mark.parametrize("ties", [False, True])
+def test_pools(k, s, p, hw, disjoint, ties) -> None:
+    x = torch.randn(2, *hw, dtype=F64)
+    if ties:  # ReLU-like: zeros and repeated values, so windows hold several maxima
+        x = torch.relu(x * 2).round()
+    assert sparse._disjoint(*hw, k, s, p) is disjoint
     mx = sparse.maxpool2d_jt(x, k, s, p)
-    assert torch.equal(mx.to_dense(), dense_jt(lambda t: F.max_pool2d(t.unsqueeze(0), k, s, p)[0], x))
+    check_jt(mx, x, dense_jt(lambda t: F.max_pool2d(t.unsqueeze(0), k, s, p)[0], x))
     av = sparse.avgpool2d_jt(x, k, s, p)
-    assert torch.allclose(av.to_dense(), dense_jt(lambda t: F.avg_pool2d(t.unsqueeze(0), k, s, p)[0], x))
+    dense_av = dense_jt(lambda t: F.avg_pool2d(t.unsqueeze(0), k, s, p)[0], x)
+    assert torch.allclose(av.to_dense(), dense_av)
+    # both store every (input, window) membership: the same pattern
+    assert torch.equal(av.crow_indices(), mx.crow_indices())
+    assert torch.equal(av.col_indices(), mx.col_indices())
+    assert mx._nnz() == int(dense_av.count_nonzero())
+    assert mx.values().sum() == mx.shape[1]  # one maximum per window
+
+
+@pytest.mark.gpu
+def test_builders_on_a_gpu_equal_the_cpu_ones() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+
+    def same(cpu: torch.Tensor, gpu: torch.Tensor) -> None:
+        assert gpu.device.type == "cuda" and gpu.col_indices().device.type == "cuda"
+        for a, b in zip(
+            (cpu.crow_indices(), cpu.col_indices(), cpu.values()),
+            (gpu.crow_indices(), gpu.col_indices(), gpu.values()),
+            strict=True,
+        ):
+            assert torch.equal(a, b.cpu())
+
+    for cin, cout, k, stride, padding, dilation, groups, hw in CONVS:
+        kh, kw = (k, k) if isinstance(k, int) else k
+        x = torch.randn(cin, *hw, dtype=F64)
+        w = torch.randn(cout, cin // groups, kh, kw, dtype=F64)
+        w[torch.rand(w.shape) < 0.3] = 0
+        args = (stride, padding, dilation, groups)
+        same(sparse.conv2d_jt(x, w, *args), sparse.conv2d_jt(x.cuda(), w.cuda(), *args))
+    for k, s, p, hw, _ in POOLS:
+        x = torch.relu(torch.randn(3, *hw, dtype=F64) * 2).round()
+        for build in (sparse.maxpool2d_jt, sparse.avgpool2d_jt):
+            same(build(x, k, s, p), build(x.cuda(), k, s, p))
+    x = torch.randn(4, 5, 6)
+    same(sparse.relu_jt(x), sparse.relu_jt(x.cuda()))
+    same(sparse.flatten_jt(x), sparse.flatten_jt(x.cuda()))
 
 
 def test_flatten_and_linear() -> None:
@@ -131,11 +224,61 @@ def test_table_1_reproduces_the_papers_sparsities(capsys) -> None:
 
     assert jacobian_table.main(["--rows", "4", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
-    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("| ")}
+    assert out.splitlines()[0].startswith(f"torch {torch.__version__}, device cpu (")
+    table = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row[1].strip() for row in table[1:]] == ["Conv2d", "ReLU", "MaxPool2d"]
+    rows = {row[1].strip(): row for row in table}
     assert rows["Conv2d"][2].strip() == "3072 x 65536"
     for layer, paper in (("Conv2d", "0.99157"), ("ReLU", "0.99998"), ("MaxPool2d", "0.99994")):
         assert rows[layer][3].strip().startswith(f"{paper} ({paper})"), layer
+        assert "µs/row" in rows[layer][5]
+    assert "median of 1 builds after 3 untimed ones" in out
     assert "4 sampled rows, scaled to all rows" in out
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("tpu", "unknown device 'tpu'; accepted: cpu, cuda, cuda:N"),
+        ("cuda:x", "unknown device 'cuda:x'; accepted: cpu, cuda, cuda:N"),
+        ("meta", "unknown device 'meta'; accepted: cpu, cuda, cuda:N"),
+        ("cuda", "device 'cuda' asked for, but CUDA is not available here; accepted: cpu"),
+        ("cuda:1", "device 'cuda:1' asked for, but CUDA is not available here; accepted: cpu"),
+    ],
+)
+def test_table_1_rejects_a_bad_device(device, message, monkeypatch, capsys) -> None:
+    from experiments import jacobian_table
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        jacobian_table.main(["--device", device])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines()[-1] == f"python -m experiments.jacobian_table: error: {message}"
+
+
+def test_table_1_rejects_a_missing_gpu_index(monkeypatch, capsys) -> None:
+    from experiments import jacobian_table
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as exit_:
+        jacobian_table.main(["--device", "cuda:2"])
+    assert exit_.value.code == 2
+    assert "device 'cuda:2' does not exist; accepted: cpu, cuda, cuda:0 .. cuda:1" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_table_1_on_a_gpu(capsys) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    from experiments import jacobian_table
+
+    assert jacobian_table.main(["--rows", "4", "--repeats", "1", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "device cuda (" in out.splitlines()[0]
+    assert "| ReLU | 65536 x 65536 | 0.99998 (0.99998)" in out
 
 
 def test_pruned_vgg_study_writes_its_tables_and_fig_10(tmp_path, capsys) -> None:
