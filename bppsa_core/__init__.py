@@ -1,7 +1,8 @@
 """BPPSA: back-propagation through recurrent layers as a parallel scan.
 
 ``bppsa_core.nn``: drop-in ``RNN`` / ``GRU`` modules with a scan-based backward (re-exported here).
-``bppsa_core.scan``: the scans (sequential reference twin, Blelloch, chunked).
+``bppsa_core.scan``: the scans (sequential reference twin, Blelloch, chunked; on a GPU Triton kernels
+(``bppsa_core.triton_scan``) and a CUDA-graph capture).
 ``bppsa_core.chain``: dense and factored chains of Jacobian elements, as the scans consume them.
 ``bppsa_core.jacobians``: per-step Jacobians of RNN and GRU cells and the gradients that follow.
 
