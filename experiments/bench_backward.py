@@ -50,6 +50,8 @@ from experiments.bench_scan import (
     format_scan_table,
     measure_floors,
     notes_lines,
+    parse_device,
+    positive_int,
     timer,
 )
 
@@ -103,16 +105,6 @@ class EpochRow:
     bppsa_s: float
     bptt_loss: float
     bppsa_loss: float
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; accepted: positive integers") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not positive; accepted: positive integers")
-    return value
 
 
 def _non_negative(text: str) -> int:
@@ -477,11 +469,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--model", choices=MODELS, default=None, help="rnn (default) or gru")
     parser.add_argument(
-        "--T", type=_positive, nargs="+", default=None, help="sequence lengths (100 1000 10000)"
+        "--T", type=positive_int, nargs="+", default=None, help="sequence lengths (100 1000 10000)"
     )
-    parser.add_argument("--B", type=_positive, default=None, help="batch size (16)")
-    parser.add_argument("--H", type=_positive, default=None, help="hidden size (20)")
-    parser.add_argument("--F", type=_positive, default=None, help="input features (1)")
+    parser.add_argument("--B", type=positive_int, default=None, help="batch size (16)")
+    parser.add_argument("--H", type=positive_int, default=None, help="hidden size (20)")
+    parser.add_argument("--F", type=positive_int, default=None, help="input features (1)")
     parser.add_argument(
         "--strategies",
         nargs="+",
@@ -493,12 +485,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--loss", choices=("last", "all"), default="last", help="loss on h_T or every output")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    parser.add_argument("--threads", type=_positive, default=None, help="CPU threads (default: torch's)")
-    parser.add_argument("--repeats", type=_positive, default=5)
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--warmup", type=_non_negative, default=2)
     parser.add_argument(
         "--epoch-samples",
-        type=_positive,
+        type=positive_int,
         default=None,
         help=f"training samples in the epoch comparison (default {TRAIN_SAMPLES}, the paper's)",
     )
@@ -514,16 +506,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     _started[0] = time.perf_counter()
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        parser.error(f"unknown device {args.device!r}; accepted: cpu, cuda, cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"device {args.device!r} asked for, but CUDA is not available here; accepted: cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        parser.error(f"device {args.device!r}: there are {torch.cuda.device_count()} CUDA devices here")
+    device = parse_device(args.device)
+    if isinstance(device, str):
+        parser.error(device)
     fixed = [f"--{k}" for k in ("model", "T", "B", "H", "F") if getattr(args, k) is not None]
     if args.suite and fixed:
         parser.error(f"--suite runs fixed configurations; {', '.join(fixed)} apply without --suite")

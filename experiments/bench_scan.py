@@ -22,6 +22,7 @@ cost of one launch. This module imports nothing beyond torch; numpy and jax are 
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import statistics
@@ -41,6 +42,34 @@ JAX_PEER = "jax assoc_scan"
 PEERS = (TORCH_PEER, JAX_PEER)
 
 Clock = Callable[[Callable[[], object]], float]
+
+
+def positive_int(text: str) -> int:
+    """argparse type of the benchmarks' counts and sizes: a positive integer, or one clear line."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; accepted: positive integers") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive; accepted: positive integers")
+    return value
+
+
+def parse_device(text: str) -> torch.device | str:
+    """The torch device, or why it cannot be used here (one line naming the value and what is accepted)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        return f"unknown device {text!r}; accepted: cpu, cuda, cuda:N"
+    if device.type not in ("cpu", "cuda"):
+        return f"unknown device {text!r}; accepted: cpu, cuda, cuda:N"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"device {text!r} asked for, but CUDA is not available here; accepted: cpu"
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            return f"device {text!r} does not exist; accepted: cpu, cuda, cuda:0 .. cuda:{count - 1}"
+    return device
 
 
 def timer(device: torch.device) -> Clock:

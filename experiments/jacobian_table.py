@@ -9,7 +9,7 @@ ones; the first two page in fresh memory for the entries, 20 MB for the conv), a
 baseline, which builds J one row at a time (a vector-Jacobian product with a one-hot vector per
 output, then the row's non-zeros). The baseline is timed on ``--rows`` randomly sampled
 rows and scaled to all rows, as the output says. Both run on ``--device`` (cpu, cuda or cuda:N;
-on a GPU every timing is bracketed by torch.cuda.synchronize). Paper: sparsity 0.99157 / 0.99998 /
+timed with CUDA events on a GPU, as the other benchmarks are). Paper: sparsity 0.99157 / 0.99998 /
 0.99994; speedups 8.3e3 / 1.2e6 / 1.5e5.
 
 Imports nothing beyond torch.
@@ -18,35 +18,15 @@ Imports nothing beyond torch.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from bppsa_core import sparse
+from experiments.bench_scan import median_ms, parse_device, positive_int, timer
 
 PAPER = {"Conv2d": (0.99157, 8.3e3), "ReLU": (0.99998, 1.2e6), "MaxPool2d": (0.99994, 1.5e5)}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time(fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 3) -> float:
-    """Median seconds of ``fn`` after ``warmup`` calls, synchronized on a GPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def autograd_rows_time(
@@ -56,13 +36,13 @@ def autograd_rows_time(
     x = x.detach().requires_grad_()
     y = fn(x).reshape(-1)
     picks = torch.randperm(y.numel(), generator=torch.Generator().manual_seed(seed))[:rows]
-    _sync(x.device)
-    t0 = time.perf_counter()
-    for r in picks.tolist():
-        (row,) = torch.autograd.grad(y[r], x, retain_graph=True)
-        row.reshape(-1).nonzero()
-    _sync(x.device)
-    return (time.perf_counter() - t0) / len(picks)
+
+    def rows() -> None:
+        for r in picks.tolist():
+            (row,) = torch.autograd.grad(y[r], x, retain_graph=True)
+            row.reshape(-1).nonzero()
+
+    return timer(x.device)(rows) / 1e3 / len(picks)
 
 
 def table(
@@ -90,7 +70,7 @@ def table(
     for name, inp, fn, build in layers:
         jt = build()
         n_in, n_out = jt.shape
-        csr_s = _median_time(build, repeats, device, warmup)
+        csr_s = median_ms(build, timer(device), warmup, repeats) / 1e3
         per_row = autograd_rows_time(fn, inp, rows, seed)
         baseline = per_row * n_out  # J has one row per output
         out.append(
@@ -130,30 +110,6 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
-def _positive(text: str) -> int:
-    value = int(text) if text.lstrip("-").isdigit() else None
-    if value is None or value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
-def parse_device(text: str) -> torch.device | str:
-    """The torch device, or why it cannot be used here (one line naming the value and what is accepted)."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        return f"unknown device {text!r}; accepted: cpu, cuda, cuda:N"
-    if device.type not in ("cpu", "cuda"):
-        return f"unknown device {text!r}; accepted: cpu, cuda, cuda:N"
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return f"device {text!r} asked for, but CUDA is not available here; accepted: cpu"
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            return f"device {text!r} does not exist; accepted: cpu, cuda, cuda:0 .. cuda:{count - 1}"
-    return device
-
-
 def header(device: torch.device) -> str:
     """What the table was measured on."""
     where = (
@@ -166,9 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.jacobian_table", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--rows", type=_positive, default=256, help="autograd rows sampled per layer")
-    parser.add_argument("--repeats", type=_positive, default=20, help="timed CSR builds per layer")
-    parser.add_argument("--warmup", type=_positive, default=3, help="untimed CSR builds before them")
+    parser.add_argument("--rows", type=positive_int, default=256, help="autograd rows sampled per layer")
+    parser.add_argument("--repeats", type=positive_int, default=20, help="timed CSR builds per layer")
+    parser.add_argument("--warmup", type=positive_int, default=3, help="untimed CSR builds before them")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     args = parser.parse_args(argv)
