@@ -18,7 +18,6 @@ When only ``h_n`` carries gradient (the paper's loss on the last state), ``outpu
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ from bppsa_core.scan import (
     default_chunk,
     kernel_errors,
     kernels_failed,
+    kernels_run_on,
     kernels_usable,
     scan,
 )
@@ -178,7 +178,7 @@ def _fused_rnn_layer(
         return None
     if spec.strategy == "auto" and not kernels_usable(h.device):
         return None
-    if h.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not kernels_run_on(h.device):
         return None
     try:
         from bppsa_core import triton_scan

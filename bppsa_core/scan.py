@@ -200,6 +200,11 @@ def kernel_errors() -> tuple[type[BaseException], ...]:
     return (CompilationError, OutOfResources)
 
 
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether Triton kernels can run on this device: a GPU, or the CPU under TRITON_INTERPRET=1."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def kernels_usable(device: torch.device) -> bool:
     """Whether "auto" may run the Triton kernels on this device: a GPU where they have not failed."""
     return device.type == "cuda" and device.index not in _BROKEN_KERNELS
@@ -230,7 +235,7 @@ def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | N
         raise ValueError(
             "strategy='triton' needs the triton package; accepted here: auto, sequential, blelloch, chunked"
         ) from None
-    if x_last.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not kernels_run_on(x_last.device):
         raise ValueError("strategy='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
     if not _kernel_fits(chain):
         raise ValueError(

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 import torch
 
+from bppsa_core.scan import kernels_run_on
+
 log = logging.getLogger(__name__)
 
 
@@ -59,7 +61,7 @@ def check_strategy(mode: str, strategy: str, device: torch.device) -> None:
         raise HardwareError(
             f"backward.strategy=graph needs a CUDA device, and this run's is {device}; accepted: {on_cpu}"
         )
-    if strategy == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+    if strategy == "triton" and not kernels_run_on(device):
         raise HardwareError(
             f"backward.strategy=triton needs a CUDA device (or TRITON_INTERPRET=1), and this run's is "
             f"{device}; accepted: {on_cpu}"
