@@ -348,13 +348,14 @@ def rnn_layer_backward(
     """
     n, batch, hid = h.shape
     if math.ceil(n / chunk) < 2:  # a single chunk: the twin's sequential walk
-        from bppsa_core.chain import FactoredChain
+        from bppsa_core.jacobians import LayerWeights, RNNCell
         from bppsa_core.scan import sequential_scan
 
-        fp = 1.0 - h * h if nonlinearity == "tanh" else (h > 0).to(h.dtype)
+        cell, w = RNNCell(nonlinearity), LayerWeights(w_ih=w_hh, w_hh=w_hh)  # only w_hh is read
+        factors = cell.factors(h, h, h, w)  # f'(z_t), read off h alone
         offsets = None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))
-        g = sequential_scan(FactoredChain(fp.unsqueeze(2), w_hh.unsqueeze(0)), g_last, offsets)
-        return g[0], g[1:].mul_(fp)
+        g = sequential_scan(cell.chain(factors, w), g_last, offsets)
+        return g[0], cell.preactivation_grads(g[1:], factors)[0]
     g0 = g_last.new_empty((1, batch, hid))
     delta = h.new_empty((n, batch, hid))
     _launch(
