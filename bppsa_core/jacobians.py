@@ -78,10 +78,13 @@ class GRUCell:
 
     gates = 3
 
+    def pre_activations(self, x: Tensor, h_prev: Tensor, w: LayerWeights) -> tuple[Tensor, Tensor]:
+        """W_ih x + b_ih and W_hh h_{t-1} + b_hh (rows r, z, n) for all steps: two large matmuls."""
+        return _affine(x, w.w_ih, w.b_ih), _affine(h_prev, w.w_hh, w.b_hh)
+
     def factors(self, x: Tensor, h_prev: Tensor, h: Tensor, w: LayerWeights) -> tuple[Tensor, ...]:
-        """Recompute r, z, n and m = W_hn h + b_hn for all steps in two large matmuls; keep h_{t-1}."""
-        gi = _affine(x, w.w_ih, w.b_ih)
-        gh = _affine(h_prev, w.w_hh, w.b_hh)
+        """Recompute r, z, n and m = W_hn h + b_hn for all steps; keep h_{t-1}."""
+        gi, gh = self.pre_activations(x, h_prev, w)
         i_r, i_z, i_n = gi.chunk(3, dim=-1)
         h_r, h_z, m = gh.chunk(3, dim=-1)
         r = torch.sigmoid(i_r + h_r)

@@ -119,10 +119,9 @@ class _ScanBackward(torch.autograd.Function):
             h = outs[i]
             h_prev = torch.cat((h0[i : i + 1], h[:-1]))
             last = None if grad_hn is None else grad_hn[i]
-            fused = _fused_rnn_layer(spec, h, w, u, last)
+            fused = _fused_layer(spec, inp, h_prev, h, w, u, last)
             if fused is not None:
-                grad_h0[i], g_in = fused
-                g_hid = g_in
+                grad_h0[i], g_in, g_hid = fused
             else:
                 factors = spec.cell.factors(inp, h_prev, h, w)
                 g = _state_grads(spec, factors, w, u, last, h)
@@ -165,16 +164,23 @@ def _last_grad(u: Tensor | None, u_last: Tensor | None, h: Tensor) -> Tensor:
     return sum(parts[1:], parts[0]) if parts else torch.zeros_like(h[-1])
 
 
-def _fused_rnn_layer(
-    spec: _Spec, h: Tensor, w: LayerWeights, u: Tensor | None, u_last: Tensor | None
-) -> tuple[Tensor, Tensor] | None:
-    """g_0 and the deltas of a tanh/relu RNN layer from the fused Triton kernels, or None.
+def _fused_layer(
+    spec: _Spec,
+    x: Tensor,
+    h_prev: Tensor,
+    h: Tensor,
+    w: LayerWeights,
+    u: Tensor | None,
+    u_last: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """g_0 and the input- and hidden-side pre-activation gradients of a layer from the fused Triton
+    kernels (``triton_scan.rnn_layer_backward`` / ``gru_layer_backward``), or None.
 
     Taken with strategy "triton" (on a GPU or under TRITON_INTERPRET=1) and with "auto" on a GPU,
-    for the chains the kernels fit (``triton_scan.supports``); everything else goes through
-    ``scan``, which also gives "triton"'s error messages.
+    for the layers the kernels fit (``triton_scan.fits``: float32, RNN H <= 64, GRU H <= 32);
+    everything else goes through ``scan``, which also gives "triton"'s error messages.
     """
-    if not isinstance(spec.cell, RNNCell) or spec.strategy not in ("auto", "triton"):
+    if spec.strategy not in ("auto", "triton"):
         return None
     if spec.strategy == "auto" and not kernels_usable(h.device):
         return None
@@ -184,12 +190,16 @@ def _fused_rnn_layer(
         from bppsa_core import triton_scan
     except ImportError:
         return None
-    if not triton_scan.supports(h, w.w_hh.unsqueeze(0), None):
+    if not triton_scan.fits(spec.cell.gates, h.shape[-1], h, w.w_hh):
         return None
     chunk = spec.chunk or default_chunk(h.shape[0])
     g_last = _last_grad(u, u_last, h)
     try:
-        return triton_scan.rnn_layer_backward(h, w.w_hh, g_last, u, spec.cell.nonlinearity, chunk)
+        if isinstance(spec.cell, RNNCell):
+            g0, delta = triton_scan.rnn_layer_backward(h, w.w_hh, g_last, u, spec.cell.nonlinearity, chunk)
+            return g0, delta, delta
+        gi, gh = spec.cell.pre_activations(x, h_prev, w)
+        return triton_scan.gru_layer_backward(gi, gh, h_prev, w.w_hh, g_last, u, chunk)
     except kernel_errors() as exc:
         if spec.strategy == "triton":
             raise

@@ -12,10 +12,18 @@ offsets. Three launches, however long the chain:
    aggregates sequentially, writing every chunk's entry vector;
 3. ``_expand``: one program per (chunk 0..P-2, sample) walks its chunk from its entry vector.
 
-``rnn_layer_backward`` runs the same three kernels as a tanh/relu RNN layer's whole scan step of
-the backward: they build each Jacobian from the layer's output (f'(z_t) = 1 - h_t^2 or [h_t > 0])
-instead of reading a chain, and write the deltas f'(z_t) * g_t the weight gradients need instead of
-every g_t, so the chain, the offsets copy and the delta pass never touch memory.
+The kernels read an element's factors in one of four modes (``_element``):
+
+* ``SCALES``: a stored ``FactoredChain`` (``triton_chunked_scan``);
+* ``TANH``, ``RELU``: a tanh/relu RNN layer's backward (``rnn_layer_backward``), f'(z_t) read off
+  the layer's output h_t (1 - h_t^2 or [h_t > 0]);
+* ``GRU``: a GRU layer's backward (``gru_layer_backward``), the gates r, z, n recomputed from the two
+  pre-activation GEMMs W_ih x + b_ih and W_hh h + b_hh and from h_{t-1}.
+
+In the layer modes the kernels also take the outside gradient shifted by one step (no offsets copy)
+and write only what the weight gradients need: g_0 and the pre-activation gradients (deltas) of
+every step, instead of every g_t. So the chain, the offsets copy and the delta pass never touch
+memory; the weight gradients stay GEMMs over the deltas (see ``rnn_layer_backward``).
 
 Loop bounds (chunk size, remainder, aggregate count) are compile-time constants: one compilation
 per sequence length and chunk size, which a training run keeps fixed (and Triton's interpreter
@@ -38,6 +46,8 @@ from torch import Tensor
 
 MAX_TERMS = 3
 _MAX_REGISTERS = 4096  # K * Hp^2 weight entries one program keeps in registers
+SCALES, TANH, RELU, GRU = 0, 1, 2, 3  # how ``_element`` reads an element's factors
+ACTIVATIONS = {"tanh": TANH, "relu": RELU}
 
 
 @triton.jit
@@ -57,14 +67,90 @@ def _load_weights(w_ptr, H, K: tl.constexpr, HP: tl.constexpr):
 
 
 @triton.jit
-def _scale(ptr, r, vec, ACT: tl.constexpr):
-    """One scale vector: read as is (ACT 0), or f'(z) from an RNN's output h: 1 - h^2 (1), [h > 0] (2)."""
-    v = tl.load(ptr + r, mask=vec, other=0.0)
-    if ACT == 1:
-        v = 1.0 - v * v
-    if ACT == 2:
-        v = tl.where(v > 0, 1.0, 0.0)
-    return v
+def _element(
+    f0_ptr,
+    f1_ptr,
+    f2_ptr,
+    k,
+    b,
+    B,
+    H,
+    S_K,
+    S_B,
+    K: tl.constexpr,
+    HAS_E: tl.constexpr,
+    MODE: tl.constexpr,
+    HP: tl.constexpr,
+):
+    """Element k of sample b: its scales (s0, s1, s2) for W_0..W_2, its diagonal e, and dn.
+
+    SCALES: f0 holds the scales (strides S_K, S_B), f1 the diagonal. TANH/RELU: f0 holds h (strides
+    S_K, S_B). GRU: f0 and f1 hold the (n, B, 3H) pre-activations W_ih x + b_ih and W_hh h + b_hh
+    (rows r, z, n), f2 the (n, B, H) previous states; the weights are W_hr, W_hz, W_hn, the scales
+    dn m r (1 - r), (h_prev - n) z (1 - z), dn r with dn = (1 - z)(1 - n^2) and m = W_hn h + b_hn,
+    and the diagonal z. Unused values and padded lanes are 0.
+    """
+    r = tl.arange(0, HP)
+    vec = r < H
+    zero = tl.zeros([HP], dtype=tl.float32)
+    s0 = zero
+    s1 = zero
+    s2 = zero
+    e = zero
+    dn = zero
+    if MODE == 3:
+        gi = f0_ptr + (k * B + b) * 3 * H + r
+        gh = f1_ptr + (k * B + b) * 3 * H + r
+        gate_r = tl.sigmoid(tl.load(gi, mask=vec, other=0.0) + tl.load(gh, mask=vec, other=0.0))
+        z = tl.sigmoid(tl.load(gi + H, mask=vec, other=0.0) + tl.load(gh + H, mask=vec, other=0.0))
+        m = tl.load(gh + 2 * H, mask=vec, other=0.0)
+        n = 2.0 * tl.sigmoid(2.0 * (tl.load(gi + 2 * H, mask=vec, other=0.0) + gate_r * m)) - 1.0  # tanh
+        h_prev = tl.load(f2_ptr + (k * B + b) * H + r, mask=vec, other=0.0)
+        dn = tl.where(vec, (1.0 - z) * (1.0 - n * n), 0.0)
+        s0 = dn * m * gate_r * (1.0 - gate_r)
+        s1 = tl.where(vec, (h_prev - n) * z * (1.0 - z), 0.0)
+        s2 = dn * gate_r
+        e = tl.where(vec, z, 0.0)
+    else:
+        row = f0_ptr + k * S_K + b * S_B
+        s0 = tl.load(row + r, mask=vec, other=0.0)
+        if MODE == 1:
+            s0 = tl.where(vec, 1.0 - s0 * s0, 0.0)
+        if MODE == 2:
+            s0 = tl.where(s0 > 0, 1.0, 0.0)
+        if K > 1:
+            s1 = tl.load(row + H + r, mask=vec, other=0.0)
+        if K > 2:
+            s2 = tl.load(row + 2 * H + r, mask=vec, other=0.0)
+        if HAS_E:
+            e = tl.load(f1_ptr + (k * B + b) * H + r, mask=vec, other=0.0)
+    return s0, s1, s2, e, dn
+
+
+@triton.jit
+def _mat_step(agg, s0, s1, s2, e, w0, w1, w2, K: tl.constexpr, HAS_E: tl.constexpr):
+    """agg @ M for one element given as its factors."""
+    out = tl.dot(agg * s0[None, :], w0, input_precision="ieee")
+    if K > 1:
+        out += tl.dot(agg * s1[None, :], w1, input_precision="ieee")
+    if K > 2:
+        out += tl.dot(agg * s2[None, :], w2, input_precision="ieee")
+    if HAS_E:
+        out += agg * e[None, :]
+    return out
+
+
+@triton.jit
+def _vec_step(y, s0, s1, s2, e, w0, w1, w2, K: tl.constexpr, HAS_E: tl.constexpr):
+    """y @ M for one element given as its factors and one row vector y."""
+    out = tl.sum((y * s0)[:, None] * w0, axis=0)
+    if K > 1:
+        out += tl.sum((y * s1)[:, None] * w1, axis=0)
+    if K > 2:
+        out += tl.sum((y * s2)[:, None] * w2, axis=0)
+    if HAS_E:
+        out += y * e
+    return out
 
 
 @triton.jit
@@ -74,60 +160,11 @@ def _offset(b_ptr, k, b, B, H, r, vec, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _mat_step(
-    agg,
-    s_row,
-    e_row,
-    H,
-    w0,
-    w1,
-    w2,
-    K: tl.constexpr,
-    HAS_E: tl.constexpr,
-    ACT: tl.constexpr,
-    HP: tl.constexpr,
-):
-    """agg @ M for one element: s_row points at its K scale vectors, e_row at its diagonal."""
-    r = tl.arange(0, HP)
-    vec = r < H
-    s = _scale(s_row, r, vec, ACT)
-    out = tl.dot(agg * s[None, :], w0, input_precision="ieee")
-    if K > 1:
-        s = tl.load(s_row + H + r, mask=vec, other=0.0)
-        out += tl.dot(agg * s[None, :], w1, input_precision="ieee")
-    if K > 2:
-        s = tl.load(s_row + 2 * H + r, mask=vec, other=0.0)
-        out += tl.dot(agg * s[None, :], w2, input_precision="ieee")
-    if HAS_E:
-        out += agg * tl.load(e_row + r, mask=vec, other=0.0)[None, :]
-    return out
-
-
-@triton.jit
-def _vec_step(
-    y, s_row, e_row, H, w0, w1, w2, K: tl.constexpr, HAS_E: tl.constexpr, ACT: tl.constexpr, HP: tl.constexpr
-):
-    """y @ M for one element and one row vector y; also y * s (an RNN's delta when K = 1)."""
-    r = tl.arange(0, HP)
-    vec = r < H
-    ys = y * _scale(s_row, r, vec, ACT)
-    out = tl.sum(ys[:, None] * w0, axis=0)
-    if K > 1:
-        s = tl.load(s_row + H + r, mask=vec, other=0.0)
-        out += tl.sum((y * s)[:, None] * w1, axis=0)
-    if K > 2:
-        s = tl.load(s_row + 2 * H + r, mask=vec, other=0.0)
-        out += tl.sum((y * s)[:, None] * w2, axis=0)
-    if HAS_E:
-        out += y * tl.load(e_row + r, mask=vec, other=0.0)
-    return out, ys
-
-
-@triton.jit
 def _reduce(
-    s_ptr,
+    f0_ptr,
+    f1_ptr,
+    f2_ptr,
     w_ptr,
-    e_ptr,
     b_ptr,
     agg_ptr,
     aggb_ptr,
@@ -139,7 +176,7 @@ def _reduce(
     K: tl.constexpr,
     HAS_E: tl.constexpr,
     HAS_B: tl.constexpr,
-    ACT: tl.constexpr,
+    MODE: tl.constexpr,
     SHIFT: tl.constexpr,
     HP: tl.constexpr,
 ):
@@ -153,12 +190,10 @@ def _reduce(
     c = tl.zeros([HP], dtype=tl.float32)
     for i in range(0, C):  # the chunk's last element is applied first
         k = q * C + C - 1 - i
-        s_row = s_ptr + k * S_K + b * S_B
-        e_row = e_ptr + (k * B + b) * H
-        agg = _mat_step(agg, s_row, e_row, H, w0, w1, w2, K, HAS_E, ACT, HP)
+        s0, s1, s2, e, _ = _element(f0_ptr, f1_ptr, f2_ptr, k, b, B, H, S_K, S_B, K, HAS_E, MODE, HP)
+        agg = _mat_step(agg, s0, s1, s2, e, w0, w1, w2, K, HAS_E)
         if HAS_B:
-            c, _ = _vec_step(c, s_row, e_row, H, w0, w1, w2, K, HAS_E, ACT, HP)
-            c += _offset(b_ptr, k, b, B, H, r, vec, SHIFT)
+            c = _vec_step(c, s0, s1, s2, e, w0, w1, w2, K, HAS_E) + _offset(b_ptr, k, b, B, H, r, vec, SHIFT)
     j = q - 1
     tl.store(agg_ptr + ((j * B + b) * H + r[:, None]) * H + r[None, :], agg, mask=mat)
     tl.store(aggb_ptr + (j * B + b) * H + r, c, mask=vec)
@@ -169,8 +204,9 @@ def _walk_step(
     y,
     k,
     b,
-    s_ptr,
-    e_ptr,
+    f0_ptr,
+    f1_ptr,
+    f2_ptr,
     b_ptr,
     out_ptr,
     d_ptr,
@@ -184,21 +220,34 @@ def _walk_step(
     K: tl.constexpr,
     HAS_E: tl.constexpr,
     HAS_B: tl.constexpr,
-    ACT: tl.constexpr,
+    MODE: tl.constexpr,
     SHIFT: tl.constexpr,
     FUSED: tl.constexpr,
     HP: tl.constexpr,
 ):
-    """x_k from y = x_{k+1}, stored: every x_k, or (FUSED) only x_0 and every delta = x_{k+1} * s_k."""
+    """x_k from y = x_{k+1}, stored: every x_k, or (FUSED) only x_0 and step k's deltas.
+
+    The deltas of a layer mode (y is dL/dh at that step): an RNN's f'(z) * y (n, B, H); a GRU's
+    input-side (d_r, d_z, d_n) then hidden-side (d_r, d_z, d_n * r) pre-activation gradients,
+    (n, B, 6H).
+    """
     r = tl.arange(0, HP)
     vec = r < H
-    y_next, ys = _vec_step(
-        y, s_ptr + k * S_K + b * S_B, e_ptr + (k * B + b) * H, H, w0, w1, w2, K, HAS_E, ACT, HP
-    )
+    s0, s1, s2, e, dn = _element(f0_ptr, f1_ptr, f2_ptr, k, b, B, H, S_K, S_B, K, HAS_E, MODE, HP)
+    y_next = _vec_step(y, s0, s1, s2, e, w0, w1, w2, K, HAS_E)
     if HAS_B:
         y_next += _offset(b_ptr, k, b, B, H, r, vec, SHIFT)
     if FUSED:
-        tl.store(d_ptr + (k * B + b) * H + r, ys, mask=vec)
+        if MODE == 3:
+            row = d_ptr + (k * B + b) * 6 * H + r
+            tl.store(row, y * s0, mask=vec)
+            tl.store(row + H, y * s1, mask=vec)
+            tl.store(row + 2 * H, y * dn, mask=vec)
+            tl.store(row + 3 * H, y * s0, mask=vec)
+            tl.store(row + 4 * H, y * s1, mask=vec)
+            tl.store(row + 5 * H, y * s2, mask=vec)
+        else:
+            tl.store(d_ptr + (k * B + b) * H + r, y * s0, mask=vec)
         tl.store(out_ptr + b * H + r, y_next, mask=vec & (k == 0))
     else:
         tl.store(out_ptr + (k * B + b) * H + r, y_next, mask=vec)
@@ -207,9 +256,10 @@ def _walk_step(
 
 @triton.jit
 def _spine(
-    s_ptr,
+    f0_ptr,
+    f1_ptr,
+    f2_ptr,
     w_ptr,
-    e_ptr,
     b_ptr,
     agg_ptr,
     aggb_ptr,
@@ -227,7 +277,7 @@ def _spine(
     K: tl.constexpr,
     HAS_E: tl.constexpr,
     HAS_B: tl.constexpr,
-    ACT: tl.constexpr,
+    MODE: tl.constexpr,
     SHIFT: tl.constexpr,
     FUSED: tl.constexpr,
     HP: tl.constexpr,
@@ -240,11 +290,11 @@ def _spine(
     y = tl.load(x_ptr + b * H + r, mask=vec, other=0.0)
     if not FUSED:
         tl.store(out_ptr + (N * B + b) * H + r, y, mask=vec)
-    for i in range(0, REM):  # the remainder chunk, from x_n down
+    for i in range(0, REM):  # the remainder chunk (the whole chain if it is one chunk), from x_n down
         k = N - 1 - i
         y = _walk_step(
-            y, k, b, s_ptr, e_ptr, b_ptr, out_ptr, d_ptr, B, H, S_K, S_B, w0, w1, w2,
-            K, HAS_E, HAS_B, ACT, SHIFT, FUSED, HP,
+            y, k, b, f0_ptr, f1_ptr, f2_ptr, b_ptr, out_ptr, d_ptr, B, H, S_K, S_B, w0, w1, w2,
+            K, HAS_E, HAS_B, MODE, SHIFT, FUSED, HP,
         )  # fmt: skip
     tl.store(entry_ptr + (NAGG * B + b) * H + r, y, mask=vec)
     for i in range(0, NAGG):  # aggregates of chunks P-2 .. 1: entry of chunk j is x at (j + 1) C
@@ -256,9 +306,10 @@ def _spine(
 
 @triton.jit
 def _expand(
-    s_ptr,
+    f0_ptr,
+    f1_ptr,
+    f2_ptr,
     w_ptr,
-    e_ptr,
     b_ptr,
     entry_ptr,
     out_ptr,
@@ -271,7 +322,7 @@ def _expand(
     K: tl.constexpr,
     HAS_E: tl.constexpr,
     HAS_B: tl.constexpr,
-    ACT: tl.constexpr,
+    MODE: tl.constexpr,
     SHIFT: tl.constexpr,
     FUSED: tl.constexpr,
     HP: tl.constexpr,
@@ -279,14 +330,13 @@ def _expand(
     q = tl.program_id(0)  # chunks 0..P-2
     b = tl.program_id(1)
     r = tl.arange(0, HP)
-    vec = r < H
     w0, w1, w2 = _load_weights(w_ptr, H, K, HP)
-    y = tl.load(entry_ptr + (q * B + b) * H + r, mask=vec, other=0.0)
+    y = tl.load(entry_ptr + (q * B + b) * H + r, mask=r < H, other=0.0)
     for i in range(0, C):
         k = q * C + C - 1 - i
         y = _walk_step(
-            y, k, b, s_ptr, e_ptr, b_ptr, out_ptr, d_ptr, B, H, S_K, S_B, w0, w1, w2,
-            K, HAS_E, HAS_B, ACT, SHIFT, FUSED, HP,
+            y, k, b, f0_ptr, f1_ptr, f2_ptr, b_ptr, out_ptr, d_ptr, B, H, S_K, S_B, w0, w1, w2,
+            K, HAS_E, HAS_B, MODE, SHIFT, FUSED, HP,
         )  # fmt: skip
 
 
@@ -294,15 +344,19 @@ def _padded(h: int) -> int:
     return max(16, triton.next_power_of_2(h))
 
 
-def supports(scales: Tensor, weights: Tensor, diagonal: Tensor | None) -> bool:
-    """Whether a factored chain fits these kernels: float32, K <= 3 terms, K * Hp^2 <= 4096."""
-    k, h = weights.shape[0], weights.shape[-1]
-    tensors = (scales, weights) + (() if diagonal is None else (diagonal,))
+def fits(terms: int, hidden: int, *tensors: Tensor) -> bool:
+    """Whether a chain of ``terms`` H x H weights fits the kernels: float32, K <= 3, K * Hp^2 <= 4096."""
     return (
-        k <= MAX_TERMS
-        and k * _padded(h) ** 2 <= _MAX_REGISTERS
+        terms <= MAX_TERMS
+        and terms * _padded(hidden) ** 2 <= _MAX_REGISTERS
         and all(t.dtype == torch.float32 for t in tensors)
     )
+
+
+def supports(scales: Tensor, weights: Tensor, diagonal: Tensor | None) -> bool:
+    """Whether a factored chain fits these kernels (``fits``)."""
+    tensors = (scales, weights) + (() if diagonal is None else (diagonal,))
+    return fits(weights.shape[0], weights.shape[-1], *tensors)
 
 
 def triton_chunked_scan(
@@ -319,17 +373,13 @@ def triton_chunked_scan(
     offsets (n, B, H) or None. Returns x_0..x_n as (n + 1, B, H).
     """
     n, h = scales.shape[0], scales.shape[-1]
-    if math.ceil(n / chunk) < 2:  # a single chunk: nothing to run in parallel, the twin walks it
-        from bppsa_core.chain import FactoredChain
-        from bppsa_core.scan import sequential_scan
-
-        return sequential_scan(FactoredChain(scales, weights, diagonal), x_last, offsets)
-    out = x_last.new_empty((n + 1, x_last.shape[0], h))
-    _launch(scales, weights, diagonal, x_last, offsets, chunk, out, None, act=0, shift=0)
+    batch = x_last.shape[0]
+    s = scales.contiguous()
+    e = None if diagonal is None else diagonal.expand(n, batch, h).contiguous()
+    out = x_last.new_empty((n + 1, batch, h))
+    strides = (s.stride(0), s.stride(1) if s.shape[1] == batch else 0)
+    _launch((s, e, None), strides, weights, x_last, offsets, chunk, out, None, mode=SCALES, shift=0)
     return out
-
-
-ACTIVATIONS = {"tanh": 1, "relu": 2}
 
 
 def rnn_layer_backward(
@@ -347,56 +397,84 @@ def rnn_layer_backward(
     partial sums about as large as delta, or non-deterministic atomics.
     """
     n, batch, hid = h.shape
-    if math.ceil(n / chunk) < 2:  # a single chunk: the twin's sequential walk
-        from bppsa_core.jacobians import LayerWeights, RNNCell
-        from bppsa_core.scan import sequential_scan
-
-        cell, w = RNNCell(nonlinearity), LayerWeights(w_ih=w_hh, w_hh=w_hh)  # only w_hh is read
-        factors = cell.factors(h, h, h, w)  # f'(z_t), read off h alone
-        offsets = None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))
-        g = sequential_scan(cell.chain(factors, w), g_last, offsets)
-        return g[0], cell.preactivation_grads(g[1:], factors)[0]
+    hc = h.contiguous()
     g0 = g_last.new_empty((1, batch, hid))
     delta = h.new_empty((n, batch, hid))
-    _launch(
-        h.unsqueeze(2), w_hh.unsqueeze(0), None, g_last, u, chunk, g0, delta, ACTIVATIONS[nonlinearity], 1
-    )
+    mode = ACTIVATIONS[nonlinearity]
+    _launch((hc, None, None), (batch * hid, hid), w_hh, g_last, u, chunk, g0, delta, mode=mode, shift=1)
     return g0[0], delta
 
 
+def gru_layer_backward(
+    gi: Tensor, gh: Tensor, h_prev: Tensor, w_hh: Tensor, g_last: Tensor, u: Tensor | None, chunk: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One GRU layer's backward in the kernels, with its Jacobians built in them.
+
+    gi, gh (T, B, 3H) are the pre-activations W_ih x_t + b_ih and W_hh h_{t-1} + b_hh (rows r, z, n;
+    two GEMMs, kept outside the kernels), h_prev (T, B, H) the states h_0..h_{T-1}, ``g_last`` and
+    ``u`` as in ``rnn_layer_backward``. The kernels recompute the gates and the Jacobians from them
+    and write g_0 (B, H) and the pre-activation gradients of W_ih x + b_ih and W_hh h + b_hh
+    (``GRUCell.preactivation_grads``), each (T, B, 3H): views of one (T, B, 6H) buffer.
+    """
+    n, batch, hid = h_prev.shape
+    g0 = g_last.new_empty((1, batch, hid))
+    deltas = h_prev.new_empty((n, batch, 6 * hid))
+    sources = (gi.contiguous(), gh.contiguous(), h_prev.contiguous())
+    _launch(sources, (0, 0), w_hh, g_last, u, chunk, g0, deltas, mode=GRU, shift=1)
+    return g0[0], deltas[..., : 3 * hid], deltas[..., 3 * hid :]
+
+
 def _launch(
-    scales: Tensor,
+    sources: tuple[Tensor, Tensor | None, Tensor | None],
+    strides: tuple[int, int],
     weights: Tensor,
-    diagonal: Tensor | None,
     x_last: Tensor,
     offsets: Tensor | None,
     chunk: int,
     out: Tensor,
     delta: Tensor | None,
-    act: int,
+    *,
+    mode: int,
     shift: int,
 ) -> None:
-    """The three launches, for a chain of at least two chunks."""
-    n, _, k, h = scales.shape
-    batch = x_last.shape[0]
+    """The three launches (one, ``_spine``, for a chain of a single chunk).
+
+    ``sources`` are ``_element``'s f0, f1, f2 (contiguous, f0 with one row per element; None where
+    the mode reads nothing), ``strides`` f0's element and batch strides in SCALES/TANH/RELU modes,
+    ``weights`` the K stacked H x H weights, (K, H, H) or (K * H, H): a GRU's W_hh is W_hr, W_hz,
+    W_hn stacked.
+    """
+    f0 = sources[0]
+    f1, f2 = (f0 if t is None else t for t in sources[1:])  # never read when None
+    n, (batch, h) = f0.shape[0], x_last.shape
+    terms = weights.numel() // (h * h)
     p = math.ceil(n / chunk)
-    s = scales.contiguous()
-    s_k, s_b = s.stride(0), (s.stride(1) if s.shape[1] == batch else 0)
     w = weights.contiguous()
-    has_e, has_b = diagonal is not None, offsets is not None
-    e = diagonal.expand(n, batch, h).contiguous() if has_e else s  # not read when HAS_E is false
-    b = offsets.contiguous() if has_b else s
-    d = out if delta is None else delta
-    agg = s.new_empty((max(p - 2, 1), batch, h, h))
-    aggb = s.new_zeros((max(p - 2, 1), batch, h))
-    entry = s.new_empty((p - 1, batch, h))
-    flags = {"K": k, "HAS_E": has_e, "HAS_B": has_b, "ACT": act, "SHIFT": shift, "HP": _padded(h)}
-    if p > 2:
-        _reduce[(p - 2, batch)](s, w, e, b, agg, aggb, batch, h, s_k, s_b, chunk, **flags)
-    rem = n - (p - 1) * chunk
+    has_b = offsets is not None
+    b = offsets.contiguous() if has_b else f0
+    agg = f0.new_empty((max(p - 2, 1), batch, h, h))
+    aggb = f0.new_zeros((max(p - 2, 1), batch, h))
+    entry = f0.new_empty((max(p - 1, 1), batch, h))
+    flags = {
+        "K": terms,
+        "HAS_E": mode == GRU or sources[1] is not None,
+        "HAS_B": has_b,
+        "MODE": mode,
+        "SHIFT": shift,
+        "HP": _padded(h),
+    }
     fused = delta is not None
+    d = out if delta is None else delta
+    s_k, s_b = strides
+    if p > 2:
+        _reduce[(p - 2, batch)](f0, f1, f2, w, b, agg, aggb, batch, h, s_k, s_b, chunk, **flags)
+    rem = n - (p - 1) * chunk
     x = x_last.contiguous()
     _spine[(batch,)](
-        s, w, e, b, agg, aggb, x, out, d, entry, batch, h, n, s_k, s_b, rem, p - 2, FUSED=fused, **flags
-    )
-    _expand[(p - 1, batch)](s, w, e, b, entry, out, d, batch, h, s_k, s_b, chunk, FUSED=fused, **flags)
+        f0, f1, f2, w, b, agg, aggb, x, out, d, entry, batch, h, n, s_k, s_b, rem, max(p - 2, 0),
+        FUSED=fused, **flags,
+    )  # fmt: skip
+    if p > 1:
+        _expand[(p - 1, batch)](
+            f0, f1, f2, w, b, entry, out, d, batch, h, s_k, s_b, chunk, FUSED=fused, **flags
+        )

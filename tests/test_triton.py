@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from bppsa_core import nn as bnn
 from bppsa_core.chain import DenseChain, FactoredChain
+from bppsa_core.jacobians import GRUCell, LayerWeights
 from bppsa_core.scan import chunked_scan, scan
 
 CASES = [
@@ -114,24 +115,60 @@ def test_the_fused_rnn_backward_matches_its_twin(nonlinearity, n, batch, hidden,
     assert rel_err((x[1:] * fp).double(), delta.double()) < 1e-5
 
 
-def test_an_rnn_with_the_triton_strategy_takes_the_fused_path(monkeypatch) -> None:
+@pytest.mark.parametrize(("n", "batch", "hidden", "chunk"), [(37, 3, 5, 4), (9, 1, 20, 2), (7, 2, 3, 8)])
+@pytest.mark.parametrize("outside", [False, True])
+def test_the_fused_gru_backward_matches_its_twin(n, batch, hidden, chunk, outside) -> None:
+    """Gates and Jacobians recomputed in the kernels from the two pre-activation GEMMs and h_{t-1};
+    g_0 and the input- and hidden-side pre-activation gradients written."""
     from bppsa_core import triton_scan
 
-    calls = []
-    fused = triton_scan.rnn_layer_backward
-    monkeypatch.setattr(triton_scan, "rnn_layer_backward", lambda *a: calls.append(1) or fused(*a))
+    g = torch.Generator().manual_seed(n + hidden)
+    cell = GRUCell()
+    w = LayerWeights(*(torch.randn(*shape, generator=g) / hidden**0.5 for shape in
+                       ((3 * hidden, 2), (3 * hidden, hidden), (3 * hidden,), (3 * hidden,))))  # fmt: skip
+    x = torch.randn(n, batch, 2, generator=g)
+    h_prev = torch.rand(n, batch, hidden, generator=g) * 2 - 1
+    g_last = torch.randn(batch, hidden, generator=g)
+    u = torch.randn(n, batch, hidden, generator=g) if outside else None
+    factors = cell.factors(x, h_prev, h_prev, w)  # a GRU's factors do not read h
+    offsets = None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))
+    twin = chunked_scan(cell.chain(factors, w), g_last, offsets, chunk=chunk)
+    d_in, d_hid = cell.preactivation_grads(twin[1:].clone(), factors)
+    gi, gh = cell.pre_activations(x, h_prev, w)
+    g0, k_in, k_hid = triton_scan.gru_layer_backward(gi, gh, h_prev, w.w_hh, g_last, u, chunk)
+    assert g0.shape == (batch, hidden) and k_in.shape == k_hid.shape == (n, batch, 3 * hidden)
+    assert rel_err(twin[0].double(), g0.double()) < 1e-5
+    assert rel_err(d_in.double(), k_in.double()) < 1e-5
+    assert rel_err(d_hid.double(), k_hid.double()) < 1e-5
+
+
+@pytest.mark.parametrize(("kind", "fused"), [("RNN", "rnn_layer_backward"), ("GRU", "gru_layer_backward")])
+def test_a_net_with_the_triton_strategy_takes_the_fused_path(monkeypatch, kind, fused) -> None:
+    from bppsa_core import triton_scan
+
     torch.manual_seed(0)
-    ref = torch.nn.RNN(2, 6, nonlinearity="relu")
-    ours = bnn.RNN(2, 6, nonlinearity="relu", strategy="triton", chunk=4)
+    kwargs = {"nonlinearity": "relu"} if kind == "RNN" else {}
+    ref = getattr(torch.nn, kind)(2, 6, num_layers=2, **kwargs)
+    ours = getattr(bnn, kind)(2, 6, num_layers=2, strategy="triton", chunk=4, **kwargs)
+
+    calls = []
+    kernel = getattr(triton_scan, fused)
+    monkeypatch.setattr(triton_scan, fused, lambda *a: calls.append(1) or kernel(*a))
     ours.load_state_dict(ref.state_dict())
-    x = torch.randn(23, 2, 2)
+    x = torch.randn(23, 2, 2, generator=torch.Generator().manual_seed(0))
     grads = []
     for m in (ref, ours):
-        m(x)[1].pow(2).sum().backward()  # loss on h_n only: the pure linear chain
+        m(x)[1].pow(2).sum().backward()  # loss on h_n only: the top layer's chain is the linear one
         grads.append([p.grad for p in m.parameters()])
-    assert calls == [1]
+    assert len(calls) == ours.num_layers
     for a, b in zip(*grads, strict=True):
         assert rel_err(a, b) < 1e-4
+
+
+def test_a_gru_too_wide_for_the_kernels_is_refused_by_the_triton_strategy() -> None:
+    gru = bnn.GRU(2, 33, strategy="triton")
+    with pytest.raises(ValueError, match=r"strategy='triton' takes a float32 factored chain.*GRU: H <= 32"):
+        gru(torch.randn(5, 2, 2))[0].sum().backward()
 
 
 @pytest.mark.gpu
