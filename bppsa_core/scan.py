@@ -29,7 +29,7 @@ Every strategy returns ``[x_0, x_1, ..., x_n]`` as one (n + 1, B, H) tensor:
   products. The same O(n) matrix products as Blelloch's scan, depth ~2·chunk + scan(n / chunk), and a
   small working set.
 * ``triton``: the chunked scan as three Triton kernels for a factored chain of up to three terms
-  (RNN H <= 64, GRU H <= 32; ``bppsa_core.triton_scan``, whose twin is ``chunked``).
+  (RNN and GRU, H <= 64; ``bppsa_core.triton_scan``, whose twin is ``chunked``).
 * ``graph``: on a GPU, the eager per-level scan (Blelloch, or chunked when Blelloch's up-sweep
   would not fit) captured once per shape in a CUDA graph and replayed: one launch instead of one
   per op, for the chains the Triton kernels do not take.
@@ -239,8 +239,8 @@ def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | N
         raise ValueError("strategy='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
     if not _kernel_fits(chain):
         raise ValueError(
-            "strategy='triton' takes a float32 factored chain of at most 3 terms with K * Hp^2 <= 4096 "
-            "(RNN: H <= 64, GRU: H <= 32); accepted for this chain: auto, sequential, blelloch, "
+            "strategy='triton' takes a float32 factored chain of at most 3 terms with H <= 64 "
+            "(an RNN's or a GRU's); accepted for this chain: auto, sequential, blelloch, "
             "chunked, graph"
         )
     return triton_scan.triton_chunked_scan(

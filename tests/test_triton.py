@@ -53,7 +53,14 @@ def test_kernels_match_the_chunked_twin_on_the_cpu(n, batch, hidden, chunk, affi
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ARGS, [*CASES, (1000, 16, 20, 22, False, 1), (1000, 16, 64, 22, True, 1), (1034, 64, 20, 23, True, 3)]
+    ARGS,
+    [
+        *CASES,
+        (1000, 16, 20, 22, False, 1),
+        (1000, 16, 64, 22, True, 1),
+        (1034, 64, 20, 23, True, 3),
+        (1034, 16, 64, 23, True, 3),
+    ],
 )
 def test_kernels_match_the_chunked_twin_on_a_gpu(n, batch, hidden, chunk, affine, terms) -> None:
     if not torch.cuda.is_available():
@@ -81,7 +88,7 @@ def test_a_recurrent_net_trains_with_the_triton_backward(ref_cls, our_cls) -> No
     ("chain", "why"),
     [
         (FactoredChain(torch.rand(5, 2, 1, 65), torch.randn(1, 65, 65)), "RNN H = 65: Hp = 128"),
-        (FactoredChain(torch.rand(5, 2, 3, 33), torch.randn(3, 33, 33)), "GRU H = 33: 3 * 64^2 > 4096"),
+        (FactoredChain(torch.rand(5, 2, 3, 65), torch.randn(3, 65, 65)), "GRU H = 65"),
         (FactoredChain(torch.rand(5, 2, 4, 4), torch.randn(4, 4, 4)), "four terms"),
         (FactoredChain(torch.rand(5, 2, 1, 4).double(), torch.randn(1, 4, 4).double()), "float64"),
         (DenseChain(torch.rand(5, 2, 4, 4)), "a dense chain"),
@@ -115,7 +122,9 @@ def test_the_fused_rnn_backward_matches_its_twin(nonlinearity, n, batch, hidden,
     assert rel_err((x[1:] * fp).double(), delta.double()) < 1e-5
 
 
-@pytest.mark.parametrize(("n", "batch", "hidden", "chunk"), [(37, 3, 5, 4), (9, 1, 20, 2), (7, 2, 3, 8)])
+@pytest.mark.parametrize(
+    ("n", "batch", "hidden", "chunk"), [(37, 3, 5, 4), (9, 1, 20, 2), (7, 2, 3, 8), (11, 2, 64, 3)]
+)
 @pytest.mark.parametrize("outside", [False, True])
 def test_the_fused_gru_backward_matches_its_twin(n, batch, hidden, chunk, outside) -> None:
     """Gates and Jacobians recomputed in the kernels from the two pre-activation GEMMs and h_{t-1};
@@ -166,8 +175,8 @@ def test_a_net_with_the_triton_strategy_takes_the_fused_path(monkeypatch, kind, 
 
 
 def test_a_gru_too_wide_for_the_kernels_is_refused_by_the_triton_strategy() -> None:
-    gru = bnn.GRU(2, 33, strategy="triton")
-    with pytest.raises(ValueError, match=r"strategy='triton' takes a float32 factored chain.*GRU: H <= 32"):
+    gru = bnn.GRU(2, 65, strategy="triton")
+    with pytest.raises(ValueError, match=r"strategy='triton' takes a float32 factored chain .* H <= 64"):
         gru(torch.randn(5, 2, 2))[0].sum().backward()
 
 
