@@ -163,8 +163,10 @@ def bench(
     repeats: int = 5,
     seed: int = 0,
     floors: Floors | None = None,
+    chunk: int | None = None,
 ) -> Row:
-    """Time one configuration: BPTT, then BPPSA with every scan strategy that runs here.
+    """Time one configuration: BPTT, then BPPSA with every scan strategy that runs here
+    (``chunk``: the chunked and triton strategies' chunk size; default: the modules').
 
     A strategy that refuses the device or shape (ValueError) gets an "n/a" cell, any other failure
     an "error" cell; either way its message goes to the row's notes and the other columns go on.
@@ -179,7 +181,7 @@ def bench(
     notes: dict[str, str] = {}
     err = 0.0
     for strategy in strategies:
-        ours = our_cls(features, hidden, batch_first=True, strategy=strategy).to(device, dtype)
+        ours = our_cls(features, hidden, batch_first=True, strategy=strategy, chunk=chunk).to(device, dtype)
         ours.load_state_dict(ref.state_dict())
         try:
             times[strategy], grads = time_backward(ours, x, head, loss, warmup, repeats)
@@ -409,6 +411,7 @@ def _backward_table(
                 args.warmup,
                 args.repeats,
                 floors=floors,
+                chunk=args.chunk,
             )
         )
     _say(f"\n### Full backward: {cs.title}\n" if heading else "")
@@ -430,7 +433,18 @@ def _scan_table(
         _progress(f"scan {cs.model} T={t} B={b} H={h} ...")
         rows.append(
             bench_scan(
-                cs.model, t, b, h, f, strategies, device, floors, args.warmup, args.repeats, peers=args.peers
+                cs.model,
+                t,
+                b,
+                h,
+                f,
+                strategies,
+                device,
+                floors,
+                args.warmup,
+                args.repeats,
+                peers=args.peers,
+                chunk=args.chunk,
             )
         )
     _say(f"\n### Scan only, identical chain: {cs.title}\n" if heading else "")
@@ -481,6 +495,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=STRATEGIES,
         help="BPPSA scan strategies to time (default: chunked blelloch on a CPU; "
         "blelloch chunked graph triton auto on a GPU, those that exist)",
+    )
+    parser.add_argument(
+        "--chunk",
+        type=positive_int,
+        default=None,
+        help="chunk size of the chunked and triton strategies (default: about sqrt(T / 2)); to tune it",
     )
     parser.add_argument("--loss", choices=("last", "all"), default="last", help="loss on h_T or every output")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -540,6 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _say(
         f"loss on {'h_T' if args.loss == 'last' else 'every output'}, {args.dtype}, median of {args.repeats}"
         f" after {args.warmup} warm-up runs; strategies: {' '.join(strategies)}"
+        f"; chunk {args.chunk or 'about sqrt(T / 2)'}"
     )
     floors = measure_floors(device)
     _say(f"measured: copy bandwidth {floors.bandwidth_gbs:.1f} GB/s, {floors.launch_us:.2f} µs per launch")

@@ -310,9 +310,10 @@ def bench_scan(
     repeats: int = 5,
     seed: int = 0,
     peers: Sequence[str] = ("torch", "jax"),
+    chunk: int | None = None,
 ) -> ScanRow:
     """Time every strategy and peer ("torch", "jax") on one layer's chain; check each against the
-    float64 twin."""
+    float64 twin. ``chunk``: the chunked and triton strategies' chunk size (default: scan's)."""
     chain, x_last = layer_chain(model, steps, batch, hidden, features, device, seed=seed)
     twin = sequential_scan(_as_double(chain), x_last.double())
     clock = timer(device)
@@ -321,8 +322,9 @@ def bench_scan(
     notes: dict[str, str] = {}
     for s in strategies:
         try:
-            diffs[s] = rel_diff(scan(chain, x_last, strategy=s), twin)  # also a first warm-up
-            cells[s] = median_ms(lambda s=s: scan(chain, x_last, strategy=s), clock, warmup, repeats)
+            run = lambda s=s: scan(chain, x_last, strategy=s, chunk=chunk)  # noqa: E731
+            diffs[s] = rel_diff(run(), twin)  # also a first warm-up
+            cells[s] = median_ms(run, clock, warmup, repeats)
         except Exception as exc:  # a strategy that cannot run is reported, not raised
             cells[s], notes[s] = failure(exc)
     if peers:

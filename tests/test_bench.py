@@ -230,3 +230,27 @@ def test_cuda_without_a_gpu_is_named(capsys, monkeypatch) -> None:
         bench_backward.main(["--device", "cuda"])
     assert exc.value.code == 2
     assert "CUDA is not available here; accepted: cpu" in capsys.readouterr().err
+
+
+def test_chunk_reaches_every_chunked_scan_of_the_backward_and_scan_tables(
+    capsys, monkeypatch, no_jax
+) -> None:
+    from bppsa_core import scan as scan_mod
+
+    seen = []
+    real = scan_mod.chunked_scan
+    monkeypatch.setattr(
+        scan_mod, "chunked_scan", lambda *a, chunk=None: seen.append(chunk) or real(*a, chunk=chunk)
+    )
+    argv = ["--T", "11", "--B", "2", "--H", "3", "--strategies", "chunked", "--tables", "backward", "scan"]
+    assert bench_backward.main([*argv, "--chunk", "3", "--repeats", "1", "--warmup", "0", "--peers"]) == 0
+    out = capsys.readouterr().out
+    assert "chunk 3" in out.splitlines()[1]
+    assert seen == [3, 3, 3]  # the backward's one timed run; the scan's check run and one timed run
+
+
+def test_a_non_positive_chunk_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench_backward.main(["--chunk", "0"])
+    assert exit_info.value.code == 2
+    assert "--chunk: 0 is not positive; accepted: positive integers" in capsys.readouterr().err
