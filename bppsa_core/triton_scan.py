@@ -455,7 +455,7 @@ def _launch(
     has_b = offsets is not None
     b = offsets.contiguous() if has_b else f0
     agg = f0.new_empty((max(p - 2, 1), batch, h, h))
-    aggb = f0.new_zeros((max(p - 2, 1), batch, h))
+    aggb = f0.new_empty((max(p - 2, 1), batch, h))  # every row read is written by _reduce
     entry = f0.new_empty((max(p - 1, 1), batch, h))
     flags = {
         "K": terms,

@@ -14,6 +14,18 @@ from bppsa_core.chain import DenseChain, FactoredChain
 from bppsa_core.jacobians import GRUCell, LayerWeights
 from bppsa_core.scan import chunked_scan, scan
 
+
+@pytest.fixture(autouse=True)
+def nan_filled_empty_tensors(request):
+    """On the CPU, every torch.empty filled with NaN, so that a kernel that reads scratch it never
+    wrote fails (not on a GPU: deterministic mode refuses cuBLAS without CUBLAS_WORKSPACE_CONFIG)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    if request.node.get_closest_marker("gpu") is None:
+        torch.use_deterministic_algorithms(True)  # with fill_uninitialized_memory, on by default
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
 CASES = [
     (n, batch, hidden, chunk, affine, terms)
     for n in (2, 5, 37)
