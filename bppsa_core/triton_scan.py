@@ -32,7 +32,8 @@ cannot take a run-time loop bound with NumPy 2.4). H is padded to a power of two
 fits one program when H <= 64 (a GRU's 3 x 64^2 weights run on 8 warps instead of 4, which keeps
 them at 48 registers a thread; that it also runs fast is for the GPU benchmark to show). ``tl.dot`` runs with
 ``input_precision="ieee"`` (full fp32: TF32's ~1e-3 error would exceed the gradient tolerances).
-Elements shared by the batch are read with a batch stride of 0, never copied. Everything is checked
+Elements shared by the batch are read with a batch stride of 0, never copied; offsets into memory are
+64-bit, so tensors of more than 2^31 elements are indexed correctly. Everything is checked
 against the twin on the CPU with ``TRITON_INTERPRET=1``.
 """
 
@@ -91,6 +92,7 @@ def _element(
     dn m r (1 - r), (h_prev - n) z (1 - z), dn r with dn = (1 - z)(1 - n^2) and m = W_hn h + b_hn,
     and the diagonal z. Unused values and padded lanes are 0.
     """
+    k = k.to(tl.int64)  # k * S_K may pass 2^31 (b already is 64-bit)
     r = tl.arange(0, HP)
     vec = r < H
     zero = tl.zeros([HP], dtype=tl.float32)
@@ -182,7 +184,7 @@ def _reduce(
     HP: tl.constexpr,
 ):
     q = tl.program_id(0) + 1  # chunks 1..P-2
-    b = tl.program_id(1)
+    b = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a (T, B, 6H) GRU delta may pass 2^31
     r = tl.arange(0, HP)
     vec = r < H
     mat = vec[:, None] & vec[None, :]
@@ -283,7 +285,7 @@ def _spine(
     FUSED: tl.constexpr,
     HP: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, HP)
     vec = r < H
     mat = vec[:, None] & vec[None, :]
@@ -329,7 +331,7 @@ def _expand(
     HP: tl.constexpr,
 ):
     q = tl.program_id(0)  # chunks 0..P-2
-    b = tl.program_id(1)
+    b = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a (T, B, 6H) GRU delta may pass 2^31
     r = tl.arange(0, HP)
     w0, w1, w2 = _load_weights(w_ptr, H, K, HP)
     y = tl.load(entry_ptr + (q * B + b) * H + r, mask=r < H, other=0.0)
