@@ -30,11 +30,11 @@ per sequence length and chunk size, which a training run keeps fixed (and Triton
 cannot take a run-time loop bound with NumPy 2.4). H is padded to a power of two of at least 16
 (``tl.dot``'s minimum) inside the programs, and the K weight matrices stay in registers, so a chain
 fits one program when H <= 64 (a GRU's 3 x 64^2 weights run on 8 warps instead of 4, which keeps
-them at 48 registers a thread; that it also runs fast is for the GPU benchmark to show). ``tl.dot`` runs with
-``input_precision="ieee"`` (full fp32: TF32's ~1e-3 error would exceed the gradient tolerances).
-Elements shared by the batch are read with a batch stride of 0, never copied; offsets into memory are
-64-bit, so tensors of more than 2^31 elements are indexed correctly. Everything is checked
-against the twin on the CPU with ``TRITON_INTERPRET=1``.
+them at 48 registers a thread; whether that is also fast is for the GPU benchmark to show).
+``tl.dot`` runs with ``input_precision="ieee"`` (full fp32: TF32's ~1e-3 error would exceed the
+gradient tolerances). Elements shared by the batch are read with a batch stride of 0, never copied;
+offsets into memory are 64-bit, so tensors of more than 2^31 elements are indexed correctly.
+Everything is checked against the twin on the CPU with ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
