@@ -461,7 +461,7 @@ def _launch(
     entry = f0.new_empty((max(p - 1, 1), batch, h))
     flags = {
         "K": terms,
-        "HAS_E": mode == GRU or sources[1] is not None,
+        "HAS_E": sources[1] is not None,  # a diagonal, or a GRU's gh (its diagonal is z)
         "HAS_B": has_b,
         "MODE": mode,
         "SHIFT": shift,
