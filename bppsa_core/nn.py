@@ -177,8 +177,8 @@ def _fused_layer(
     kernels (``triton_scan.rnn_layer_backward`` / ``gru_layer_backward``), or None.
 
     Taken with strategy "triton" (on a GPU or under TRITON_INTERPRET=1) and with "auto" on a GPU,
-    for the layers the kernels fit (``triton_scan.fits``: float32, H <= 64);
-    everything else goes through ``scan``, which also gives "triton"'s error messages.
+    for the layers the kernels fit (``triton_scan.fits``: float32, H <= 64); everything else goes
+    through ``scan``, which also gives "triton"'s error messages.
     """
     if spec.strategy not in ("auto", "triton"):
         return None
