@@ -321,8 +321,11 @@ def bench_scan(
     diffs: dict[str, float] = {}
     notes: dict[str, str] = {}
     for s in strategies:
+
+        def run(s: str = s) -> Tensor:
+            return scan(chain, x_last, strategy=s, chunk=chunk)
+
         try:
-            run = lambda s=s: scan(chain, x_last, strategy=s, chunk=chunk)  # noqa: E731
             diffs[s] = rel_diff(run(), twin)  # also a first warm-up
             cells[s] = median_ms(run, clock, warmup, repeats)
         except Exception as exc:  # a strategy that cannot run is reported, not raised
