@@ -93,16 +93,18 @@ class GRUCell:
         return r, z, n, m, h_prev
 
     def chain(self, factors: tuple[Tensor, ...], w: LayerWeights) -> FactoredChain:
-        """Elements of DESIGN.md's GRU Jacobian, t = 1..T.
+        """Elements of the GRU Jacobian (docs/DESIGN.md), t = 1..T, in W_hh's own row order r, z, n:
 
-        dh'/dh = diag(a) W_hn + diag(c) W_hr + diag(d) W_hz + diag(z) with
-        a = (1-z)(1-n^2) r, c = (1-z)(1-n^2) m r(1-r), d = (h-n) z(1-z).
+        dh'/dh = diag(c) W_hr + diag(d) W_hz + diag(a) W_hn + diag(z) with
+        c = (1-z)(1-n^2) m r(1-r), d = (h-n) z(1-z), a = (1-z)(1-n^2) r.
+
+        The weights are W_hh reshaped (a view, not a copy); the Triton kernels read them in this order too.
         """
         r, z, n, m, h_prev = factors
         dn = (1.0 - z) * (1.0 - n * n)
-        scales = torch.stack((dn * r, dn * m * r * (1.0 - r), (h_prev - n) * z * (1.0 - z)), dim=-2)
-        w_r, w_z, w_n = w.w_hh.chunk(3, dim=0)
-        return FactoredChain(scales, torch.stack((w_n, w_r, w_z)), z)
+        scales = torch.stack((dn * m * r * (1.0 - r), (h_prev - n) * z * (1.0 - z), dn * r), dim=-2)
+        hidden = w.w_hh.shape[1]
+        return FactoredChain(scales, w.w_hh.reshape(3, hidden, hidden), z)
 
     def preactivation_grads(self, g: Tensor, factors: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
         """Gradients of W_ih x + b_ih (rows r, z, n) and of W_hh h + b_hh (rows r, z, n)."""

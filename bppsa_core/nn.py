@@ -27,16 +27,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence
 
+from bppsa_core import dispatch
+from bppsa_core.dispatch import ScanOptions
 from bppsa_core.jacobians import Cell, GRUCell, LayerWeights, RNNCell, layer_grads
-from bppsa_core.scan import (
-    STRATEGIES,
-    default_chunk,
-    kernel_errors,
-    kernels_failed,
-    kernels_run_on,
-    kernels_usable,
-    scan,
-)
+from bppsa_core.scan import scan
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
 
@@ -55,9 +49,7 @@ class _Spec:
     cell: Cell
     num_layers: int
     bias: bool
-    strategy: str
-    chunk: int | None
-    levels: int | None
+    options: ScanOptions
 
     @property
     def per_layer(self) -> int:
@@ -155,7 +147,8 @@ def _state_grads(
         offsets = torch.cat((torch.zeros_like(u[:1]), u[:-1]))
     chain = spec.cell.chain(factors, w)
     start = _last_grad(u, u_last, h)
-    return scan(chain, start, offsets, strategy=spec.strategy, chunk=spec.chunk, levels=spec.levels)
+    o = spec.options
+    return scan(chain, start, offsets, strategy=o.strategy, chunk=o.chunk, levels=o.levels)
 
 
 def _last_grad(u: Tensor | None, u_last: Tensor | None, h: Tensor) -> Tensor:
@@ -176,35 +169,29 @@ def _fused_layer(
     """g_0 and the input- and hidden-side pre-activation gradients of a layer from the fused Triton
     kernels (``triton_scan.rnn_layer_backward`` / ``gru_layer_backward``), or None.
 
-    Taken with strategy "triton" (on a GPU or under TRITON_INTERPRET=1) and with "auto" on a GPU,
-    for the layers the kernels fit (``triton_scan.fits``: float32, H <= 64); everything else goes
+    Taken where the layer's strategy resolves to "triton" (``dispatch.resolve``: "triton" itself,
+    or "auto" on a GPU) and the kernels take the layer and run on its device; everything else goes
     through ``scan``, which also gives "triton"'s error messages.
     """
-    if spec.strategy not in ("auto", "triton"):
+    steps, batch, hidden = h.shape
+    fits = dispatch.kernels_take(spec.cell.gates, hidden, h.dtype, w.w_hh.dtype)
+    strategy = spec.options.strategy
+    chosen = dispatch.resolve(strategy, steps, batch, hidden, h.device, fits)
+    if chosen != "triton" or not fits or not dispatch.kernels_run_on(h.device):
         return None
-    if spec.strategy == "auto" and not kernels_usable(h.device):
-        return None
-    if not kernels_run_on(h.device):
-        return None
-    try:
-        from bppsa_core import triton_scan
-    except ImportError:
-        return None
-    if not triton_scan.fits(spec.cell.gates, h.shape[-1], h, w.w_hh):
-        return None
-    chunk = spec.chunk or default_chunk(h.shape[0])
+    from bppsa_core import triton_scan
+
+    chunk = spec.options.chunk or dispatch.default_chunk(steps)
     g_last = _last_grad(u, u_last, h)
-    try:
+
+    def kernels() -> tuple[Tensor, Tensor, Tensor]:
         if isinstance(spec.cell, RNNCell):
             g0, delta = triton_scan.rnn_layer_backward(h, w.w_hh, g_last, u, spec.cell.nonlinearity, chunk)
             return g0, delta, delta
         gi, gh = spec.cell.pre_activations(x, h_prev, w)
         return triton_scan.gru_layer_backward(gi, gh, h_prev, w.w_hh, g_last, u, chunk)
-    except kernel_errors() as exc:
-        if spec.strategy == "triton":
-            raise
-        kernels_failed(h.device, exc)
-        return None
+
+    return dispatch.with_kernels(strategy, h.device, kernels, lambda: None)
 
 
 class _BPPSAMixin:
@@ -222,12 +209,7 @@ class _BPPSAMixin:
         super().__init__(*args, **kwargs)  # torch.nn.RNN / GRU: its arguments, parameters and checks
         if backward not in BACKWARDS:
             raise ValueError(f"unknown backward {backward!r}; accepted: {', '.join(BACKWARDS)}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown scan strategy {strategy!r}; accepted: {', '.join(STRATEGIES)}")
-        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"chunk must be a positive integer or None, got {chunk!r}")
-        if levels is not None and (not isinstance(levels, int) or levels < 0):
-            raise ValueError(f"levels must be a non-negative integer or None, got {levels!r}")
+        ScanOptions(strategy, chunk, levels)  # checked now, and again at every forward (_spec)
         if backward == "bppsa":
             unsupported = {
                 "bidirectional=True": self.bidirectional,
@@ -237,13 +219,12 @@ class _BPPSAMixin:
                 if bad:
                     raise ValueError(f"{what} is not supported by backward='bppsa' yet; use backward='bptt'")
         self.backward_mode = backward
-        self.strategy = strategy
-        self.chunk = chunk
-        self.levels = levels
+        self.strategy, self.chunk, self.levels = strategy, chunk, levels
 
     def _spec(self) -> _Spec:
         cell: Cell = GRUCell() if self.mode == "GRU" else RNNCell(self.nonlinearity)
-        return _Spec(self.mode, cell, self.num_layers, self.bias, self.strategy, self.chunk, self.levels)
+        options = ScanOptions(self.strategy, self.chunk, self.levels)
+        return _Spec(self.mode, cell, self.num_layers, self.bias, options)
 
     def forward(self, input: Tensor | PackedSequence, hx: Tensor | None = None) -> tuple[Any, Tensor]:
         """Same contract as ``torch.nn.RNN.forward``; the backward is BPPSA in ``bppsa`` mode."""

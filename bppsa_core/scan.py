@@ -42,30 +42,22 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections import OrderedDict
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from bppsa_core import dispatch
 from bppsa_core.chain import Chain, DenseChain, FactoredChain, Index, as_chain
+from bppsa_core.dispatch import ScanOptions
 
 log = logging.getLogger(__name__)
 
 Strategy = Literal["auto", "sequential", "blelloch", "chunked", "triton", "graph"]
-STRATEGIES: tuple[str, ...] = ("auto", "sequential", "blelloch", "chunked", "triton", "graph")
 
-# Below this many elements, a chunked scan has too few chunks to pay for its extra matrix work.
-_MIN_PARALLEL_LENGTH = 16
-# Multiply-adds a 2-core CPU does in large GEMMs in the time one small tensor op costs in overhead
-# (measured: ~5 us per op, ~70 GFLOP/s). Sets where the scan's O(H) extra work stops paying for its
-# shorter dependency chain.
-_CPU_FLOPS_PER_OP = 2.0e5
 # Up-sweep levels with more elements than this (B·H² each counted) are computed in _SLABS slabs.
 _SLAB_THRESHOLD = 1 << 20
-# Largest Blelloch up-sweep (bytes of dense float32 elements) that "auto" accepts on a GPU.
-_GPU_BLELLOCH_BYTES = 1 << 30
 _SLABS = 16
 
 
@@ -86,46 +78,6 @@ def _check(chain: Chain, x_last: Tensor, offsets: Tensor | None) -> None:
         raise ValueError(f"offsets must have shape {(n, batch, h)}, got {tuple(offsets.shape)}")
 
 
-def default_chunk(n: int) -> int:
-    """Chunk size that balances the two dependent loops (2·chunk) against the chunk count.
-
-    A chunked scan issues a few ops per reduce step, per expand step and per chunk aggregate, so its
-    op count is ~2·C + n/C: minimal near C = sqrt(n / 2).
-    """
-    return max(1, round(math.sqrt(n / 2)))
-
-
-def choose_strategy(n: int, batch: int, hidden: int, device: torch.device, kernel_fits: bool = False) -> str:
-    """Pick a scan strategy for n elements of (hidden x hidden), ``batch`` samples each.
-
-    CPU: see ``eager_strategy``. GPU: the Triton kernels when the chain fits them (``kernel_fits``:
-    ``bppsa_core.triton_scan.supports``), else the eager scan captured in a CUDA graph: on a GPU
-    the cost is launches, and both paths issue a handful however long the chain. (A reasoned
-    default: the GPU timings that would confirm it are still to be measured.)
-    """
-    if device.type == "cpu":
-        return eager_strategy(n, batch, hidden, device)
-    return "triton" if kernel_fits else "graph"
-
-
-def eager_strategy(n: int, batch: int, hidden: int, device: torch.device) -> str:
-    """The best scan made of plain PyTorch ops, one launch each.
-
-    CPU: the sequential scan issues ~n dependent small ops; the chunked scan ~3·sqrt(2n) ops plus
-    n·B·H³ extra multiply-adds in large GEMMs. Pick the cheaper, an op costing ``_CPU_FLOPS_PER_OP``.
-    GPU: the paper's Blelloch scan, whose depth is 2·log2(n) batched levels, unless its up-sweep
-    (about one dense chain, n·B·H² elements) would pass ``_GPU_BLELLOCH_BYTES``; then the chunked
-    scan, whose working set is a few chunk aggregates.
-    """
-    if n < _MIN_PARALLEL_LENGTH:
-        return "sequential"
-    if device.type != "cpu":
-        return "blelloch" if n * batch * hidden**2 * 4 <= _GPU_BLELLOCH_BYTES else "chunked"
-    cost_seq = n * _CPU_FLOPS_PER_OP + n * batch * hidden**2
-    cost_chunk = 3 * math.sqrt(2 * n) * _CPU_FLOPS_PER_OP + n * batch * hidden**3
-    return "chunked" if cost_chunk < cost_seq else "sequential"
-
-
 def scan(
     elements: Tensor | Chain,
     x_last: Tensor,
@@ -143,8 +95,8 @@ def scan(
         x_last: (B, H) the vector the chain starts from (the gradient at the last time step).
         offsets: optional (n, B, H) injected gradients; None is the paper's pure linear chain.
         strategy: "sequential", "blelloch", "chunked", "triton", "graph", or "auto" (see
-            ``choose_strategy``).
-        chunk: chunk size for "chunked"; default ``default_chunk(n)``.
+            ``bppsa_core.dispatch.choose``).
+        chunk: chunk size for "chunked" and "triton"; default ``dispatch.default_chunk(n)``.
         levels: up/down levels for "blelloch" before a sequential middle; None runs all levels.
 
     Returns:
@@ -153,6 +105,7 @@ def scan(
     The scan is itself a backward pass and builds no autograd graph: inputs that require grad, with
     grad mode on, are refused.
     """
+    options = ScanOptions(strategy, chunk, levels)
     chain = as_chain(elements)
     _check(chain, x_last, offsets)
     inputs = (*chain.tensors(), x_last) + (() if offsets is None else (offsets,))
@@ -161,90 +114,56 @@ def scan(
             "scan() builds no autograd graph; pass tensors that do not require grad "
             "(detach them, or call it under torch.no_grad())"
         )
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown scan strategy {strategy!r}; accepted: {', '.join(STRATEGIES)}")
-    if chunk is not None and chunk < 1:
-        raise ValueError(f"chunk must be a positive integer, got {chunk}")
-    if levels is not None and levels < 0:
-        raise ValueError(f"levels must be a non-negative integer or None, got {levels}")
-    if strategy == "auto":
-        kernel_fits = kernels_usable(x_last.device) and _kernel_fits(chain)
-        strategy = choose_strategy(chain.length, x_last.shape[0], chain.hidden, x_last.device, kernel_fits)
-        log.debug("scan of %d elements: auto chose %s", chain.length, strategy)
-        if strategy == "triton":
-            try:
-                return _triton(chain, x_last, offsets, chunk)
-            except kernel_errors() as exc:  # a GPU the kernels cannot compile for: never fail "auto"
-                kernels_failed(x_last.device, exc)
-                strategy = "graph"
-    if strategy == "sequential":
-        return sequential_scan(chain, x_last, offsets)
-    if strategy == "blelloch":
-        return blelloch_scan(chain, x_last, offsets, levels=levels)
-    if strategy == "triton":
-        return _triton(chain, x_last, offsets, chunk)
-    if strategy == "graph":
-        return _graphed(chain, x_last, offsets, chunk, levels)
-    return chunked_scan(chain, x_last, offsets, chunk=chunk)
-
-
-# CUDA devices on which the Triton kernels failed to compile; "auto" stops trying them there.
-_BROKEN_KERNELS: set[int | None] = set()
-
-
-def kernel_errors() -> tuple[type[BaseException], ...]:
-    """Triton's compile-time failures (too many registers, an unsupported GPU), caught by "auto"."""
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
-
-    return (CompilationError, OutOfResources)
-
-
-def kernels_run_on(device: torch.device) -> bool:
-    """Whether Triton kernels can run on this device: a GPU, or the CPU under TRITON_INTERPRET=1."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def kernels_usable(device: torch.device) -> bool:
-    """Whether "auto" may run the Triton kernels on this device: a GPU where they have not failed."""
-    return device.type == "cuda" and device.index not in _BROKEN_KERNELS
-
-
-def kernels_failed(device: torch.device, exc: BaseException) -> None:
-    """Record that the kernels failed to compile on ``device``: "auto" stops trying them there."""
-    _BROKEN_KERNELS.add(device.index)
-    log.warning("Triton scan kernels failed on %s (%s); using the graph scan", device, exc)
-
-
-def _kernel_fits(chain: Chain) -> bool:
-    """Whether the Triton kernels take this chain (and triton is installed)."""
-    try:
-        from bppsa_core import triton_scan
-    except ImportError:
-        return False
-    return isinstance(chain, FactoredChain) and triton_scan.supports(
-        chain.scales, chain.weights, chain.diagonal
+    device = x_last.device
+    chosen = dispatch.resolve(
+        strategy, chain.length, x_last.shape[0], chain.hidden, device, _kernels_take(chain)
+    )
+    log.debug("scan of %d elements: %s", chain.length, chosen)
+    if chosen in _EAGER:
+        return _eager(chosen, chain, x_last, offsets, options)
+    dispatch.check_device(chosen, device)
+    if chosen == "graph":
+        return _graphed(chain, x_last, offsets, options)
+    if not _kernels_take(chain):
+        raise ValueError(dispatch.KERNELS_REFUSED)
+    return dispatch.with_kernels(
+        strategy,
+        device,
+        lambda: _triton(chain, x_last, offsets, chunk),
+        lambda: _graphed(chain, x_last, offsets, options),
     )
 
 
-def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | None) -> Tensor:
-    """The chunked scan in Triton kernels (``bppsa_core.triton_scan``), where it applies."""
-    try:
-        from bppsa_core import triton_scan
-    except ImportError:
-        raise ValueError(
-            "strategy='triton' needs the triton package; accepted here: auto, sequential, blelloch, chunked"
-        ) from None
-    if not kernels_run_on(x_last.device):
-        raise ValueError("strategy='triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
-    if not _kernel_fits(chain):
-        raise ValueError(
-            "strategy='triton' takes a float32 factored chain of at most 3 terms with H <= 64 "
-            "(an RNN's or a GRU's); accepted for this chain: auto, sequential, blelloch, "
-            "chunked, graph"
-        )
+_EAGER = ("sequential", "blelloch", "chunked")
+
+
+def _eager(name: str, chain: Chain, x_last: Tensor, offsets: Tensor | None, options: ScanOptions) -> Tensor:
+    """One of the scans made of plain PyTorch ops, by name."""
+    if name == "blelloch":
+        return blelloch_scan(chain, x_last, offsets, levels=options.levels)
+    if name == "chunked":
+        return chunked_scan(chain, x_last, offsets, chunk=options.chunk)
+    return sequential_scan(chain, x_last, offsets)
+
+
+def _kernels_take(chain: Chain) -> bool:
+    """Whether the Triton kernels take this chain: a factored one that ``dispatch.kernels_take``."""
+    return isinstance(chain, FactoredChain) and dispatch.kernels_take(
+        chain.weights.shape[0], chain.hidden, *(t.dtype for t in chain.tensors())
+    )
+
+
+def _triton(chain: FactoredChain, x_last: Tensor, offsets: Tensor | None, chunk: int | None) -> Tensor:
+    """The chunked scan in Triton kernels (``bppsa_core.triton_scan``)."""
+    from bppsa_core import triton_scan
+
     return triton_scan.triton_chunked_scan(
-        chain.scales, chain.weights, x_last, offsets, chunk or default_chunk(chain.length), chain.diagonal
+        chain.scales,
+        chain.weights,
+        x_last,
+        offsets,
+        chunk or dispatch.default_chunk(chain.length),
+        chain.diagonal,
     )
 
 
@@ -254,39 +173,21 @@ _GRAPHS: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]] =
 _MAX_GRAPHS = 16
 
 
-def _graphed(
-    chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | None, levels: int | None
-) -> Tensor:
+def _graphed(chain: Chain, x_last: Tensor, offsets: Tensor | None, options: ScanOptions) -> Tensor:
     """The eager per-level scan, captured in a CUDA graph once per shape and replayed.
 
     The inputs are copied into the graph's static buffers and the result is copied out, so the
     caller may keep or overwrite it. Blelloch's scan is captured (with ``levels``), or the chunked
-    one when Blelloch's up-sweep would not fit (``eager_strategy``).
+    one when Blelloch's up-sweep would not fit (``dispatch.eager_strategy``).
     """
-    if x_last.device.type != "cuda":
-        raise ValueError(
-            "strategy='graph' needs a CUDA device; accepted here: auto, sequential, blelloch, chunked"
-        )
-    inner = eager_strategy(chain.length, x_last.shape[0], chain.hidden, x_last.device)
+    inner = dispatch.eager_strategy(chain.length, x_last.shape[0], chain.hidden, x_last.device)
     tensors = [*chain.tensors(), x_last] + ([] if offsets is None else [offsets])
-    key = (
-        type(chain),
-        tuple((tuple(t.shape), t.dtype, t.device) for t in tensors),
-        offsets is None,
-        inner,
-        chunk,
-        levels,
-    )
+    key = (type(chain), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors), inner, options)
+    n_chain = len(chain.tensors())
 
     def run(ts: list[Tensor]) -> Tensor:
-        n_chain = len(chain.tensors())
-        c = type(chain)(*ts[:n_chain])
-        b = None if offsets is None else ts[-1]
-        if inner == "blelloch":
-            return blelloch_scan(c, ts[n_chain], b, levels=levels)
-        if inner == "chunked":
-            return chunked_scan(c, ts[n_chain], b, chunk=chunk)
-        return sequential_scan(c, ts[n_chain], b)
+        b = None if offsets is None else ts[n_chain + 1]
+        return _eager(inner, type(chain)(*ts[:n_chain]), ts[n_chain], b, options)
 
     if key not in _GRAPHS:
         static = [t.detach().clone() for t in tensors]
@@ -392,7 +293,7 @@ def chunked_scan(
     """
     chain = as_chain(elements)
     n = chain.length
-    c = default_chunk(n) if chunk is None else chunk
+    c = dispatch.default_chunk(n) if chunk is None else chunk
     p = math.ceil(n / c)
     if p <= 2:  # at most one chunk besides the spine: nothing to reduce in parallel
         return sequential_scan(chain, x_last, offsets)
@@ -415,7 +316,7 @@ def chunked_scan(
                 agg_b = _vec(chain, agg_b, idx, offsets)
             agg, spare = chain.rmul(agg, idx, out=spare, work=work), agg
     # x at the top of chunks 0..P-2: a scan over the P-2 aggregates, started from the spine's end.
-    y = scan(agg, x, agg_b, strategy=eager_strategy(p - 2, agg.shape[1], chain.hidden, x.device))
+    y = scan(agg, x, agg_b, strategy=dispatch.eager_strategy(p - 2, agg.shape[1], chain.hidden, x.device))
     for i in range(c):
         idx = slice(c - 1 - i, full, c)
         y = _vec(chain, y, idx, offsets)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from bppsa_core import nn as bnn
-from bppsa_core.scan import STRATEGIES
+from bppsa_core.dispatch import STRATEGIES
 from experiments.bench_scan import (
     Floors,
     bench_scan,

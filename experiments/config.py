@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from bppsa_core.scan import STRATEGIES
+from bppsa_core.dispatch import STRATEGIES
 
 GROUPS = ("model", "dataset", "backward", "trainer", "logger", "hardware", "experiment")
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from bppsa_core.scan import kernels_run_on
+from bppsa_core import dispatch
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +54,12 @@ def resolve_device(name: str) -> torch.device:
 
 def check_strategy(mode: str, strategy: str, device: torch.device) -> None:
     """Refuse a scan strategy this run's device cannot run, before anything is written."""
-    if mode != "bppsa" or device.type == "cuda":
+    if mode != "bppsa":
         return
-    on_cpu = "auto, sequential, blelloch, chunked"
-    if strategy == "graph":
-        raise HardwareError(
-            f"backward.strategy=graph needs a CUDA device, and this run's is {device}; accepted: {on_cpu}"
-        )
-    if strategy == "triton" and not kernels_run_on(device):
-        raise HardwareError(
-            f"backward.strategy=triton needs a CUDA device (or TRITON_INTERPRET=1), and this run's is "
-            f"{device}; accepted: {on_cpu}"
-        )
+    try:
+        dispatch.check_device(strategy, device)
+    except ValueError as exc:
+        raise HardwareError(f"backward.{exc}") from None
 
 
 def sm_count(device: torch.device) -> int:

@@ -179,7 +179,7 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
         (["hardware.device=tpu"], "unknown hardware.device 'tpu'; accepted: auto, cpu, cuda"),
         (
             ["hardware.device=cpu", "backward.strategy=graph"],
-            "backward.strategy=graph needs a CUDA device, and this run's is cpu; accepted: auto, sequential",
+            "backward.strategy='graph' needs a CUDA device, and this device is cpu; accepted here: auto",
         ),
     ],
 )

@@ -10,16 +10,8 @@ from conftest import rel_err
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bppsa_core import scan as scan_mod
 from bppsa_core.chain import DenseChain, FactoredChain
-from bppsa_core.scan import (
-    blelloch_scan,
-    choose_strategy,
-    chunked_scan,
-    eager_strategy,
-    scan,
-    sequential_scan,
-)
+from bppsa_core.scan import blelloch_scan, chunked_scan, scan, sequential_scan
 
 F64 = torch.float64
 
@@ -150,48 +142,6 @@ def test_float32_scans_stay_close_to_float64() -> None:
         assert rel_err(ref, scan(m.float(), x.float(), strategy=strategy).double()) < 1e-4
 
 
-def test_auto_choices() -> None:
-    cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert choose_strategy(8, 16, 20, cpu) == "sequential"
-    assert choose_strategy(1000, 16, 20, cpu) == "chunked"
-    assert choose_strategy(1000, 16, 1024, cpu) == "sequential"  # H^3 work outweighs the depth
-    assert choose_strategy(1000, 16, 20, cpu, kernel_fits=True) == "chunked"  # kernels are for GPUs
-    assert choose_strategy(1000, 16, 20, gpu, kernel_fits=True) == "triton"
-    assert choose_strategy(1000, 16, 256, gpu) == "graph"  # the kernels do not take H = 256
-    # What the CUDA graph captures: Blelloch, unless its up-sweep would not fit.
-    assert eager_strategy(1000, 16, 20, gpu) == "blelloch"
-    assert eager_strategy(10_000, 16, 256, gpu) == "chunked"  # a 42 GB up-sweep would not fit
-
-
-def test_graph_needs_a_gpu() -> None:
-    m = random_chain(5, 2, 3, False, 0)
-    with pytest.raises(ValueError, match="strategy='graph' needs a CUDA device; accepted here: auto"):
-        scan(m, torch.zeros(2, 3, dtype=F64), strategy="graph")
-
-
-def test_auto_falls_back_to_the_graph_scan_when_kernels_fail(monkeypatch, caplog) -> None:
-    """On a GPU the kernels cannot compile for, "auto" logs it, uses the graph scan, and stops trying."""
-    triton_errors = pytest.importorskip("triton.runtime.errors")
-    m = random_chain(40, 2, 3, False, 0)
-    x = torch.zeros(2, 3, dtype=F64)
-    calls = []
-
-    def broken(*args):
-        calls.append("triton")
-        raise triton_errors.OutOfResources(300_000, 232_448, "shared memory")
-
-    monkeypatch.setattr(scan_mod, "choose_strategy", lambda *a: "triton")
-    monkeypatch.setattr(scan_mod, "_triton", broken)
-    monkeypatch.setattr(scan_mod, "_graphed", lambda chain, x, *a: sequential_scan(chain, x))
-    monkeypatch.setattr(scan_mod, "_BROKEN_KERNELS", set())
-    with caplog.at_level("WARNING", logger="bppsa_core.scan"):
-        out = scan(m, x)
-    assert calls == ["triton"]
-    assert rel_err(out, sequential_scan(m, x)) == 0
-    assert "Triton scan kernels failed on cpu" in caplog.text and "using the graph scan" in caplog.text
-    assert None in scan_mod._BROKEN_KERNELS  # the CPU device has no index
-
-
 def test_scan_refuses_inputs_that_require_grad() -> None:
     m = random_chain(5, 2, 3, False, 0).requires_grad_()
     with pytest.raises(ValueError, match="scan\\(\\) builds no autograd graph"):
@@ -204,7 +154,7 @@ def test_scan_refuses_inputs_that_require_grad() -> None:
     ("kwargs", "message"),
     [
         ({"strategy": "magic"}, "unknown scan strategy 'magic'; accepted: auto, sequential"),
-        ({"chunk": 0}, "chunk must be a positive integer, got 0"),
+        ({"chunk": 0}, "chunk must be a positive integer or None, got 0"),
         ({"levels": -1}, "levels must be a non-negative integer or None, got -1"),
     ],
 )

@@ -1,0 +1,210 @@
+"""Which scan runs where: the scan options, what "auto" picks, and what the Triton kernels take.
+
+Every decision about scan strategies is made here, so that ``bppsa_core.scan``, the modules of
+``bppsa_core.nn`` and the suite all ask the same place:
+
+* ``ScanOptions``: strategy, chunk size and Blelloch levels, checked once, when made;
+* ``check_device``: whether a strategy can run on a device at all (``graph`` needs CUDA, ``triton``
+  CUDA or Triton's interpreter);
+* ``kernels_take``: whether the Triton kernels take a chain (float32, at most 3 weight terms,
+  H <= 64: the weights stay in one program's registers);
+* ``resolve``: the strategy "auto" stands for, given the chain, the device and the kernels;
+* ``with_kernels``: the one fallback. Under "auto", kernels that fail to compile for the GPU at
+  hand (Triton's ``CompilationError`` or ``OutOfResources``) are logged once, not tried again on
+  that device, and the caller's fallback runs instead; under "triton" the error propagates.
+
+The cost model behind "auto" is ``choose`` (and ``eager_strategy`` for scans made of plain PyTorch
+ops); ``default_chunk`` is the chunk size of the chunked scans.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import TypeVar
+
+import torch
+
+log = logging.getLogger(__name__)
+
+STRATEGIES: tuple[str, ...] = ("auto", "sequential", "blelloch", "chunked", "triton", "graph")
+# The Triton kernels keep the K shared (H x H) weights of a chain in one program's registers.
+MAX_TERMS = 3
+MAX_HIDDEN = 64
+
+# Below this many elements, a chunked scan has too few chunks to pay for its extra matrix work.
+_MIN_PARALLEL_LENGTH = 16
+# Multiply-adds a 2-core CPU does in large GEMMs in the time one small tensor op costs in overhead
+# (measured: ~5 us per op, ~70 GFLOP/s). Sets where the scan's O(H) extra work stops paying for its
+# shorter dependency chain.
+_CPU_FLOPS_PER_OP = 2.0e5
+# Largest Blelloch up-sweep (bytes of dense float32 elements) that "auto" accepts on a GPU.
+_GPU_BLELLOCH_BYTES = 1 << 30
+
+T = TypeVar("T")
+
+
+def _count(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    """How to scan: a strategy of ``STRATEGIES``, the chunk size of the chunked scans (None: about
+    sqrt(n / 2)) and the Blelloch levels before a sequential middle (None: all). Checked when made."""
+
+    strategy: str = "auto"
+    chunk: int | None = None
+    levels: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown scan strategy {self.strategy!r}; accepted: {', '.join(STRATEGIES)}")
+        if self.chunk is not None and not _count(self.chunk, 1):
+            raise ValueError(f"chunk must be a positive integer or None, got {self.chunk!r}")
+        if self.levels is not None and not _count(self.levels, 0):
+            raise ValueError(f"levels must be a non-negative integer or None, got {self.levels!r}")
+
+
+def default_chunk(n: int) -> int:
+    """Chunk size that balances the two dependent loops (2·chunk) against the chunk count.
+
+    A chunked scan issues a few ops per reduce step, per expand step and per chunk aggregate, so its
+    op count is ~2·C + n/C: minimal near C = sqrt(n / 2).
+    """
+    return max(1, round(math.sqrt(n / 2)))
+
+
+# ------------------------------------------------------------------------------------ where it runs
+
+
+@cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether Triton kernels can run on this device: a GPU, or the CPU under TRITON_INTERPRET=1."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def runs_on(strategy: str, device: torch.device) -> bool:
+    """Whether ``strategy`` can run on ``device`` at all (for some chain)."""
+    if strategy == "graph":
+        return device.type == "cuda"
+    if strategy == "triton":
+        return triton_installed() and kernels_run_on(device)
+    return True
+
+
+def check_device(strategy: str, device: torch.device) -> None:
+    """Raise ValueError, naming the strategies that do run here, if ``strategy`` cannot run on ``device``."""
+    if runs_on(strategy, device):
+        return
+    here = ", ".join(s for s in STRATEGIES if runs_on(s, device))
+    if strategy == "graph":
+        need = "a CUDA device"
+    elif not triton_installed():
+        need = "the triton package"
+    else:
+        need = "a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
+    raise ValueError(
+        f"strategy='{strategy}' needs {need}, and this device is {device}; accepted here: {here}"
+    )
+
+
+def kernels_take(terms: int, hidden: int, *dtypes: torch.dtype) -> bool:
+    """Whether the Triton kernels take a factored chain of ``terms`` (hidden x hidden) weights whose
+    tensors have ``dtypes``: float32, terms <= 3 (an RNN has 1, a GRU 3), hidden <= 64."""
+    return (
+        terms <= MAX_TERMS
+        and hidden <= MAX_HIDDEN
+        and all(d == torch.float32 for d in dtypes)
+        and triton_installed()
+    )
+
+
+KERNELS_REFUSED = (
+    f"strategy='triton' takes a float32 factored chain of at most {MAX_TERMS} terms with H <= "
+    f"{MAX_HIDDEN} (an RNN's or a GRU's); accepted for this chain: auto, sequential, blelloch, chunked, graph"
+)
+
+
+# ------------------------------------------------------------------------------------------ choice
+
+
+def choose(n: int, batch: int, hidden: int, device: torch.device, kernels_fit: bool = False) -> str:
+    """The strategy "auto" picks for n elements of (hidden x hidden), ``batch`` samples each.
+
+    CPU: see ``eager_strategy``. GPU: the Triton kernels when the chain fits them and they work on
+    this GPU (``kernels_fit``), else the eager scan captured in a CUDA graph: on a GPU the cost is
+    launches, and both paths issue a handful however long the chain.
+    """
+    if device.type != "cuda":
+        return eager_strategy(n, batch, hidden, device)
+    return "triton" if kernels_fit else "graph"
+
+
+def eager_strategy(n: int, batch: int, hidden: int, device: torch.device) -> str:
+    """The best scan made of plain PyTorch ops, one launch each.
+
+    CPU: the sequential scan issues ~n dependent small ops; the chunked scan ~3·sqrt(2n) ops plus
+    n·B·H³ extra multiply-adds in large GEMMs. Pick the cheaper, an op costing ``_CPU_FLOPS_PER_OP``.
+    GPU: the paper's Blelloch scan, whose depth is 2·log2(n) batched levels, unless its up-sweep
+    (about one dense chain, n·B·H² elements) would pass ``_GPU_BLELLOCH_BYTES``; then the chunked
+    scan, whose working set is a few chunk aggregates.
+    """
+    if n < _MIN_PARALLEL_LENGTH:
+        return "sequential"
+    if device.type == "cuda":
+        return "blelloch" if n * batch * hidden**2 * 4 <= _GPU_BLELLOCH_BYTES else "chunked"
+    cost_seq = n * _CPU_FLOPS_PER_OP + n * batch * hidden**2
+    cost_chunk = 3 * math.sqrt(2 * n) * _CPU_FLOPS_PER_OP + n * batch * hidden**3
+    return "chunked" if cost_chunk < cost_seq else "sequential"
+
+
+def resolve(strategy: str, n: int, batch: int, hidden: int, device: torch.device, kernels_fit: bool) -> str:
+    """The concrete strategy: ``strategy`` itself, or what "auto" picks. ``kernels_fit``: whether the
+    Triton kernels take the chain (``kernels_take``); "auto" takes them only where they work."""
+    if strategy != "auto":
+        return strategy
+    return choose(n, batch, hidden, device, kernels_fit and kernels_usable(device))
+
+
+# ---------------------------------------------------------------------------------------- fallback
+
+# CUDA devices on which the Triton kernels failed to compile; "auto" stops trying them there.
+_BROKEN_KERNELS: set[int | None] = set()
+
+
+def kernels_usable(device: torch.device) -> bool:
+    """Whether "auto" may run the Triton kernels on this device: a GPU where they have not failed."""
+    return device.type == "cuda" and device.index not in _BROKEN_KERNELS
+
+
+def kernel_errors() -> tuple[type[BaseException], ...]:
+    """Triton's compile-time failures (too many registers, an unsupported GPU)."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return (CompilationError, OutOfResources)
+
+
+def with_kernels(
+    strategy: str, device: torch.device, kernels: Callable[[], T], fallback: Callable[[], T]
+) -> T:
+    """``kernels()``; under ``strategy`` "auto", a compile failure is logged, the device marked (so
+    "auto" picks another strategy there from now on) and ``fallback()`` returned instead."""
+    try:
+        return kernels()
+    except kernel_errors() as exc:
+        if strategy != "auto":
+            raise
+        _BROKEN_KERNELS.add(device.index)
+        log.warning("Triton scan kernels failed on %s (%s); using the graph scan", device, exc)
+        return fallback()

@@ -1,0 +1,113 @@
+"""Which scan runs where: options, device checks, what "auto" picks, and the one kernel fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bppsa_core import dispatch
+from bppsa_core import scan as scan_mod
+from bppsa_core.chain import FactoredChain
+from bppsa_core.dispatch import ScanOptions, check_device, choose, eager_strategy, kernels_take, resolve
+from bppsa_core.scan import scan, sequential_scan
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
+F32, F64 = torch.float32, torch.float64
+
+
+def test_auto_choices() -> None:
+    assert choose(8, 16, 20, CPU) == "sequential"
+    assert choose(1000, 16, 20, CPU) == "chunked"
+    assert choose(1000, 16, 1024, CPU) == "sequential"  # H^3 work outweighs the depth
+    assert choose(1000, 16, 20, CPU, kernels_fit=True) == "chunked"  # kernels are for GPUs
+    assert choose(1000, 16, 20, GPU, kernels_fit=True) == "triton"
+    assert choose(1000, 16, 256, GPU) == "graph"  # the kernels do not take H = 256
+    # What the CUDA graph captures: Blelloch, unless its up-sweep would not fit.
+    assert eager_strategy(1000, 16, 20, GPU) == "blelloch"
+    assert eager_strategy(10_000, 16, 256, GPU) == "chunked"  # a 42 GB up-sweep would not fit
+
+
+def test_resolve_keeps_an_explicit_strategy_and_takes_kernels_only_where_they_work(monkeypatch) -> None:
+    assert resolve("blelloch", 1000, 16, 20, GPU, kernels_fit=True) == "blelloch"
+    monkeypatch.setattr(dispatch, "_BROKEN_KERNELS", set())
+    assert resolve("auto", 1000, 16, 20, GPU, kernels_fit=True) == "triton"
+    assert resolve("auto", 1000, 16, 20, GPU, kernels_fit=False) == "graph"
+    dispatch._BROKEN_KERNELS.add(None)  # torch.device("cuda") has no index
+    assert resolve("auto", 1000, 16, 20, GPU, kernels_fit=True) == "graph"
+
+
+@pytest.mark.parametrize(
+    ("terms", "hidden", "dtypes", "taken"),
+    [
+        (1, 20, (F32,), True),
+        (3, 64, (F32, F32), True),
+        (1, 65, (F32,), False),
+        (4, 8, (F32,), False),
+        (1, 8, (F32, F64), False),
+    ],
+)
+def test_kernels_take_float32_chains_of_up_to_three_terms_and_h_64(terms, hidden, dtypes, taken) -> None:
+    pytest.importorskip("triton")
+    assert kernels_take(terms, hidden, *dtypes) is taken
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"strategy": "magic"}, "unknown scan strategy 'magic'; accepted: auto, sequential, blelloch"),
+        ({"chunk": 0}, "chunk must be a positive integer or None, got 0"),
+        ({"chunk": 2.5}, "chunk must be a positive integer or None, got 2.5"),
+        ({"levels": -1}, "levels must be a non-negative integer or None, got -1"),
+        ({"levels": True}, "levels must be a non-negative integer or None, got True"),
+    ],
+)
+def test_bad_options_are_named(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ScanOptions(**kwargs)
+
+
+def test_check_device_names_what_runs_here(monkeypatch) -> None:
+    check_device("graph", GPU)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"strategy='graph' needs a CUDA device, and this device is cpu; "
+                       r"accepted here: auto, sequential, blelloch, chunked$"):  # fmt: skip
+        check_device("graph", CPU)
+    if dispatch.triton_installed():
+        with pytest.raises(ValueError, match=r"strategy='triton' needs a CUDA device \(or TRITON_INTERPRET"):
+            check_device("triton", CPU)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        check_device("triton", CPU)
+        with pytest.raises(ValueError, match=r"accepted here: auto, sequential, blelloch, chunked, triton$"):
+            check_device("graph", CPU)
+
+
+def test_graph_needs_a_gpu() -> None:
+    m = torch.randn(5, 2, 3, 3, dtype=F64)
+    with pytest.raises(ValueError, match="strategy='graph' needs a CUDA device"):
+        scan(m, torch.zeros(2, 3, dtype=F64), strategy="graph")
+
+
+def test_auto_falls_back_to_the_graph_scan_when_kernels_fail(monkeypatch, caplog) -> None:
+    """On a GPU the kernels cannot compile for, "auto" logs it, uses the graph scan, and stops trying."""
+    triton_errors = pytest.importorskip("triton.runtime.errors")
+    chain = FactoredChain(torch.rand(40, 2, 1, 3), torch.randn(1, 3, 3))
+    x = torch.randn(2, 3)
+    calls = []
+
+    def broken(*args):
+        calls.append("triton")
+        raise triton_errors.OutOfResources(300_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(dispatch, "choose", lambda *a: "triton")
+    monkeypatch.setattr(dispatch, "check_device", lambda *a: None)
+    monkeypatch.setattr(scan_mod, "_triton", broken)
+    monkeypatch.setattr(scan_mod, "_graphed", lambda chain, x, *a: sequential_scan(chain, x))
+    monkeypatch.setattr(dispatch, "_BROKEN_KERNELS", set())
+    with caplog.at_level("WARNING", logger="bppsa_core.dispatch"):
+        out = scan(chain, x)
+    assert calls == ["triton"]
+    assert torch.equal(out, sequential_scan(chain, x))
+    assert "Triton scan kernels failed on cpu" in caplog.text and "using the graph scan" in caplog.text
+    assert None in dispatch._BROKEN_KERNELS  # the CPU device has no index
+    with pytest.raises(triton_errors.OutOfResources):  # an explicit "triton" is not second-guessed
+        scan(chain, x, strategy="triton")
