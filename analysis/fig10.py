@@ -2,7 +2,7 @@
 
     python -m analysis.fig10 results/pruned_vgg --out figures
 
-Reads ``products.csv`` written by ``python -m experiments.pruned_vgg`` and plots, per pruning ratio,
+Reads ``products.csv`` written by ``python -m experiments.bench.pruned_vgg`` and plots, per pruning ratio,
 each product's FLOPs (2 x matching non-zero pairs) against its dense size m·n·k, one colour per
 method; products on the critical path (the largest of their parallel level, and every sequential
 product) are drawn filled, the others hollow. Log-log axes. PNG and PDF, reproducible byte for
@@ -27,7 +27,9 @@ COLUMNS = ("ratio", "method", "flops", "mnk", "critical")
 def load_products(folder: str | Path) -> pd.DataFrame:
     path = Path(folder) / "products.csv" if Path(folder).is_dir() else Path(folder)
     if not path.is_file():
-        raise AnalysisError(f"no products.csv at {str(path)!r}; run python -m experiments.pruned_vgg first")
+        raise AnalysisError(
+            f"no products.csv at {str(path)!r}; run python -m experiments.bench.pruned_vgg first"
+        )
     data = pd.read_csv(path)
     missing = [c for c in COLUMNS if c not in data.columns]
     if missing:
@@ -64,7 +66,7 @@ def fig10(products: pd.DataFrame) -> plt.Figure:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.fig10", description=__doc__.split("\n\n")[0])
-    parser.add_argument("path", help="the --out folder of experiments.pruned_vgg, or its products.csv")
+    parser.add_argument("path", help="the --out folder of experiments.bench.pruned_vgg, or its products.csv")
     parser.add_argument("--out", default="figures")
     args = parser.parse_args(argv)
     try:

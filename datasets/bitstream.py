@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from datasets.common import require_count
+
 NUM_CLASSES = 10
 NUM_SAMPLES = 50_000
 TRAIN_FRACTION = 0.64
@@ -38,12 +40,6 @@ def sample_bits(seed: int, index: int, length: int) -> np.ndarray:
     return (uniform < bit_probability(index % NUM_CLASSES)).astype(np.uint8)
 
 
-def _positive(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 class BitstreamDataset(Dataset):
     """One split of the bitstream task; items are (x (T, 1) float32, label int64 tensor).
 
@@ -59,14 +55,13 @@ class BitstreamDataset(Dataset):
         seed: int = 0,
         train_fraction: float = TRAIN_FRACTION,
     ) -> None:
-        self.seq_len = _positive("seq_len", seq_len)
-        self.num_samples = _positive("num_samples", num_samples)
+        self.seq_len = require_count("seq_len", seq_len)
+        self.num_samples = require_count("num_samples", num_samples)
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; accepted: {', '.join(SPLITS)}")
         if not 0.0 < train_fraction < 1.0:
             raise ValueError(f"train_fraction must lie strictly between 0 and 1, got {train_fraction!r}")
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        require_count("seed", seed, minimum=0)
         n_train = round(num_samples * train_fraction)
         start, stop = {"train": (0, n_train), "test": (n_train, num_samples), "all": (0, num_samples)}[split]
         if stop <= start:
@@ -109,9 +104,8 @@ def bitstream_loaders(
     workers: int = 0,
 ) -> tuple[DataLoader, DataLoader]:
     """Train and test loaders; training order is shuffled with a generator seeded by ``seed``."""
-    _positive("batch_size", batch_size)
-    if not isinstance(workers, int) or workers < 0:
-        raise ValueError(f"workers must be a non-negative integer, got {workers!r}")
+    require_count("batch_size", batch_size)
+    require_count("workers", workers, minimum=0)
     common = {"batch_size": batch_size, "num_workers": workers, "collate_fn": _batch_as_is}
     train = BitstreamDataset(seq_len, num_samples, "train", seed, train_fraction)
     test = BitstreamDataset(seq_len, num_samples, "test", seed, train_fraction)

@@ -52,6 +52,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
+from datasets.common import is_count, write_atomic
+
 log = logging.getLogger(__name__)
 
 CLASSES: tuple[str, ...] = ("cel", "cla", "flu", "gac", "gel", "org", "pia", "sax", "tru", "vio", "voi")
@@ -220,17 +222,6 @@ def _read_cache(path: Path) -> dict | None:
         return None
 
 
-def _write_atomic(payload: dict, path: Path) -> None:
-    """torch.save to a temporary file beside ``path``, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _extract_all(paths: list[Path], settings: FeatureSettings, workers: int, progress: bool):
     """load_clip over all paths, in order, in ``workers`` processes (1: in this process)."""
     from tqdm import tqdm
@@ -262,7 +253,7 @@ def extract(
 ) -> IRMASFeatures:
     """Features of every usable clip under ``root``, from the cache when it matches."""
     settings = settings_for(frames)
-    if workers is not None and (not isinstance(workers, int) or workers < 0):
+    if workers is not None and not is_count(workers, minimum=0):
         raise IRMASError(f"workers must be a non-negative integer, got {workers!r}")
     root = Path(root).expanduser().resolve()
     clips = find_clips(root)
@@ -306,7 +297,7 @@ def extract(
         "fixed": fixed,
     }
     try:
-        _write_atomic(payload, path)
+        write_atomic(path, lambda tmp: torch.save(payload, tmp))
     except OSError as exc:  # the features are still good: say so, and carry on without a cache
         log.warning("could not write the IRMAS cache %s (%s); the next run extracts again", path, exc)
     return IRMASFeatures(**payload, cache_path=str(path), from_cache=False, seconds=time.perf_counter() - t0)
@@ -322,7 +313,7 @@ def irmas_loaders(
     seed: int = 0,
 ) -> tuple[DataLoader, DataLoader]:
     """Train and test loaders over a seeded random split of the (cached) features."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not is_count(batch_size):
         raise IRMASError(f"batch_size must be a positive integer, got {batch_size!r}")
     if not 0.0 < train_fraction < 1.0:
         raise IRMASError(f"train_fraction must lie strictly between 0 and 1, got {train_fraction!r}")

@@ -27,26 +27,28 @@ class HardwareError(ValueError):
     """A device or worker setting this machine cannot honour, said in one line."""
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` is cuda where available, else cpu; anything else must exist here."""
+def resolve_device(name: str, what: str = "hardware.device") -> torch.device:
+    """``auto`` is cuda where available, else cpu; anything else must exist here.
+
+    ``what`` names the setting in the messages (``hardware.device`` of a run, a tool's ``--device``).
+    """
+    accepted = "auto, cpu, cuda, cuda:N"
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise HardwareError(f"unknown hardware.device {name!r}; accepted: auto, cpu, cuda, cuda:N") from None
+        raise HardwareError(f"unknown {what} {name!r}; accepted: {accepted}") from None
     if device.type not in ("cpu", "cuda"):
-        raise HardwareError(f"unsupported hardware.device {name!r}; accepted: auto, cpu, cuda, cuda:N")
+        raise HardwareError(f"unknown {what} {name!r}; accepted: {accepted}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise HardwareError(
-                f"hardware.device={name} asked for, but CUDA is not available here; accepted: cpu"
-            )
+            raise HardwareError(f"{what} {name!r} asked for, but CUDA is not available here; accepted: cpu")
+        count = torch.cuda.device_count()
         index = device.index or 0
-        if index >= torch.cuda.device_count():
+        if index >= count:
             raise HardwareError(
-                f"hardware.device={name}: this machine has {torch.cuda.device_count()} GPU(s); "
-                f"accepted: cuda:0 .. cuda:{torch.cuda.device_count() - 1}"
+                f"{what} {name!r}: this machine has {count} GPU(s); accepted: cpu, cuda:0 .. cuda:{count - 1}"
             )
         device = torch.device("cuda", index)
     return device

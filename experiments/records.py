@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 import torch
+
+from datasets.common import write_atomic
 
 RECORDS = "records.csv"
 SUMMARY = "summary.json"
@@ -28,17 +28,6 @@ JOBS = "jobs.csv"
 
 # Keys that do not change what a run computes: they stay out of its identity hash.
 NON_RESULT_KEYS = (("logger",), ("trainer", "resume"), ("hardware", "progress"), ("dataset", "cache_dir"))
-
-
-def write_atomic(path: Path, write: Any) -> None:
-    """Call ``write(tmp_path)``, then rename the temporary file onto ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def write_json(path: Path, payload: dict) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from bppsa_core import GRU, RNN
 from datasets.bitstream import NUM_CLASSES, bitstream_loaders
 from datasets.irmas import CLASSES, IRMASError, irmas_loaders
 from experiments import records
@@ -63,6 +64,17 @@ def make_loaders(cfg: DictConfig, batch_size: int, workers: int):
         return (*loaders, NUM_CLASSES)
     loaders = irmas_loaders(d.root, d.frames, batch_size, d.cache_dir, None, d.train_fraction, d.seed)
     return (*loaders, len(CLASSES))
+
+
+def make_layer(cfg: DictConfig, features: int) -> torch.nn.Module:
+    """The configured recurrent layer (batch first) with the configured backward."""
+    m, b = cfg.model, cfg.backward
+    cls = GRU if m.kind == "gru" else RNN
+    extra = {} if m.kind == "gru" else {"nonlinearity": m.nonlinearity}
+    scan = {"strategy": b.strategy, "chunk": b.chunk, "levels": b.levels}
+    return cls(
+        features, m.hidden_size, num_layers=m.num_layers, batch_first=True, backward=b.mode, **scan, **extra
+    )
 
 
 def identity_columns(cfg: DictConfig, x: torch.Tensor, device_info: dict, chash: str) -> dict:
@@ -131,18 +143,7 @@ def run_job(cfg: DictConfig, run_dir: Path, record_refused: bool = False) -> Out
             summary["device"] = info = describe(device, used)
             train, test, classes = make_loaders(cfg, cfg.trainer.batch_size, cfg.hardware.data_workers)
             x0, _ = next(iter(test if len(test.dataset) else train))
-            model = Classifier(
-                cfg.model.kind,
-                x0.shape[-1],
-                cfg.model.hidden_size,
-                classes,
-                cfg.model.num_layers,
-                cfg.model.nonlinearity,
-                cfg.backward.mode,
-                cfg.backward.strategy,
-                cfg.backward.chunk,
-                cfg.backward.levels,
-            ).to(device)
+            model = Classifier(make_layer(cfg, x0.shape[-1]), classes).to(device)
             optimizer = make_optimizer(cfg.trainer.optimizer, model.parameters(), cfg.trainer.lr)
             state, rows = TrainState(), []
             checkpoint = run_dir / records.CHECKPOINT

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from bppsa_core import GRU, RNN
-from experiments.records import write_atomic
+from datasets.common import write_atomic
+from experiments.timing import Interval
 
 PHASES = ("forward", "backward", "step")
 
@@ -35,28 +35,10 @@ class NonFiniteLossError(RuntimeError):
 class Classifier(nn.Module):
     """A recurrent layer and a linear head on its last state: the paper's models."""
 
-    def __init__(
-        self,
-        kind: str,
-        features: int,
-        hidden: int,
-        classes: int,
-        num_layers: int = 1,
-        nonlinearity: str = "tanh",
-        backward: str = "bppsa",
-        strategy: str = "auto",
-        chunk: int | None = None,
-        levels: int | None = None,
-    ) -> None:
+    def __init__(self, rnn: nn.RNNBase, classes: int) -> None:
         super().__init__()
-        scan = {"backward": backward, "strategy": strategy, "chunk": chunk, "levels": levels}
-        if kind == "gru":
-            self.rnn = GRU(features, hidden, num_layers=num_layers, batch_first=True, **scan)
-        else:
-            self.rnn = RNN(
-                features, hidden, num_layers=num_layers, nonlinearity=nonlinearity, batch_first=True, **scan
-            )
-        self.head = nn.Linear(hidden, classes)
+        self.rnn = rnn
+        self.head = nn.Linear(rnn.hidden_size, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, h_n = self.rnn(x)
@@ -64,38 +46,29 @@ class Classifier(nn.Module):
 
 
 class PhaseTimer:
-    """Accumulates the time of named phases; CUDA events on a GPU, wall clock on the CPU."""
+    """Sums the time of named phases (``experiments.timing.Interval``); reads a GPU's events once,
+    at ``collect``, so the loop is not synchronized per phase."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.pending: list[tuple[str, object, object]] = []
-        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.device = device
+        self.pending: list[tuple[str, Interval]] = []
 
     def time(self, phase: str, fn: Callable[[], object], record: bool) -> object:
         """Run ``fn``; add its duration to ``phase`` when ``record``."""
         if not record:
             return fn()
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        with Interval(self.device) as interval:
             out = fn()
-            end.record()
-            self.pending.append((phase, start, end))
-            return out
-        t0 = time.perf_counter()
-        out = fn()
-        self.totals[phase] += time.perf_counter() - t0
+        self.pending.append((phase, interval))
         return out
 
     def collect(self) -> dict[str, float]:
-        """Seconds per phase since the last collect (synchronizes a GPU)."""
-        if self.pending:
-            torch.cuda.synchronize()
-            for phase, start, end in self.pending:
-                self.totals[phase] += start.elapsed_time(end) / 1e3
-            self.pending.clear()
-        out, self.totals = self.totals, dict.fromkeys(PHASES, 0.0)
-        return out
+        """Seconds per phase since the last collect."""
+        totals = dict.fromkeys(PHASES, 0.0)
+        for phase, interval in self.pending:
+            totals[phase] += interval.seconds
+        self.pending.clear()
+        return totals
 
 
 @dataclass

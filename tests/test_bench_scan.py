@@ -7,20 +7,13 @@ import sys
 
 import pytest
 import torch
-from conftest import rel_err
+from helpers import rel_err
 
 from bppsa_core.scan import sequential_scan
-from experiments import bench_scan
-from experiments.bench_scan import (
-    JAX_PEER,
-    TORCH_PEER,
-    Floors,
-    affine_elements,
-    combine,
-    dependent_levels,
-    layer_chain,
-    min_bytes,
-)
+from experiments.bench import scan as bench_scan
+from experiments.bench.common import notes_lines
+from experiments.bench.floors import Floors, dependent_levels, measure_floors, min_bytes
+from experiments.bench.scan import JAX_PEER, TORCH_PEER, affine_elements, combine, layer_chain
 
 CPU = torch.device("cpu")
 
@@ -108,7 +101,7 @@ def test_a_failing_peer_and_a_refusing_strategy_are_reported_not_raised(monkeypa
     assert row.cells[JAX_PEER] == "not installed"
     table = bench_scan.format_scan_table([row], ["blelloch", "triton"])
     assert "| n/a (RuntimeError) | not installed |" in table
-    assert bench_scan.notes_lines([row]) == [
+    assert notes_lines([row]) == [
         f"- triton: {row.notes['triton']}",
         "- torch assoc_scan: RuntimeError: associative_scan: not on this device",
     ]
@@ -124,6 +117,6 @@ def test_floor_arithmetic() -> None:
 
 
 def test_measured_floors_are_positive() -> None:
-    floors = bench_scan.measure_floors(CPU, repeats=1)
+    floors = measure_floors(CPU, repeats=1)
     assert 0.05 < floors.bandwidth_gbs < 1e4
     assert 0 < floors.launch_us < 1e4

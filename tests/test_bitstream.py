@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_child
+from helpers import run_child
 
 from datasets.bitstream import NUM_CLASSES, BitstreamDataset, bitstream_loaders, sample_bits
 

@@ -9,31 +9,12 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+from helpers import stereo_clip, write_tree
 
 from datasets import irmas
 from datasets.irmas import CLASSES, SETTINGS, IRMASError, extract
 
 RATE = irmas.SAMPLE_RATE
-
-
-def stereo_clip(seed: int, seconds: float = 3.0, rate: int = RATE) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * rate)) / rate
-    tone = np.stack([np.sin(2 * np.pi * (150 + 40 * seed) * t), np.sin(2 * np.pi * 330 * t + seed)], axis=1)
-    return (0.3 * tone + 0.02 * rng.standard_normal(tone.shape)).astype(np.float32)
-
-
-def write_tree(root: Path, per_class: int = 2) -> Path:
-    """11 class folders of stereo clips, plus one of each kind of misfit."""
-    for k, name in enumerate(CLASSES):
-        (root / name).mkdir(parents=True)
-        for i in range(per_class):
-            soundfile.write(root / name / f"{name}{i}.wav", stereo_clip(10 * k + i), RATE)
-    soundfile.write(root / "cel" / "mono.wav", stereo_clip(99)[:, 0], RATE)
-    soundfile.write(root / "cla" / "rate22k.wav", stereo_clip(98, rate=22_050), 22_050)
-    soundfile.write(root / "flu" / "short.wav", stereo_clip(97, seconds=2.0), RATE)
-    (root / "gac" / "corrupt.wav").write_bytes(b"RIFF\x00\x00\x00\x00WAVEnot really audio")
-    return root
 
 
 @pytest.fixture(scope="module")

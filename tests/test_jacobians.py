@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_err
+from helpers import rel_err
 
 from bppsa_core.jacobians import GRUCell, LayerWeights, RNNCell
 

@@ -7,7 +7,7 @@ the resident set before it, on a chain whose dense form would be 250 MiB.
 from __future__ import annotations
 
 import pytest
-from conftest import run_child
+from helpers import run_child
 
 STEPS, BATCH, HIDDEN = 2000, 8, 64
 DENSE_BYTES = STEPS * BATCH * HIDDEN * HIDDEN * 4

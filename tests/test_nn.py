@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_err
+from helpers import rel_err
 from hypothesis import given
 from hypothesis import strategies as st
 

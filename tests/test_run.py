@@ -205,7 +205,7 @@ def test_an_empty_irmas_folder_is_refused(tmp_path: Path) -> None:
 
 
 def test_gru_on_irmas_trains_from_a_generated_tree(tmp_path: Path) -> None:
-    from test_irmas import write_tree
+    from helpers import write_tree
 
     tree = write_tree(tmp_path / "IRMAS-TrainingData", per_class=1)
     run_dir = tmp_path / "run"

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import rel_err
+from helpers import rel_err
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -220,7 +220,7 @@ def test_product_flops_count_matching_nonzero_pairs() -> None:
 
 
 def test_table_1_reproduces_the_papers_sparsities(capsys) -> None:
-    from experiments import jacobian_table
+    from experiments.bench import jacobian_table
 
     assert jacobian_table.main(["--rows", "4", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
@@ -239,15 +239,15 @@ def test_table_1_reproduces_the_papers_sparsities(capsys) -> None:
 @pytest.mark.parametrize(
     ("device", "message"),
     [
-        ("tpu", "unknown device 'tpu'; accepted: cpu, cuda, cuda:N"),
-        ("cuda:x", "unknown device 'cuda:x'; accepted: cpu, cuda, cuda:N"),
-        ("meta", "unknown device 'meta'; accepted: cpu, cuda, cuda:N"),
+        ("tpu", "unknown device 'tpu'; accepted: auto, cpu, cuda, cuda:N"),
+        ("cuda:x", "unknown device 'cuda:x'; accepted: auto, cpu, cuda, cuda:N"),
+        ("meta", "unknown device 'meta'; accepted: auto, cpu, cuda, cuda:N"),
         ("cuda", "device 'cuda' asked for, but CUDA is not available here; accepted: cpu"),
         ("cuda:1", "device 'cuda:1' asked for, but CUDA is not available here; accepted: cpu"),
     ],
 )
 def test_table_1_rejects_a_bad_device(device, message, monkeypatch, capsys) -> None:
-    from experiments import jacobian_table
+    from experiments.bench import jacobian_table
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_:
@@ -255,25 +255,27 @@ def test_table_1_rejects_a_bad_device(device, message, monkeypatch, capsys) -> N
     assert exit_.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.splitlines()[-1] == f"python -m experiments.jacobian_table: error: {message}"
+    prefix = "python -m experiments.bench.jacobian_table: error: argument --device: "
+    assert captured.err.splitlines()[-1] == prefix + message
 
 
 def test_table_1_rejects_a_missing_gpu_index(monkeypatch, capsys) -> None:
-    from experiments import jacobian_table
+    from experiments.bench import jacobian_table
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(SystemExit) as exit_:
         jacobian_table.main(["--device", "cuda:2"])
     assert exit_.value.code == 2
-    assert "device 'cuda:2' does not exist; accepted: cpu, cuda, cuda:0 .. cuda:1" in capsys.readouterr().err
+    message = "device 'cuda:2': this machine has 2 GPU(s); accepted: cpu, cuda:0 .. cuda:1"
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.gpu
 def test_table_1_on_a_gpu(capsys) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
-    from experiments import jacobian_table
+    from experiments.bench import jacobian_table
 
     assert jacobian_table.main(["--rows", "4", "--repeats", "1", "--device", "cuda"]) == 0
     out = capsys.readouterr().out
@@ -285,7 +287,7 @@ def test_pruned_vgg_study_writes_its_tables_and_fig_10(tmp_path, capsys) -> None
     import pandas as pd
 
     from analysis import fig10
-    from experiments import pruned_vgg
+    from experiments.bench import pruned_vgg
 
     out = tmp_path / "study"
     argv = ["--out", str(out), "--width", "0.0625", "--steps", "2", "--ratios", "0.9", "--levels", "2", "all"]
@@ -301,11 +303,11 @@ def test_pruned_vgg_study_writes_its_tables_and_fig_10(tmp_path, capsys) -> None
     assert fig10.main([str(out), "--out", str(tmp_path / "fig")]) == 0
     assert (tmp_path / "fig" / "fig10.png").is_file() and (tmp_path / "fig" / "fig10.pdf").is_file()
     assert fig10.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "fig")]) == 2
-    assert "run python -m experiments.pruned_vgg first" in capsys.readouterr().err
+    assert "run python -m experiments.bench.pruned_vgg first" in capsys.readouterr().err
 
 
 def test_pruned_vgg_rejects_bad_arguments(capsys) -> None:
-    from experiments import pruned_vgg
+    from experiments.bench import pruned_vgg
 
     with pytest.raises(SystemExit):
         pruned_vgg.main(["--out", "x", "--ratios", "1.5"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_err
+from helpers import rel_err
 
 pytest.importorskip("triton")
 

@@ -1,6 +1,6 @@
 """The paper's Table 1: building VGG-11's first transposed Jacobians in CSR vs autograd row by row.
 
-    python -m experiments.jacobian_table [--device cuda]
+    python -m experiments.bench.jacobian_table [--device cuda]
 
 For VGG-11's first Conv2d (3 -> 64, 3x3, padding 1), the ReLU after it and the MaxPool2d (2x2)
 after that, on one 3x32x32 input: the shape of J^T, its sparsity (1 - stored entries / size), the
@@ -17,14 +17,14 @@ Imports nothing beyond torch.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from bppsa_core import sparse
-from experiments.bench_scan import median_ms, parse_device, positive_int, timer
+from experiments.bench.common import device_arg, markdown, non_negative_int, parser, positive_int
+from experiments.timing import median_ms, time_ms
 
 PAPER = {"Conv2d": (0.99157, 8.3e3), "ReLU": (0.99998, 1.2e6), "MaxPool2d": (0.99994, 1.5e5)}
 
@@ -42,7 +42,7 @@ def autograd_rows_time(
             (row,) = torch.autograd.grad(y[r], x, retain_graph=True)
             row.reshape(-1).nonzero()
 
-    return timer(x.device)(rows) / 1e3 / len(picks)
+    return time_ms(rows, x.device) / 1e3 / len(picks)
 
 
 def table(
@@ -70,7 +70,7 @@ def table(
     for name, inp, fn, build in layers:
         jt = build()
         n_in, n_out = jt.shape
-        csr_s = median_ms(build, timer(device), warmup, repeats) / 1e3
+        csr_s = median_ms(build, device, warmup, repeats) / 1e3
         per_row = autograd_rows_time(fn, inp, rows, seed)
         baseline = per_row * n_out  # J has one row per output
         out.append(
@@ -89,21 +89,27 @@ def table(
 
 def format_table(results: list[dict], rows: int, repeats: int = 20, warmup: int = 3) -> str:
     """Markdown table, with the build time that would give the paper's speedup against this baseline."""
-    lines = [
-        "| layer | J^T shape | sparsity (paper) | CSR build | autograd, row by row | speedup (paper) "
-        "| build for the paper's speedup |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    head = ["layer", "J^T shape", "sparsity (paper)", "CSR build", "autograd, row by row"]
+    head += ["speedup (paper)", "build for the paper's speedup"]
+    body = []
     for r in results:
         paper_sparsity, paper_speedup = PAPER[r["layer"]]
-        lines.append(
-            f"| {r['layer']} | {r['shape']} | {r['sparsity']:.5f} ({paper_sparsity}) "
-            f"| {_ms(r['csr_s'])} | {r['autograd_s']:.1f} s ({r['per_row_s'] * 1e6:.0f} µs/row) "
-            f"| {r['speedup']:.2e} ({paper_speedup:.1e}) | {_ms(r['autograd_s'] / paper_speedup)} |"
+        body.append(
+            [
+                r["layer"],
+                r["shape"],
+                f"{r['sparsity']:.5f} ({paper_sparsity})",
+                _ms(r["csr_s"]),
+                f"{r['autograd_s']:.1f} s ({r['per_row_s'] * 1e6:.0f} µs/row)",
+                f"{r['speedup']:.2e} ({paper_speedup:.1e})",
+                _ms(r["autograd_s"] / paper_speedup),
+            ]
         )
-    lines.append(f"\nCSR build: median of {repeats} builds after {warmup} untimed ones.")
-    lines.append(f"Autograd time: {rows} sampled rows, scaled to all rows of J.")
-    return "\n".join(lines)
+    notes = [
+        f"CSR build: median of {repeats} builds after {warmup} untimed ones.",
+        f"Autograd time: {rows} sampled rows, scaled to all rows of J.",
+    ]
+    return "\n".join([markdown(head, body), "", *notes])
 
 
 def _ms(seconds: float) -> str:
@@ -119,20 +125,15 @@ def header(device: torch.device) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.jacobian_table", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--rows", type=positive_int, default=256, help="autograd rows sampled per layer")
-    parser.add_argument("--repeats", type=positive_int, default=20, help="timed CSR builds per layer")
-    parser.add_argument("--warmup", type=positive_int, default=3, help="untimed CSR builds before them")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    args = parser.parse_args(argv)
-    device = parse_device(args.device)
-    if isinstance(device, str):
-        parser.error(device)
-    print(header(device))
-    results = table(args.rows, args.repeats, args.seed, device, args.warmup)
+    p = parser("experiments.bench.jacobian_table", __doc__)
+    p.add_argument("--rows", type=positive_int, default=256, help="autograd rows sampled per layer")
+    p.add_argument("--repeats", type=positive_int, default=20, help="timed CSR builds per layer")
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed CSR builds before them")
+    p.add_argument("--seed", type=int, default=0, help="seed of the input, the weights and the sampled rows")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
+    args = p.parse_args(argv)
+    print(header(args.device))
+    results = table(args.rows, args.repeats, args.seed, args.device, args.warmup)
     print(format_table(results, args.rows, args.repeats, args.warmup))
     return 0
 

@@ -1,6 +1,6 @@
 """Pruned VGG-11 retraining: the sparse Jacobian chain of one input, scanned by BPPSA vs plain BP.
 
-    python -m experiments.pruned_vgg --out results/pruned_vgg --ratios 0.9 0.97
+    python -m experiments.bench.pruned_vgg --out results/pruned_vgg --ratios 0.9 0.97
     python -m analysis.fig10 results/pruned_vgg        # the paper's fig. 10 analogue
 
 For each pruning ratio: VGG-11 for CIFAR-10 shapes (``--width`` scales the channels, ``--image-size``
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bppsa_core import sparse
+from experiments.bench.common import non_negative_int, parser, positive_int
 from experiments.records import write_table
 
 VGG11 = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
@@ -205,22 +206,20 @@ def _level(text: str) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.pruned_vgg", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--ratios", type=_ratio, nargs="+", default=[0.0, 0.9, 0.97])
-    parser.add_argument("--levels", type=_level, nargs="+", default=[2, 1, 3, None], help="levels (or 'all')")
-    parser.add_argument("--width", type=float, default=1.0, help="channel multiplier (VGG-11: 1.0)")
-    parser.add_argument("--image-size", type=int, default=32, help="input side (CIFAR-10: 32)")
-    parser.add_argument("--steps", type=int, default=50, help="retraining steps per ratio")
-    args = parser.parse_args(argv)
+    p = parser("experiments.bench.pruned_vgg", __doc__)
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--ratios", type=_ratio, nargs="+", default=[0.0, 0.9, 0.97], help="pruning ratios")
+    p.add_argument("--levels", type=_level, nargs="+", default=[2, 1, 3, None], help="scan levels, or all")
+    p.add_argument("--width", type=float, default=1.0, help="channel multiplier (VGG-11: 1.0)")
+    p.add_argument("--image-size", type=positive_int, default=32, help="input side (CIFAR-10: 32)")
+    p.add_argument("--steps", type=non_negative_int, default=50, help="retraining steps per ratio")
+    args = p.parse_args(argv)
     if args.width <= 0:
-        parser.error(f"--width must be positive, got {args.width}")
+        p.error(f"--width must be positive, got {args.width}")
     try:
         vgg11(args.width, args.image_size)
     except ValueError as exc:
-        parser.error(str(exc))
+        p.error(str(exc))
     summary, products = study(args.ratios, args.levels, args.width, args.image_size, args.steps)
     out = Path(args.out)
     write_table(out / "summary.csv", summary)

@@ -1,6 +1,6 @@
-"""Scan-only benchmark: BPPSA's scans and their peers on the identical chain, and hardware floors.
+"""Scan-only benchmark: BPPSA's scans and their peers on the identical chain.
 
-    python -m experiments.bench_backward --tables scan --T 100 1000 10000 --B 16 --H 20
+    python -m experiments.bench.backward --tables scan --T 100 1000 10000 --B 16 --H 20
 
 The chain is a real recurrent layer's: PyTorch's RNN (or GRU) runs forward on random bits, and
 ``bppsa_core.jacobians`` turns its states into the factored Jacobians (tanh RNN: f'(z_t) of shape
@@ -14,19 +14,14 @@ x_0..x_T from them:
   and then as (A2, c2) is (A1 @ A2, c1 @ A2 + c2); a reverse inclusive scan with that combine leaves
   x_k in c at position k. Building the dense elements is left out of the peers' times.
 
-Every result is checked against ``sequential_scan`` run in float64 (norm-wise relative difference).
-The floors are what no implementation can beat on the measured machine: the bytes a backward must
-move over the measured copy bandwidth, and the Blelloch scan's dependent levels times the measured
-cost of one launch. This module imports nothing beyond torch; numpy and jax are imported when used.
+Every result is checked against ``sequential_scan`` run in float64 (norm-wise relative difference),
+and every row carries the floors of ``experiments.bench.floors``. This module imports nothing
+beyond torch; numpy and jax are imported when used.
 """
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,127 +31,13 @@ from torch import Tensor
 from bppsa_core.chain import FactoredChain
 from bppsa_core.jacobians import GRUCell, LayerWeights, RNNCell
 from bppsa_core.scan import scan, sequential_scan
+from experiments.bench.common import failure, fmt_ms, markdown
+from experiments.bench.floors import Floors
+from experiments.timing import median_ms
 
 TORCH_PEER = "torch assoc_scan"
 JAX_PEER = "jax assoc_scan"
 PEERS = (TORCH_PEER, JAX_PEER)
-
-Clock = Callable[[Callable[[], object]], float]
-
-
-def positive_int(text: str) -> int:
-    """argparse type of the benchmarks' counts and sizes: a positive integer, or one clear line."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; accepted: positive integers") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not positive; accepted: positive integers")
-    return value
-
-
-def parse_device(text: str) -> torch.device | str:
-    """The torch device, or why it cannot be used here (one line naming the value and what is accepted)."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        return f"unknown device {text!r}; accepted: cpu, cuda, cuda:N"
-    if device.type not in ("cpu", "cuda"):
-        return f"unknown device {text!r}; accepted: cpu, cuda, cuda:N"
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return f"device {text!r} asked for, but CUDA is not available here; accepted: cpu"
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            return f"device {text!r} does not exist; accepted: cpu, cuda, cuda:0 .. cuda:{count - 1}"
-    return device
-
-
-def timer(device: torch.device) -> Clock:
-    """Milliseconds of one call: CUDA events on a GPU, synchronized wall clock elsewhere."""
-    if device.type == "cuda":
-
-        def cuda_time(fn: Callable[[], object]) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            return start.elapsed_time(end)
-
-        return cuda_time
-
-    def wall_time(fn: Callable[[], object]) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    return wall_time
-
-
-def median_ms(fn: Callable[[], object], clock: Clock, warmup: int, repeats: int) -> float:
-    """Median of ``repeats`` timed calls after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        clock(fn)
-    return statistics.median(clock(fn) for _ in range(repeats))
-
-
-# ---------------------------------------------------------------------------------------------- floors
-
-
-def min_bytes(steps: int, batch: int, hidden: int, terms: int = 1, itemsize: int = 4) -> int:
-    """Bytes a BPPSA backward must move at the least: read one (T, B, H) tensor (the states h, or
-    f'(z) made from them), read the K shared (H, H) recurrent weights, write x_0..x_T."""
-    return itemsize * (steps * batch * hidden + terms * hidden * hidden + (steps + 1) * batch * hidden)
-
-
-def dependent_levels(steps: int) -> int:
-    """Dependent levels of the paper's Blelloch scan of a chain of T elements: 2·ceil(log2 T)."""
-    return 2 * math.ceil(math.log2(steps)) if steps > 1 else 1
-
-
-@dataclass(frozen=True)
-class Floors:
-    """The measured machine constants the floors are made of."""
-
-    bandwidth_gbs: float  # copy bandwidth, bytes read + written per second / 1e9
-    launch_us: float  # time of one tiny op among many issued back to back
-
-    def bytes_ms(self, steps: int, batch: int, hidden: int, terms: int = 1) -> float:
-        return min_bytes(steps, batch, hidden, terms) / (self.bandwidth_gbs * 1e6)
-
-    def levels_ms(self, steps: int) -> float:
-        return dependent_levels(steps) * self.launch_us / 1e3
-
-    def note(self) -> str:
-        """What the floor columns count, for the lines under a table."""
-        return (
-            f"Floors: bytes = 4·(T·B·H read (h, or f'(z) made from it) + K·H² (W_hh; K = 1 RNN, 3 GRU) + "
-            f"(T+1)·B·H written (x_0..x_T)) / copy bandwidth {self.bandwidth_gbs:.1f} GB/s (read + written, "
-            f"a large copy on the device); levels = 2·ceil(log2 T) Blelloch levels × {self.launch_us:.2f} "
-            "µs per launch (back-to-back tiny ops). best / floor = best BPPSA time / the larger floor; a "
-            "fused kernel path may go below the levels floor, which assumes one launch per level."
-        )
-
-
-def measure_floors(device: torch.device, repeats: int = 5) -> Floors:
-    """Copy bandwidth (a large device-to-device copy) and the per-launch cost of a tiny op."""
-    clock = timer(device)
-    nbytes = (256 if device.type == "cuda" else 64) << 20
-    src = torch.ones(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    copy_ms = median_ms(lambda: dst.copy_(src), clock, 2, repeats)
-    count = 1000 if device.type == "cuda" else 200
-    x = torch.zeros(1, device=device)
-
-    def launches() -> None:
-        for _ in range(count):
-            x.add_(1.0)
-
-    launch_ms = median_ms(launches, clock, 1, repeats) / count
-    return Floors(bandwidth_gbs=2 * nbytes / (copy_ms * 1e6), launch_us=launch_ms * 1e3)
-
 
 # ----------------------------------------------------------------------------------------------- chain
 
@@ -289,14 +170,6 @@ class ScanRow:
         return min(timed, key=lambda mv: mv[1]) if timed else None
 
 
-def failure(exc: Exception) -> tuple[str, str]:
-    """The cell and the note of a method that did not run: "n/a" when it refuses the device or shape
-    (ValueError, as ``bppsa_core.scan`` does), "error" when anything else went wrong."""
-    if isinstance(exc, ValueError):
-        return "n/a", str(exc).splitlines()[0]
-    return "error", f"{type(exc).__name__}: {exc}".splitlines()[0]
-
-
 def bench_scan(
     model: str,
     steps: int,
@@ -316,7 +189,6 @@ def bench_scan(
     float64 twin. ``chunk``: the chunked and triton strategies' chunk size (default: scan's)."""
     chain, x_last = layer_chain(model, steps, batch, hidden, features, device, seed=seed)
     twin = sequential_scan(_as_double(chain), x_last.double())
-    clock = timer(device)
     cells: dict[str, float | str] = {}
     diffs: dict[str, float] = {}
     notes: dict[str, str] = {}
@@ -327,7 +199,7 @@ def bench_scan(
 
         try:
             diffs[s] = rel_diff(run(), twin)  # also a first warm-up
-            cells[s] = median_ms(run, clock, warmup, repeats)
+            cells[s] = median_ms(run, device, warmup, repeats)
         except Exception as exc:  # a strategy that cannot run is reported, not raised
             cells[s], notes[s] = failure(exc)
     if peers:
@@ -335,7 +207,7 @@ def bench_scan(
         if "torch" in peers:
             try:
                 diffs[TORCH_PEER] = rel_diff(torch_associative_scan(a, c), twin)
-                cells[TORCH_PEER] = median_ms(lambda: torch_associative_scan(a, c), clock, warmup, repeats)
+                cells[TORCH_PEER] = median_ms(lambda: torch_associative_scan(a, c), device, warmup, repeats)
             except Exception as exc:  # a prototype: any failure is reported, not raised
                 cells[TORCH_PEER] = f"n/a ({type(exc).__name__})"
                 notes[TORCH_PEER] = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -372,17 +244,10 @@ def _run_jax(
             return peer
         run, to_torch = peer
         diffs[JAX_PEER] = rel_diff(to_torch(run()), twin)  # compiles
-        return median_ms(run, timer(torch.device("cpu")), warmup, repeats)
+        return median_ms(run, torch.device("cpu"), warmup, repeats)
     except Exception as exc:  # an optional peer: any failure is reported, not raised
         notes[JAX_PEER] = f"{type(exc).__name__}: {exc}".splitlines()[0]
         return f"n/a ({type(exc).__name__})"
-
-
-def fmt_ms(value: float | str) -> str:
-    """A time in ms with four significant digits, or a cell's text."""
-    if isinstance(value, str):
-        return value
-    return f"{value:.4g}" if value < 1000 else f"{value:.0f}"
 
 
 def format_scan_table(rows: Sequence[ScanRow], strategies: Sequence[str]) -> str:
@@ -392,7 +257,7 @@ def format_scan_table(rows: Sequence[ScanRow], strategies: Sequence[str]) -> str
     head += [f"{p} / best" for p in peers]
     head += ["floor bytes ms", "floor levels ms", "best / floor", "BPPSA max rel diff"]
     head += [f"{p} rel diff" for p in peers]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for r in rows:
         cells = [r.model, str(r.steps), str(r.batch), str(r.hidden)]
         cells += [fmt_ms(r.cells.get(m, "n/a")) for m in (*strategies, *peers)]
@@ -407,14 +272,5 @@ def format_scan_table(rows: Sequence[ScanRow], strategies: Sequence[str]) -> str
         ours = [r.diffs[s] for s in strategies if s in r.diffs]
         cells.append(f"{max(ours):.1e}" if ours else "n/a")
         cells += [f"{r.diffs[p]:.1e}" if p in r.diffs else "n/a" for p in peers]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def notes_lines(rows: Sequence[object]) -> list[str]:
-    """One line per method that did not run somewhere, with the first reason it gave."""
-    seen: dict[str, str] = {}
-    for r in rows:
-        for method, why in getattr(r, "notes", {}).items():
-            seen.setdefault(method, why)
-    return [f"- {method}: {why}" for method, why in seen.items()]
+        body.append(cells)
+    return markdown(head, body)

@@ -1,7 +1,7 @@
 """Backward-pass benchmark: PyTorch's BPTT (autograd over its fused RNN/GRU) against BPPSA.
 
-    python -m experiments.bench_backward --model rnn --T 100 1000 10000 --B 16 --H 20
-    python -m experiments.bench_backward --device cuda --suite paper   # all tables, the paper's shapes
+    python -m experiments.bench.backward --model rnn --T 100 1000 10000 --B 16 --H 20
+    python -m experiments.bench.backward --device cuda --suite paper   # all tables, the paper's shapes
 
 Three tables (``--tables``), all timed in one process with one clock (CUDA events on a GPU),
 medians of ``--repeats`` runs after ``--warmup``, so every ratio compares like with like:
@@ -12,12 +12,13 @@ medians of ``--repeats`` runs after ``--warmup``, so every ratio compares like w
   the device or shape (it raises ValueError) gets "n/a" cells and a note under the table.
 * ``scan``: the scan alone on the identical chain, BPPSA per strategy against the peers
   ``torch._higher_order_ops.associative_scan`` and ``jax.lax.associative_scan``
-  (``experiments.bench_scan``), each checked against the sequential twin.
+  (``experiments.bench.scan``), each checked against the sequential twin.
 * ``epoch``: one training epoch of the paper's RNN task (bitstream, 10 classes, loss on h_T, Adam)
   with BPTT and with BPPSA.
 
-Both timing tables carry floor estimates: the bytes a backward must move over the measured copy
-bandwidth, and the Blelloch scan's 2·ceil(log2 T) levels times the measured per-launch cost.
+Both timing tables carry the floors of ``experiments.bench.floors``: the bytes a backward must move
+over the measured copy bandwidth, and the Blelloch scan's 2·ceil(log2 T) levels times the measured
+per-launch cost.
 ``--suite paper`` runs the paper's configurations (RNN T sweep, RNN B sweep, GRU IRMAS shapes) and
 the epoch comparison; ``--quick`` shrinks them to seconds on a CPU.
 
@@ -29,11 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.metadata
-import platform
 import statistics
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -42,18 +39,21 @@ import torch.nn.functional as F
 
 from bppsa_core import nn as bnn
 from bppsa_core.dispatch import STRATEGIES
-from experiments.bench_scan import (
-    Floors,
-    bench_scan,
+from experiments.bench.common import (
+    Progress,
+    device_arg,
     failure,
     fmt_ms,
-    format_scan_table,
-    measure_floors,
+    machine_line,
+    markdown,
+    non_negative_int,
     notes_lines,
-    parse_device,
+    parser,
     positive_int,
-    timer,
 )
+from experiments.bench.floors import Floors, measure_floors
+from experiments.bench.scan import bench_scan, format_scan_table
+from experiments.timing import time_ms
 
 MODELS = ("rnn", "gru")
 TABLES = ("backward", "scan", "epoch")
@@ -107,20 +107,8 @@ class EpochRow:
     bppsa_loss: float
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not an integer; accepted: non-negative integers"
-        ) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; accepted: non-negative integers")
-    return value
-
-
 def default_strategies(device: torch.device) -> list[str]:
-    """The strategies timed on this kind of device, among those ``bppsa_core.scan`` knows."""
+    """The strategies timed on this kind of device, among those ``bppsa_core.dispatch`` knows."""
     wanted = DEFAULT_STRATEGIES["cuda" if device.type == "cuda" else "cpu"]
     return [s for s in wanted if s in STRATEGIES]
 
@@ -137,13 +125,12 @@ def time_backward(
     repeats: int,
 ) -> tuple[float, list[torch.Tensor]]:
     """Median backward time (ms) of ``loss`` through ``module``, and the gradients of the last run."""
-    clock = timer(x.device)
     times = []
     for i in range(warmup + repeats):
         module.zero_grad(set_to_none=True)
         out, h_n = module(x)
         value = (h_n[-1] @ head).sum() if loss == "last" else (out @ head).sum()
-        ms = clock(value.backward)
+        ms = time_ms(value.backward, x.device)
         if i >= warmup:
             times.append(ms)
     return statistics.median(times), [p.grad.detach().clone() for p in module.parameters()]
@@ -207,7 +194,7 @@ def format_table(rows: Sequence[Row], strategies: Sequence[str]) -> str:
     if with_floors:
         head += ["floor bytes ms", "floor levels ms", "best / floor"]
     head.append("max rel grad diff")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for r in rows:
         cells = [r.model, str(r.steps), str(r.batch), str(r.hidden), fmt_ms(r.bptt_ms)]
         timed = {}
@@ -223,8 +210,8 @@ def format_table(rows: Sequence[Row], strategies: Sequence[str]) -> str:
             cells += [f"{r.floor_bytes_ms:.3g}", f"{r.floor_levels_ms:.3g}"]
             cells.append(f"{best[1] / floor:.3g}" if best else "n/a")
         cells.append(f"{r.max_rel_err:.1e}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        body.append(cells)
+    return markdown(head, body)
 
 
 # ---------------------------------------------------------------------------------- end-to-end epoch
@@ -270,6 +257,7 @@ def epoch_comparison(
     warmup: int = 2,
     seed: int = 0,
     lr: float = PAPER_LR,
+    progress: Progress | None = None,
 ) -> EpochRow:
     """One epoch of BPTT and one of BPPSA from the same weights over the same batches, same clock.
 
@@ -277,21 +265,23 @@ def epoch_comparison(
     backward and Adam step of every batch, with one synchronization at its end. ``warmup``
     iterations on a copy of each model come first (cuDNN plans, Triton compilation, graph capture).
     """
-    clock = timer(device)
-    _progress(f"bitstream: {samples} samples, T={steps} ...")
+    say = progress or (lambda text: None)
+    say(f"bitstream: {samples} samples, T={steps} ...")
     batches = bitstream_batches(steps, batch, samples, device, seed)
-    from experiments.train import Classifier  # the suite's model (its imports need pandas, not hydra)
+    from experiments.train import Classifier  # the suite's model (its imports need no hydra)
 
     torch.manual_seed(seed)
-    bptt = Classifier("rnn", 1, hidden, CLASSES, backward="bptt").to(device)
-    bppsa = Classifier("rnn", 1, hidden, CLASSES, backward="bppsa", strategy=strategy).to(device)
-    bppsa.load_state_dict(bptt.state_dict())
+    models = {}
+    for mode in ("bptt", "bppsa"):
+        layer = bnn.RNN(1, hidden, batch_first=True, backward=mode, strategy=strategy)
+        models[mode] = Classifier(layer, CLASSES).to(device)
+    models["bppsa"].load_state_dict(models["bptt"].state_dict())
     seconds, losses = [], []
-    for name, model in (("BPTT", bptt), (f"BPPSA ({strategy})", bppsa)):
-        _progress(f"epoch with {name} ...")
+    for name, model in models.items():
+        say(f"epoch with {name} ...")
         _train(copy.deepcopy(model), batches[:1] * max(1, warmup), lr)
         total = torch.zeros(())
-        ms = clock(lambda model=model, total=total: total.copy_(_train(model, batches, lr)))
+        ms = time_ms(lambda model=model, total=total: total.copy_(_train(model, batches, lr)), device)
         seconds.append(ms / 1e3)
         losses.append(total.item() / len(batches))
     taken = sum(len(y) for _, y in batches)
@@ -303,13 +293,13 @@ def format_epoch_table(rows: Sequence[EpochRow]) -> str:
     strategy = rows[0].strategy if rows else "auto"
     head = ["model", "T", "B", "H", "samples", "iterations", "BPTT epoch s", f"BPPSA ({strategy}) epoch s"]
     head += ["BPTT / BPPSA", "BPTT mean loss", "BPPSA mean loss"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for r in rows:
         cells = ["rnn", str(r.steps), str(r.batch), str(r.hidden), str(r.samples), str(r.iterations)]
         cells += [f"{r.bptt_s:.4g}", f"{r.bppsa_s:.4g}", f"{r.bptt_s / r.bppsa_s:.3g}"]
         cells += [f"{r.bptt_loss:.6f}", f"{r.bppsa_loss:.6f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        body.append(cells)
+    return markdown(head, body)
 
 
 # --------------------------------------------------------------------------------------------- suites
@@ -353,113 +343,6 @@ def suite_sets(name: str, quick: bool = False) -> tuple[list[ConfigSet], tuple[i
 
 # ----------------------------------------------------------------------------------------------- main
 
-
-def machine_line(device: torch.device) -> str:
-    """What the numbers were measured on."""
-    if device.type == "cuda":
-        where = f"{torch.cuda.get_device_name(device)}, cuDNN {torch.backends.cudnn.version()}"
-    else:
-        where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    line = f"device: {device.type} ({where}); torch {torch.__version__}; python {platform.python_version()}"
-    return line + "; " + "; ".join(f"{p} {_version(p)}" for p in ("triton", "jax", "jaxlib"))
-
-
-def _version(package: str) -> str:
-    """An installed package's version, read without importing it."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _say(text: str = "") -> None:
-    print(text, flush=True)
-
-
-_started = [time.perf_counter()]
-
-
-def _progress(text: str) -> None:
-    """A progress line on stderr, with the seconds since ``main`` started."""
-    print(f"[bench {time.perf_counter() - _started[0]:7.1f} s] {text}", file=sys.stderr, flush=True)
-
-
-def _backward_table(
-    cs: ConfigSet,
-    strategies: Sequence[str],
-    device: torch.device,
-    dtype: torch.dtype,
-    args: argparse.Namespace,
-    floors: Floors,
-    heading: bool,
-) -> None:
-    """Time and print the full-backward table of one configuration set."""
-    rows = []
-    for t, b, h, f in cs.configs:
-        _progress(f"backward {cs.model} T={t} B={b} H={h} F={f} ...")
-        rows.append(
-            bench(
-                cs.model,
-                t,
-                b,
-                h,
-                f,
-                strategies,
-                device,
-                dtype,
-                args.loss,
-                args.warmup,
-                args.repeats,
-                floors=floors,
-                chunk=args.chunk,
-            )
-        )
-    _say(f"\n### Full backward: {cs.title}\n" if heading else "")
-    _say(format_table(rows, strategies))
-    _notes(rows)
-
-
-def _scan_table(
-    cs: ConfigSet,
-    strategies: Sequence[str],
-    device: torch.device,
-    args: argparse.Namespace,
-    floors: Floors,
-    heading: bool,
-) -> None:
-    """Time and print the scan-only table (BPPSA and its peers) of one configuration set."""
-    rows = []
-    for t, b, h, f in cs.configs:
-        _progress(f"scan {cs.model} T={t} B={b} H={h} ...")
-        rows.append(
-            bench_scan(
-                cs.model,
-                t,
-                b,
-                h,
-                f,
-                strategies,
-                device,
-                floors,
-                args.warmup,
-                args.repeats,
-                peers=args.peers,
-                chunk=args.chunk,
-            )
-        )
-    _say(f"\n### Scan only, identical chain: {cs.title}\n" if heading else "")
-    _say(format_scan_table(rows, strategies))
-    _notes(rows)
-
-
-def _notes(rows: Sequence[object]) -> None:
-    lines = notes_lines(rows)
-    if lines:
-        _say("\nNot timed (n/a: the method refused this device or shape; error: it failed):")
-        for line in lines:
-            _say(line)
-
-
 LEGEND = (
     "Full backward: forward excluded; 's / BPTT' < 1 and 'BPTT / best' > 1 mean BPPSA is faster; the "
     "last column is the largest relative gradient difference from autograd's. Scan only: x_0..x_T of "
@@ -468,132 +351,153 @@ LEGEND = (
     "norm-wise, against the sequential scan in float64; the jax peer is timed by the wall clock around a "
     "blocking call, after jit compilation."
 )
+NOT_TIMED = "Not timed (n/a: the method refused this device or shape; error: it failed):"
+EPOCH_NOTE = (
+    f"One epoch each from the same weights over the same shuffled batches (Adam, lr {PAPER_LR:g}, "
+    "loss on h_T), batches generated on the device beforehand; forward, loss, backward and step "
+    "of every batch, one synchronization at the end. Mean losses agreeing shows the same training."
+)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", choices=SUITES, default=None, help="run the issue's configurations")
-    parser.add_argument("--quick", action="store_true", help="the suite on small shapes (seconds, CPU)")
-    parser.add_argument(
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: a bad value ends the tool with one line and status 2."""
+    p = parser("experiments.bench.backward", __doc__)
+    p.add_argument("--suite", choices=SUITES, default=None, help="run the paper's configurations")
+    p.add_argument("--quick", action="store_true", help="the suite on small shapes (seconds, CPU)")
+    p.add_argument(
         "--tables",
         nargs="+",
         choices=TABLES,
         default=None,
-        help="tables to print (default: backward; with --suite: all)",
+        help="tables to print (default: backward; --suite: all)",
     )
-    parser.add_argument("--model", choices=MODELS, default=None, help="rnn (default) or gru")
-    parser.add_argument(
-        "--T", type=positive_int, nargs="+", default=None, help="sequence lengths (100 1000 10000)"
+    p.add_argument("--model", choices=MODELS, default=None, help="rnn or gru (default: rnn)")
+    p.add_argument(
+        "--T", type=positive_int, nargs="+", default=None, help="sequence lengths (default: 100 1000 10000)"
     )
-    parser.add_argument("--B", type=positive_int, default=None, help="batch size (16)")
-    parser.add_argument("--H", type=positive_int, default=None, help="hidden size (20)")
-    parser.add_argument("--F", type=positive_int, default=None, help="input features (1)")
-    parser.add_argument(
+    p.add_argument("--B", type=positive_int, default=None, help="batch size (default: 16)")
+    p.add_argument("--H", type=positive_int, default=None, help="hidden size (default: 20)")
+    p.add_argument("--F", type=positive_int, default=None, help="input features (default: 1)")
+    p.add_argument(
         "--strategies",
         nargs="+",
         default=None,
         choices=STRATEGIES,
         help="BPPSA scan strategies to time (default: chunked blelloch on a CPU; "
-        "blelloch chunked graph triton auto on a GPU, those that exist)",
+        "blelloch chunked graph triton auto on a GPU)",
     )
-    parser.add_argument(
+    p.add_argument(
         "--chunk",
         type=positive_int,
         default=None,
         help="chunk size of the chunked and triton strategies (default: about sqrt(T / 2)); to tune it",
     )
-    parser.add_argument("--loss", choices=("last", "all"), default="last", help="loss on h_T or every output")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
-    parser.add_argument("--repeats", type=positive_int, default=5)
-    parser.add_argument("--warmup", type=_non_negative, default=2)
-    parser.add_argument(
+    p.add_argument("--loss", choices=("last", "all"), default="last", help="loss on h_T or on every output")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=5, help="timed runs per cell (the median is shown)"
+    )
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed runs before them")
+    p.add_argument(
         "--epoch-samples",
         type=positive_int,
         default=None,
-        help=f"training samples in the epoch comparison (default {TRAIN_SAMPLES}, the paper's)",
+        help=f"training samples in the epoch comparison (default: {TRAIN_SAMPLES}, the paper's)",
     )
-    parser.add_argument(
+    p.add_argument(
         "--peers",
         nargs="*",
         choices=PEER_NAMES,
         default=list(PEER_NAMES),
-        help="peer scans in the scan table (default: torch jax; none with an empty list)",
+        help="peer scans in the scan table (none with an empty list)",
     )
-    parser.add_argument(
-        "--epoch-strategy", choices=STRATEGIES, default="auto", help="BPPSA strategy of the epoch comparison"
-    )
-    args = parser.parse_args(argv)
-    _started[0] = time.perf_counter()
-    device = parse_device(args.device)
-    if isinstance(device, str):
-        parser.error(device)
+    p.add_argument("--epoch-strategy", choices=STRATEGIES, default="auto", help="BPPSA strategy of the epoch")
+    args = p.parse_args(argv)
     fixed = [f"--{k}" for k in ("model", "T", "B", "H", "F") if getattr(args, k) is not None]
     if args.suite and fixed:
-        parser.error(f"--suite runs fixed configurations; {', '.join(fixed)} apply without --suite")
+        p.error(f"--suite runs fixed configurations; {', '.join(fixed)} apply without --suite")
     if args.quick and not args.suite:
-        parser.error("--quick shrinks a suite; accepted: --suite paper --quick")
+        p.error("--quick shrinks a suite; accepted: --suite paper --quick")
     if args.epoch_samples is not None and args.epoch_samples > TRAIN_SAMPLES:
-        parser.error(
-            f"--epoch-samples: {args.epoch_samples} is more than the {TRAIN_SAMPLES} training samples"
-        )
-    tables = args.tables or (list(TABLES) if args.suite else ["backward"])
-    model = args.model or "rnn"
-    if not args.suite and "epoch" in tables and model != "rnn":
-        parser.error("the epoch comparison is the paper's RNN bitstream task; accepted: --model rnn")
+        p.error(f"--epoch-samples: {args.epoch_samples} is more than the {TRAIN_SAMPLES} training samples")
+    args.tables = args.tables or (list(TABLES) if args.suite else ["backward"])
+    args.model = args.model or "rnn"
+    if not args.suite and "epoch" in args.tables and args.model != "rnn":
+        p.error("the epoch comparison is the paper's RNN bitstream task; accepted: --model rnn")
+    return args
+
+
+def plan(args: argparse.Namespace) -> tuple[list[ConfigSet], list[tuple[int, int, int, int]]]:
+    """The configuration sets and the epoch comparisons (T, B, H, samples) the arguments ask for."""
+    if args.suite:
+        sets, (t, b, h, n) = suite_sets(args.suite, args.quick)
+        return sets, [(t, b, h, args.epoch_samples or n)]
+    b, h, f = args.B or 16, args.H or 20, args.F or 1
+    lengths = args.T or [100, 1000, 10000]
+    sets = [ConfigSet(args.model.upper(), args.model, tuple((t, b, h, f) for t in lengths))]
+    return sets, [(t, b, h, args.epoch_samples or TRAIN_SAMPLES) for t in lengths]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the asked-for tables, each as soon as it is measured."""
+    args = parse_args(argv)
+    progress = Progress("bench")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
+    device, dtype = args.device, getattr(torch, args.dtype)
     strategies = args.strategies or default_strategies(device)
+    sets, epochs = plan(args)
+    heading = bool(args.suite) or len(args.tables) > 1
 
-    if args.suite:
-        sets, (e_t, e_b, e_h, e_n) = suite_sets(args.suite, args.quick)
-        epochs = [(e_t, e_b, e_h, args.epoch_samples or e_n)]
-    else:
-        b, h, f = args.B or 16, args.H or 20, args.F or 1
-        lengths = args.T or [100, 1000, 10000]
-        sets = [ConfigSet(f"{model.upper()}", model, tuple((t, b, h, f) for t in lengths))]
-        epochs = [(t, b, h, args.epoch_samples or TRAIN_SAMPLES) for t in lengths]
+    def table(title: str, text: str, rows: Sequence[object] = ()) -> None:
+        print(f"\n### {title}\n" if heading else "", flush=True)
+        print(text, flush=True)
+        if notes := notes_lines(rows):
+            print("\n" + "\n".join([NOT_TIMED, *notes]), flush=True)
 
-    _say(machine_line(device))
-    _say(
+    print(machine_line(device))
+    print(
         f"loss on {'h_T' if args.loss == 'last' else 'every output'}, {args.dtype}, median of {args.repeats}"
         f" after {args.warmup} warm-up runs; strategies: {' '.join(strategies)}"
         f"; chunk {args.chunk or 'about sqrt(T / 2)'}"
     )
     floors = measure_floors(device)
-    _say(f"measured: copy bandwidth {floors.bandwidth_gbs:.1f} GB/s, {floors.launch_us:.2f} µs per launch")
-    _say(f"\n{floors.note()}\n\n{LEGEND}")
+    print(f"measured: copy bandwidth {floors.bandwidth_gbs:.1f} GB/s, {floors.launch_us:.2f} µs per launch")
+    print(f"\n{floors.note()}\n\n{LEGEND}")
     if args.suite:
-        _say(f"\n## Suite {args.suite}{' (quick shapes)' if args.quick else ''}")
-    heading = bool(args.suite) or len(tables) > 1
+        print(f"\n## Suite {args.suite}{' (quick shapes)' if args.quick else ''}")
+    timing = {"warmup": args.warmup, "repeats": args.repeats, "floors": floors, "chunk": args.chunk}
     # The backward tables and the epoch come first, the prototype and optional peers last.
-    if "backward" in tables:
+    if "backward" in args.tables:
         for cs in sets:
-            _backward_table(cs, strategies, device, dtype, args, floors, heading)
-    if "epoch" in tables:
+            rows = []
+            for t, b, h, f in cs.configs:
+                progress(f"backward {cs.model} T={t} B={b} H={h} F={f} ...")
+                rows.append(bench(cs.model, t, b, h, f, strategies, device, dtype, args.loss, **timing))
+            table(f"Full backward: {cs.title}", format_table(rows, strategies), rows)
+    if "epoch" in args.tables:
         rows, failed = [], []
         for t, b, h, n in epochs:
             try:
-                rows.append(epoch_comparison(t, b, h, n, device, args.epoch_strategy, args.warmup))
+                rows.append(
+                    epoch_comparison(t, b, h, n, device, args.epoch_strategy, args.warmup, progress=progress)
+                )
             except Exception as exc:  # reported, so that the tables after it still run
                 failed.append(f"- T={t}: {type(exc).__name__}: {exc}".splitlines()[0])
-        _say("\n### End-to-end training epoch: bitstream RNN, BPTT vs BPPSA\n" if heading else "")
-        _say(format_epoch_table(rows))
-        if failed:
-            _say("\nFailed:\n" + "\n".join(failed))
-        _say(
-            f"\nOne epoch each from the same weights over the same shuffled batches (Adam, lr {PAPER_LR:g}, "
-            "loss on h_T), batches generated on the device beforehand; forward, loss, backward and step "
-            "of every batch, one synchronization at the end. Mean losses agreeing shows the same training."
-        )
-    if "scan" in tables:
+        text = format_epoch_table(rows) + ("\n\nFailed:\n" + "\n".join(failed) if failed else "")
+        table("End-to-end training epoch: bitstream RNN, BPTT vs BPPSA", f"{text}\n\n{EPOCH_NOTE}")
+    if "scan" in args.tables:
         if dtype != torch.float32:
-            _progress("the scan table runs in float32 (the peers and Triton take float32)")
+            progress("the scan table runs in float32 (the peers and Triton take float32)")
         for cs in sets:
-            _scan_table(cs, strategies, device, args, floors, heading)
-    _progress("done")
+            rows = []
+            for t, b, h, f in cs.configs:
+                progress(f"scan {cs.model} T={t} B={b} H={h} ...")
+                rows.append(bench_scan(cs.model, t, b, h, f, strategies, device, peers=args.peers, **timing))
+            table(f"Scan only, identical chain: {cs.title}", format_scan_table(rows, strategies), rows)
+    progress("done")
     return 0
 
 

@@ -1,0 +1,115 @@
+"""What the benchmark tools share: argument types, the device, tables, progress and the machine line.
+
+Imports nothing beyond torch (and the suite's torch-only modules), so the tools run on a bare GPU
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from datasets.common import is_count
+from experiments.hardware import HardwareError, resolve_device
+
+
+def _count_type(minimum: int, accepted: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; accepted: {accepted}") from None
+        if not is_count(value, minimum):
+            what = "is not positive" if minimum == 1 else "is negative"
+            raise argparse.ArgumentTypeError(f"{value} {what}; accepted: {accepted}")
+        return value
+
+    return parse
+
+
+positive_int = _count_type(1, "positive integers")
+non_negative_int = _count_type(0, "non-negative integers")
+
+
+def device_arg(text: str) -> torch.device:
+    """argparse type of ``--device``: ``experiments.hardware.resolve_device``, its refusal one line."""
+    try:
+        return resolve_device(text, what="device")
+    except HardwareError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """A tool's parser: usage names ``python -m <module>``, help shows every option's default."""
+    return argparse.ArgumentParser(
+        prog=f"python -m {module}",
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+
+
+def markdown(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt_ms(value: float | str) -> str:
+    """A time in ms with four significant digits, or a cell's text."""
+    if isinstance(value, str):
+        return value
+    return f"{value:.4g}" if value < 1000 else f"{value:.0f}"
+
+
+def failure(exc: Exception) -> tuple[str, str]:
+    """The cell and the note of a method that did not run: "n/a" when it refuses the device or shape
+    (ValueError, as ``bppsa_core`` does), "error" when anything else went wrong."""
+    if isinstance(exc, ValueError):
+        return "n/a", str(exc).splitlines()[0]
+    return "error", f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def notes_lines(rows: Sequence[object]) -> list[str]:
+    """One line per method that did not run somewhere, with the first reason it gave."""
+    seen: dict[str, str] = {}
+    for r in rows:
+        for method, why in getattr(r, "notes", {}).items():
+            seen.setdefault(method, why)
+    return [f"- {method}: {why}" for method, why in seen.items()]
+
+
+def version(package: str) -> str:
+    """An installed package's version, read without importing it."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine_line(device: torch.device) -> str:
+    """What the numbers were measured on."""
+    if device.type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)}, cuDNN {torch.backends.cudnn.version()}"
+    else:
+        where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    line = f"device: {device.type} ({where}); torch {torch.__version__}; python {platform.python_version()}"
+    return line + "; " + "; ".join(f"{p} {version(p)}" for p in ("triton", "jax", "jaxlib"))
+
+
+class Progress:
+    """Progress lines on stderr, each with the seconds since the tool started."""
+
+    def __init__(self, tool: str) -> None:
+        self.tool = tool
+        self.started = time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        elapsed = time.perf_counter() - self.started
+        print(f"[{self.tool} {elapsed:7.1f} s] {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,94 @@
+"""Helpers the tests share: tolerances, child processes with memory probes, generated IRMAS trees,
+and reading the Markdown tables the tools print."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from datasets.irmas import CLASSES, SAMPLE_RATE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative difference of b from the reference a."""
+    return ((a - b).norm() / a.norm().clamp_min(1e-300)).item()
+
+
+# Peak-memory probes for child processes. getrusage's ru_maxrss is no use there: Linux carries
+# the parent's high-water mark across fork and exec, so a child of a large pytest process starts
+# with pytest's. /proc/self/status's VmHWM belongs to the child's own address space, and writing 5
+# to /proc/self/clear_refs resets it to the current resident set.
+MEMORY_PROBES = """
+import re
+def rss_bytes():
+    return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+def peak_bytes():
+    return int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+"""
+
+
+def run_child(code: str, *args: str) -> str:
+    """Run ``MEMORY_PROBES + code`` in a fresh interpreter at the repository root; its stdout.
+
+    malloc there returns every block of 64 KiB or more to the system when freed
+    (MALLOC_MMAP_THRESHOLD_), so the resident set follows the live tensors.
+    """
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBES + code, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env=env,
+    )
+    return done.stdout.strip()
+
+
+def stereo_clip(seed: int, seconds: float = 3.0, rate: int = SAMPLE_RATE) -> np.ndarray:
+    """Two distinct tones with a little noise: (samples, 2) float32."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    tone = np.stack([np.sin(2 * np.pi * (150 + 40 * seed) * t), np.sin(2 * np.pi * 330 * t + seed)], axis=1)
+    return (0.3 * tone + 0.02 * rng.standard_normal(tone.shape)).astype(np.float32)
+
+
+def write_tree(root: Path, per_class: int = 2) -> Path:
+    """11 class folders of stereo clips, plus one of each kind of misfit."""
+    import soundfile  # not on every machine that runs the GPU tests
+
+    for k, name in enumerate(CLASSES):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            soundfile.write(root / name / f"{name}{i}.wav", stereo_clip(10 * k + i), SAMPLE_RATE)
+    soundfile.write(root / "cel" / "mono.wav", stereo_clip(99)[:, 0], SAMPLE_RATE)
+    soundfile.write(root / "cla" / "rate22k.wav", stereo_clip(98, rate=22_050), 22_050)
+    soundfile.write(root / "flu" / "short.wav", stereo_clip(97, seconds=2.0), SAMPLE_RATE)
+    (root / "gac" / "corrupt.wav").write_bytes(b"RIFF\x00\x00\x00\x00WAVEnot really audio")
+    return root
+
+
+def markdown_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
+    """Every Markdown table in ``text``, in order: its header cells and its rows of cells."""
+    tables, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+            head = [c.strip() for c in lines[i].strip("|").split("|")]
+            rows, i = [], i + 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append([c.strip() for c in lines[i].strip("|").split("|")])
+                i += 1
+            tables.append((head, rows))
+        else:
+            i += 1
+    return tables
