@@ -20,7 +20,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from experiments.config import check_group_overrides
+from experiments import schema  # noqa: F401  (registers the schemas the config files extend)
+from experiments.config import refusing_in_one_line
 from experiments.runner import Outcome, remove_if_only_hydra, run_job
 from experiments.summary import print_summary
 
@@ -44,8 +45,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    problem = check_group_overrides(sys.argv[1:], CONF)
-    if problem:
-        print(f"run.py: error: {problem}", file=sys.stderr)
-        sys.exit(2)
-    main()
+    with refusing_in_one_line("run.py", CONF):
+        main()

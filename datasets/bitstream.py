@@ -15,6 +15,8 @@ Sample i has label ``i % 10``, so both splits are class-balanced; training sampl
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -114,3 +116,22 @@ def bitstream_loaders(
         DataLoader(train, shuffle=True, generator=order, **common),
         DataLoader(test, shuffle=False, **common),
     )
+
+
+@dataclass(frozen=True)
+class Bitstream:
+    """The bitstream task as the suite trains on it (``conf/dataset/bitstream.yaml``): its loaders,
+    its name and its class count, which the records carry."""
+
+    seq_len: int
+    num_samples: int = NUM_SAMPLES
+    train_fraction: float = TRAIN_FRACTION
+    seed: int = 0
+    name: ClassVar[str] = "bitstream"
+    classes: ClassVar[int] = NUM_CLASSES
+
+    def loaders(self, batch_size: int, workers: int = 0) -> tuple[DataLoader, DataLoader]:
+        """Train and test loaders (``bitstream_loaders``); ``workers``: DataLoader worker processes."""
+        return bitstream_loaders(
+            self.seq_len, batch_size, self.num_samples, self.seed, self.train_fraction, workers
+        )

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -311,8 +312,13 @@ def irmas_loaders(
     workers: int | None = None,
     train_fraction: float = 0.8,
     seed: int = 0,
+    loader_workers: int = 0,
 ) -> tuple[DataLoader, DataLoader]:
-    """Train and test loaders over a seeded random split of the (cached) features."""
+    """Train and test loaders over a seeded random split of the (cached) features.
+
+    ``workers``: feature-extraction processes (``extract``); ``loader_workers``: DataLoader worker
+    processes (the features are in memory, so 0 is usually best).
+    """
     if not is_count(batch_size):
         raise IRMASError(f"batch_size must be a positive integer, got {batch_size!r}")
     if not 0.0 < train_fraction < 1.0:
@@ -323,10 +329,31 @@ def irmas_loaders(
     cut = max(1, min(len(full) - 1, round(len(full) * train_fraction))) if len(full) > 1 else 1
     train, test = Subset(full, order[:cut]), Subset(full, order[cut:])
     shuffle = torch.Generator().manual_seed(seed)
+    common = {"batch_size": batch_size, "num_workers": loader_workers}
     return (
-        DataLoader(train, batch_size=batch_size, shuffle=True, generator=shuffle),
-        DataLoader(test, batch_size=batch_size, shuffle=False),
+        DataLoader(train, shuffle=True, generator=shuffle, **common),
+        DataLoader(test, shuffle=False, **common),
     )
+
+
+@dataclass(frozen=True)
+class IRMAS:
+    """IRMAS as the suite trains on it (``conf/dataset/irmas.yaml``): its loaders, its name and its
+    class count, which the records carry. Nothing is read until ``loaders`` is called."""
+
+    root: str
+    frames: str = "m"
+    cache_dir: str | None = None
+    train_fraction: float = 0.8
+    seed: int = 0
+    name: ClassVar[str] = "irmas"
+    classes: ClassVar[int] = len(CLASSES)
+
+    def loaders(self, batch_size: int, workers: int = 0) -> tuple[DataLoader, DataLoader]:
+        """Train and test loaders (``irmas_loaders``); ``workers``: DataLoader worker processes."""
+        return irmas_loaders(
+            self.root, self.frames, batch_size, self.cache_dir, None, self.train_fraction, self.seed, workers
+        )
 
 
 def report(data: IRMASFeatures) -> str:

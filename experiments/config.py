@@ -1,121 +1,105 @@
-"""Checks of the composed configuration: every core key's type and range, said in one line.
+"""The composed configuration: its range checks, Hydra's errors in one line, and building its objects.
 
-``check_group_overrides`` runs before Hydra (an unknown group option would otherwise end in Hydra's
-multi-line report); ``validate`` runs on the composed configuration before a run writes anything.
+Types and unknown keys are refused by Hydra while it composes (``experiments.schema``); ``check``
+then refuses values out of range, before a run writes anything. Either way the user reads one line
+that names the key, the value and what is accepted: ``one_line`` turns Hydra's and OmegaConf's
+multi-line reports into that line, and ``refusing_in_one_line`` wraps ``run.py``'s entry point.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Sequence
+import contextlib
+import dataclasses
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from bppsa_core.dispatch import STRATEGIES
-
-GROUPS = ("model", "dataset", "backward", "trainer", "logger", "hardware", "experiment")
+from experiments import schema
 
 
 class ConfigError(ValueError):
     """A bad configuration value, said in one line that names the key, the value and what is accepted."""
 
 
-def check_group_overrides(argv: Sequence[str], conf_dir: Path) -> str | None:
-    """The first command-line override naming a group option that has no file, as a message."""
-    for arg in argv:
-        match = re.fullmatch(r"[+~]{0,2}([a-z_]+)=(.*)", arg)
-        if not match or match.group(1) not in GROUPS:
-            continue
-        group, value = match.groups()
-        accepted = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
-        sweep = re.fullmatch(r"[\w\-]+(,[\w\-]+)*", value)
-        for option in value.split(",") if sweep else []:
-            if option not in accepted and not (group == "experiment" and option == "null"):
-                return f"unknown {group} {option!r}; accepted: {', '.join(accepted)}"
-    return None
+def _rules(node_type: type) -> dict[str, schema.Rule]:
+    """The rules of a schema dataclass's fields, by field name."""
+    if not dataclasses.is_dataclass(node_type):
+        return {}
+    return {f.name: f.metadata["rule"] for f in dataclasses.fields(node_type) if "rule" in f.metadata}
 
 
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+def check(cfg: DictConfig) -> None:
+    """Raise ConfigError on the first key whose value is missing or out of range."""
+    nodes = [("", cfg)] + [(f"{group}.", cfg[group]) for group in schema.OPTIONS if group in cfg]
+    for prefix, node in nodes:
+        for key, rule in _rules(OmegaConf.get_type(node)).items():
+            if OmegaConf.is_missing(node, key):
+                raise ConfigError(f"{prefix}{key} is required{rule.hint}; accepted: {rule.what}")
+            value = node[key]
+            if not rule.ok(value):
+                raise ConfigError(f"{prefix}{key} must be {rule.what}, got {value!r}")
 
 
-def _nonneg_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+def build(node: DictConfig, **kwargs: Any) -> Any:
+    """The object a ``_target_`` node describes, called with ``kwargs`` besides the node's own keys.
+
+    The target is called here, not inside Hydra, so its own exceptions (a ValueError naming a bad
+    value, an ``IRMASError``) reach the caller instead of Hydra's ``InstantiationException``.
+    """
+    return instantiate(node, _partial_=True)(**kwargs)
 
 
-def _positive_float(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+def one_line(exc: BaseException, conf_dir: Path) -> str:
+    """What a Hydra or OmegaConf error means, in one line: the key or option, the value, what is accepted."""
+    cause = exc.__cause__ if isinstance(exc, ConfigCompositionException) and exc.__cause__ else exc
+    if isinstance(exc, MissingConfigException):
+        return _missing_config(exc, conf_dir)
+    full_key = getattr(cause, "full_key", None)
+    if isinstance(cause, ValidationError) and full_key:
+        rule = _rules(getattr(cause, "object_type", None)).get(str(getattr(cause, "key", "")))
+        if rule is not None:
+            return f"{full_key} must be {rule.what}, got {cause.value!r}"
+    if isinstance(cause, ConfigKeyError | AttributeError) and full_key:
+        keys = [k for k in _rules(getattr(cause, "object_type", None))]
+        accepted = f"; accepted: {', '.join(keys)}" if keys else ""
+        return f"unknown key {full_key}{accepted}"
+    first = str(cause).strip().splitlines()
+    return first[0] if first else type(cause).__name__
 
 
-def _fraction(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < 1
+def _missing_config(exc: MissingConfigException, conf_dir: Path) -> str:
+    """An unknown group option (``model=lstm``) or primary config (``--config-name``)."""
+    missing = str(exc.missing_cfg_file or "")
+    if "/" in missing:
+        group, option = missing.rsplit("/", 1)
+        options = exc.options or sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+        return f"unknown {group} {option!r}; accepted: {', '.join(options)}"
+    configs = sorted(p.stem for p in conf_dir.glob("*.yaml"))
+    return f"unknown config {missing!r}; accepted: {', '.join(configs)}"
 
 
-def _one_of(*options: Any) -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: v in options), "one of " + ", ".join(str(o) for o in options)
+@contextlib.contextmanager
+def refusing_in_one_line(prog: str, conf_dir: Path) -> Iterator[None]:
+    """Run a Hydra app so that a configuration it cannot compose ends in one line and status 2.
 
-
-def _or_null(check: Callable[[Any], bool], what: str) -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: v is None or check(v)), f"{what} or null"
-
-
-POSITIVE_INT = (_positive_int, "a positive integer")
-NONNEG_INT = (_nonneg_int, "a non-negative integer")
-BOOL = (lambda v: isinstance(v, bool), "true or false")
-
-COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "model.kind": _one_of("rnn", "gru"),
-    "model.hidden_size": POSITIVE_INT,
-    "model.num_layers": POSITIVE_INT,
-    "model.nonlinearity": _one_of("tanh", "relu"),
-    "dataset.kind": _one_of("bitstream", "irmas"),
-    "dataset.seed": NONNEG_INT,
-    "dataset.train_fraction": (_fraction, "a number strictly between 0 and 1"),
-    "backward.mode": _one_of("bppsa", "bptt"),
-    "backward.strategy": _one_of(*STRATEGIES),
-    "backward.chunk": _or_null(_positive_int, "a positive integer"),
-    "backward.levels": _or_null(_nonneg_int, "a non-negative integer"),
-    "trainer.epochs": POSITIVE_INT,
-    "trainer.batch_size": POSITIVE_INT,
-    "trainer.optimizer": _one_of("adam", "sgd"),
-    "trainer.lr": (_positive_float, "a positive number"),
-    "trainer.warmup_iters": NONNEG_INT,
-    "trainer.seed": NONNEG_INT,
-    "trainer.resume": BOOL,
-    "trainer.eval": BOOL,
-    "logger.kind": _one_of("wandb", "csv", "none"),
-    "logger.mode": _one_of("offline", "online", "disabled"),
-    "hardware.device": (lambda v: isinstance(v, str) and bool(v), "auto, cpu, cuda or cuda:N"),
-    "hardware.workers": _or_null(_positive_int, "a positive integer"),
-    "hardware.data_workers": NONNEG_INT,
-    "hardware.progress": (lambda v: v in ("auto", True, False), "auto, true or false"),
-}
-BITSTREAM = {"dataset.seq_len": POSITIVE_INT, "dataset.num_samples": POSITIVE_INT}
-IRMAS = {
-    "dataset.root": (lambda v: isinstance(v, str) and bool(v), "the path of your IRMAS training folder"),
-    "dataset.frames": _one_of("s", "m", "l"),
-    "dataset.cache_dir": (lambda v: v is None or isinstance(v, str), "a path or null"),
-}
-
-
-def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError on the first core key whose value is missing, of the wrong type or out of range."""
-    rules = dict(COMMON)
-    kind = OmegaConf.select(cfg, "dataset.kind")
-    rules.update(BITSTREAM if kind == "bitstream" else IRMAS if kind == "irmas" else {})
-    for key, (ok, what) in rules.items():
-        try:
-            value = OmegaConf.select(cfg, key, throw_on_missing=True, default=_ABSENT)
-        except MissingMandatoryValue:
-            hint = " (pass dataset.root=<folder>)" if key == "dataset.root" else ""
-            raise ConfigError(f"{key} is required{hint}; accepted: {what}") from None
-        if value is _ABSENT:
-            raise ConfigError(f"{key} is missing from the configuration; accepted: {what}")
-        if not ok(value):
-            raise ConfigError(f"{key} must be {what}, got {value!r}")
-
-
-_ABSENT = object()
+    Hydra prints its own multi-line report and exits 1 unless HYDRA_FULL_ERROR is set; it is set
+    here so the error reaches us. A user who set HYDRA_FULL_ERROR=1 gets Hydra's full traceback.
+    """
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        yield
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    except (HydraException, OmegaConfBaseException) as exc:
+        print(f"{prog}: error: {one_line(exc, conf_dir)}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        os.environ.pop("HYDRA_FULL_ERROR", None)

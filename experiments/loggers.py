@@ -1,9 +1,10 @@
-"""Run loggers: Weights & Biases (offline by default), or none; local records are written regardless.
+"""Run loggers (``conf/logger/``): Weights & Biases, offline by default, or local records only.
 
-W&B never blocks on the network: ``offline`` (the default) writes the run into the run folder for a
-later ``wandb sync``, ``disabled`` turns every call into a no-op, and only ``logger.mode=online``
-talks to a server. One W&B run per job, grouped by the sweep's name, with the resolved
-configuration; it is always finished, with a non-zero exit code when the job failed.
+The run folder's records are written regardless (``experiments.records``); a logger only sends the
+per-epoch rows elsewhere. W&B never blocks on the network: ``offline`` (the default) writes the run
+into the run folder for a later ``wandb sync``, ``disabled`` never imports it, and only
+``logger.mode=online`` talks to a server. One W&B run per job, grouped by the sweep's name, with
+the resolved configuration; it is always finished, with a non-zero exit code when the job failed.
 """
 
 from __future__ import annotations
@@ -18,33 +19,11 @@ class LoggerError(ValueError):
     """A logger setting this machine cannot honour, said in one line."""
 
 
-class RunLogger:
-    """Sends per-epoch rows to W&B (kinds wandb and none); kind csv imports nothing."""
+class LocalLogger:
+    """Local records only (``logger=csv``): nothing is sent anywhere."""
 
-    def __init__(self, settings: dict, run_dir: Path, group: str, name: str, config: dict) -> None:
+    def __init__(self, run_dir: Path, group: str, name: str, config: dict) -> None:
         self.run = None
-        if settings["kind"] == "csv":
-            return
-        try:
-            import wandb
-        except ImportError:
-            if settings["kind"] == "none":
-                return
-            raise LoggerError(
-                "logger=wandb needs the wandb package, which is not installed here; "
-                "accepted: logger=csv or logger=none"
-            ) from None
-        mode = "disabled" if settings["kind"] == "none" else settings["mode"]
-        self.run = wandb.init(
-            project=settings["project"],
-            entity=settings.get("entity"),
-            group=group,
-            name=name,
-            config=config,
-            dir=str(run_dir),
-            mode=mode,
-            settings=wandb.Settings(silent=True),
-        )
 
     def log(self, row: dict) -> None:
         if self.run is not None:
@@ -54,3 +33,38 @@ class RunLogger:
         if self.run is not None:
             self.run.finish(exit_code=1 if failed else 0)
             self.run = None
+
+
+class WandbLogger(LocalLogger):
+    """The rows also go to a W&B run in ``mode`` offline, online or disabled (W&B not imported)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        group: str,
+        name: str,
+        config: dict,
+        mode: str = "offline",
+        project: str = "bppsa",
+        entity: str | None = None,
+    ) -> None:
+        super().__init__(run_dir, group, name, config)
+        if mode == "disabled":
+            return
+        try:
+            import wandb
+        except ImportError:
+            raise LoggerError(
+                "logger=wandb needs the wandb package, which is not installed here; "
+                "accepted: logger=csv, logger=none or logger.mode=disabled"
+            ) from None
+        self.run = wandb.init(
+            project=project,
+            entity=entity,
+            group=group,
+            name=name,
+            config=config,
+            dir=str(run_dir),
+            mode=mode,
+            settings=wandb.Settings(silent=True),
+        )

@@ -23,14 +23,13 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader
 
-from bppsa_core import GRU, RNN
-from datasets.bitstream import NUM_CLASSES, bitstream_loaders
-from datasets.irmas import CLASSES, IRMASError, irmas_loaders
+from datasets.irmas import IRMASError
 from experiments import records
-from experiments.config import ConfigError, validate
+from experiments.config import ConfigError, build, check
 from experiments.hardware import HardwareError, check_strategy, describe, limit_workers, resolve_device
-from experiments.loggers import LoggerError, RunLogger
+from experiments.loggers import LocalLogger, LoggerError
 from experiments.train import (
     PHASES,
     Classifier,
@@ -38,7 +37,6 @@ from experiments.train import (
     TrainState,
     evaluate,
     load_checkpoint,
-    make_optimizer,
     save_checkpoint,
     train_epoch,
 )
@@ -56,51 +54,51 @@ class Outcome:
     bad_input: bool = False
 
 
-def make_loaders(cfg: DictConfig, batch_size: int, workers: int):
-    """Train and test loaders of the configured dataset, and its class count."""
-    d = cfg.dataset
-    if d.kind == "bitstream":
-        loaders = bitstream_loaders(d.seq_len, batch_size, d.num_samples, d.seed, d.train_fraction, workers)
-        return (*loaders, NUM_CLASSES)
-    loaders = irmas_loaders(d.root, d.frames, batch_size, d.cache_dir, None, d.train_fraction, d.seed)
-    return (*loaders, len(CLASSES))
+def backward_options(cfg: DictConfig) -> dict:
+    """The recurrent layer's keyword arguments of the backward group: ``backward`` and scan options."""
+    options = OmegaConf.to_container(cfg.backward)
+    return {"backward": options.pop("mode"), **options}
 
 
-def make_layer(cfg: DictConfig, features: int) -> torch.nn.Module:
-    """The configured recurrent layer (batch first) with the configured backward."""
-    m, b = cfg.model, cfg.backward
-    cls = GRU if m.kind == "gru" else RNN
-    extra = {} if m.kind == "gru" else {"nonlinearity": m.nonlinearity}
-    scan = {"strategy": b.strategy, "chunk": b.chunk, "levels": b.levels}
-    return cls(
-        features, m.hidden_size, num_layers=m.num_layers, batch_first=True, backward=b.mode, **scan, **extra
-    )
-
-
-def identity_columns(cfg: DictConfig, x: torch.Tensor, device_info: dict, chash: str) -> dict:
+def identity_columns(
+    cfg: DictConfig, model: Classifier, data: object, x: torch.Tensor, device: dict, chash: str
+) -> dict:
     """What every record row says about its run: the swept keys and the machine."""
     return {
         "name": cfg.name,
         "config_hash": chash,
-        "model": cfg.model.kind,
+        "model": type(model.rnn).__name__.lower(),
         "hidden_size": cfg.model.hidden_size,
         "num_layers": cfg.model.num_layers,
-        "dataset": cfg.dataset.kind,
+        "dataset": data.name,
         "frames": cfg.dataset.get("frames"),
         "seq_len": x.shape[1],
         "features": x.shape[2],
         "batch_size": cfg.trainer.batch_size,
         "backward": cfg.backward.mode,
-        "strategy": cfg.backward.strategy if cfg.backward.mode == "bppsa" else None,
-        "chunk": cfg.backward.chunk,
-        "levels": cfg.backward.levels,
-        "lr": cfg.trainer.lr,
+        "strategy": cfg.backward.get("strategy"),
+        "chunk": cfg.backward.get("chunk"),
+        "levels": cfg.backward.get("levels"),
+        "lr": cfg.optimizer.lr,
         "workers": cfg.hardware.workers,
-        **{
-            k: device_info.get(k)
-            for k in ("device_name", "device_type", "sm_total", "sm_used", "threads_used")
-        },
+        **{k: device.get(k) for k in ("device_name", "device_type", "sm_total", "sm_used", "threads_used")},
     }
+
+
+@dataclass
+class Job:
+    """What the epoch loop works with."""
+
+    model: Classifier
+    optimizer: torch.optim.Optimizer
+    train: DataLoader
+    test: DataLoader
+    device: torch.device
+    trainer: DictConfig
+    run_dir: Path
+    logger: LocalLogger
+    columns: dict
+    progress: bool
 
 
 def run_job(cfg: DictConfig, run_dir: Path, record_refused: bool = False) -> Outcome:
@@ -111,7 +109,7 @@ def run_job(cfg: DictConfig, run_dir: Path, record_refused: bool = False) -> Out
     """
     run_dir = Path(run_dir)
     try:
-        validate(cfg)
+        check(cfg)
     except ConfigError as exc:
         if record_refused:
             refused = {"config": OmegaConf.to_container(cfg), "status": "failed", "error": str(exc)}
@@ -133,31 +131,32 @@ def run_job(cfg: DictConfig, run_dir: Path, record_refused: bool = False) -> Out
         "status": "running",
         "error": None,
     }
-    logger: RunLogger | None = None
+    logger: LocalLogger | None = None
     started = False
     try:
         device = resolve_device(cfg.hardware.device)
-        check_strategy(cfg.backward.mode, cfg.backward.strategy, device)
+        check_strategy(cfg.backward.mode, cfg.backward.get("strategy", "auto"), device)
         torch.manual_seed(cfg.trainer.seed)
         with limit_workers(device, cfg.hardware.workers) as used:
             summary["device"] = info = describe(device, used)
-            train, test, classes = make_loaders(cfg, cfg.trainer.batch_size, cfg.hardware.data_workers)
+            data = build(cfg.dataset)
+            train, test = data.loaders(cfg.trainer.batch_size, cfg.hardware.data_workers)
             x0, _ = next(iter(test if len(test.dataset) else train))
-            model = Classifier(make_layer(cfg, x0.shape[-1]), classes).to(device)
-            optimizer = make_optimizer(cfg.trainer.optimizer, model.parameters(), cfg.trainer.lr)
+            layer = build(cfg.model, input_size=x0.shape[-1], batch_first=True, **backward_options(cfg))
+            model = Classifier(layer, data.classes).to(device)
+            optimizer = build(cfg.optimizer, params=model.parameters())
             state, rows = TrainState(), []
             checkpoint = run_dir / records.CHECKPOINT
             if cfg.trainer.resume and checkpoint.is_file() and (previous or {}).get("config_hash") == chash:
                 state, rows = load_checkpoint(checkpoint, model, optimizer)
                 log.info("resuming %s after epoch %d", run_dir, state.epoch)
-            columns = identity_columns(cfg, x0, info, chash)
-            logger = RunLogger(dict(cfg.logger), run_dir, cfg.name, run_dir.name, config)
+            columns = identity_columns(cfg, model, data, x0, info, chash)
+            logger = build(cfg.logger, run_dir=run_dir, group=cfg.name, name=run_dir.name, config=config)
             started = True
             records.write_json(run_dir / records.SUMMARY, summary)
             progress = sys.stderr.isatty() if cfg.hardware.progress == "auto" else bool(cfg.hardware.progress)
-            _train(
-                cfg, model, optimizer, train, test, device, state, rows, columns, run_dir, logger, progress
-            )
+            job = Job(model, optimizer, train, test, device, cfg.trainer, run_dir, logger, columns, progress)
+            _train(job, state, rows)
         summary.update(status="completed", totals=_totals(rows))
         return Outcome("completed")
     except BAD_INPUT as exc:
@@ -180,23 +179,24 @@ def run_job(cfg: DictConfig, run_dir: Path, record_refused: bool = False) -> Out
             logger.finish(failed=summary["status"] != "completed")
 
 
-def _train(
-    cfg, model, optimizer, train, test, device, state, rows, columns, run_dir, logger, progress
-) -> None:
+def _train(job: Job, state: TrainState, rows: list[dict]) -> None:
     """The epoch loop: train, evaluate, then record and checkpoint the epoch."""
     from tqdm import tqdm
 
-    epochs = range(state.epoch, cfg.trainer.epochs)
-    for epoch in tqdm(epochs, desc="epochs", disable=not progress, file=sys.stderr):
-        train.generator.manual_seed(cfg.trainer.seed * 1_000_003 + epoch)  # same order on resume
-        row = train_epoch(model, optimizer, train, device, state, cfg.trainer.warmup_iters, progress)
-        if cfg.trainer.eval and len(test.dataset):
-            row["test_loss"], row["test_accuracy"] = evaluate(model, test, device)
+    trainer = job.trainer
+    epochs = range(state.epoch, trainer.epochs)
+    for epoch in tqdm(epochs, desc="epochs", disable=not job.progress, file=sys.stderr):
+        job.train.generator.manual_seed(trainer.seed * 1_000_003 + epoch)  # same order on resume
+        row = train_epoch(
+            job.model, job.optimizer, job.train, job.device, state, trainer.warmup_iters, job.progress
+        )
+        if trainer.eval and len(job.test.dataset):
+            row["test_loss"], row["test_accuracy"] = evaluate(job.model, job.test, job.device)
         state.epoch = epoch + 1
-        rows.append({**columns, **row})
-        records.write_table(run_dir / records.RECORDS, rows)
-        save_checkpoint(run_dir / records.CHECKPOINT, model, optimizer, state, rows)
-        logger.log(row)
+        rows.append({**job.columns, **row})
+        records.write_table(job.run_dir / records.RECORDS, rows)
+        save_checkpoint(job.run_dir / records.CHECKPOINT, job.model, job.optimizer, state, rows)
+        job.logger.log(row)
 
 
 def _totals(rows: list[dict]) -> dict:

@@ -80,12 +80,6 @@ class TrainState:
     wall: float = 0.0  # seconds of training so far, evaluation excluded
 
 
-def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    return torch.optim.Adam(params, lr=lr)
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
     """Mean loss and accuracy over a loader."""

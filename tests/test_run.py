@@ -18,9 +18,12 @@ import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-from experiments import runner, train
-from experiments.config import validate
+from bppsa_core import GRU
+from experiments import runner, schema, train
+from experiments.config import build, check
+from experiments.loggers import LocalLogger
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -51,7 +54,7 @@ def composed(*overrides: str, hydra: bool = False):
 def test_every_preset_composes_validates_and_sweeps_both_backwards(preset: str) -> None:
     extra = ["dataset.root=/data/irmas"] if preset.startswith("gru") else []
     cfg = composed(f"experiment={preset}", *extra, hydra=True)
-    validate(cfg)
+    check(cfg)
     assert cfg.name == preset
     params = cfg.hydra.sweeper.params
     assert params["backward"] == "bppsa,bptt"
@@ -69,7 +72,30 @@ def test_every_preset_composes_validates_and_sweeps_both_backwards(preset: str) 
     ],
 )
 def test_group_options_compose_and_validate(overrides: list[str]) -> None:
-    validate(composed(*overrides))
+    check(composed(*overrides))
+
+
+def test_every_option_of_every_group_extends_its_schema() -> None:
+    for group, options in schema.OPTIONS.items():
+        assert sorted(options) == sorted(p.stem for p in (CONF / group).glob("*.yaml")), group
+        for option in options:
+            cfg = composed(f"{group}={option}", *(["dataset.root=/x"] if option == "irmas" else []))
+            assert OmegaConf.get_type(cfg[group]) is options[option], (group, option)
+
+
+def test_the_configured_objects_are_built_from_their_targets() -> None:
+    cfg = composed("model=gru", "optimizer=sgd", "optimizer.lr=0.5", "backward=bptt")
+    layer = build(cfg.model, input_size=3, batch_first=True, **runner.backward_options(cfg))
+    assert isinstance(layer, GRU) and layer.backward_mode == "bptt" and layer.hidden_size == 20
+    optimizer = build(cfg.optimizer, params=layer.parameters())
+    assert type(optimizer) is torch.optim.SGD and optimizer.param_groups[0]["lr"] == 0.5
+    data = build(composed("dataset.seq_len=7").dataset)
+    assert (data.name, data.classes, data.seq_len) == ("bitstream", 10, 7)
+    with pytest.raises(ValueError, match="num_samples must be a positive integer, got 0"):
+        build(composed("dataset.num_samples=0").dataset).loaders(4)  # the target's own error
+    assert (
+        type(build(composed("logger=csv").logger, run_dir=".", group="g", name="n", config={})) is LocalLogger
+    )
 
 
 def test_slurm_launcher_composes_without_a_cluster() -> None:
@@ -177,6 +203,13 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
         (["dataset=irmas"], "dataset.root is required"),
         (["dataset=irmas", "dataset.root=/no/such/irmas"], "IRMAS root '/no/such/irmas' does not exist"),
         (["hardware.device=tpu"], "unknown hardware.device 'tpu'; accepted: auto, cpu, cuda"),
+        (["trainer.foo=1"], "unknown key trainer.foo; accepted: epochs, batch_size, warmup_iters"),
+        (["trainer.epochs=1e26"], "trainer.epochs must be a positive integer, got 1e+26"),
+        (["optimizer.lr=fast"], "optimizer.lr must be a positive number, got 'fast'"),
+        (["optimizer=adamw"], "unknown optimizer 'adamw'; accepted: adam, sgd"),
+        (["model="], "unknown model ''; accepted: gru, rnn"),
+        (["hydra/launcher=nope"], "unknown hydra/launcher 'nope'; accepted: basic"),
+        (["--config-name=nope"], "unknown config 'nope'; accepted: config"),
         (
             ["hardware.device=cpu", "backward.strategy=graph"],
             "backward.strategy='graph' needs a CUDA device, and this device is cpu; accepted here: auto",

@@ -1,0 +1,212 @@
+"""The configuration's schema: the type and the accepted values of every key of ``conf/``.
+
+Each option of a config group extends one dataclass here (its defaults list starts with
+``/schema/<group>/<option>@_here_``), and ``conf/config.yaml`` extends ``Config``. So Hydra refuses a
+value of the wrong type or an unknown key while it composes the configuration, and
+``experiments.config.check`` refuses a value out of range before a run writes anything. A field's
+``metadata`` is its rule: a test and the words for what it accepts, which every message about that
+key uses. Values live in the YAML files; defaults here are ``MISSING`` (``???``) so nothing is said
+twice.
+
+The nodes with a ``_target_`` are built with Hydra's ``instantiate`` (``experiments.config.build``):
+the recurrent layer (``bppsa_core.RNN`` / ``GRU``), the dataset (``datasets.bitstream.Bitstream``,
+``datasets.irmas.IRMAS``), the optimizer (``torch.optim``) and the run logger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from bppsa_core.dispatch import STRATEGIES
+from datasets.common import is_count
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a key accepts: ``ok(value)``, said in words as ``what``; ``hint`` helps a missing value."""
+
+    ok: Callable[[Any], bool]
+    what: str
+    hint: str = ""
+
+
+def checked(rule: Rule, default: Any = MISSING) -> Any:
+    """A dataclass field whose values ``rule`` checks."""
+    return field(default=default, metadata={"rule": rule})
+
+
+def one_of(*options: Any) -> Rule:
+    return Rule(lambda v: v in options, "one of " + ", ".join(str(o) for o in options))
+
+
+def or_null(rule: Rule) -> Rule:
+    return Rule(lambda v: v is None or rule.ok(v), f"{rule.what} or null")
+
+
+POSITIVE_INT = Rule(lambda v: is_count(v, 1), "a positive integer")
+NON_NEGATIVE_INT = Rule(lambda v: is_count(v, 0), "a non-negative integer")
+POSITIVE_NUMBER = Rule(
+    lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v > 0, "a positive number"
+)
+FRACTION = Rule(lambda v: isinstance(v, int | float) and 0 < v < 1, "a number strictly between 0 and 1")
+NON_EMPTY = Rule(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
+BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class RNNModel:
+    """``bppsa_core.RNN`` (torch.nn.RNN's arguments); the input size comes from the data."""
+
+    _target_: str = MISSING
+    hidden_size: int = checked(POSITIVE_INT)
+    num_layers: int = checked(POSITIVE_INT)
+    nonlinearity: str = checked(one_of("tanh", "relu"))
+
+
+@dataclass
+class GRUModel:
+    """``bppsa_core.GRU`` (torch.nn.GRU's arguments); the input size comes from the data."""
+
+    _target_: str = MISSING
+    hidden_size: int = checked(POSITIVE_INT)
+    num_layers: int = checked(POSITIVE_INT)
+
+
+# ------------------------------------------------------------------------------------------- dataset
+
+
+@dataclass
+class BitstreamData:
+    """``datasets.bitstream.Bitstream``."""
+
+    _target_: str = MISSING
+    seq_len: int = checked(POSITIVE_INT)
+    num_samples: int = checked(POSITIVE_INT)
+    train_fraction: float = checked(FRACTION)
+    seed: int = checked(NON_NEGATIVE_INT)
+
+
+@dataclass
+class IRMASData:
+    """``datasets.irmas.IRMAS``."""
+
+    _target_: str = MISSING
+    root: str = checked(
+        Rule(NON_EMPTY.ok, "the path of your IRMAS training folder", " (pass dataset.root=<folder>)")
+    )
+    frames: str = checked(one_of("s", "m", "l"))
+    cache_dir: str | None = checked(or_null(NON_EMPTY))
+    train_fraction: float = checked(FRACTION)
+    seed: int = checked(NON_NEGATIVE_INT)
+
+
+# ------------------------------------------------------------------------------ backward and training
+
+
+@dataclass
+class BPPSABackward:
+    """The backward as a scan: ``bppsa_core.dispatch.ScanOptions``."""
+
+    mode: str = checked(one_of("bppsa"))
+    strategy: str = checked(one_of(*STRATEGIES))
+    chunk: int | None = checked(or_null(POSITIVE_INT))
+    levels: int | None = checked(or_null(NON_NEGATIVE_INT))
+
+
+@dataclass
+class BPTTBackward:
+    """PyTorch's own backward: no options."""
+
+    mode: str = checked(one_of("bptt"))
+
+
+@dataclass
+class Optimizer:
+    """A ``torch.optim`` optimizer; the parameters come from the model."""
+
+    _target_: str = MISSING
+    lr: float = checked(POSITIVE_NUMBER)
+
+
+@dataclass
+class Trainer:
+    epochs: int = checked(POSITIVE_INT)
+    batch_size: int = checked(POSITIVE_INT)
+    warmup_iters: int = checked(NON_NEGATIVE_INT)
+    seed: int = checked(NON_NEGATIVE_INT)
+    resume: bool = checked(BOOL)
+    eval: bool = checked(BOOL)
+
+
+# ---------------------------------------------------------------------------------- logger, hardware
+
+
+@dataclass
+class WandbLogger:
+    """``experiments.loggers.WandbLogger``."""
+
+    _target_: str = MISSING
+    mode: str = checked(one_of("offline", "online", "disabled"))
+    project: str = checked(NON_EMPTY)
+    entity: str | None = checked(or_null(NON_EMPTY))
+
+
+@dataclass
+class LocalLogger:
+    """``experiments.loggers.LocalLogger``: no options."""
+
+    _target_: str = MISSING
+
+
+@dataclass
+class Hardware:
+    device: str = checked(Rule(NON_EMPTY.ok, "auto, cpu, cuda or cuda:N"))
+    workers: int | None = checked(or_null(POSITIVE_INT))
+    data_workers: int = checked(NON_NEGATIVE_INT)
+    progress: Any = checked(one_of("auto", True, False))
+
+
+@dataclass
+class Config:
+    """The whole configuration; each group's node has the schema of the option chosen."""
+
+    name: str = checked(NON_EMPTY)
+    model: Any = MISSING
+    dataset: Any = MISSING
+    backward: Any = MISSING
+    optimizer: Any = MISSING
+    trainer: Any = MISSING
+    logger: Any = MISSING
+    hardware: Any = MISSING
+
+
+# Group option -> schema. Every YAML option in conf/<group>/ has an entry (a test checks it).
+OPTIONS: dict[str, dict[str, type]] = {
+    "model": {"rnn": RNNModel, "gru": GRUModel},
+    "dataset": {"bitstream": BitstreamData, "irmas": IRMASData},
+    "backward": {"bppsa": BPPSABackward, "bptt": BPTTBackward},
+    "optimizer": {"adam": Optimizer, "sgd": Optimizer},
+    "trainer": {"default": Trainer},
+    "logger": {"wandb": WandbLogger, "none": WandbLogger, "csv": LocalLogger},
+    "hardware": {"default": Hardware},
+}
+
+
+def register() -> None:
+    """Store the schemas where the config files' defaults lists find them (idempotent)."""
+    store = ConfigStore.instance()
+    store.store(name="schema", node=Config)
+    for group, options in OPTIONS.items():
+        for option, schema in options.items():
+            store.store(group=f"schema/{group}", name=option, node=schema)
+
+
+register()
