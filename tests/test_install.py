@@ -29,12 +29,16 @@ def test_pip_install_gives_the_library_and_the_readme_example_runs_outside_the_t
     subprocess.run([*install, "--target", str(target), str(source)], check=True, capture_output=True)
     assert (target / "bppsa_core" / "scan.py").is_file()
     assert not any((target / name).exists() for name in ("experiments", "datasets", "analysis", "tests"))
-    check = "import bppsa_core, sys; print(bppsa_core.__file__); import experiments"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)}
-    run = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True)
+
+    def outside(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+
+    run = outside("import bppsa_core; print(bppsa_core.__file__); import experiments")
     assert run.stdout.startswith(str(target / "bppsa_core"))  # the installed copy, not the checkout
     assert "No module named 'experiments'" in run.stderr  # the suite is not part of the library
-    example = readme_module_snippet() + "print(rnn.weight_hh_l0.grad.shape)"
-    run = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env=env, capture_output=True, text=True)
+    run = outside(readme_module_snippet() + "print(rnn.weight_hh_l0.grad.shape)")
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "torch.Size([20, 20])"
