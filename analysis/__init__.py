@@ -1,1 +1,2 @@
-"""Result files to the paper's tables and figures (to come); reads result files only."""
+"""Result files to the paper's figures and tables (``figures``, ``fig10``) and a report with the
+speedup table (``report``); ``data`` reads the files. Reads result files only, never runs anything."""

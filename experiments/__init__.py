@@ -1,1 +1,2 @@
-"""Training loop, phase timing, benchmarks and result records; uses bppsa_core and datasets."""
+"""The experiments: ``run.py``'s Hydra job (configuration, training loop, phase timing, result
+records, loggers, sweep merge) and, in ``experiments.bench``, the benchmark tools."""

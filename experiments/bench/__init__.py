@@ -1,0 +1,11 @@
+"""The benchmark tools, each a command (``python -m experiments.bench.<tool>``), and their helpers.
+
+* ``backward``: BPPSA's backward against PyTorch's BPTT, the scan alone against its peers, and a
+  training epoch; ``--suite paper`` runs the paper's shapes.
+* ``jacobian_table``: the paper's Table 1, CSR transposed Jacobians against autograd row by row.
+* ``pruned_vgg``: the pruned VGG-11 study, the sparse scan's FLOPs (``analysis.fig10`` draws it).
+
+``scan`` and ``floors`` are the pieces of the backward tool's tables; ``common`` holds what the tools
+share (argument types, the device, Markdown tables, progress lines). The timing itself is
+``experiments.timing``, the suite's one clock. Nothing here imports Hydra, W&B or librosa.
+"""
