@@ -270,7 +270,7 @@ class RNN(_BPPSAMixin, torch.nn.RNN):
     """``torch.nn.RNN`` with ``backward="bppsa"`` (default) or ``"bptt"`` (PyTorch's own backward).
 
     Extra keyword arguments: ``strategy``, ``chunk`` and ``levels`` are passed to
-    ``bppsa_core.scan.scan``. Not yet supported with ``bppsa``: bidirectional, dropout between
+    ``bppsa_core.scan.scan``. Not supported with ``bppsa``: bidirectional, dropout between
     layers, packed sequences (rejected with an error).
     """
 

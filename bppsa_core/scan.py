@@ -9,7 +9,7 @@ sample (or one shared by the whole batch; dense or factored, see ``bppsa_core.ch
 is an optional injected gradient. For a recurrent layer ``M_k = dh_{k+1}/dh_k`` (the Jacobian of step
 k+1), ``b_k`` is the gradient that reaches h_k from outside the layer and x_k = dL/dh_k. For a row
 vector, ``x @ J`` is the column-vector product ``J^T x``, so ``M_k`` holds the Jacobian itself and
-the chain is DESIGN.md's ``g_{t-1} = J_t^T g_t + u_{t-1}`` without a transpose copy; read from the
+the chain is docs/DESIGN.md's ``g_{t-1} = J_t^T g_t + u_{t-1}`` without a transpose copy; read from the
 end, it is the paper's scan of [g_T, J_T^T, ..., J_1^T]. Composing two elements is a plain matrix
 product (the later one on the left): ``x @ M_k @ M_{k-1}``. Affine maps compose associatively,
 which is what lets the chain be scanned in parallel. Everything stays in time order: no strategy

@@ -2,7 +2,7 @@
 
 For Conv2d, ReLU, MaxPool2d, AvgPool2d, Flatten and Linear, the transposed Jacobian J^T of one
 sample (input size n_in, output size n_out; rows index the input, columns the output, both in
-C x H x W order) has a sparsity pattern fixed by the layer's shape before training (DESIGN.md §1).
+C x H x W order) has a sparsity pattern fixed by the layer's shape before training (docs/DESIGN.md).
 Each builder computes the index arithmetic of that pattern with vectorized tensor ops on x's
 device and hands it to ``torch.sparse_csr_tensor``; autograd is never asked for a row. A sliding
 window's pattern is cut into a few rectangular blocks (runs of input positions that share a kernel

@@ -4,7 +4,7 @@ The user provides the IRMAS training data (it is not bundled): a folder holding 
 ``cel cla flu gac gel org pia sax tru vio voi`` of stereo 44.1 kHz 3-second wav clips, as published at
 https://www.upf.edu/web/mtg/irmas (IRMAS-TrainingData.zip). Labels come from the folder names.
 
-Features (DESIGN.md §2): the MFCC of each channel, coefficient 0 dropped, each coefficient
+Features (docs/DESIGN.md, section 2): the MFCC of each channel, coefficient 0 dropped, each coefficient
 standardized over time (zero mean, unit population variance; a constant coefficient becomes 0),
 both channels concatenated (channel 0's coefficients first), frames along time: (N, T, F) float32.
 

@@ -134,7 +134,7 @@ def describe(device: torch.device, workers_used: int) -> dict:
         )
     else:
         info.update(
-            device_name=_cpu_name(),
+            device_name=cpu_name(),
             cpu_cores=os.cpu_count(),
             threads_used=workers_used,
             sm_total=None,
@@ -146,7 +146,8 @@ def describe(device: torch.device, workers_used: int) -> dict:
     return info
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -31,7 +31,7 @@ def random_factored(n: int, batch: int, hidden: int, k: int, diagonal: bool, see
 
 
 def plain_recurrence(m: torch.Tensor, x_last: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
-    """DESIGN.md's BPTT in column-vector form, one sample and one step at a time."""
+    """docs/DESIGN.md's BPTT in column-vector form, one sample and one step at a time."""
     n, batch = m.shape[0], x_last.shape[0]
     out = torch.empty(n + 1, batch, x_last.shape[1], dtype=x_last.dtype)
     for b in range(batch):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from datasets.common import is_count
-from experiments.hardware import HardwareError, resolve_device
+from experiments.hardware import HardwareError, cpu_name, resolve_device
 
 
 def _count_type(minimum: int, accepted: str):
@@ -98,7 +98,7 @@ def machine_line(device: torch.device) -> str:
     if device.type == "cuda":
         where = f"{torch.cuda.get_device_name(device)}, cuDNN {torch.backends.cudnn.version()}"
     else:
-        where = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        where = f"{cpu_name()}, {torch.get_num_threads()} threads"
     line = f"device: {device.type} ({where}); torch {torch.__version__}; python {platform.python_version()}"
     return line + "; " + "; ".join(f"{p} {version(p)}" for p in ("triton", "jax", "jaxlib"))
 
