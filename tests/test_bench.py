@@ -133,7 +133,7 @@ def test_default_strategies_are_those_that_exist(monkeypatch) -> None:
         (["--epoch-samples", "0"], "argument --epoch-samples: 0 is not positive"),
         (["--epoch-samples", "40000"], "--epoch-samples: 40000 is more than the 32000 training samples"),
         (["--tables", "forward"], "argument --tables: invalid choice: 'forward'"),
-        (["--suite", "issue9"], "argument --suite: invalid choice: 'issue9'"),
+        (["--suite", "nightly"], "argument --suite: invalid choice: 'nightly'"),
         (["--suite", "paper", "--T", "10"], "--suite runs fixed configurations; --T apply without --suite"),
         (["--quick"], "--quick shrinks a suite; accepted: --suite paper --quick"),
         (["--model", "gru", "--tables", "epoch"], "the epoch comparison is the paper's RNN bitstream task"),
