@@ -12,7 +12,9 @@ summary table. Bad input ends with one line on stderr and a non-zero exit.
 
 from __future__ import annotations
 
+import os
 import sys
+import uuid
 from pathlib import Path
 
 import hydra
@@ -20,9 +22,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from experiments import schema  # noqa: F401  (registers the schemas the config files extend)
+from experiments import records, schema  # noqa: F401  (schema: registers what the config files use)
 from experiments.config import refusing_in_one_line
-from experiments.runner import Outcome, remove_if_only_hydra, run_job
+from experiments.runner import run_job
 from experiments.summary import print_summary
 
 CONF = Path(__file__).resolve().parent / "conf"
@@ -32,18 +34,20 @@ CONF = Path(__file__).resolve().parent / "conf"
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    sweeping = hc.mode == RunMode.MULTIRUN
-    outcome: Outcome = run_job(cfg, run_dir, record_refused=sweeping)
-    if sweeping:  # the sweep goes on; the merge reports failures at its end
+    outcome = run_job(cfg, run_dir)
+    line = f"{outcome.status}{': ' + outcome.error if outcome.error else ''}"
+    if hc.mode == RunMode.MULTIRUN:  # the sweep goes on; its merge reports at the end
+        sweep_id = os.environ.get(records.SWEEP_ID_VARIABLE, "unknown")
+        records.report_job(Path(hc.sweep.dir), sweep_id, run_dir.name, outcome.status, outcome.error)
+        print(f"job {run_dir.name}: {line}", flush=True)
         return
-    if outcome.status == "failed":
-        if outcome.bad_input:
-            remove_if_only_hydra(run_dir)
+    if outcome.status in ("failed", "busy"):
         print(f"run.py: error: {outcome.error}", file=sys.stderr)
         sys.exit(2 if outcome.bad_input else 1)
     print_summary(run_dir, skipped=outcome.status == "skipped")
 
 
 if __name__ == "__main__":
+    os.environ[records.SWEEP_ID_VARIABLE] = uuid.uuid4().hex[:12]  # every job of a sweep reports to it
     with refusing_in_one_line("run.py", CONF):
         main()

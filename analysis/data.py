@@ -4,8 +4,12 @@ Reads only result files (``records.csv`` and ``summary.json`` as ``experiments.r
 them): a sweep folder's merged table, or its run folders' tables when the sweep was cut short,
 or a single run folder, or a CSV file.
 
-Speedups follow the paper. Per (configuration, device), with BPTT and BPPSA runs of the same
-configuration:
+Speedups follow the paper. A BPTT run and a BPPSA run are compared when everything but their
+backward is the same: the same ``comparison_key`` (a hash of the whole resolved configuration
+less the backward group and the keys that do not change results, written by the runner), device
+and worker count; each BPPSA variant (strategy, chunk, levels) gets its own row. Records without a
+``comparison_key`` are compared on every column that describes their run (all but the
+measurements). Per comparison:
 
 * overall = median epoch time of BPTT / median epoch time of BPPSA;
 * backward = median backward time per timed iteration of BPTT / the same of BPPSA (BPPSA's
@@ -53,6 +57,28 @@ CONFIG_KEYS = (
     "device_name",
 )
 PHASES = ("forward", "backward", "step")
+# Columns of an epoch row that measure the epoch or locate the file; every other column describes
+# the run's configuration or machine.
+MEASUREMENTS = (
+    "epoch",
+    "iterations",
+    "timed_iterations",
+    *(f"{p}_s" for p in PHASES),
+    *(f"{p}_per_iter_s" for p in PHASES),
+    "epoch_s",
+    "wall_s",
+    "loss",
+    "accuracy",
+    "samples_per_s",
+    "test_loss",
+    "test_accuracy",
+    "run",
+    "source",
+    "name",
+    "config_hash",
+)
+# The backward group's columns: what distinguishes the two sides and the BPPSA variants.
+BACKWARD_COLUMNS = ("backward", "strategy", "chunk", "levels")
 BOOTSTRAP_DRAWS = 1000
 BOOTSTRAP_SEED = 0
 
@@ -136,31 +162,49 @@ def _bootstrap(a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> tuple[
     return float(lo), float(hi)
 
 
+def comparison_columns(data: pd.DataFrame) -> list[str]:
+    """The columns that must agree for a BPTT and a BPPSA run to be compared."""
+    if "comparison_key" in data.columns and data["comparison_key"].notna().all():
+        return ["comparison_key", "device_name", "workers_used"]
+    skip = set(MEASUREMENTS) | set(BACKWARD_COLUMNS) | {"comparison_key"}
+    return [c for c in data.columns if c not in skip]
+
+
 def speedups(data: pd.DataFrame) -> pd.DataFrame:
-    """One row per (configuration, device) with both a BPTT and a BPPSA run: speedups and spreads."""
+    """One row per comparison (configuration, device, BPPSA variant) with both a BPTT and a BPPSA run:
+    the overall and backward speedups and their spreads."""
     rng = np.random.default_rng(BOOTSTRAP_SEED)
-    keys = [k for k in CONFIG_KEYS if data[k].notna().any()]
+    keys = comparison_columns(data)
+    variant = [c for c in BACKWARD_COLUMNS[1:] if c in data.columns]
+    shown = [c for c in (*CONFIG_KEYS, *variant) if c in data.columns]
     rows = []
-    for key, group in data.groupby(keys, dropna=False, sort=True):
-        sides = {mode: group[group["backward"] == mode] for mode in ("bptt", "bppsa")}
-        if any(side.empty for side in sides.values()):
+    for _, group in data.groupby(keys, dropna=False, sort=True):
+        bptt = group[group["backward"] == "bptt"]
+        bppsa_runs = group[group["backward"] == "bppsa"]
+        if bptt.empty or bppsa_runs.empty:
             continue
-        row = dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True))
-        for label, column in (("overall", "epoch_s"), ("backward", "backward_per_iter_s")):
-            bptt = sides["bptt"][column].dropna().to_numpy()
-            bppsa = sides["bppsa"][column].dropna().to_numpy()
-            if len(bptt) == 0 or len(bppsa) == 0:
-                row.update({f"{label}_speedup": np.nan, f"{label}_lo": np.nan, f"{label}_hi": np.nan})
-                continue
-            row[f"{label}_speedup"] = float(np.median(bptt) / np.median(bppsa))
-            row[f"{label}_lo"], row[f"{label}_hi"] = _bootstrap(bptt, bppsa, rng)
-        row["epochs_bptt"], row["epochs_bppsa"] = len(sides["bptt"]), len(sides["bppsa"])
-        rows.append(row)
+        parts = bppsa_runs.groupby(variant, dropna=False, sort=True) if variant else [(None, bppsa_runs)]
+        for _, bppsa in parts:
+            row = {k: bppsa[k].iloc[0] for k in shown}
+            if "comparison_key" in group.columns:
+                row["comparison_key"] = group["comparison_key"].iloc[0]
+            for label, column in (("overall", "epoch_s"), ("backward", "backward_per_iter_s")):
+                a, b = bptt[column].dropna().to_numpy(), bppsa[column].dropna().to_numpy()
+                if len(a) == 0 or len(b) == 0:
+                    row.update({f"{label}_speedup": np.nan, f"{label}_lo": np.nan, f"{label}_hi": np.nan})
+                    continue
+                row[f"{label}_speedup"] = float(np.median(a) / np.median(b))
+                row[f"{label}_lo"], row[f"{label}_hi"] = _bootstrap(a, b, rng)
+            row["epochs_bptt"], row["epochs_bppsa"] = len(bptt), len(bppsa)
+            rows.append(row)
     table = pd.DataFrame(rows)
     for key in CONFIG_KEYS:  # every key is a column, also those no run set (e.g. frames for bitstream)
         if key not in table.columns:
             table[key] = np.nan
-    return table
+    if not rows:
+        return table
+    order = [k for k in (*shown, "comparison_key") if k in table.columns]
+    return table.sort_values(order, na_position="first", kind="stable").reset_index(drop=True)
 
 
 def provenance(paths: Iterable[str | Path]) -> dict:

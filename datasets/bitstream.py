@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from datasets.common import require_count
+from datasets.common import DataError, require_count
 
 NUM_CLASSES = 10
 NUM_SAMPLES = 50_000
@@ -60,14 +60,17 @@ class BitstreamDataset(Dataset):
         self.seq_len = require_count("seq_len", seq_len)
         self.num_samples = require_count("num_samples", num_samples)
         if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; accepted: {', '.join(SPLITS)}")
+            raise DataError(f"unknown split {split!r}; accepted: {', '.join(SPLITS)}")
         if not 0.0 < train_fraction < 1.0:
-            raise ValueError(f"train_fraction must lie strictly between 0 and 1, got {train_fraction!r}")
+            raise DataError(f"train_fraction must lie strictly between 0 and 1, got {train_fraction!r}")
         require_count("seed", seed, minimum=0)
         n_train = round(num_samples * train_fraction)
         start, stop = {"train": (0, n_train), "test": (n_train, num_samples), "all": (0, num_samples)}[split]
         if stop <= start:
-            raise ValueError(f"split {split!r} of {num_samples} samples at {train_fraction} is empty")
+            raise DataError(
+                f"the {split} split of {num_samples} samples at train_fraction {train_fraction} is empty; "
+                f"accepted: num_samples x train_fraction rounding to 1 .. num_samples - 1"
+            )
         self.split, self.seed, self.start, self.stop = split, seed, start, stop
 
     def __len__(self) -> int:

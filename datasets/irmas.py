@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from datasets.common import is_count, write_atomic
+from datasets.common import DataError, is_count, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ SETTINGS: dict[str, FeatureSettings] = {
 }
 
 
-class IRMASError(ValueError):
+class IRMASError(DataError):
     """A problem with the user's IRMAS folder or options, said in one line."""
 
 

@@ -1,8 +1,9 @@
-"""Hydra callbacks: merge a sweep's run tables when the sweep ends."""
+"""Hydra callbacks: merge a sweep's run tables when the sweep ends, and say how its jobs went."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from experiments.records import JOBS, RECORDS, merge_sweep
+from experiments.records import JOBS, RECORDS, SWEEP_ID_VARIABLE, ledger, merge_sweep
 
 log = logging.getLogger(__name__)
 
@@ -18,21 +19,30 @@ log = logging.getLogger(__name__)
 class MergeResults(Callback):
     """At the end of a multirun: one ``records.csv`` and one ``jobs.csv`` in the sweep folder.
 
-    Failed jobs stay listed as failed in ``jobs.csv``; the others' rows are all kept. When any job
-    failed, the process exits with status 1 after the merge.
+    The status line counts this sweep's jobs (the ledger they reported to), whatever other sweeps of
+    the same name left in the folder; the command exits with status 0 only when every one of them
+    completed (or had completed before and was skipped), else 1, naming the others.
     """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.is_dir():
-            return
-        merged, jobs = merge_sweep(sweep_dir)
-        bad = jobs[~jobs["status"].isin(["completed"])]
+        sweep_id = os.environ.get(SWEEP_ID_VARIABLE, "")
+        jobs = ledger(sweep_dir, sweep_id) if sweep_dir.is_dir() else []
+        if not jobs:
+            print(f"sweep {sweep_dir}: no job of this sweep reported an outcome; nothing merged")
+            sys.exit(1)
+        merged, _ = merge_sweep(sweep_dir, sweep_id)
+        done = [j for j in jobs if j["status"] in ("completed", "skipped")]
+        skipped = sum(j["status"] == "skipped" for j in jobs)
+        runs = merged["run"].nunique() if len(merged) else 0
         print(
-            f"sweep {sweep_dir}: {len(jobs) - len(bad)} of {len(jobs)} jobs completed; "
-            f"{len(merged)} epoch rows in {sweep_dir / RECORDS}, job status in {sweep_dir / JOBS}"
+            f"sweep {sweep_dir}: {len(done)} of {len(jobs)} jobs completed"
+            f"{f' ({skipped} done before, skipped)' if skipped else ''}; {len(merged)} epoch rows of "
+            f"{runs} runs in {sweep_dir / RECORDS if runs else '(no merged table)'}, job status in "
+            f"{sweep_dir / JOBS}"
         )
-        if len(bad):
-            for row in bad.itertuples():
-                print(f"  {row.run}: {row.status}{': ' + row.error if isinstance(row.error, str) else ''}")
+        for job in jobs:
+            if job not in done:
+                print(f"  {job['run']}: {job['status']}{': ' + job['error'] if job.get('error') else ''}")
+        if len(done) < len(jobs):
             sys.exit(1)

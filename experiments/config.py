@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from datasets.common import WriteError
 from experiments import schema
 
 
@@ -36,15 +37,20 @@ def _rules(node_type: type) -> dict[str, schema.Rule]:
 
 
 def check(cfg: DictConfig) -> None:
-    """Raise ConfigError on the first key whose value is missing or out of range."""
+    """Raise ConfigError on the first key whose value is missing or out of range, or on a group whose
+    values do not fit together (the schema's ``together``)."""
     nodes = [("", cfg)] + [(f"{group}.", cfg[group]) for group in schema.OPTIONS if group in cfg]
     for prefix, node in nodes:
-        for key, rule in _rules(OmegaConf.get_type(node)).items():
+        node_type = OmegaConf.get_type(node)
+        for key, rule in _rules(node_type).items():
             if OmegaConf.is_missing(node, key):
                 raise ConfigError(f"{prefix}{key} is required{rule.hint}; accepted: {rule.what}")
             value = node[key]
             if not rule.ok(value):
                 raise ConfigError(f"{prefix}{key} must be {rule.what}, got {value!r}")
+        problem = getattr(node_type, "together", lambda node: None)(node)
+        if problem:
+            raise ConfigError(problem)
 
 
 def build(node: DictConfig, **kwargs: Any) -> Any:
@@ -100,6 +106,10 @@ def refusing_in_one_line(prog: str, conf_dir: Path) -> Iterator[None]:
         yield
     except (HydraException, OmegaConfBaseException) as exc:
         print(f"{prog}: error: {one_line(exc, conf_dir)}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as exc:  # an output folder that cannot be made or written
+        where = f"cannot write {exc.filename}: " if exc.filename and not isinstance(exc, WriteError) else ""
+        print(f"{prog}: error: {where}{exc.strerror or exc}", file=sys.stderr)
         sys.exit(2)
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)

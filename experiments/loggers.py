@@ -10,7 +10,10 @@ the resolved configuration; it is always finished, with a non-zero exit code whe
 from __future__ import annotations
 
 import logging
+import netrc
+import os
 from pathlib import Path
+from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,11 @@ class WandbLogger(LocalLogger):
         super().__init__(run_dir, group, name, config)
         if mode == "disabled":
             return
+        if mode == "online" and not has_api_key():
+            raise LoggerError(
+                "logger.mode=online needs a W&B API key (WANDB_API_KEY, or `wandb login`), and there is "
+                "none here; accepted: logger.mode=offline (sync later with `wandb sync`), logger=csv"
+            )
         try:
             import wandb
         except ImportError:
@@ -68,3 +76,14 @@ class WandbLogger(LocalLogger):
             mode=mode,
             settings=wandb.Settings(silent=True),
         )
+
+
+def has_api_key() -> bool:
+    """Whether W&B would find an API key: WANDB_API_KEY, or the netrc entry `wandb login` writes."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False

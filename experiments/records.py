@@ -1,23 +1,33 @@
-"""Result records: atomic files, run summaries, provenance, and the merge of a sweep's tables.
+"""Result records: run summaries, provenance, the run folder's identity and lock, and sweep merges.
 
 A run folder holds ``records.csv`` (one tidy row per epoch, the configuration's key values repeated
-on every row so merged tables describe themselves) and ``summary.json`` (resolved configuration,
-its hash, git commit and dirty flag, versions, device, status, totals, and the error of a failed
-run). Every file is written to a temporary name and renamed into place, so a killed run leaves the
-last complete version, never half of one.
+on every row so merged tables describe themselves), ``summary.json`` (resolved configuration, its
+hash, git commit and dirty flag, versions, device, status, totals, and the error of a failed run)
+and ``checkpoint.pt``. Every file is written to a temporary name and renamed into place
+(``datasets.common.write_atomic``), so a killed run leaves the last complete version, never half
+of one; one process at a time works in a folder (``folder_lock``).
+
+In a sweep (``multirun/<name>/``) every job has a folder named by its result-changing overrides
+(``job_folder``) and reports its outcome to the sweep's ledger (``report_job``), so the merge knows
+which jobs this sweep ran, whatever earlier or concurrent sweeps of the same name left there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import platform
+import re
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
+from filelock import FileLock, Timeout
 
 from datasets.common import write_atomic
 
@@ -25,9 +35,27 @@ RECORDS = "records.csv"
 SUMMARY = "summary.json"
 CHECKPOINT = "checkpoint.pt"
 JOBS = "jobs.csv"
+LEDGER = ".sweeps"
+LOCK = ".lock"
 
-# Keys that do not change what a run computes: they stay out of its identity hash.
-NON_RESULT_KEYS = (("logger",), ("trainer", "resume"), ("hardware", "progress"), ("dataset", "cache_dir"))
+# Keys that do not change what a run computes: they stay out of its identity (the hash, the
+# comparison with an earlier run in the same folder) and out of its folder name in a sweep.
+NON_RESULT_KEYS = (
+    ("name",),
+    ("logger",),
+    ("trainer", "resume"),
+    ("hardware", "progress"),
+    ("hardware", "data_workers"),
+    ("dataset", "cache_dir"),
+)
+# Overrides that name or place the sweep, not one of its jobs: left out of job folder names.
+SWEEP_KEYS = ("name", "experiment", "hydra")
+# The variable that carries the id of the sweep a job belongs to, from run.py to every job.
+SWEEP_ID_VARIABLE = "BPPSA_SWEEP_ID"
+
+
+class FolderBusyError(RuntimeError):
+    """Another process works in this run folder."""
 
 
 def write_json(path: Path, payload: dict) -> None:
@@ -42,21 +70,135 @@ def write_table(path: Path, rows: pd.DataFrame | Iterable[dict]) -> None:
 def read_json(path: Path) -> dict | None:
     """The JSON object at ``path``, or None if missing or unreadable."""
     try:
-        return json.loads(Path(path).read_text())
+        value = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+    return value if isinstance(value, dict) else None
+
+
+def read_table(path: Path) -> pd.DataFrame | None:
+    """The CSV table at ``path``, or None if missing, empty or unreadable."""
+    try:
+        return pd.read_csv(path)
+    except (OSError, ValueError, pd.errors.EmptyDataError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------- identity
+
+
+def _result_keys(config: dict) -> dict[str, Any]:
+    """The configuration as dotted keys, less NON_RESULT_KEYS."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: tuple[str, ...]) -> None:
+        if any(prefix[: len(k)] == k for k in NON_RESULT_KEYS):
+            return
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, (*prefix, str(key)))
+        else:
+            flat[".".join(prefix)] = node
+
+    walk(json.loads(json.dumps(config, default=str)), ())
+    return flat
 
 
 def config_hash(config: dict) -> str:
     """Identity of a resolved configuration, less the keys in NON_RESULT_KEYS."""
-    trimmed = json.loads(json.dumps(config, default=str))
-    for keys in NON_RESULT_KEYS:
-        node = trimmed
-        for key in keys[:-1]:
-            node = node.get(key, {}) if isinstance(node, dict) else {}
-        if isinstance(node, dict):
-            node.pop(keys[-1], None)
-    return hashlib.sha256(json.dumps(trimmed, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(_result_keys(config), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def comparison_key(config: dict) -> str:
+    """What a BPTT and a BPPSA run must share to be compared: the configuration's identity less its
+    backward group (``analysis.data.speedups`` pairs runs by it)."""
+    keys = {k: v for k, v in _result_keys(config).items() if not k.startswith("backward.")}
+    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def differing_keys(before: dict, after: dict) -> dict[str, tuple[Any, Any]]:
+    """The result-changing keys whose values differ between two configurations: key -> (before, after)."""
+    a, b = _result_keys(before), _result_keys(after)
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+
+
+def _is_sweep_key(key: str) -> bool:
+    parts = tuple(re.split(r"[./]", key.lstrip("+~")))
+    return parts[0] in SWEEP_KEYS or any(parts[: len(k)] == k for k in NON_RESULT_KEYS)
+
+
+def job_folder(overrides: Sequence[str]) -> str:
+    """A sweep job's folder name: its result-changing overrides, safe and unique for any value.
+
+    Overrides in letters, digits and ``. _ = , + -`` make the name as they are (sorted, comma
+    separated: ``run_backward=bptt,dataset.seq_len=100``); any other character (a ``/`` in a path, a
+    space) is replaced and a hash of the exact text is appended, so two jobs never share a folder
+    and no override value makes folders inside folders.
+    """
+    text = ",".join(sorted(o for o in overrides if not _is_sweep_key(o.split("=", 1)[0])))
+    if not text:
+        return "run"
+    if re.fullmatch(r"[\w.=,+-]{1,120}", text, re.ASCII):
+        return f"run_{text}"
+    readable = re.sub(r"[^\w.=,+-]+", "_", text, flags=re.ASCII)[:80].strip("_")
+    return f"run_{readable}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def sweep_folder(name: str, time: str) -> str:
+    """A sweep's folder: ``multirun/<name>``, stable so a re-run skips finished jobs; or, for the
+    default name ``main``, a folder of its own, ``multirun/main/<time>``."""
+    safe = re.sub(r"[^\w.-]+", "_", str(name), flags=re.ASCII)
+    return f"multirun/{safe}" if safe != "main" else f"multirun/main/{time}"
+
+
+# ----------------------------------------------------------------------------------- folder upkeep
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path, wait: float = 0) -> Iterator[None]:
+    """Hold ``folder``'s lock while the body runs; FolderBusyError if another process holds it for longer
+    than ``wait`` seconds.
+
+    The lock is an OS file lock (``filelock``): the system releases it when its process dies, so a
+    killed run never leaves the folder locked.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(folder / LOCK, timeout=wait)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise FolderBusyError(
+            f"{folder} is in use by another run; wait for it or use another folder"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Delete the temporary files (``.<name>.<pid>.tmp``) that killed writers left in ``folder``."""
+    removed = []
+    for tmp in Path(folder).glob(".*.*.tmp"):
+        pid = tmp.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -------------------------------------------------------------------------------------- provenance
 
 
 def git_info(repo: Path) -> dict:
@@ -87,34 +229,67 @@ def versions() -> dict:
     return out
 
 
-def merge_sweep(sweep_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Merge the run folders under ``sweep_dir``: all epoch rows, and one status row per job.
+# ------------------------------------------------------------------------------------------ sweeps
 
-    Writes ``records.csv`` and ``jobs.csv`` into ``sweep_dir``. Runs without a summary (killed
-    before they wrote one) are listed with status "missing"; their finished epochs are kept.
+
+def report_job(sweep_dir: Path, sweep_id: str, run: str, status: str, error: str | None) -> None:
+    """Put one job's outcome into the sweep's ledger (``.sweeps/<sweep id>/<run>.json``)."""
+    write_json(
+        Path(sweep_dir) / LEDGER / sweep_id / f"{run}.json", {"run": run, "status": status, "error": error}
+    )
+
+
+def ledger(sweep_dir: Path, sweep_id: str) -> list[dict]:
+    """The outcomes this sweep's jobs reported, by folder name."""
+    entries = [read_json(p) for p in sorted((Path(sweep_dir) / LEDGER / sweep_id).glob("*.json"))]
+    return [e for e in entries if e is not None]
+
+
+def merge_sweep(sweep_dir: Path, sweep_id: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Merge the completed runs under ``sweep_dir``; list every job folder and every job of this sweep.
+
+    Writes ``records.csv`` (the epoch rows of every completed run, one run per configuration: the
+    latest, should two folders hold the same configuration) and ``jobs.csv``: per folder the status
+    of the run it holds, and for this sweep's jobs (``sweep_id``'s ledger) the outcome each reported
+    (a refused job has no folder), its error, the configuration hash and a duplicate's original. A
+    folder without completed results contributes no rows; with no completed run at all, no merged
+    table is written (and a stale one is removed).
     """
     sweep_dir = Path(sweep_dir)
-    frames, jobs = [], []
-    for run_dir in sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        summary = read_json(run_dir / SUMMARY)
-        records = run_dir / RECORDS
-        if summary is None and not records.is_file():
-            continue
-        jobs.append(
-            {
-                "run": run_dir.name,
-                "status": "missing" if summary is None else summary.get("status"),
-                "error": None if summary is None else summary.get("error"),
-                "config_hash": None if summary is None else summary.get("config_hash"),
-            }
-        )
-        if records.is_file():
-            try:
-                frames.append(pd.read_csv(records).assign(run=run_dir.name))
-            except (OSError, ValueError, pd.errors.EmptyDataError):
-                jobs[-1]["status"] = "unreadable records"
-    merged = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    job_table = pd.DataFrame(jobs, columns=["run", "status", "error", "config_hash"])
-    write_table(sweep_dir / RECORDS, merged)
-    write_table(sweep_dir / JOBS, job_table)
+    reported = {e["run"]: e for e in ledger(sweep_dir, sweep_id)} if sweep_id else {}
+    with folder_lock(sweep_dir, wait=600):  # a concurrent merge of the same sweep is short
+        jobs, frames, latest = {}, {}, {}
+        folders = sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+        for run_dir in folders:
+            summary = read_json(run_dir / SUMMARY)
+            table = read_table(run_dir / RECORDS)
+            if summary is None and table is None:
+                continue
+            status = "missing summary" if summary is None else summary.get("status")
+            if status == "completed" and table is None:
+                status = "completed, records unreadable"
+            chash = None if summary is None else summary.get("config_hash")
+            error = None if summary is None else summary.get("error")
+            jobs[run_dir.name] = {"run": run_dir.name, "status": status, "error": error, "config_hash": chash}
+            if status == "completed":
+                frames[run_dir.name] = table.assign(run=run_dir.name)
+                finished = summary.get("finished") or ""
+                if chash not in latest or finished >= latest[chash][0]:
+                    latest[chash] = (finished, run_dir.name)
+        for run, entry in reported.items():
+            job = jobs.setdefault(run, {"run": run, "status": None, "error": None, "config_hash": None})
+            job["outcome"] = entry["status"]
+            job["error"] = entry.get("error") or job["error"]
+        keep = {run for _, run in latest.values()}
+        for job in jobs.values():
+            if job["run"] in frames and job["run"] not in keep:
+                job["duplicate_of"] = latest[job["config_hash"]][1]
+        merged = pd.concat([frames[r] for r in sorted(keep)], ignore_index=True) if keep else pd.DataFrame()
+        columns = ["run", "status", "outcome", "error", "config_hash", "duplicate_of"]
+        job_table = pd.DataFrame([jobs[r] for r in sorted(jobs)], columns=columns)
+        if keep:
+            write_table(sweep_dir / RECORDS, merged)
+        else:
+            (sweep_dir / RECORDS).unlink(missing_ok=True)
+        write_table(sweep_dir / JOBS, job_table)
     return merged, job_table

@@ -5,11 +5,15 @@ The run folder (Hydra's output directory) receives, all written atomically:
 * ``records.csv``: one row per finished epoch (rewritten after each epoch, so a killed run keeps
   what it finished), with the configuration's key values and the device on every row;
 * ``summary.json``: resolved configuration and its hash, git commit and dirty flag, versions, device,
-  status (``running``, ``completed`` or ``failed`` with its error), totals;
+  status (``running``, ``completed``, ``failed`` with its error, ``interrupted``), totals;
 * ``checkpoint.pt``: model, optimizer and records after the last finished epoch, for
   ``trainer.resume=true``.
 
-A job whose folder already holds a completed summary of the same configuration hash is skipped.
+One process works in a folder at a time (``records.folder_lock``). What the folder already holds
+decides what the job does: nothing, a new run; a completed run of the same configuration, a skip;
+an unfinished run of the same configuration, a fresh start (or, with ``trainer.resume=true``, a
+continuation from its last epoch, also to more epochs than before); a run of another configuration,
+a refusal that names the keys that differ and leaves the folder as it was.
 """
 
 from __future__ import annotations
@@ -23,15 +27,17 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch.utils.data import DataLoader
 
-from datasets.irmas import IRMASError
+from datasets.common import DataError, WriteError
 from experiments import records
 from experiments.config import ConfigError, build, check
 from experiments.hardware import HardwareError, check_strategy, describe, limit_workers, resolve_device
 from experiments.loggers import LocalLogger, LoggerError
 from experiments.train import (
     PHASES,
+    CheckpointError,
     Classifier,
     NonFiniteLossError,
     TrainState,
@@ -44,14 +50,16 @@ from experiments.train import (
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
 # Problems with what the user asked for: one line, exit status 2, no run folder left behind.
-BAD_INPUT = (ConfigError, HardwareError, LoggerError, IRMASError)
+BAD_INPUT = (ConfigError, HardwareError, LoggerError, DataError, CheckpointError)
+# What Hydra leaves in a run folder before the job runs.
+HYDRA_FILES = ("run.log", f"{Path(sys.argv[0]).stem}.log")
 
 
 @dataclass
 class Outcome:
-    status: str  # completed | skipped | failed
+    status: str  # completed | skipped | failed | busy (another process works in the folder)
     error: str | None = None
-    bad_input: bool = False
+    bad_input: bool = False  # refused before it trained: exit status 2
 
 
 def backward_options(cfg: DictConfig) -> dict:
@@ -61,12 +69,13 @@ def backward_options(cfg: DictConfig) -> dict:
 
 
 def identity_columns(
-    cfg: DictConfig, model: Classifier, data: object, x: torch.Tensor, device: dict, chash: str
+    cfg: DictConfig, config: dict, model: Classifier, data: object, x: torch.Tensor, device: dict
 ) -> dict:
-    """What every record row says about its run: the swept keys and the machine."""
+    """What every record row says about its run: its identity, the swept keys and the machine."""
     return {
         "name": cfg.name,
-        "config_hash": chash,
+        "config_hash": records.config_hash(config),
+        "comparison_key": records.comparison_key(config),
         "model": type(model.rnn).__name__.lower(),
         "hidden_size": cfg.model.hidden_size,
         "num_layers": cfg.model.num_layers,
@@ -101,30 +110,86 @@ class Job:
     progress: bool
 
 
-def run_job(cfg: DictConfig, run_dir: Path, record_refused: bool = False) -> Outcome:
+def run_job(cfg: DictConfig, run_dir: Path) -> Outcome:
     """Run one configuration into ``run_dir``; never raises for the job's own failures.
 
-    A run refused for bad input writes nothing, unless ``record_refused`` (a sweep's job, which
-    must show up as failed): then its summary says why.
+    A job refused for bad input leaves the folder as it found it (a folder Hydra made for it alone
+    is removed).
     """
     run_dir = Path(run_dir)
     try:
-        check(cfg)
-    except ConfigError as exc:
-        if record_refused:
-            refused = {"config": OmegaConf.to_container(cfg), "status": "failed", "error": str(exc)}
-            records.write_json(run_dir / records.SUMMARY, refused)
-        return Outcome("failed", str(exc), bad_input=True)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    chash = records.config_hash(config)
+        with records.folder_lock(run_dir):
+            records.remove_stale_temporaries(run_dir)
+            had_results = _holds_results(run_dir)
+            outcome = _run(cfg, run_dir)
+            if outcome.bad_input and not had_results:
+                _remove_if_only_hydra(run_dir)
+            return outcome
+    except records.FolderBusyError as exc:
+        return Outcome("busy", str(exc), bad_input=True)
+
+
+def _holds_results(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in (records.SUMMARY, records.RECORDS, records.CHECKPOINT))
+
+
+def _remove_if_only_hydra(run_dir: Path) -> None:
+    """Delete a run folder that holds nothing but Hydra's log and the folder lock."""
+    if run_dir.is_dir() and all(p.name in (*HYDRA_FILES, records.LOCK) for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _plan(cfg: DictConfig, config: dict, previous: dict | None, run_dir: Path) -> str:
+    """What to do with what ``run_dir`` holds: "new", "skip", "restart" or "resume".
+
+    Raises ConfigError, naming the keys that differ, when it holds a run of another configuration.
+    """
+    if previous is None:
+        if _holds_results(run_dir):
+            raise ConfigError(
+                f"{run_dir} holds results without a {records.SUMMARY}, so their configuration is unknown; "
+                "accepted: another folder (name=..., hydra.run.dir=...)"
+            )
+        return "new"
+    resume = cfg.trainer.resume and (run_dir / records.CHECKPOINT).is_file()
+    diff = records.differing_keys(previous.get("config") or {}, config)
+    if not diff:
+        if (
+            previous.get("status") == "completed"
+            and records.read_table(run_dir / records.RECORDS) is not None
+        ):
+            return "skip"
+        return "resume" if resume else "restart"
+    if set(diff) == {"trainer.epochs"} and resume:
+        return "resume"
+    changes = "; ".join(f"{key}: {a!r} -> {b!r}" for key, (a, b) in list(diff.items())[:6])
+    changes += f"; and {len(diff) - 6} more" if len(diff) > 6 else ""
+    hint = ", or trainer.resume=true to continue it" if set(diff) == {"trainer.epochs"} else ""
+    raise ConfigError(
+        f"{run_dir} holds a run of another configuration ({changes}); accepted: the same "
+        f"configuration{hint}, or another folder (name=..., hydra.run.dir=...)"
+    )
+
+
+def _run(cfg: DictConfig, run_dir: Path) -> Outcome:
+    """The job, inside its folder's lock."""
     previous = records.read_json(run_dir / records.SUMMARY)
-    if previous and previous.get("status") == "completed" and previous.get("config_hash") == chash:
+    try:
+        check(cfg)
+        config = OmegaConf.to_container(cfg, resolve=True)
+        plan = _plan(cfg, config, previous, run_dir)
+    except OmegaConfBaseException as exc:  # an interpolation that does not resolve
+        where = f"{exc.full_key}: " if getattr(exc, "full_key", None) else ""
+        return Outcome("failed", f"{where}{str(exc).strip().splitlines()[0]}", bad_input=True)
+    except ConfigError as exc:
+        return Outcome("failed", str(exc), bad_input=True)
+    if plan == "skip":
         log.info("skipping %s: already completed with the same configuration", run_dir)
         return Outcome("skipped")
 
     summary = {
         "config": config,
-        "config_hash": chash,
+        "config_hash": records.config_hash(config),
         "git": records.git_info(REPO),
         "versions": records.versions(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -133,6 +198,7 @@ def run_job(cfg: DictConfig, run_dir: Path, record_refused: bool = False) -> Out
     }
     logger: LocalLogger | None = None
     started = False
+    outcome = Outcome("failed")
     try:
         device = resolve_device(cfg.hardware.device)
         check_strategy(cfg.backward.mode, cfg.backward.get("strategy", "auto"), device)
@@ -146,11 +212,18 @@ def run_job(cfg: DictConfig, run_dir: Path, record_refused: bool = False) -> Out
             model = Classifier(layer, data.classes).to(device)
             optimizer = build(cfg.optimizer, params=model.parameters())
             state, rows = TrainState(), []
-            checkpoint = run_dir / records.CHECKPOINT
-            if cfg.trainer.resume and checkpoint.is_file() and (previous or {}).get("config_hash") == chash:
-                state, rows = load_checkpoint(checkpoint, model, optimizer)
+            if plan == "resume":
+                state, rows = load_checkpoint(run_dir / records.CHECKPOINT, model, optimizer)
+                if state.epoch > cfg.trainer.epochs:
+                    raise ConfigError(
+                        f"trainer.epochs={cfg.trainer.epochs} is below the {state.epoch} epochs the run in "
+                        f"{run_dir} already finished; accepted: {state.epoch} or more"
+                    )
                 log.info("resuming %s after epoch %d", run_dir, state.epoch)
-            columns = identity_columns(cfg, model, data, x0, info, chash)
+                records.write_table(
+                    run_dir / records.RECORDS, rows
+                )  # what it holds, should the table be lost
+            columns = identity_columns(cfg, config, model, data, x0, info)
             logger = build(cfg.logger, run_dir=run_dir, group=cfg.name, name=run_dir.name, config=config)
             started = True
             records.write_json(run_dir / records.SUMMARY, summary)
@@ -158,25 +231,32 @@ def run_job(cfg: DictConfig, run_dir: Path, record_refused: bool = False) -> Out
             job = Job(model, optimizer, train, test, device, cfg.trainer, run_dir, logger, columns, progress)
             _train(job, state, rows)
         summary.update(status="completed", totals=_totals(rows))
-        return Outcome("completed")
+        outcome = Outcome("completed")
     except BAD_INPUT as exc:
         summary.update(status="failed", error=str(exc))
-        return Outcome("failed", str(exc), bad_input=not started)
+        outcome = Outcome("failed", str(exc), bad_input=not started)
     except KeyboardInterrupt:
         summary.update(status="interrupted")
         raise
     except Exception as exc:  # record any failure; the sweep goes on
-        if not isinstance(exc, NonFiniteLossError):
+        if not isinstance(exc, NonFiniteLossError | WriteError):
             log.exception("run failed")
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        summary.update(status="failed", error=f"{type(exc).__name__}: {message}")
-        return Outcome("failed", summary["error"])
+        summary.update(
+            status="failed",
+            error=message if isinstance(exc, WriteError) else f"{type(exc).__name__}: {message}",
+        )
+        outcome = Outcome("failed", summary["error"])
     finally:
         summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        if started or record_refused:
-            records.write_json(run_dir / records.SUMMARY, summary)
         if logger is not None:
             logger.finish(failed=summary["status"] != "completed")
+        if started:
+            try:
+                records.write_json(run_dir / records.SUMMARY, summary)
+            except WriteError as exc:
+                outcome = Outcome("failed", str(exc))
+    return outcome
 
 
 def _train(job: Job, state: TrainState, rows: list[dict]) -> None:
@@ -212,10 +292,3 @@ def _totals(rows: list[dict]) -> dict:
         **{f"{p}_s": sum(r[f"{p}_s"] for r in rows) for p in PHASES},
         "timed_iterations": sum(r["timed_iterations"] for r in rows),
     }
-
-
-def remove_if_only_hydra(run_dir: Path) -> None:
-    """Delete a run folder that holds nothing but Hydra's own files (a run refused at the start)."""
-    own = {".hydra", "run.log", f"{Path(sys.argv[0]).stem}.log"}
-    if run_dir.is_dir() and all(p.name in own for p in run_dir.iterdir()):
-        shutil.rmtree(run_dir, ignore_errors=True)

@@ -8,6 +8,7 @@ value of the wrong type or an unknown key while it composes the configuration, a
 key uses. Values live in the YAML files; defaults here are ``MISSING`` (``???``) so nothing is said
 twice.
 
+Importing this module registers the schemas and the resolvers the config files use (``register``).
 The nodes with a ``_target_`` are built with Hydra's ``instantiate`` (``experiments.config.build``):
 the recurrent layer (``bppsa_core.RNN`` / ``GRU``), the dataset (``datasets.bitstream.Bitstream``,
 ``datasets.irmas.IRMAS``), the optimizer (``torch.optim``) and the run logger.
@@ -15,15 +16,17 @@ the recurrent layer (``bppsa_core.RNN`` / ``GRU``), the dataset (``datasets.bits
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from bppsa_core.dispatch import STRATEGIES
 from datasets.common import is_count
+from experiments.records import job_folder, sweep_folder
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,12 @@ POSITIVE_NUMBER = Rule(
 )
 FRACTION = Rule(lambda v: isinstance(v, int | float) and 0 < v < 1, "a number strictly between 0 and 1")
 NON_EMPTY = Rule(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
+# Seeds feed torch's and NumPy's generators, and the epoch's shuffle seed is seed * 1,000,003 + epoch.
+SEED = Rule(lambda v: is_count(v, 0) and v < 2**32, "an integer from 0 to 2^32 - 1")
+NAME = Rule(
+    lambda v: isinstance(v, str) and re.fullmatch(r"[\w.-]+", v, re.ASCII) is not None,
+    "a name of letters, digits, '.', '_' and '-'",
+)
 BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
 
 
@@ -91,7 +100,20 @@ class BitstreamData:
     seq_len: int = checked(POSITIVE_INT)
     num_samples: int = checked(POSITIVE_INT)
     train_fraction: float = checked(FRACTION)
-    seed: int = checked(NON_NEGATIVE_INT)
+    seed: int = checked(SEED)
+
+    @staticmethod
+    def together(node: Any) -> str | None:
+        """Both splits must hold a sample."""
+        train = round(node.num_samples * node.train_fraction)
+        if 0 < train < node.num_samples:
+            return None
+        empty = "training" if train == 0 else "test"
+        return (
+            f"dataset.num_samples={node.num_samples} with dataset.train_fraction={node.train_fraction} "
+            f"leaves the {empty} split empty; accepted: num_samples x train_fraction rounding to "
+            f"1 .. num_samples - 1"
+        )
 
 
 @dataclass
@@ -105,7 +127,7 @@ class IRMASData:
     frames: str = checked(one_of("s", "m", "l"))
     cache_dir: str | None = checked(or_null(NON_EMPTY))
     train_fraction: float = checked(FRACTION)
-    seed: int = checked(NON_NEGATIVE_INT)
+    seed: int = checked(SEED)
 
 
 # ------------------------------------------------------------------------------ backward and training
@@ -141,7 +163,7 @@ class Trainer:
     epochs: int = checked(POSITIVE_INT)
     batch_size: int = checked(POSITIVE_INT)
     warmup_iters: int = checked(NON_NEGATIVE_INT)
-    seed: int = checked(NON_NEGATIVE_INT)
+    seed: int = checked(SEED)
     resume: bool = checked(BOOL)
     eval: bool = checked(BOOL)
 
@@ -178,7 +200,7 @@ class Hardware:
 class Config:
     """The whole configuration; each group's node has the schema of the option chosen."""
 
-    name: str = checked(NON_EMPTY)
+    name: str = checked(NAME)
     model: Any = MISSING
     dataset: Any = MISSING
     backward: Any = MISSING
@@ -201,7 +223,10 @@ OPTIONS: dict[str, dict[str, type]] = {
 
 
 def register() -> None:
-    """Store the schemas where the config files' defaults lists find them (idempotent)."""
+    """Store the schemas where the config files' defaults lists find them, and the resolvers the
+    config files use (``job_folder``, ``sweep_folder``); idempotent."""
+    OmegaConf.register_new_resolver("job_folder", job_folder, replace=True)
+    OmegaConf.register_new_resolver("sweep_folder", sweep_folder, replace=True)
     store = ConfigStore.instance()
     store.store(name="schema", node=Config)
     for group, options in OPTIONS.items():

@@ -166,11 +166,23 @@ def save_checkpoint(
     write_atomic(path, lambda p: torch.save(payload, p))
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from, said in one line that names it."""
+
+
 def load_checkpoint(
     path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[TrainState, list[dict]]:
-    payload = torch.load(path, weights_only=False)
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
-    torch.set_rng_state(payload["rng"])
-    return TrainState(**payload["state"]), payload["rows"]
+    """Model, optimizer and RNG state from ``path``; the training state and the records it holds."""
+    try:
+        payload = torch.load(path, weights_only=False)
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optimizer"])
+        torch.set_rng_state(payload["rng"])
+        return TrainState(**payload["state"]), payload["rows"]
+    except Exception as exc:  # truncated, corrupt, or another model's: say which file
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        raise CheckpointError(
+            f"cannot resume from {path} ({why.rstrip(': ')}); delete it, or pass trainer.resume=false "
+            "to start the run over"
+        ) from None

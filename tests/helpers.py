@@ -14,6 +14,9 @@ import torch
 from datasets.irmas import CLASSES, SAMPLE_RATE
 
 ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+# A run of seconds: the bitstream task shrunk, two epochs, one warm-up iteration.
+TINY = ["dataset.seq_len=8", "dataset.num_samples=80", "trainer.epochs=2", "trainer.warmup_iters=1"]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -53,6 +56,30 @@ def run_child(code: str, *args: str) -> str:
         env=env,
     )
     return done.stdout.strip()
+
+
+def run_py(
+    *args: str, cwd: Path, timeout: float = 300, wandb: str = "disabled", env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """``run.py`` with ``args`` in a fresh interpreter, from ``cwd``; W&B in ``wandb`` mode."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": wandb, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def composed(*overrides: str, hydra: bool = False):
+    """The configuration ``run.py`` would compose from ``overrides``."""
+    from hydra import compose, initialize_config_dir
+
+    import experiments.schema  # noqa: F401  (registers what the config files use)
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 
 def stereo_clip(seed: int, seconds: float = 3.0, rate: int = SAMPLE_RATE) -> np.ndarray:

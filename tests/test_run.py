@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import CONF, ROOT, TINY, composed, run_py
 from omegaconf import OmegaConf
 
 from bppsa_core import GRU
@@ -25,29 +25,7 @@ from experiments import runner, schema, train
 from experiments.config import build, check
 from experiments.loggers import LocalLogger
 
-ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
-TINY = ["dataset.seq_len=8", "dataset.num_samples=80", "trainer.epochs=2", "trainer.warmup_iters=1"]
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-
-
-def run_py(
-    *args: str, cwd: Path, timeout: float = 120, wandb: str = "disabled"
-) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": wandb}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def composed(*overrides: str, hydra: bool = False):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -149,8 +127,10 @@ def test_a_failed_job_is_recorded_and_the_others_kept(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "1 of 2 jobs completed" in done.stdout
     jobs = pd.read_csv(sweep / "jobs.csv").set_index("run")
-    assert sorted(jobs["status"]) == ["completed", "failed"]
-    assert "dataset.seq_len must be a positive integer, got 0" in jobs["error"].dropna().iloc[0]
+    assert sorted(jobs["outcome"]) == ["completed", "failed"]
+    refused = jobs[jobs["outcome"] == "failed"].iloc[0]
+    assert "dataset.seq_len must be a positive integer, got 0" in refused["error"]
+    assert pd.isna(refused["status"]) and not (sweep / refused.name).exists()  # refused: no folder
     assert pd.read_csv(sweep / "records.csv")["seq_len"].unique().tolist() == [6]
 
 
