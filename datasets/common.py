@@ -54,7 +54,8 @@ def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
     except Exception as exc:
         raise WriteError(f"cannot write {path}: {_why(exc, path)}") from exc
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # e.g. its folder could not be made
+            tmp.unlink(missing_ok=True)
 
 
 def _why(exc: Exception, path: Path) -> str:

@@ -13,20 +13,29 @@ both channels concatenated (channel 0's coefficients first), frames along time: 
     m         256   2048    13       24   517
     l         128   1024    7        12   1034
 
-Clips that do not fit, decided here and reported by ``extract`` and the CLI:
+Clips are the ``.wav`` files (any case of the suffix) in the class folders. Those that do not fit,
+decided here and reported, with their names, by ``extract`` and the CLI:
 
-* unreadable files (not audio, truncated, empty) are skipped and counted, with a warning;
+* unreadable files (not audio, empty, a link to nothing, a name the system cannot open) are skipped
+  and counted;
+* truncated files (shorter than their own header says) are skipped and counted: what is missing is
+  not silence;
+* files with NaN or infinite samples are skipped and counted;
 * files that are not stereo (mono, or more than two channels) are skipped and counted: the features
   are defined on two channels, and duplicating one would invent a stereo image;
 * another sample rate is resampled to 44.1 kHz (librosa, soxr) and counted;
 * another length is cropped to its first 3 s, or zero-padded at the end to 3 s, and counted.
 
-If nothing usable is left, extraction fails with one line that says so.
+A class folder that is missing, empty or cannot be listed is named in a warning. If nothing usable
+is left, extraction fails with one line that says so.
 
-Extraction runs in worker processes with a progress bar and is cached on disk as one file per
-(setting, file list): the key hashes the settings and every clip's relative path, size and
-modification time, so a changed tree or setting computes anew. The cache is written to a temporary
-name and renamed into place, so a killed run never leaves a file that reads as complete.
+Extraction runs in worker processes with a progress bar (they end with the process that started
+them, however it ends) and is cached on disk as one file per (setting, file list): the key hashes
+the settings and every clip's relative path, size and modification time, so a changed tree or
+setting computes anew. The cache holds a checksum of its contents and is checked when read: a
+damaged or foreign file at the cache path is extracted anew. It is written to a temporary name and
+renamed into place, so a killed run never leaves a file that reads as complete; a cache that cannot
+be written is reported, and the features are used all the same.
 
     python -m datasets.irmas --root DIR --frames m
 """
@@ -35,11 +44,14 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
+import ctypes
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -61,8 +73,8 @@ CLASSES: tuple[str, ...] = ("cel", "cla", "flu", "gac", "gel", "org", "pia", "sa
 SAMPLE_RATE = 44_100
 CLIP_SAMPLES = 3 * SAMPLE_RATE
 IRMAS_URL = "https://www.upf.edu/web/mtg/irmas"
-CACHE_VERSION = 1
-SKIP_REASONS = ("unreadable", "not stereo")
+CACHE_VERSION = 2
+SKIP_REASONS = ("unreadable", "truncated", "non-finite samples", "not stereo")
 FIX_REASONS = ("resampled", "length adjusted")
 
 
@@ -106,6 +118,11 @@ def default_cache_dir() -> Path:
     return Path(base) / "bppsa" / "irmas"
 
 
+def shown(path: str | Path) -> str:
+    """A path as it can be printed: bytes that are not UTF-8 shown as escapes."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def find_clips(root: str | Path) -> list[tuple[Path, int]]:
     """(wav path, class index) for every clip under the class folders of ``root``, sorted."""
     root = Path(root).expanduser()
@@ -114,14 +131,31 @@ def find_clips(root: str | Path) -> list[tuple[Path, int]]:
         f"of .wav clips (get IRMAS-TrainingData.zip from {IRMAS_URL}; it is not bundled)"
     )
     if not root.is_dir():
-        raise IRMASError(f"IRMAS root {str(root)!r} does not exist or is not a folder; {expected}")
-    present = [c for c in CLASSES if (root / c).is_dir()]
-    clips = [(p, CLASSES.index(c)) for c in present for p in sorted((root / c).glob("*.wav"))]
+        raise IRMASError(f"IRMAS root {shown(root)!r} does not exist or is not a folder; {expected}")
+    clips, missing, empty = [], [], []
+    for label, name in enumerate(CLASSES):
+        folder = root / name
+        if not folder.is_dir():
+            missing.append(name)
+            continue
+        try:
+            wavs = sorted(p for p in folder.iterdir() if p.suffix.lower() == ".wav")
+        except OSError as exc:
+            log.warning(
+                "cannot list the IRMAS class folder %s (%s); its clips are left out",
+                shown(folder),
+                exc.strerror,
+            )
+            continue
+        if not wavs:
+            empty.append(name)
+        clips += [(p, label) for p in wavs]
     if not clips:
-        raise IRMASError(f"IRMAS root {str(root)!r} holds no class folder with .wav clips; {expected}")
-    missing = [c for c in CLASSES if c not in present]
+        raise IRMASError(f"IRMAS root {shown(root)!r} holds no class folder with .wav clips; {expected}")
     if missing:
-        log.warning("IRMAS root %s lacks the class folders %s", root, " ".join(missing))
+        log.warning("IRMAS root %s lacks the class folders %s", shown(root), " ".join(missing))
+    if empty:
+        log.warning("IRMAS class folders without .wav clips under %s: %s", shown(root), " ".join(empty))
     return clips
 
 
@@ -154,11 +188,16 @@ def load_clip(path: Path, settings: FeatureSettings) -> tuple[np.ndarray | None,
     import soundfile
 
     try:
-        audio, rate = soundfile.read(path, dtype="float32", always_2d=True)
+        with open(path, "rb") as f:  # opened here: libsndfile cannot open every name the system can
+            if _truncated(f):
+                return None, ["truncated"]
+            audio, rate = soundfile.read(f, dtype="float32", always_2d=True)
     except Exception:  # libsndfile's errors differ by format and version: any is 'unreadable'
         return None, ["unreadable"]
     if audio.shape[0] == 0:
         return None, ["unreadable"]
+    if not np.isfinite(audio).all():
+        return None, ["non-finite samples"]
     if audio.shape[1] != 2:
         return None, ["not stereo"]
     audio = np.ascontiguousarray(audio.T)
@@ -175,6 +214,16 @@ def load_clip(path: Path, settings: FeatureSettings) -> tuple[np.ndarray | None,
     return clip_features(audio, settings), fixes
 
 
+def _truncated(f) -> bool:
+    """Whether a RIFF/WAVE file is shorter than its header says (libsndfile reads what is there)."""
+    head = f.read(12)
+    f.seek(0)
+    if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return False
+    declared = 8 + int.from_bytes(head[4:8], "little")
+    return os.fstat(f.fileno()).st_size < declared
+
+
 @dataclass
 class IRMASFeatures:
     """Extracted features with their provenance."""
@@ -188,18 +237,29 @@ class IRMASFeatures:
     cache_path: str = ""
     from_cache: bool = False
     seconds: float = 0.0
+    cache_error: str | None = None  # why the cache could not be written, if it could not
 
     def per_class(self) -> dict[str, int]:
         counts = Counter(self.labels.tolist())
         return {c: counts.get(i, 0) for i, c in enumerate(CLASSES)}
 
 
-def cache_key(root: Path, clips: Sequence[tuple[Path, int]], settings: FeatureSettings) -> str:
-    """Hash of the settings and every clip's relative path, size and modification time."""
+def _listing(root: Path, clips: Sequence[tuple[Path, int]]) -> list[list]:
+    """[relative path, size, modification time] of every clip; None for a clip that cannot be
+    looked at (a link to nothing, a file removed meanwhile)."""
     listing = []
     for path, _ in clips:
-        st = path.stat()
-        listing.append([path.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns])
+        try:
+            st = path.stat()
+        except OSError:
+            listing.append(None)
+            continue
+        listing.append([os.fsencode(path.relative_to(root)).hex(), st.st_size, st.st_mtime_ns])
+    return listing
+
+
+def cache_key(listing: list, settings: FeatureSettings) -> str:
+    """Hash of the settings and every clip's relative path, size and modification time."""
     blob = json.dumps(
         {
             "version": CACHE_VERSION,
@@ -213,14 +273,49 @@ def cache_key(root: Path, clips: Sequence[tuple[Path, int]], settings: FeatureSe
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
+CACHED = {
+    "features": torch.Tensor,
+    "labels": torch.Tensor,
+    "files": list,
+    "frames": str,
+    "skipped": dict,
+    "fixed": dict,
+}
+
+
+def _checksum(payload: dict) -> str:
+    """sha256 of everything a cache file holds but the checksum itself."""
+    h = hashlib.sha256()
+    for key in ("features", "labels"):
+        h.update(payload[key].contiguous().numpy().tobytes())
+    rest = {k: payload[k] for k in ("files", "frames", "skipped", "fixed")}
+    h.update(json.dumps(rest, sort_keys=True).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
 def _read_cache(path: Path) -> dict | None:
+    """The cached payload at ``path``; None (with a warning) when it is missing, unreadable, not an
+    IRMAS cache, or damaged (its checksum does not match)."""
     if not path.is_file():
         return None
     try:
-        return torch.load(path, weights_only=True)
-    except Exception as exc:  # a damaged file: compute anew rather than fail
-        log.warning("ignoring unreadable IRMAS cache %s (%s); extracting anew", path, exc)
+        payload = torch.load(path, weights_only=True)
+        if not isinstance(payload, dict) or not all(isinstance(payload.get(k), t) for k, t in CACHED.items()):
+            raise ValueError("not an IRMAS feature cache")
+        if payload.get("checksum") != _checksum(payload):
+            raise ValueError("its checksum does not match its contents")
+    except Exception as exc:  # damaged or foreign: compute anew rather than fail or use it
+        log.warning("ignoring the IRMAS cache %s (%s); extracting anew", path, str(exc).splitlines()[0])
         return None
+    return {k: payload[k] for k in CACHED}
+
+
+def _die_with_parent() -> None:
+    """In a worker process: end when the process that started it ends, however it ends (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent is already gone
+        os._exit(1)
 
 
 def _extract_all(paths: list[Path], settings: FeatureSettings, workers: int, progress: bool):
@@ -240,9 +335,17 @@ def _extract_all(paths: list[Path], settings: FeatureSettings, workers: int, pro
     # script; they run NumPy and librosa only, never torch, so its thread pools are not at risk.
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_die_with_parent)
+    try:
         chunk = max(1, min(16, len(paths) // (4 * workers)))
-        return list(tqdm(pool.map(job, paths, chunksize=chunk), **bar))
+        results = list(tqdm(pool.map(job, paths, chunksize=chunk), **bar))
+    except BaseException:  # Ctrl-C or a failure: no worker is left behind
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return results
 
 
 def extract(
@@ -258,8 +361,9 @@ def extract(
         raise IRMASError(f"workers must be a non-negative integer, got {workers!r}")
     root = Path(root).expanduser().resolve()
     clips = find_clips(root)
+    listing = _listing(root, clips)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    path = cache / f"irmas-{frames}-{cache_key(root, clips, settings)}.pt"
+    path = cache / f"irmas-{frames}-{cache_key(listing, settings)}.pt"
     t0 = time.perf_counter()
     cached = _read_cache(path)
     if cached is not None:
@@ -267,13 +371,19 @@ def extract(
             **cached, cache_path=str(path), from_cache=True, seconds=time.perf_counter() - t0
         )
 
-    n_workers = workers if workers else (os.cpu_count() or 1)
-    results = _extract_all([p for p, _ in clips], settings, n_workers, progress)
-    feats, labels, files = [], [], []
     skipped: dict[str, list[str]] = {r: [] for r in SKIP_REASONS}
+    usable = []
+    for (clip, label), entry in zip(clips, listing, strict=True):
+        if entry is None:
+            skipped["unreadable"].append(shown(clip.relative_to(root)))
+        else:
+            usable.append((clip, label))
+    n_workers = workers if workers else (os.cpu_count() or 1)
+    results = _extract_all([p for p, _ in usable], settings, n_workers, progress)
+    feats, labels, files = [], [], []
     fixed = dict.fromkeys(FIX_REASONS, 0)
-    for (clip, label), (feat, notes) in zip(clips, results, strict=True):
-        rel = clip.relative_to(root).as_posix()
+    for (clip, label), (feat, notes) in zip(usable, results, strict=True):
+        rel = shown(clip.relative_to(root).as_posix())
         for note in notes:
             if note in skipped:
                 skipped[note].append(rel)
@@ -285,10 +395,10 @@ def extract(
             files.append(rel)
     for reason, which in skipped.items():
         if which:
-            log.warning("skipped %d %s IRMAS file(s), e.g. %s", len(which), reason, which[0])
+            log.warning("skipped %d %s IRMAS file(s): %s", len(which), reason, ", ".join(which[:5]))
     if not feats:
-        counts = ", ".join(f"{len(v)} {k}" for k, v in skipped.items())
-        raise IRMASError(f"no usable clips under {str(root)!r} ({counts}); expected stereo wav files")
+        counts = ", ".join(f"{len(v)} {k}" for k, v in skipped.items() if v)
+        raise IRMASError(f"no usable clips under {shown(root)!r} ({counts}); expected stereo wav files")
     payload = {
         "features": torch.from_numpy(np.stack(feats)),
         "labels": torch.tensor(labels, dtype=torch.int64),
@@ -297,11 +407,13 @@ def extract(
         "skipped": skipped,
         "fixed": fixed,
     }
+    error = None
     try:
-        write_atomic(path, lambda tmp: torch.save(payload, tmp))
+        write_atomic(path, lambda tmp: torch.save({**payload, "checksum": _checksum(payload)}, tmp))
     except OSError as exc:  # the features are still good: say so, and carry on without a cache
-        log.warning("could not write the IRMAS cache %s (%s); the next run extracts again", path, exc)
-    return IRMASFeatures(**payload, cache_path=str(path), from_cache=False, seconds=time.perf_counter() - t0)
+        error = str(exc)
+        log.warning("%s; the next run extracts again", error)
+    return IRMASFeatures(**payload, cache_path=str(path), seconds=time.perf_counter() - t0, cache_error=error)
 
 
 def irmas_loaders(
@@ -362,12 +474,16 @@ def report(data: IRMASFeatures) -> str:
         f"IRMAS features, setting {data.frames}: {tuple(data.features.shape)} (clips, frames, features)",
         "clips per class: " + ", ".join(f"{c} {n}" for c, n in data.per_class().items()),
     ]
-    skipped = ", ".join(f"{len(v)} {k}" for k, v in data.skipped.items())
+    skipped = ", ".join(f"{len(v)} {k}" for k, v in data.skipped.items() if v) or "none"
     fixed = ", ".join(f"{n} {k}" for k, n in data.fixed.items())
     lines.append(f"skipped: {skipped}; fixed: {fixed}")
-    source = "read from cache" if data.from_cache else "extracted and cached"
     rate = "" if data.from_cache else f" ({len(data.files) / max(data.seconds, 1e-9):.1f} clips/s)"
-    lines.append(f"{source} in {data.seconds:.1f} s{rate}: {data.cache_path}")
+    if data.from_cache:
+        lines.append(f"read from cache in {data.seconds:.1f} s: {data.cache_path}")
+    elif data.cache_error:
+        lines.append(f"extracted in {data.seconds:.1f} s{rate}; not cached: {data.cache_error}")
+    else:
+        lines.append(f"extracted and cached in {data.seconds:.1f} s{rate}: {data.cache_path}")
     return "\n".join(lines)
 
 

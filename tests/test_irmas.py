@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import librosa
@@ -9,7 +14,7 @@ import numpy as np
 import pytest
 import soundfile
 import torch
-from helpers import stereo_clip, write_tree
+from helpers import ROOT, stereo_clip, write_tree
 
 from datasets import irmas
 from datasets.irmas import CLASSES, SETTINGS, IRMASError, extract
@@ -33,7 +38,10 @@ def test_shapes_labels_and_reported_misfits(small: irmas.IRMASFeatures) -> None:
     assert small.features.dtype == torch.float32
     for rel, label in zip(small.files, small.labels.tolist(), strict=True):
         assert rel.split("/")[0] == CLASSES[label]
-    assert small.skipped == {"unreadable": ["gac/corrupt.wav"], "not stereo": ["cel/mono.wav"]}
+    assert {k: v for k, v in small.skipped.items() if v} == {
+        "unreadable": ["gac/corrupt.wav"],
+        "not stereo": ["cel/mono.wav"],
+    }
     assert small.fixed == {"resampled": 1, "length adjusted": 1}
     assert small.per_class()["cla"] == 3 and small.per_class()["gac"] == 2
 
@@ -165,4 +173,107 @@ def test_an_unwritable_cache_warns_and_still_returns_features(tmp_path: Path, ca
     blocker.write_text("x")
     data = extract(tmp_path, "l", blocker / "cache", workers=1, progress=False)
     assert data.features.shape == (1, 1034, 12)
-    assert "could not write the IRMAS cache" in caplog.text
+    assert f"cannot write {blocker / 'cache'}" in caplog.text and "the next run extracts again" in caplog.text
+    assert data.cache_error.startswith(f"cannot write {blocker / 'cache'}")
+    assert f"not cached: cannot write {blocker / 'cache'}" in irmas.report(data)
+
+
+# ------------------------------------------------------------------------------------ input faults
+
+
+def one_class(tmp_path: Path, name: str = "pia") -> Path:
+    """A tree of one class folder holding one good clip."""
+    (tmp_path / name).mkdir(parents=True)
+    soundfile.write(tmp_path / name / "good.wav", stereo_clip(7), RATE)
+    return tmp_path / name
+
+
+def test_faulty_files_are_skipped_counted_and_named(tmp_path: Path, caplog) -> None:
+    folder = one_class(tmp_path)
+    bad = stereo_clip(8)
+    bad[100, 0] = np.nan
+    soundfile.write(folder / "nan.wav", bad, RATE, subtype="FLOAT")
+    bad[100, 0] = np.inf
+    soundfile.write(folder / "inf.wav", bad, RATE, subtype="FLOAT")
+    (folder / "dangling.wav").symlink_to(tmp_path / "gone.wav")
+    whole = (folder / "good.wav").read_bytes()
+    (folder / "cut.wav").write_bytes(whole[: len(whole) // 2])
+    data = extract(tmp_path, "l", tmp_path / "cache", workers=1, progress=False)
+    assert data.files == ["pia/good.wav"]
+    assert data.skipped["non-finite samples"] == ["pia/inf.wav", "pia/nan.wav"]
+    assert data.skipped["unreadable"] == ["pia/dangling.wav"]
+    assert data.skipped["truncated"] == ["pia/cut.wav"]
+    assert "skipped 1 truncated IRMAS file(s): pia/cut.wav" in caplog.text
+    assert "1 unreadable, 1 truncated, 2 non-finite samples" in irmas.report(data)
+
+
+def test_names_the_system_allows_are_read_whatever_their_case_or_encoding(tmp_path: Path) -> None:
+    folder = one_class(tmp_path)
+    soundfile.write(folder / "LOUD.WAV", stereo_clip(9), RATE)
+    odd = os.fsencode(folder) + b"/caf\xe9.wav"  # Latin-1, not UTF-8
+    with open(odd, "wb") as f:
+        f.write((folder / "good.wav").read_bytes())
+    data = extract(tmp_path, "l", tmp_path / "cache", workers=1, progress=False)
+    assert data.files == ["pia/LOUD.WAV", "pia/caf\\xe9.wav", "pia/good.wav"]
+    assert not any(data.skipped.values())
+    irmas.report(data).encode("utf-8")  # printable as it is
+
+
+def test_empty_and_unlistable_class_folders_are_named(tmp_path: Path, caplog, monkeypatch) -> None:
+    one_class(tmp_path)
+    (tmp_path / "cel").mkdir()
+    (tmp_path / "voi").mkdir()
+    real = Path.iterdir
+
+    def refuse(self):
+        if self.name == "voi":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", refuse)
+    extract(tmp_path, "l", tmp_path / "cache", workers=1, progress=False)
+    assert "IRMAS class folders without .wav clips under" in caplog.text and ": cel" in caplog.text
+    assert f"cannot list the IRMAS class folder {tmp_path / 'voi'} (Permission denied)" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["flipped bytes", "foreign file"])
+def test_a_damaged_or_foreign_cache_is_extracted_anew(tmp_path: Path, caplog, damage: str) -> None:
+    one_class(tmp_path)
+    first = extract(tmp_path, "l", tmp_path / "cache", workers=1, progress=False)
+    cache = Path(first.cache_path)
+    if damage == "flipped bytes":
+        raw = bytearray(cache.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF  # inside the features
+        cache.write_bytes(bytes(raw))
+    else:
+        torch.save(torch.zeros(3), cache)
+    again = extract(tmp_path, "l", tmp_path / "cache", workers=1, progress=False)
+    assert not again.from_cache and torch.equal(again.features, first.features)
+    assert f"ignoring the IRMAS cache {cache}" in caplog.text
+    assert extract(tmp_path, "l", tmp_path / "cache", workers=1, progress=False).from_cache  # rewritten
+
+
+def test_killing_the_extraction_ends_its_workers(tmp_path: Path) -> None:
+    tree = write_tree(tmp_path / "tree", per_class=6)
+    command = [sys.executable, "-m", "datasets.irmas", "--root", str(tree), "--workers", "2"]
+    command += ["--frames", "s", "--cache-dir", str(tmp_path / "cache")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[str] = []
+    deadline = time.monotonic() + 120
+    while len(children) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        task = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        children = task.read_text().split() if task.exists() else []
+        time.sleep(0.05)
+    assert len(children) == 2, "the workers did not start"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{c}").exists() for c in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [
+        c
+        for c in children
+        if Path(f"/proc/{c}/status").exists() and "zombie" not in Path(f"/proc/{c}/status").read_text()
+    ]
+    assert alive == []
