@@ -118,7 +118,9 @@ def load_results(paths: Sequence[str | Path]) -> pd.DataFrame:
         for table in tables:
             try:
                 frame = pd.read_csv(table)
-            except (OSError, ValueError, pd.errors.EmptyDataError) as exc:
+            except pd.errors.EmptyDataError:
+                continue  # written before any epoch finished: no rows yet
+            except (OSError, ValueError) as exc:
                 raise AnalysisError(f"cannot read {table}: {str(exc).splitlines()[0]}") from None
             missing = [c for c in REQUIRED if c not in frame.columns]
             if frame.empty:

@@ -84,6 +84,38 @@ def test_speedups_are_ratios_of_medians_per_configuration_and_device() -> None:
     assert speedups(data).equals(speedups(data))  # the bootstrap is seeded
 
 
+def test_runs_that_differ_in_any_configuration_key_are_compared_apart() -> None:
+    """Two depths, two learning rates, two BPPSA strategies: one speedup row each, never pooled."""
+    table = []
+    for key, lr in (("k-lr-a", 1e-3), ("k-lr-b", 1e-2)):
+        for r in rows("bptt", 100, 16, "GPU-A", 2.0, 1e-2) + rows("bppsa", 100, 16, "GPU-A", 1.0, 1e-3):
+            table.append(
+                {
+                    **r,
+                    "comparison_key": key,
+                    "lr": lr,
+                    "strategy": "chunked" if r["backward"] == "bppsa" else None,
+                    "run": f"{r['run']}-{key}",
+                }
+            )
+    table += [
+        {**r, "comparison_key": "k-lr-a", "lr": 1e-3, "strategy": "blelloch", "run": "blelloch"}
+        for r in rows("bppsa", 100, 16, "GPU-A", 4.0, 4e-3)
+    ]
+    data = load_results_from(table)
+    found = speedups(data)
+    assert len(found) == 3
+    assert sorted(found["backward_speedup"].round(6)) == [2.5, 10.0, 10.0]  # blelloch: 1e-2 / 4e-3
+    legacy = data.drop(columns=["comparison_key"])  # older records: every describing column counts
+    assert len(speedups(legacy)) == 3
+
+
+def test_an_empty_table_says_there_are_no_rows_yet(tmp_path: Path) -> None:
+    (tmp_path / "records.csv").write_text("")
+    with pytest.raises(AnalysisError, match="the result files hold no epoch rows yet"):
+        load_results([tmp_path / "records.csv"])
+
+
 def load_results_from(table: list[dict], tmp: Path | None = None) -> pd.DataFrame:
     import tempfile
 

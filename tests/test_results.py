@@ -96,6 +96,14 @@ def test_a_sweep_exits_0_when_its_own_jobs_completed_whatever_else_the_folder_ho
     assert (jobs.drop(stale.name)["outcome"] == "completed").all()
 
 
+def test_a_job_whose_interpolation_does_not_resolve_is_refused_and_the_sweep_merged(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    done = run_py("-m", *TINY, *CSV, "optimizer.lr=0.001,${oops}", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert done.returncode == 1 and "1 of 2 jobs completed" in done.stdout
+    assert "optimizer.lr: Interpolation key 'oops' not found" in done.stdout
+    assert len(pd.read_csv(sweep / "records.csv")) == 2
+
+
 def test_keys_that_do_not_change_results_keep_the_folders_and_duplicates_are_merged_once(
     tmp_path: Path,
 ) -> None:
