@@ -24,7 +24,8 @@ def speedup_markdown(table: pd.DataFrame) -> str:
     """The speedup table as Markdown: one row per configuration and device."""
     if table.empty:
         return "_No configuration has both a BPTT and a BPPSA run yet._"
-    head = ["model", "dataset", "frames", "T", "B", "device", "overall speedup", "backward speedup", "epochs"]
+    head = ["model", "dataset", "frames", "T", "B", "device", "BPPSA", "overall speedup", "backward speedup"]
+    head.append("epochs")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table.itertuples():
         frames = r.frames if isinstance(r.frames, str) else "-"
@@ -35,12 +36,23 @@ def speedup_markdown(table: pd.DataFrame) -> str:
             str(int(r.seq_len)),
             str(int(r.batch_size)),
             str(r.device_name),
+            _variant(r),
             f"{r.overall_speedup:.2f}× [{r.overall_lo:.2f}, {r.overall_hi:.2f}]",
             f"{r.backward_speedup:.2f}× [{r.backward_lo:.2f}, {r.backward_hi:.2f}]",
             f"{r.epochs_bptt} / {r.epochs_bppsa}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _variant(row) -> str:
+    """The BPPSA side of a comparison: its strategy, and chunk and levels where set."""
+    parts = [str(getattr(row, "strategy", "")) if pd.notna(getattr(row, "strategy", None)) else "-"]
+    for key in ("chunk", "levels"):
+        value = getattr(row, key, None)
+        if value is not None and pd.notna(value):
+            parts.append(f"{key} {int(value)}")
+    return ", ".join(parts)
 
 
 def write_report(paths: Sequence[str | Path], out: Path) -> Path:

@@ -210,6 +210,7 @@ def test_report_from_a_real_tiny_sweep(tmp_path: Path) -> None:
     text = (tmp_path / "report" / "report.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| rnn | bitstream")]
     assert [line.split("|")[4].strip() for line in table] == ["6", "12"]
+    assert [line.split("|")[7].strip() for line in table] == ["auto", "auto"]  # the BPPSA side
     assert "× [" in table[0] and "![fig8](fig8.png)" in text
     assert "Commits: " in text and "torch " in text
     assert (tmp_path / "report" / "fig8.pdf").is_file()
