@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence
 
 from bppsa_core import dispatch
+from bppsa_core.denormals import flush_denormals
 from bppsa_core.dispatch import ScanOptions
 from bppsa_core.jacobians import Cell, GRUCell, LayerWeights, RNNCell, layer_grads
 from bppsa_core.scan import scan
@@ -92,6 +93,11 @@ class _ScanBackward(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor | None, grad_hn: Tensor | None) -> tuple[Tensor | None, ...]:
+        with flush_denormals(ctx.saved_tensors[0].device):  # scans and gradient GEMMs: see denormals
+            return _ScanBackward._backward(ctx, grad_out, grad_hn)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: Tensor | None, grad_hn: Tensor | None) -> tuple[Tensor | None, ...]:
         spec: _Spec = ctx.spec
         x, h0, *rest = ctx.saved_tensors
         n_w = spec.num_layers * spec.per_layer
@@ -114,13 +120,20 @@ class _ScanBackward(torch.autograd.Function):
             fused = _fused_layer(spec, inp, h_prev, h, w, u, last)
             if fused is not None:
                 grad_h0[i], g_in, g_hid = fused
+
+                def deltas(t: slice, g_in=g_in, g_hid=g_hid) -> tuple[Tensor, Tensor]:
+                    return g_in[t], g_hid[t]
+
             else:
                 factors = spec.cell.factors(inp, h_prev, h, w)
                 g = _state_grads(spec, factors, w, u, last, h)
                 grad_h0[i] = g[0]
-                g_in, g_hid = spec.cell.preactivation_grads(g[1:], factors)
+
+                def deltas(t: slice, g=g[1:], factors=factors) -> tuple[Tensor, Tensor]:
+                    return spec.cell.preactivation_grads(g[t], tuple(f[t] for f in factors))
+
             need_input = i > 0 or ctx.needs_input_grad[1]
-            u, dw = layer_grads(g_in, g_hid, inp, h_prev, w, need_input)
+            u, dw = layer_grads(deltas, inp, h_prev, w, need_input)
             grad_w[i * spec.per_layer : (i + 1) * spec.per_layer] = [
                 t for t in (dw.w_ih, dw.w_hh, dw.b_ih, dw.b_hh) if t is not None
             ]

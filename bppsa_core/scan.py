@@ -50,6 +50,7 @@ from torch import Tensor
 
 from bppsa_core import dispatch
 from bppsa_core.chain import Chain, DenseChain, FactoredChain, Index, as_chain
+from bppsa_core.denormals import flush_denormals
 from bppsa_core.dispatch import ScanOptions
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,13 @@ def scan(
         strategy, chain.length, x_last.shape[0], chain.hidden, device, _kernels_take(chain)
     )
     log.debug("scan of %d elements: %s", chain.length, chosen)
+    with flush_denormals(device):  # long products of Jacobians underflow: see bppsa_core.denormals
+        return _run(chosen, chain, x_last, offsets, options)
+
+
+def _run(chosen: str, chain: Chain, x_last: Tensor, offsets: Tensor | None, options: ScanOptions) -> Tensor:
+    """The scan by the strategy ``chosen``."""
+    device = x_last.device
     if chosen in _EAGER:
         return _eager(chosen, chain, x_last, offsets, options)
     dispatch.check_device(chosen, device)
@@ -127,9 +135,9 @@ def scan(
     if not _kernels_take(chain):
         raise ValueError(dispatch.KERNELS_REFUSED)
     return dispatch.with_kernels(
-        strategy,
+        options.strategy,
         device,
-        lambda: _triton(chain, x_last, offsets, chunk),
+        lambda: _triton(chain, x_last, offsets, options.chunk),
         lambda: _graphed(chain, x_last, offsets, options),
     )
 
@@ -293,7 +301,11 @@ def chunked_scan(
     """
     chain = as_chain(elements)
     n = chain.length
-    c = dispatch.default_chunk(n) if chunk is None else chunk
+    if chunk is None:
+        terms = chain.weights.shape[0] if isinstance(chain, FactoredChain) else 1
+        element = x_last.shape[0] * terms * chain.hidden**2 * x_last.element_size()
+        chunk = dispatch.default_chunk(n, element)
+    c = chunk
     p = math.ceil(n / c)
     if p <= 2:  # at most one chunk besides the spine: nothing to reduce in parallel
         return sequential_scan(chain, x_last, offsets)

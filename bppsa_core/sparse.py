@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bppsa_core.denormals import flush_denormals
+
 
 def _quiet_csr(make):
     """Build CSR tensors without PyTorch's 'beta' notice, which every construction repeats."""
@@ -403,7 +405,8 @@ def sparse_scan(
     up/down levels around a sequential middle (heterogeneous BPPSA; 0 is plain back-propagation).
     """
     cost = ScanCost()
-    xs = _scan(list(elements), g_last, levels, 0, cost)
+    with flush_denormals(g_last.device):  # long products of Jacobians underflow: see denormals
+        xs = _scan(list(elements), g_last, levels, 0, cost)
     return xs, cost
 
 

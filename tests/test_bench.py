@@ -46,6 +46,29 @@ def test_a_backward_row_times_bptt_and_every_strategy_and_checks_the_gradients(m
     assert row.floor_levels_ms == FLOORS.levels_ms(9)
 
 
+def test_the_methods_take_turns_and_the_row_gives_their_spread(monkeypatch) -> None:
+    order = []
+    real = backward.backward_once
+
+    def once(module, *args):
+        order.append("BPTT" if type(module) is torch.nn.RNN else module.strategy)
+        return real(module, *args)
+
+    monkeypatch.setattr(backward, "backward_once", once)
+    row = bench("rnn", 9, 2, 3, 1, ["chunked", "blelloch"], CPU, warmup=1, repeats=3)
+    assert order == ["BPTT", "chunked", "blelloch"] * 4  # one round of warm-up, three timed
+    assert row.spread >= 0 and "spread" in format_table([row], ["chunked", "blelloch"])
+
+
+def test_the_long_suite_reaches_300000_steps_for_both_cells() -> None:
+    sets, epoch = suite_sets("long")
+    assert epoch is None and [s.model for s in sets] == ["rnn", "gru"]
+    for s in sets:
+        assert [c[0] for c in s.configs] == [1000, 30_000, 100_000, 300_000]
+        assert {c[1:3] for c in s.configs} == {(16, 20)}
+    assert {c[3] for c in sets[1].configs} == {24}
+
+
 def test_a_strategy_that_cannot_run_here_gets_na_cells_and_a_note(triton_refused, no_jax) -> None:
     row = bench("rnn", 20, 2, 3, 1, ["chunked", "triton"], CPU, **ONCE)
     assert isinstance(row.bppsa_ms["chunked"], float) and row.bppsa_ms["triton"] == "n/a"

@@ -58,7 +58,7 @@ from experiments.timing import time_ms
 MODELS = ("rnn", "gru")
 TABLES = ("backward", "scan", "epoch")
 PEER_NAMES = ("torch", "jax")
-SUITES = ("paper",)
+SUITES = ("paper", "long")
 # Strategies timed when --strategies is not given; those not in STRATEGIES (yet) are left out.
 DEFAULT_STRATEGIES = {
     "cpu": ("chunked", "blelloch"),
@@ -79,6 +79,7 @@ class Row:
     bptt_ms: float
     bppsa_ms: dict[str, float | str]  # a time, or the text of a cell that was not timed ("n/a")
     max_rel_err: float
+    spread: float = 0.0  # the largest (max - min) / median of a method's timed runs
     floor_bytes_ms: float | None = None
     floor_levels_ms: float | None = None
     notes: dict[str, str] = field(default_factory=dict)
@@ -116,24 +117,15 @@ def default_strategies(device: torch.device) -> list[str]:
 # -------------------------------------------------------------------------------------- full backward
 
 
-def time_backward(
-    module: torch.nn.Module,
-    x: torch.Tensor,
-    head: torch.Tensor,
-    loss: str,
-    warmup: int,
-    repeats: int,
+def backward_once(
+    module: torch.nn.Module, x: torch.Tensor, head: torch.Tensor, loss: str
 ) -> tuple[float, list[torch.Tensor]]:
-    """Median backward time (ms) of ``loss`` through ``module``, and the gradients of the last run."""
-    times = []
-    for i in range(warmup + repeats):
-        module.zero_grad(set_to_none=True)
-        out, h_n = module(x)
-        value = (h_n[-1] @ head).sum() if loss == "last" else (out @ head).sum()
-        ms = time_ms(value.backward, x.device)
-        if i >= warmup:
-            times.append(ms)
-    return statistics.median(times), [p.grad.detach().clone() for p in module.parameters()]
+    """One backward (ms) of ``loss`` through ``module`` (forward not timed), and its gradients."""
+    module.zero_grad(set_to_none=True)
+    out, h_n = module(x)
+    value = (h_n[-1] @ head).sum() if loss == "last" else (out @ head).sum()
+    ms = time_ms(value.backward, x.device)
+    return ms, [p.grad.detach().clone() for p in module.parameters()]
 
 
 def bench(
@@ -152,32 +144,53 @@ def bench(
     floors: Floors | None = None,
     chunk: int | None = None,
 ) -> Row:
-    """Time one configuration: BPTT, then BPPSA with every scan strategy that runs here
-    (``chunk``: the chunked and triton strategies' chunk size; default: the modules').
+    """Time one configuration: BPTT and BPPSA with every scan strategy that runs here (``chunk``:
+    the chunked and triton strategies' chunk size; default: the modules').
 
-    A strategy that refuses the device or shape (ValueError) gets an "n/a" cell, any other failure
-    an "error" cell; either way its message goes to the row's notes and the other columns go on.
+    The methods take turns, one backward each per round (``warmup`` untimed rounds, then
+    ``repeats`` timed ones), so a machine that drifts during the run (a neighbour, a clock) drifts
+    for all of them alike; each cell is its method's median, and the row's spread the largest
+    (max - min) / median among them. A strategy that refuses the device or shape (ValueError) gets
+    an "n/a" cell, any other failure an "error" cell; either way its message goes to the row's notes
+    and the other columns go on.
     """
     torch.manual_seed(seed)
     ref_cls, our_cls = (torch.nn.RNN, bnn.RNN) if model == "rnn" else (torch.nn.GRU, bnn.GRU)
     ref = ref_cls(features, hidden, batch_first=True).to(device, dtype)
     x = torch.bernoulli(torch.full((batch, steps, features), 0.5, device=device, dtype=dtype))
     head = torch.randn(hidden, 1, device=device, dtype=dtype)
-    bptt_ms, ref_grads = time_backward(ref, x, head, loss, warmup, repeats)
-    times: dict[str, float | str] = {}
+    modules: dict[str, torch.nn.Module] = {"BPTT": ref}
+    cells: dict[str, float | str] = {}
     notes: dict[str, str] = {}
-    err = 0.0
     for strategy in strategies:
         ours = our_cls(features, hidden, batch_first=True, strategy=strategy, chunk=chunk).to(device, dtype)
         ours.load_state_dict(ref.state_dict())
-        try:
-            times[strategy], grads = time_backward(ours, x, head, loss, warmup, repeats)
-        except Exception as exc:  # a strategy that cannot run is reported, not raised
-            times[strategy], notes[strategy] = failure(exc)
+        modules[strategy] = ours
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    grads: dict[str, list[torch.Tensor]] = {}
+    for round_ in range(warmup + repeats):
+        for name, module in modules.items():
+            if name in cells:  # it failed
+                continue
+            try:
+                ms, grads[name] = backward_once(module, x, head, loss)
+            except Exception as exc:  # a strategy that cannot run is reported, not raised
+                if name == "BPTT":
+                    raise
+                cells[name], notes[name] = failure(exc)
+                continue
+            if round_ >= warmup:
+                times[name].append(ms)
+    err, spread = 0.0, 0.0
+    for name, measured in times.items():
+        if name in cells:
             continue
-        for a, b in zip(ref_grads, grads, strict=True):
+        cells[name] = statistics.median(measured)
+        spread = max(spread, (max(measured) - min(measured)) / cells[name])
+        for a, b in zip(grads["BPTT"], grads[name], strict=True):
             err = max(err, ((a - b).norm() / a.norm().clamp_min(1e-30)).item())
-    row = Row(model, steps, batch, hidden, bptt_ms, times, err, notes=notes)
+    bptt_ms = cells.pop("BPTT")
+    row = Row(model, steps, batch, hidden, bptt_ms, cells, err, spread=spread, notes=notes)
     if floors is not None:
         row.floor_bytes_ms = floors.bytes_ms(steps, batch, hidden, 1 if model == "rnn" else 3)
         row.floor_levels_ms = floors.levels_ms(steps)
@@ -193,7 +206,7 @@ def format_table(rows: Sequence[Row], strategies: Sequence[str]) -> str:
     head += ["best BPPSA", "BPTT / best"]
     if with_floors:
         head += ["floor bytes ms", "floor levels ms", "best / floor"]
-    head.append("max rel grad diff")
+    head += ["spread", "max rel grad diff"]
     body = []
     for r in rows:
         cells = [r.model, str(r.steps), str(r.batch), str(r.hidden), fmt_ms(r.bptt_ms)]
@@ -209,7 +222,7 @@ def format_table(rows: Sequence[Row], strategies: Sequence[str]) -> str:
             floor = max(r.floor_bytes_ms, r.floor_levels_ms)
             cells += [f"{r.floor_bytes_ms:.3g}", f"{r.floor_levels_ms:.3g}"]
             cells.append(f"{best[1] / floor:.3g}" if best else "n/a")
-        cells.append(f"{r.max_rel_err:.1e}")
+        cells += [f"{100 * r.spread:.0f} %", f"{r.max_rel_err:.1e}"]
         body.append(cells)
     return markdown(head, body)
 
@@ -305,16 +318,32 @@ def format_epoch_table(rows: Sequence[EpochRow]) -> str:
 # --------------------------------------------------------------------------------------------- suites
 
 
-def suite_sets(name: str, quick: bool = False) -> tuple[list[ConfigSet], tuple[int, int, int, int]]:
-    """The configuration sets of a suite and its epoch comparison (T, B, H, samples).
+def suite_sets(name: str, quick: bool = False) -> tuple[list[ConfigSet], tuple[int, int, int, int] | None]:
+    """The configuration sets of a suite and its epoch comparison (T, B, H, samples), if it has one.
 
     paper: the paper's RNN sweeps (T at B = 16; B = 2, 4, ..., 256 in powers of two at T = 1000;
     H = 20, one input feature) and its GRU IRMAS shapes (settings s/m/l: T 259/517/1034 with
-    38/24/12 features, each at B 16/32/64; H = 20 as conf/model/gru.yaml). ``quick``: the same
-    tables on shapes small enough for seconds on a CPU.
+    38/24/12 features, each at B 16/32/64; H = 20 as conf/model/gru.yaml), and the epoch.
+    long: RNN and GRU (24 features) at T = 1000, 30,000, 100,000 and 300,000, B = 16, H = 20, to
+    show that the backward's time grows linearly with T. ``quick``: the same tables on shapes small
+    enough for seconds on a CPU.
     """
-    if name != "paper":
+    if name not in SUITES:
         raise ValueError(f"unknown suite {name!r}; accepted: {', '.join(SUITES)}")
+    if name == "long":
+        lengths, hidden = ((30, 60) if quick else (1000, 30_000, 100_000, 300_000)), 5 if quick else 20
+        return [
+            ConfigSet(
+                f"RNN, long sequences (B = 16, H = {hidden})",
+                "rnn",
+                tuple((t, 16, hidden, 1) for t in lengths),
+            ),
+            ConfigSet(
+                f"GRU, long sequences (B = 16, H = {hidden})",
+                "gru",
+                tuple((t, 16, hidden, 24) for t in lengths),
+            ),
+        ], None
     if quick:
         lengths, t_batch, batches, b_len, hidden = (10, 30), 4, (2, 4), 30, 5
         gru_shapes, gru_batches, epoch = ((13, 4), (26, 3)), (2,), (30, 8, 20, 32)
@@ -345,7 +374,9 @@ def suite_sets(name: str, quick: bool = False) -> tuple[list[ConfigSet], tuple[i
 
 LEGEND = (
     "Full backward: forward excluded; 's / BPTT' < 1 and 'BPTT / best' > 1 mean BPPSA is faster; the "
-    "last column is the largest relative gradient difference from autograd's. Scan only: x_0..x_T of "
+    "last column is the largest relative gradient difference from autograd's; the methods take turns, "
+    "one backward each per round, and spread is the largest (max - min) / median among them. Scan only: "
+    "x_0..x_T of "
     "one layer's chain from x_T in float32; the peers take the dense (T, B, H, H) elements (their "
     "building not timed); 'peer / best' > 1: BPPSA's best strategy is that many times faster; rel diff: "
     "norm-wise, against the sequential scan in float64; the jax peer is timed by the wall clock around a "
@@ -362,7 +393,12 @@ EPOCH_NOTE = (
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line, checked: a bad value ends the tool with one line and status 2."""
     p = parser("experiments.bench.backward", __doc__)
-    p.add_argument("--suite", choices=SUITES, default=None, help="run the paper's configurations")
+    p.add_argument(
+        "--suite",
+        choices=SUITES,
+        default=None,
+        help="paper: the paper's configurations; long: T up to 300,000",
+    )
     p.add_argument("--quick", action="store_true", help="the suite on small shapes (seconds, CPU)")
     p.add_argument(
         "--tables",
@@ -419,7 +455,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.suite and fixed:
         p.error(f"--suite runs fixed configurations; {', '.join(fixed)} apply without --suite")
     if args.quick and not args.suite:
-        p.error("--quick shrinks a suite; accepted: --suite paper --quick")
+        p.error("--quick shrinks a suite; accepted: --suite paper --quick or --suite long --quick")
     if args.epoch_samples is not None and args.epoch_samples > TRAIN_SAMPLES:
         p.error(f"--epoch-samples: {args.epoch_samples} is more than the {TRAIN_SAMPLES} training samples")
     args.tables = args.tables or (list(TABLES) if args.suite else ["backward"])
@@ -432,7 +468,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def plan(args: argparse.Namespace) -> tuple[list[ConfigSet], list[tuple[int, int, int, int]]]:
     """The configuration sets and the epoch comparisons (T, B, H, samples) the arguments ask for."""
     if args.suite:
-        sets, (t, b, h, n) = suite_sets(args.suite, args.quick)
+        sets, epoch = suite_sets(args.suite, args.quick)
+        if epoch is None:
+            return sets, []
+        t, b, h, n = epoch
         return sets, [(t, b, h, args.epoch_samples or n)]
     b, h, f = args.B or 16, args.H or 20, args.F or 1
     lengths = args.T or [100, 1000, 10000]
@@ -477,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress(f"backward {cs.model} T={t} B={b} H={h} F={f} ...")
                 rows.append(bench(cs.model, t, b, h, f, strategies, device, dtype, args.loss, **timing))
             table(f"Full backward: {cs.title}", format_table(rows, strategies), rows)
-    if "epoch" in args.tables:
+    if "epoch" in args.tables and epochs:
         rows, failed = [], []
         for t, b, h, n in epochs:
             try:
