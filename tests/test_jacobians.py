@@ -55,3 +55,28 @@ def test_chain_elements_are_the_step_jacobians(cell, hidden: int) -> None:
 def test_unknown_nonlinearity_is_named() -> None:
     with pytest.raises(ValueError, match="unknown nonlinearity 'sigmoid'; accepted: tanh, relu"):
         RNNCell("sigmoid")
+
+
+def test_layer_grads_consume_the_deltas_block_by_block_and_sum_them_exactly() -> None:
+    from bppsa_core.jacobians import layer_grads
+
+    g = torch.Generator().manual_seed(0)
+    steps, batch, features, hidden = 5000, 4, 3, 5
+    w = weights(3, features, hidden, seed=3)
+    x = torch.randn(steps, batch, features, generator=g, dtype=F64)
+    h_prev = torch.randn(steps, batch, hidden, generator=g, dtype=F64)
+    gi = torch.randn(steps, batch, 3 * hidden, generator=g, dtype=F64)
+    gh = torch.randn(steps, batch, 3 * hidden, generator=g, dtype=F64)
+    asked = []
+
+    def deltas(t: slice):
+        asked.append(t)
+        return gi[t], gh[t]
+
+    dx, dw = layer_grads(deltas, x, h_prev, w)
+    assert len(asked) > 1 and sum(len(range(steps)[t]) for t in asked) == steps  # blocks, each step once
+    flat = lambda t: t.flatten(0, -2)  # noqa: E731
+    assert rel_err(flat(gi).t() @ flat(x), dw.w_ih) < 1e-12
+    assert rel_err(flat(gh).t() @ flat(h_prev), dw.w_hh) < 1e-12
+    assert rel_err(flat(gi).sum(0), dw.b_ih) < 1e-12 and rel_err(flat(gh).sum(0), dw.b_hh) < 1e-12
+    assert rel_err(gi @ w.w_ih, dx) < 1e-12
