@@ -36,15 +36,33 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(hc.runtime.output_dir)
     outcome = run_job(cfg, run_dir)
     line = f"{outcome.status}{': ' + outcome.error if outcome.error else ''}"
-    if hc.mode == RunMode.MULTIRUN:  # the sweep goes on; its merge reports at the end
+    sweeping = hc.mode == RunMode.MULTIRUN
+    if sweeping:  # the sweep goes on; its merge reports at the end
         sweep_id = os.environ.get(records.SWEEP_ID_VARIABLE, "unknown")
         records.report_job(Path(hc.sweep.dir), sweep_id, run_dir.name, outcome.status, outcome.error)
         print(f"job {run_dir.name}: {line}", flush=True)
+    if outcome.status == "interrupted":
+        print(f"run.py: {outcome.error}; {continuation(hc, run_dir, sweeping)}", file=sys.stderr)
+        sys.exit(130)
+    if sweeping:
         return
     if outcome.status in ("failed", "busy"):
         print(f"run.py: error: {outcome.error}", file=sys.stderr)
         sys.exit(2 if outcome.bad_input else 1)
     print_summary(run_dir, skipped=outcome.status == "skipped")
+
+
+def continuation(hc, run_dir: Path, sweeping: bool) -> str:
+    """What was kept, and the command that goes on from it."""
+    if sweeping:
+        return (
+            f"its finished epochs are kept in {run_dir}; run the same command again to go on (completed "
+            "jobs are skipped; add trainer.resume=true to continue the interrupted ones where they stopped)"
+        )
+    kept = [p.name for p in (run_dir / n for n in (records.RECORDS, records.CHECKPOINT)) if p.exists()]
+    overrides = [o for o in hc.overrides.task if not o.startswith("trainer.resume=")]
+    command = " ".join(["python run.py", *overrides, "trainer.resume=true", f"hydra.run.dir={run_dir}"])
+    return f"kept in {run_dir}: {', '.join(kept) or 'nothing yet'}; to continue: {command}"
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ measurements). Per comparison:
   Jacobian building happens inside its backward, so it is counted as backward work).
 
 The spread is a 95 % bootstrap interval of the ratio of medians (resampling each side's epochs,
-1000 draws, a fixed seed), so the same input always gives the same numbers.
+1000 draws, a fixed seed), so the same input always gives the same numbers; with fewer than
+``MIN_INTERVAL_EPOCHS`` epochs on a side there is no interval, and a comparison without timed
+iterations has no speedup: each such cell says why.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ MEASUREMENTS = (
 # The backward group's columns: what distinguishes the two sides and the BPPSA variants.
 BACKWARD_COLUMNS = ("backward", "strategy", "chunk", "levels")
 BOOTSTRAP_DRAWS = 1000
+# Fewer epochs than this on a side give a median but no interval: too few to estimate a spread.
+MIN_INTERVAL_EPOCHS = 3
 BOOTSTRAP_SEED = 0
 
 
@@ -98,8 +102,13 @@ def _tables_under(path: Path) -> list[Path]:
     return sorted(path.glob("*/records.csv"))  # a sweep cut short before its merge
 
 
-def load_results(paths: Sequence[str | Path]) -> pd.DataFrame:
-    """All epoch rows under ``paths``, one frame; raises AnalysisError naming what is wrong."""
+def load_results(paths: Sequence[str | Path], keep_contended: bool = False) -> pd.DataFrame:
+    """All epoch rows under ``paths``, one frame; raises AnalysisError naming what is wrong.
+
+    Epochs measured while other work kept the machine busy (``contended``, see
+    ``experiments.hardware.LoadMeter``) are left out unless ``keep_contended``; how many were is in
+    ``data.attrs["contended_epochs"]``.
+    """
     if not paths:
         raise AnalysisError(
             "no result paths given; accepted: sweep folders, run folders or records.csv files"
@@ -136,6 +145,15 @@ def load_results(paths: Sequence[str | Path]) -> pd.DataFrame:
     if not frames:
         raise AnalysisError("the result files hold no epoch rows yet")
     data = pd.concat(frames, ignore_index=True)
+    busy = data["contended"].fillna(False).astype(bool) if "contended" in data.columns else None
+    dropped = 0 if busy is None or keep_contended else int(busy.sum())
+    if dropped:
+        data = data[~busy].reset_index(drop=True)
+        if data.empty:
+            raise AnalysisError(
+                f"all {dropped} epochs were measured while the machine was busy; accepted: --keep-contended"
+            )
+    data.attrs["contended_epochs"] = dropped
     data["workers_used"] = _workers_used(data)
     for col in CONFIG_KEYS:
         if col not in data.columns:
@@ -192,10 +210,14 @@ def speedups(data: pd.DataFrame) -> pd.DataFrame:
                 row["comparison_key"] = group["comparison_key"].iloc[0]
             for label, column in (("overall", "epoch_s"), ("backward", "backward_per_iter_s")):
                 a, b = bptt[column].dropna().to_numpy(), bppsa[column].dropna().to_numpy()
+                row.update({f"{label}_speedup": np.nan, f"{label}_lo": np.nan, f"{label}_hi": np.nan})
                 if len(a) == 0 or len(b) == 0:
-                    row.update({f"{label}_speedup": np.nan, f"{label}_lo": np.nan, f"{label}_hi": np.nan})
+                    row[f"{label}_note"] = "no timed iteration (every iteration was warm-up)"
                     continue
                 row[f"{label}_speedup"] = float(np.median(a) / np.median(b))
+                if min(len(a), len(b)) < MIN_INTERVAL_EPOCHS:
+                    row[f"{label}_note"] = f"{min(len(a), len(b))} epoch(s) on a side: no interval"
+                    continue
                 row[f"{label}_lo"], row[f"{label}_hi"] = _bootstrap(a, b, rng)
             row["epochs_bptt"], row["epochs_bppsa"] = len(bptt), len(bppsa)
             rows.append(row)
@@ -214,7 +236,8 @@ def provenance(paths: Iterable[str | Path]) -> dict:
     commits, versions = set(), set()
     for raw in paths:
         path = Path(raw)
-        candidates = [path / "summary.json", *path.glob("*/summary.json")] if path.is_dir() else []
+        folder = path if path.is_dir() else path.parent  # a records.csv: its folder's summaries
+        candidates = [folder / "summary.json", *folder.glob("*/summary.json")]
         for summary_path in candidates:
             try:
                 summary = json.loads(summary_path.read_text())

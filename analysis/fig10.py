@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
+from matplotlib.lines import Line2D
 
 from analysis.data import AnalysisError
 from analysis.figures import plt, save
@@ -37,37 +38,66 @@ def load_products(folder: str | Path) -> pd.DataFrame:
     return data
 
 
+def merge_identical(products: pd.DataFrame) -> pd.DataFrame:
+    """Methods whose points are the same at a ratio (levels=3 and levels=all on a chain of 23
+    elements: the same products, the last one only named differently) become one method, named by
+    both, so no point hides another."""
+    plotted = ["mnk", "flops", "critical"]
+    parts = []
+    for _, at_ratio in products.groupby("ratio", sort=True):
+        names: dict[tuple, list[str]] = {}
+        for method, rows in at_ratio.groupby("method", sort=True):
+            key = tuple(map(tuple, rows[plotted].sort_values(plotted).to_numpy()))
+            names.setdefault(key, []).append(method)
+        for methods in names.values():
+            rows = at_ratio[at_ratio["method"] == methods[0]]
+            parts.append(rows.assign(method=" = ".join(methods)))
+    return pd.concat(parts, ignore_index=True)
+
+
 def fig10(products: pd.DataFrame) -> plt.Figure:
+    """Each sparse product's FLOPs against its dense size, one panel per pruning ratio."""
+    products = merge_identical(products)
     ratios = sorted(products["ratio"].unique())
-    fig, axes = plt.subplots(1, len(ratios), figsize=(5.5 * len(ratios), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(ratios), figsize=(5 * len(ratios) + 3, 4.5), squeeze=False)
     colours = {m: f"C{i}" for i, m in enumerate(sorted(products["method"].unique()))}
     for ax, ratio in zip(axes[0], ratios, strict=True):
         part = products[(products["ratio"] == ratio) & (products["flops"] > 0)]
         for method, rows in part.groupby("method"):
-            for critical, style in ((True, "full"), (False, "none")):
+            for critical in (True, False):
                 sel = rows[rows["critical"] == critical]
                 ax.scatter(
                     sel["mnk"],
                     sel["flops"],
                     s=18,
-                    facecolors=colours[method] if style == "full" else "none",
+                    facecolors=colours[method] if critical else "none",
                     edgecolors=colours[method],
-                    label=f"{method}{' (critical path)' if critical else ''}",
                 )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("m·n·k of the product")
         ax.set_ylabel("FLOPs (2 x matching non-zero pairs)")
-        ax.set_title(f"Fig. 10 analogue: pruning ratio {ratio:g}")
-        ax.legend(fontsize=6)
+        ax.set_title(f"Fig. 10 analogue: pruning ratio {ratio:g}", fontsize=10)
+    handles = [Line2D([], [], marker="o", linestyle="", color=c, label=m) for m, c in colours.items()]
+    handles += [
+        Line2D([], [], marker="o", linestyle="", color="gray", label="on the critical path"),
+        Line2D([], [], marker="o", linestyle="", markerfacecolor="none", color="gray", label="off it"),
+    ]
+    axes[0, -1].legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, title="method"
+    )
     fig.tight_layout()
     return fig
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.fig10", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m analysis.fig10",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("path", help="the --out folder of experiments.bench.pruned_vgg, or its products.csv")
-    parser.add_argument("--out", default="figures")
+    parser.add_argument("--out", default="figures", help="output folder")
     args = parser.parse_args(argv)
     try:
         products = load_products(args.path)

@@ -6,7 +6,13 @@ Figures: 7 (RNN loss vs wall-clock), 8a-f (BPPSA backward runtime, backward spee
 breakdown against T and against B), 9 (GRU runtime breakdown, s/m/l x batch), 13 (GRU loss vs
 wall-clock for s/m/l), and the scaling figure (backward runtime against workers, per device). Each
 is drawn from whatever data is present; a panel without data says so. Runtimes are medians over
-epochs of the per-iteration phase times; one hue or line style per device name.
+epochs of the per-iteration phase times.
+
+One look throughout: BPTT and BPPSA keep one colour each in every figure (``METHOD_COLOURS``), the
+phases one colour each, and a method is told apart by line style where colour means a phase;
+every panel says what it holds fixed (B, T, the device), log axes read as plain numbers, and
+legends sit beside the data, not on it. The loss curves start at t = 0, from each run's loss
+before its first step.
 
 Output is byte-for-byte reproducible from the same input: the Agg backend, no timestamps in the
 PDF metadata, no software stamp in the PNGs, and a fixed bootstrap seed for the speedup intervals.
@@ -26,6 +32,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from analysis.data import PHASES, AnalysisError, load_results, speedups
 
@@ -34,6 +41,13 @@ plt.rcParams.update({"svg.hashsalt": "bppsa", "pdf.compression": 6})
 
 PHASE_COLUMNS = {p: f"{p}_per_iter_s" for p in PHASES}  # the columns load_results adds
 FIGURES = ("fig7", "fig8", "fig9", "fig13", "scaling")
+METHODS = ("bptt", "bppsa")
+METHOD_LABELS = {"bptt": "BPTT", "bppsa": "BPPSA"}
+METHOD_COLOURS = {"bptt": "#4C72B0", "bppsa": "#DD8452"}
+METHOD_STYLES = {"bptt": "--", "bppsa": "-"}
+PHASE_COLOURS = {"forward": "#55A868", "backward": "#C44E52", "step": "#8172B3"}
+LINE_STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 
 
 def _no_data(ax: plt.Axes, what: str) -> None:
@@ -61,18 +75,84 @@ def _medians(data: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return data.groupby(keys, dropna=False)[[*list(PHASE_COLUMNS.values()), "epoch_s"]].median().reset_index()
 
 
+def _number(value: float, _pos: object = None) -> str:
+    """A tick label as a plain number: 8, 0.001, 2000; never 8×10⁰."""
+    return f"{value:g}"
+
+
+_FINE = (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)
+
+
+def _log_axis(axis, base: int = 10) -> None:
+    """A log axis whose ticks read as plain numbers: powers of ``base``, and for 10 the 2s and 5s
+    between, or finer steps where the axis spans less than a decade."""
+    low, high = sorted(axis.get_view_interval())
+    ratio = high / low if low > 0 else float("inf")
+    subs = (1.0, 2.0, 5.0) if ratio >= 10 else (1.0, 2.0, 3.0, 5.0, 7.0) if ratio >= 3 else _FINE
+    subs = (1.0,) if base == 2 else subs
+    axis.set_major_locator(LogLocator(base=base, subs=subs))
+    axis.set_major_formatter(FuncFormatter(_number))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _log_log(ax: plt.Axes, xbase: int = 10) -> None:
+    ax.set_xscale("log", base=xbase)
+    ax.set_yscale("log")
+    _log_axis(ax.xaxis, xbase)
+    _log_axis(ax.yaxis)
+
+
+def _legend_beside(ax: plt.Axes, **kwargs) -> None:
+    """The axes' legend to the right of the plot, clear of the data."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8, **kwargs)
+
+
+def _one_value(rows: pd.DataFrame, column: str) -> str | None:
+    """The column's value when the rows share one, for a title; else None."""
+    values = rows[column].dropna().unique() if column in rows.columns else []
+    return _number(values[0]) if len(values) == 1 and not isinstance(values[0], str) else None
+
+
+def _fixed(rows: pd.DataFrame, *columns: tuple[str, str]) -> str:
+    """'T = 1000, B = 16' for the (column, symbol) pairs the rows hold fixed."""
+    parts = [f"{symbol} = {v}" for column, symbol in columns if (v := _one_value(rows, column)) is not None]
+    return ", ".join(parts)
+
+
+def _devices(rows: pd.DataFrame) -> str:
+    names = sorted(rows["device_name"].dropna().astype(str).unique())
+    return ", ".join(names) if names else "unknown device"
+
+
 def _loss_curves(ax: plt.Axes, rows: pd.DataFrame) -> None:
-    """Training loss against cumulative training time, one line per run (figs. 7 and 13)."""
-    sns.lineplot(
-        data=rows,
-        x="wall_s",
-        y="loss",
-        hue="backward",
-        style="device_name",
-        units="run",
-        estimator=None,
-        ax=ax,
-    )
+    """Training loss against cumulative training time, one line per run, from t = 0 (figs. 7, 13).
+
+    Colour: the method (BPTT, BPPSA); line style and marker: the configuration (T, B), so runs of
+    different lengths or batch sizes read apart; the legend names both.
+    """
+    configs = sorted(rows.groupby(["seq_len", "batch_size"]).groups)
+    for _, part in rows.sort_values("epoch").groupby("run", sort=True):
+        method = part["backward"].iloc[0]
+        config = (part["seq_len"].iloc[0], part["batch_size"].iloc[0])
+        k = configs.index(config)
+        wall, loss = part["wall_s"].tolist(), part["loss"].tolist()
+        if "initial_loss" in part.columns and pd.notna(part["initial_loss"].iloc[0]):
+            wall, loss = [0.0, *wall], [float(part["initial_loss"].iloc[0]), *loss]
+        label = f"{METHOD_LABELS.get(method, method)}, T = {_number(config[0])}, B = {_number(config[1])}"
+        ax.plot(
+            wall,
+            loss,
+            color=METHOD_COLOURS.get(method, "gray"),
+            linestyle=LINE_STYLES[k % len(LINE_STYLES)],
+            marker=MARKERS[k % len(MARKERS)],
+            markersize=3,
+            label=label,
+        )
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))  # one entry per (method, configuration)
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper right")
+    ax.set_xlim(left=0)
     ax.set_xlabel("wall-clock training time (s)")
     ax.set_ylabel("training loss")
 
@@ -80,12 +160,13 @@ def _loss_curves(ax: plt.Axes, rows: pd.DataFrame) -> None:
 def fig7(data: pd.DataFrame) -> plt.Figure:
     """Training loss against wall-clock time, RNN, BPTT vs BPPSA."""
     rnn = _pick(data[data["model"] == "rnn"], "rnn_curve")
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     if rnn.empty:
         _no_data(ax, "no RNN runs (experiment=rnn_curve)")
+        ax.set_title("Fig. 7: RNN training loss vs wall-clock time")
     else:
         _loss_curves(ax, rnn)
-    ax.set_title("Fig. 7: RNN training loss vs wall-clock time")
+        ax.set_title(f"Fig. 7: RNN training loss vs wall-clock time ({_devices(rnn)})", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -96,11 +177,19 @@ def _runtime_panel(ax: plt.Axes, rows: pd.DataFrame, x: str, label: str) -> None
         _no_data(ax, f"BPPSA runs at 2+ values of {label}")
         return
     med = _medians(bppsa, [x, "device_name"])
-    sns.lineplot(data=med, x=x, y="backward_per_iter_s", hue="device_name", marker="o", ax=ax)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    for k, (device, part) in enumerate(med.sort_values(x).groupby("device_name", sort=True)):
+        ax.plot(
+            part[x],
+            part["backward_per_iter_s"],
+            color=METHOD_COLOURS["bppsa"],
+            linestyle=LINE_STYLES[k % len(LINE_STYLES)],
+            marker=MARKERS[k % len(MARKERS)],
+            label=device,
+        )
+    _log_log(ax, 2 if x == "batch_size" else 10)
     ax.set_xlabel(label)
     ax.set_ylabel("BPPSA backward per iteration (s)")
+    _legend_beside(ax, title="device")
 
 
 def _speedup_panel(ax: plt.Axes, rows: pd.DataFrame, x: str, label: str) -> None:
@@ -108,41 +197,53 @@ def _speedup_panel(ax: plt.Axes, rows: pd.DataFrame, x: str, label: str) -> None
     if table.empty or table[x].nunique() < 2:
         _no_data(ax, f"BPTT and BPPSA runs at 2+ values of {label}")
         return
-    for device, part in table.sort_values(x).groupby("device_name"):
+    for k, (device, part) in enumerate(table.sort_values(x).groupby("device_name", sort=True)):
+        spread = part[["backward_lo", "backward_hi"]].notna().all(axis=1)
+        low = (part["backward_speedup"] - part["backward_lo"]).where(spread, 0.0)
+        high = (part["backward_hi"] - part["backward_speedup"]).where(spread, 0.0)
         ax.errorbar(
             part[x],
             part["backward_speedup"],
-            yerr=[
-                part["backward_speedup"] - part["backward_lo"],
-                part["backward_hi"] - part["backward_speedup"],
-            ],
-            marker="o",
+            yerr=[low, high],
+            color=METHOD_COLOURS["bppsa"],
+            linestyle=LINE_STYLES[k % len(LINE_STYLES)],
+            marker=MARKERS[k % len(MARKERS)],
             capsize=3,
             label=device,
         )
     ax.axhline(1.0, linestyle="--", color="gray", linewidth=1)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    _log_log(ax, 2 if x == "batch_size" else 10)
     ax.set_xlabel(label)
     ax.set_ylabel("backward speedup (BPTT / BPPSA)")
-    ax.legend(title="device")
+    _legend_beside(ax, title="device")
 
 
-def _breakdown_panel(ax: plt.Axes, rows: pd.DataFrame, x: str, label: str) -> None:
+def _breakdown_panel(ax: plt.Axes, rows: pd.DataFrame, x: str, label: str) -> str | None:
+    """Per-iteration time of each phase (colour) for each method (line style), on the device with
+    the most runs; returns that device's name."""
     if rows[x].nunique() < 2:
         _no_data(ax, f"runs at 2+ values of {label}")
-        return
+        return None
     device = rows["device_name"].value_counts().idxmax()
-    med = _medians(rows[rows["device_name"] == device], [x, "backward"])
-    long = med.melt(
-        id_vars=[x, "backward"], value_vars=list(PHASE_COLUMNS.values()), var_name="phase", value_name="s"
-    )
-    long["phase"] = long["phase"].map({v: k for k, v in PHASE_COLUMNS.items()})
-    sns.lineplot(data=long, x=x, y="s", hue="phase", style="backward", marker="o", ax=ax)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    med = _medians(rows[rows["device_name"] == device], [x, "backward"]).sort_values(x)
+    for phase, column in PHASE_COLUMNS.items():
+        for method in METHODS:
+            part = med[med["backward"] == method]
+            if not part.empty:
+                ax.plot(
+                    part[x],
+                    part[column],
+                    color=PHASE_COLOURS[phase],
+                    linestyle=METHOD_STYLES[method],
+                    marker="o",
+                    markersize=3,
+                    label=f"{phase}, {METHOD_LABELS[method]}",
+                )
+    _log_log(ax, 2 if x == "batch_size" else 10)
     ax.set_xlabel(label)
-    ax.set_ylabel(f"time per iteration (s), {device}")
+    ax.set_ylabel("time per iteration (s)")
+    _legend_beside(ax, title="phase, method")
+    return str(device)
 
 
 def fig8(data: pd.DataFrame) -> plt.Figure:
@@ -150,15 +251,28 @@ def fig8(data: pd.DataFrame) -> plt.Figure:
     rnn = data[data["model"] == "rnn"]
     by_t = _sweep(_pick(rnn, "rnn_seq_len"), "seq_len", "batch_size")
     by_b = _sweep(_pick(rnn, "rnn_batch"), "batch_size", "seq_len")
-    fig, axes = plt.subplots(3, 2, figsize=(11, 12))
-    for col, (rows, x, label) in enumerate(
-        ((by_t, "seq_len", "sequence length T"), (by_b, "batch_size", "batch size B"))
+    fig, axes = plt.subplots(3, 2, figsize=(13, 12))
+    titles = {
+        0: "BPPSA backward per iteration",
+        1: "backward speedup of BPPSA over BPTT",
+        2: "runtime breakdown",
+    }
+    for col, (rows, x, label, fixed) in enumerate(
+        (
+            (by_t, "seq_len", "sequence length T", ("batch_size", "B")),
+            (by_b, "batch_size", "batch size B", ("seq_len", "T")),
+        )
     ):
         _runtime_panel(axes[0, col], rows, x, label)
         _speedup_panel(axes[1, col], rows, x, label)
-        _breakdown_panel(axes[2, col], rows, x, label)
-    for ax, letter in zip(axes.flat, "abcdef", strict=True):
-        ax.set_title(f"Fig. 8{letter}", loc="left")
+        device = _breakdown_panel(axes[2, col], rows, x, label)
+        held = _fixed(rows, fixed) if not rows.empty else ""
+        for row in range(3):
+            letter = "abcdef"[2 * row + col]
+            where = ", ".join(p for p in (held, device if row == 2 else None) if p)
+            axes[row, col].set_title(
+                f"Fig. 8{letter}: {titles[row]}" + (f" ({where})" if where else ""), loc="left", fontsize=10
+            )
     fig.tight_layout()
     return fig
 
@@ -166,8 +280,8 @@ def fig8(data: pd.DataFrame) -> plt.Figure:
 def fig9(data: pd.DataFrame) -> plt.Figure:
     """GRU runtime breakdown per iteration, feature setting x batch size, BPTT and BPPSA."""
     gru = _pick(data[data["model"] == "gru"], "gru_irmas")
-    fig, ax = plt.subplots(figsize=(10, 4.5))
     if gru.empty:
+        fig, ax = plt.subplots(figsize=(10, 4.5))
         _no_data(ax, "no GRU runs (experiment=gru_irmas)")
         ax.set_title("Fig. 9: GRU runtime breakdown")
         return fig
@@ -176,16 +290,26 @@ def fig9(data: pd.DataFrame) -> plt.Figure:
     med = _medians(gru, ["frames", "batch_size", "backward"])
     med["order"] = med["frames"].map({"s": 0, "m": 1, "l": 2})  # the paper's order, not the alphabet's
     med = med.sort_values(["order", "batch_size", "backward"]).reset_index(drop=True)
-    labels = [f"{r.frames} B={r.batch_size}\n{r.backward}" for r in med.itertuples()]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.75 * len(med) + 2.5), 5))
+    positions, previous, x = [], None, 0.0
+    for r in med.itertuples():  # a gap between the (setting, batch) groups
+        group = (r.frames, r.batch_size)
+        x += 1.0 if previous in (None, group) else 1.6
+        positions.append(x)
+        previous = group
+    labels = [
+        f"{r.frames}, B={r.batch_size}\n{METHOD_LABELS.get(r.backward, r.backward)}" for r in med.itertuples()
+    ]
     bottom = pd.Series(0.0, index=med.index)
     for phase, column in PHASE_COLUMNS.items():
-        ax.bar(labels, med[column], bottom=bottom, label=phase)
+        ax.bar(positions, med[column], bottom=bottom, width=0.8, color=PHASE_COLOURS[phase], label=phase)
         bottom = bottom + med[column].fillna(0)
+    ax.set_xticks(positions, labels, fontsize=8)
+    ax.set_xlim(positions[0] - 0.8, positions[-1] + 0.8)
     ax.set_ylabel("time per iteration (s)")
-    ax.set_xlabel("feature setting, batch size, backward")
-    ax.legend(title="phase")
-    ax.set_title(f"Fig. 9: GRU runtime breakdown ({device})")
-    ax.tick_params(axis="x", labelsize=7)
+    ax.set_xlabel("feature setting, batch size, method")
+    _legend_beside(ax, title="phase")
+    ax.set_title(f"Fig. 9: GRU runtime breakdown per iteration ({device})", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -194,14 +318,14 @@ def fig13(data: pd.DataFrame) -> plt.Figure:
     """GRU training loss against wall-clock time, one panel per feature setting."""
     gru = _pick(data[data["model"] == "gru"], "gru_curves")
     settings = [s for s in ("s", "m", "l") if (gru["frames"] == s).any()] or ["s", "m", "l"]
-    fig, axes = plt.subplots(1, len(settings), figsize=(5 * len(settings), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4.5), squeeze=False)
     for ax, setting in zip(axes[0], settings, strict=True):
         rows = gru[gru["frames"] == setting]
         if rows.empty:
             _no_data(ax, f"no GRU runs with frames={setting}")
         else:
             _loss_curves(ax, rows)
-        ax.set_title(f"Fig. 13 ({setting})")
+        ax.set_title(f"Fig. 13 ({setting})" + (f": {_devices(rows)}" if not rows.empty else ""), fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -209,25 +333,28 @@ def fig13(data: pd.DataFrame) -> plt.Figure:
 def scaling(data: pd.DataFrame) -> plt.Figure:
     """BPTT and BPPSA backward per iteration against the number of workers, per device."""
     rows = _pick(data, "workers").dropna(subset=["workers_used"])
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    title = "Scaling with workers"
     if rows["workers_used"].nunique() < 2:
         _no_data(ax, "runs at 2+ worker counts (experiment=workers)")
     else:
-        med = _medians(rows, ["workers_used", "backward", "device_name"])
-        sns.lineplot(
-            data=med,
-            x="workers_used",
-            y="backward_per_iter_s",
-            hue="backward",
-            style="device_name",
-            marker="o",
-            ax=ax,
-        )
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        med = _medians(rows, ["workers_used", "backward", "device_name"]).sort_values("workers_used")
+        for k, ((method, device), part) in enumerate(med.groupby(["backward", "device_name"], sort=True)):
+            ax.plot(
+                part["workers_used"],
+                part["backward_per_iter_s"],
+                color=METHOD_COLOURS.get(method, "gray"),
+                linestyle=METHOD_STYLES.get(method, "-"),
+                marker=MARKERS[k % len(MARKERS)],
+                label=f"{METHOD_LABELS.get(method, method)}, {device}",
+            )
+        _log_log(ax, 2)
         ax.set_xlabel("workers p (CPU threads or GPU SMs)")
         ax.set_ylabel("backward per iteration (s)")
-    ax.set_title("Scaling with workers")
+        _legend_beside(ax, title="method, device")
+        held = _fixed(rows, ("seq_len", "T"), ("batch_size", "B"))
+        title += f" ({held})" if held else ""
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -236,8 +363,12 @@ def save(fig: plt.Figure, out: Path, name: str) -> list[Path]:
     """PNG and PDF, without timestamps or version stamps, so equal input gives equal bytes."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.pdf"]
-    fig.savefig(paths[0], dpi=150, metadata={"Software": None})
-    fig.savefig(paths[1], metadata={"CreationDate": None, "ModDate": None, "Producer": None, "Creator": None})
+    fig.savefig(paths[0], dpi=150, metadata={"Software": None}, bbox_inches="tight")
+    fig.savefig(
+        paths[1],
+        metadata={"CreationDate": None, "ModDate": None, "Producer": None, "Creator": None},
+        bbox_inches="tight",
+    )
     plt.close(fig)
     return paths
 
@@ -251,12 +382,19 @@ def make_figures(data: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.figures", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m analysis.figures",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("paths", nargs="+", help="sweep folders, run folders or records.csv files")
-    parser.add_argument("--out", default="figures", help="output folder (default: figures)")
+    parser.add_argument("--out", default="figures", help="output folder")
+    parser.add_argument(
+        "--keep-contended", action="store_true", help="keep epochs measured while the machine was busy"
+    )
     args = parser.parse_args(argv)
     try:
-        data = load_results(args.paths)
+        data = load_results(args.paths, args.keep_contended)
     except AnalysisError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2

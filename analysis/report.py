@@ -37,12 +37,34 @@ def speedup_markdown(table: pd.DataFrame) -> str:
             str(int(r.batch_size)),
             str(r.device_name),
             _variant(r),
-            f"{r.overall_speedup:.2f}× [{r.overall_lo:.2f}, {r.overall_hi:.2f}]",
-            f"{r.backward_speedup:.2f}× [{r.backward_lo:.2f}, {r.backward_hi:.2f}]",
+            _speedup_cell(r, "overall"),
+            _speedup_cell(r, "backward"),
             f"{r.epochs_bptt} / {r.epochs_bppsa}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _contention_note(data: pd.DataFrame) -> list[str]:
+    """A line saying how many epochs were left out because the machine was busy, if any were."""
+    dropped = data.attrs.get("contended_epochs", 0)
+    if not dropped:
+        return []
+    return [
+        f"{dropped} epoch(s) measured while other work kept the machine busy are left out of the table "
+        "and the figures (`--keep-contended` keeps them)."
+    ]
+
+
+def _speedup_cell(row, label: str) -> str:
+    """A speedup with its interval; or the speedup and why there is no interval; or why there is none."""
+    speedup, note = getattr(row, f"{label}_speedup"), getattr(row, f"{label}_note", None)
+    if pd.isna(speedup):
+        return f"n/a: {note}"
+    lo, hi = getattr(row, f"{label}_lo"), getattr(row, f"{label}_hi")
+    if pd.isna(lo):
+        return f"{speedup:.2f}× ({note})"
+    return f"{speedup:.2f}× [{lo:.2f}, {hi:.2f}]"
 
 
 def _variant(row) -> str:
@@ -55,8 +77,8 @@ def _variant(row) -> str:
     return ", ".join(parts)
 
 
-def write_report(paths: Sequence[str | Path], out: Path) -> Path:
-    data = load_results(paths)
+def write_report(paths: Sequence[str | Path], out: Path, keep_contended: bool = False) -> Path:
+    data = load_results(paths, keep_contended)
     out.mkdir(parents=True, exist_ok=True)
     make_figures(data, out)
     table = speedups(data)
@@ -68,6 +90,7 @@ def write_report(paths: Sequence[str | Path], out: Path) -> Path:
         "Median over epochs, 95 % bootstrap interval in brackets; overall = epoch time, backward = "
         "backward time per iteration (BPPSA's Jacobian building included); epochs = BPTT / BPPSA.",
         speedup_markdown(table),
+        *_contention_note(data),
         "## Figures",
         *[f"![{name}]({name}.png) ([PDF]({name}.pdf))" for name in FIGURES],
         "## Provenance",
@@ -81,12 +104,19 @@ def write_report(paths: Sequence[str | Path], out: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m analysis.report",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("paths", nargs="+", help="sweep folders, run folders or records.csv files")
-    parser.add_argument("--out", default="report", help="output folder (default: report)")
+    parser.add_argument("--out", default="report", help="output folder")
+    parser.add_argument(
+        "--keep-contended", action="store_true", help="keep epochs measured while the machine was busy"
+    )
     args = parser.parse_args(argv)
     try:
-        report = write_report(args.paths, Path(args.out))
+        report = write_report(args.paths, Path(args.out), args.keep_contended)
     except AnalysisError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -489,11 +489,13 @@ def report(data: IRMASFeatures) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m datasets.irmas", description="Extract and cache IRMAS MFCC features."
+        prog="python -m datasets.irmas",
+        description="Extract and cache IRMAS MFCC features.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--root", required=True, help="folder with the 11 IRMAS class folders")
     parser.add_argument("--frames", default="m", help="feature setting: s, m or l")
-    parser.add_argument("--cache-dir", default=None, help=f"default: {default_cache_dir()}")
+    parser.add_argument("--cache-dir", default=str(default_cache_dir()), help="where the features are cached")
     parser.add_argument(
         "--workers", type=int, default=None, help="processes (default or 0: all cores; 1: no subprocess)"
     )

@@ -107,6 +107,9 @@ def refusing_in_one_line(prog: str, conf_dir: Path) -> Iterator[None]:
     except (HydraException, OmegaConfBaseException) as exc:
         print(f"{prog}: error: {one_line(exc, conf_dir)}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # outside a job (a job's own interruption is reported by run.py)
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(130)
     except OSError as exc:  # an output folder that cannot be made or written
         where = f"cannot write {exc.filename}: " if exc.filename and not isinstance(exc, WriteError) else ""
         print(f"{prog}: error: {where}{exc.strerror or exc}", file=sys.stderr)

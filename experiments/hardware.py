@@ -1,6 +1,9 @@
-"""Devices and the paper's number of workers p, and a description of the machine for the records.
+"""Devices and the paper's number of workers p, a description of the machine, and how busy it is.
 
-Workers: on the CPU, ``hardware.workers`` sets torch's thread count. On a GPU it confines the run
+Workers: on the CPU, ``hardware.workers`` sets torch's thread count; left unset it is 1. PyTorch's
+OpenMP threads spin while they wait for one another, so with every core in use a single other busy
+process stalls them (measured: a 2-thread run's forward 16 times slower); one thread shares the
+machine gracefully, and more are the experiment's choice. On a GPU it confines the run
 to that many streaming multiprocessors through a CUDA green context
 (``torch.cuda.green_contexts``, beta; its API changed between torch 2.11 and 2.13, and both are
 handled), so one GPU yields the whole scaling-with-workers curve. Where the build or the driver has
@@ -14,6 +17,7 @@ import logging
 import os
 import platform
 import subprocess
+import time
 from collections.abc import Iterator
 
 import torch
@@ -54,6 +58,58 @@ def resolve_device(name: str, what: str = "hardware.device") -> torch.device:
     return device
 
 
+def cpu_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def worker_counts(device: str = "auto") -> str:
+    """Worker counts for a scaling sweep on this machine: powers of two up to its cores (CPU) or
+    SMs (GPU), and that count itself, as a comma-separated list (conf/experiment/workers.yaml)."""
+    resolved = resolve_device(str(device))
+    total = cpu_cores() if resolved.type == "cpu" else sm_count(resolved)
+    counts = [2**k for k in range(total.bit_length()) if 2**k < total] + [total]
+    return ",".join(str(c) for c in counts)
+
+
+class LoadMeter:
+    """How many cores other work kept busy during an interval (Linux: /proc/stat less this
+    process's own CPU time; steal time of a virtual machine counts as other work)."""
+
+    MIN_SECONDS = 0.5
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                ticks = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        busy = sum(ticks[i] for i in (0, 1, 2, 5, 6, 7) if i < len(ticks)) / os.sysconf("SC_CLK_TCK")
+        own = sum(os.times()[:2])
+        return time.perf_counter(), busy, own
+
+    def other_cores(self) -> float | None:
+        """Cores other work used on average since the meter started; None where unknown, or where
+        less than ``MIN_SECONDS`` passed (the counters tick in hundredths of a second)."""
+        end = self._sample()
+        if self._start is None or end is None or end[0] - self._start[0] < self.MIN_SECONDS:
+            return None
+        wall, busy, own = (b - a for a, b in zip(self._start, end, strict=True))
+        return max(0.0, (busy - own) / wall)
+
+
+def contended(other_cores: float | None, threads: int, cores: int) -> bool:
+    """Whether other work left this run's threads less than a core each (the timings are suspect)."""
+    return other_cores is not None and other_cores > cores - threads + 0.25
+
+
 def check_strategy(mode: str, strategy: str, device: torch.device) -> None:
     """Refuse a scan strategy this run's device cannot run, before anything is written."""
     if mode != "bppsa":
@@ -72,8 +128,14 @@ def sm_count(device: torch.device) -> int:
 def limit_workers(device: torch.device, workers: int | None) -> Iterator[int]:
     """Run the body on ``workers`` CPU threads or GPU SMs; yields the number actually used."""
     if device.type == "cpu":
+        cores = cpu_cores()
+        if workers is not None and workers > cores:
+            raise HardwareError(
+                f"hardware.workers={workers} is more than the {cores} CPU cores this run may use; "
+                f"accepted: 1 .. {cores}"
+            )
         before = torch.get_num_threads()
-        used = workers or before
+        used = workers or 1
         torch.set_num_threads(used)
         try:
             yield used
@@ -81,7 +143,12 @@ def limit_workers(device: torch.device, workers: int | None) -> Iterator[int]:
             torch.set_num_threads(before)
         return
     total = sm_count(device)
-    if workers is None or workers >= total:
+    if workers is not None and workers > total:
+        raise HardwareError(
+            f"hardware.workers={workers} is more than the {total} SMs of "
+            f"{torch.cuda.get_device_name(device)}; accepted: 1 .. {total}, or null"
+        )
+    if workers is None or workers == total:
         yield total
         return
     context = _green_context(device, workers)
@@ -135,7 +202,7 @@ def describe(device: torch.device, workers_used: int) -> dict:
     else:
         info.update(
             device_name=cpu_name(),
-            cpu_cores=os.cpu_count(),
+            cpu_cores=cpu_cores(),
             threads_used=workers_used,
             sm_total=None,
             sm_used=None,

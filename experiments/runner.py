@@ -33,7 +33,15 @@ from torch.utils.data import DataLoader
 from datasets.common import DataError, WriteError
 from experiments import records
 from experiments.config import ConfigError, build, check
-from experiments.hardware import HardwareError, check_strategy, describe, limit_workers, resolve_device
+from experiments.hardware import (
+    HardwareError,
+    LoadMeter,
+    check_strategy,
+    contended,
+    describe,
+    limit_workers,
+    resolve_device,
+)
 from experiments.loggers import LocalLogger, LoggerError
 from experiments.train import (
     PHASES,
@@ -57,7 +65,7 @@ HYDRA_FILES = ("run.log", f"{Path(sys.argv[0]).stem}.log")
 
 @dataclass
 class Outcome:
-    status: str  # completed | skipped | failed | busy (another process works in the folder)
+    status: str  # completed | skipped | failed | interrupted | busy (another process works in the folder)
     error: str | None = None
     bad_input: bool = False  # refused before it trained: exit status 2
 
@@ -90,7 +98,10 @@ def identity_columns(
         "levels": cfg.backward.get("levels"),
         "lr": cfg.optimizer.lr,
         "workers": cfg.hardware.workers,
-        **{k: device.get(k) for k in ("device_name", "device_type", "sm_total", "sm_used", "threads_used")},
+        **{
+            k: device.get(k)
+            for k in ("device_name", "device_type", "sm_total", "sm_used", "cpu_cores", "threads_used")
+        },
     }
 
 
@@ -199,6 +210,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> Outcome:
     logger: LocalLogger | None = None
     started = False
     outcome = Outcome("failed")
+    state = TrainState()
     try:
         device = resolve_device(cfg.hardware.device)
         check_strategy(cfg.backward.mode, cfg.backward.get("strategy", "auto"), device)
@@ -211,7 +223,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> Outcome:
             layer = build(cfg.model, input_size=x0.shape[-1], batch_first=True, **backward_options(cfg))
             model = Classifier(layer, data.classes).to(device)
             optimizer = build(cfg.optimizer, params=model.parameters())
-            state, rows = TrainState(), []
+            rows: list[dict] = []
             if plan == "resume":
                 state, rows = load_checkpoint(run_dir / records.CHECKPOINT, model, optimizer)
                 if state.epoch > cfg.trainer.epochs:
@@ -235,9 +247,9 @@ def _run(cfg: DictConfig, run_dir: Path) -> Outcome:
     except BAD_INPUT as exc:
         summary.update(status="failed", error=str(exc))
         outcome = Outcome("failed", str(exc), bad_input=not started)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C: the finished epochs are kept, and the caller says how to go on
         summary.update(status="interrupted")
-        raise
+        outcome = Outcome("interrupted", f"interrupted after epoch {state.epoch} of {cfg.trainer.epochs}")
     except Exception as exc:  # record any failure; the sweep goes on
         if not isinstance(exc, NonFiniteLossError | WriteError):
             log.exception("run failed")
@@ -260,16 +272,31 @@ def _run(cfg: DictConfig, run_dir: Path) -> Outcome:
 
 
 def _train(job: Job, state: TrainState, rows: list[dict]) -> None:
-    """The epoch loop: train, evaluate, then record and checkpoint the epoch."""
+    """The epoch loop: train, evaluate, then record and checkpoint the epoch; one line per epoch."""
     from tqdm import tqdm
 
     trainer = job.trainer
-    epochs = range(state.epoch, trainer.epochs)
-    for epoch in tqdm(epochs, desc="epochs", disable=not job.progress, file=sys.stderr):
+    if state.epoch == 0 and state.initial_loss is None:  # the loss curves' t = 0 (not timed)
+        job.train.generator.manual_seed(trainer.seed * 1_000_003)
+        state.initial_loss = evaluate(job.model, job.train, job.device)[0]
+    if state.iteration == 0 and trainer.warmup_iters >= len(job.train):
+        log.warning(
+            "trainer.warmup_iters=%d covers all %d iterations of the first epoch: it has no timings",
+            trainer.warmup_iters,
+            len(job.train),
+        )
+    threads, cores = job.columns.get("threads_used"), job.columns.get("cpu_cores")
+    for epoch in tqdm(
+        range(state.epoch, trainer.epochs), desc="epochs", disable=not job.progress, file=sys.stderr
+    ):
         job.train.generator.manual_seed(trainer.seed * 1_000_003 + epoch)  # same order on resume
+        meter = LoadMeter()
         row = train_epoch(
             job.model, job.optimizer, job.train, job.device, state, trainer.warmup_iters, job.progress
         )
+        row["other_load"] = meter.other_cores()
+        row["contended"] = bool(threads and cores and contended(row["other_load"], threads, cores))
+        row["initial_loss"] = state.initial_loss
         if trainer.eval and len(job.test.dataset):
             row["test_loss"], row["test_accuracy"] = evaluate(job.model, job.test, job.device)
         state.epoch = epoch + 1
@@ -277,6 +304,31 @@ def _train(job: Job, state: TrainState, rows: list[dict]) -> None:
         records.write_table(job.run_dir / records.RECORDS, rows)
         save_checkpoint(job.run_dir / records.CHECKPOINT, job.model, job.optimizer, state, rows)
         job.logger.log(row)
+        tqdm.write(epoch_line(row, trainer.epochs, trainer.warmup_iters), file=sys.stdout)
+        if row["contended"]:
+            log.warning(
+                "epoch %d: other work kept %.1f of the %d cores busy while this run used %d threads; "
+                "its timings are suspect (analysis leaves such epochs out)",
+                row["epoch"],
+                row["other_load"],
+                cores,
+                threads,
+            )
+
+
+def epoch_line(row: dict, epochs: int, warmup_iters: int) -> str:
+    """One line about a finished epoch: loss, accuracies, time, and the phases per timed iteration."""
+    test = f", test accuracy {row['test_accuracy']:.3f}" if "test_accuracy" in row else ""
+    line = f"epoch {row['epoch']}/{epochs}: loss {row['loss']:.4f}, accuracy {row['accuracy']:.3f}{test}"
+    line += f"; {row['epoch_s']:.1f} s"
+    timed = row["timed_iterations"]
+    if timed:
+        phases = ", ".join(f"{p} {1e3 * row[f'{p}_s'] / timed:.2f} ms" for p in PHASES)
+        line += f"; per iteration {phases}"
+    else:
+        warmup = f"all {row['iterations']} were warm-up, trainer.warmup_iters={warmup_iters}"
+        line += f"; no timed iteration ({warmup})"
+    return line + ("; timings suspect: the machine was busy" if row.get("contended") else "")
 
 
 def _totals(rows: list[dict]) -> dict:

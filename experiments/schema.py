@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -26,6 +27,7 @@ from omegaconf import MISSING, OmegaConf
 
 from bppsa_core.dispatch import STRATEGIES
 from datasets.common import is_count
+from experiments.hardware import worker_counts
 from experiments.records import job_folder, sweep_folder
 
 
@@ -222,11 +224,36 @@ OPTIONS: dict[str, dict[str, type]] = {
 }
 
 
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def config_groups(conf: Path) -> str:
+    """The config groups and their options, and each preset with the first line of its comment
+    (``run.py --help``)."""
+    lines = []
+    for group in sorted(p for p in conf.iterdir() if p.is_dir() and p.name in OPTIONS):
+        lines.append(f"  {group.name}: {', '.join(sorted(o.stem for o in group.glob('*.yaml')))}")
+    lines.append("\n== Presets: experiment=<name>, with -m ==")
+    for preset in sorted((conf / "experiment").glob("*.yaml")):
+        text = " ".join(
+            line[2:]
+            for line in preset.read_text().splitlines()
+            if line.startswith("# ") and "@package" not in line
+        )
+        sentence = text.split(". ")[0].split("  python")[0]
+        if len(sentence) > 96:
+            sentence = sentence[:95].rsplit(" ", 1)[0] + " …"
+        lines.append(f"  {preset.stem:12} {sentence}")
+    return "\n".join(lines)
+
+
 def register() -> None:
     """Store the schemas where the config files' defaults lists find them, and the resolvers the
     config files use (``job_folder``, ``sweep_folder``); idempotent."""
     OmegaConf.register_new_resolver("job_folder", job_folder, replace=True)
     OmegaConf.register_new_resolver("sweep_folder", sweep_folder, replace=True)
+    OmegaConf.register_new_resolver("worker_counts", worker_counts, replace=True)
+    OmegaConf.register_new_resolver("config_groups", lambda: config_groups(CONF), replace=True)
     store = ConfigStore.instance()
     store.store(name="schema", node=Config)
     for group, options in OPTIONS.items():

@@ -78,6 +78,7 @@ class TrainState:
     epoch: int = 0  # epochs finished
     iteration: int = 0  # iterations finished, over all epochs
     wall: float = 0.0  # seconds of training so far, evaluation excluded
+    initial_loss: float | None = None  # mean training loss before the first step (the curves' t = 0)
 
 
 @torch.no_grad()

@@ -193,7 +193,8 @@ def test_report_from_a_real_tiny_sweep(tmp_path: Path) -> None:
             str(ROOT / "run.py"),
             "-m",
             "logger=csv",
-            "trainer.epochs=2",
+            "trainer.epochs=3",
+            "trainer.warmup_iters=1",
             "dataset.num_samples=80",
             "dataset.seq_len=6,12",
             "backward=bppsa,bptt",
@@ -234,13 +235,146 @@ def test_gru_figures_split_by_feature_setting(tmp_path: Path) -> None:
     data = load_results_from(table, tmp_path)
     fig9 = figures.fig9(data)
     labels = [t.get_text() for t in fig9.axes[0].get_xticklabels()]
-    assert len(labels) == 12 and labels[0] == "s B=16\nbppsa" and labels[-1] == "l B=32\nbptt"
+    assert len(labels) == 12 and labels[0] == "s, B=16\nBPPSA" and labels[-1] == "l, B=32\nBPTT"
+    low, high = fig9.axes[0].get_xlim()
+    bars = [p for p in fig9.axes[0].patches if p.get_height() > 0]
+    assert all(low <= b.get_x() and b.get_x() + b.get_width() <= high for b in bars)  # none cut off
     assert fig9.axes[0].get_ylabel() == "time per iteration (s)"
     fig13 = figures.fig13(data)
-    assert [ax.get_title() for ax in fig13.axes[:3]] == ["Fig. 13 (s)", "Fig. 13 (m)", "Fig. 13 (l)"]
+    assert [ax.get_title()[:12] for ax in fig13.axes[:3]] == ["Fig. 13 (s):", "Fig. 13 (m):", "Fig. 13 (l):"]
+    for ax in fig13.axes[:3]:  # one colour per method, the same in every panel
+        colours = {line.get_label().split(",")[0]: line.get_color() for line in ax.get_lines()}
+        assert colours == {"BPTT": figures.METHOD_COLOURS["bptt"], "BPPSA": figures.METHOD_COLOURS["bppsa"]}
     assert all(ax.get_xlabel() == "wall-clock training time (s)" for ax in fig13.axes[:3])
     table_ = speedups(data)
     assert len(table_) == 6 and set(table_["frames"]) == {"s", "m", "l"}
     assert table_["backward_speedup"].round(6).eq(2.0).all()
     figures.save(fig9, tmp_path / "out", "fig9")
     figures.save(fig13, tmp_path / "out", "fig13")
+
+
+def tick_labels(axis) -> list[str]:
+    """The labels of the major ticks inside the axis's view."""
+    axis.figure.canvas.draw()
+    low, high = sorted(axis.get_view_interval())
+    return [
+        t.get_text()
+        for t, loc in zip(axis.get_majorticklabels(), axis.get_majorticklocs(), strict=True)
+        if t.get_text() and low <= loc <= high
+    ]
+
+
+def test_figure_8_says_what_each_panel_holds_fixed_and_reads_plainly() -> None:
+    table = t_sweep()
+    for b in (4, 8, 32):  # a batch sweep at T = 100 beside the T sweep at B = 16
+        table += rows("bptt", 100, b, "GPU-A", 0.2, 1e-2) + rows("bppsa", 100, b, "GPU-A", 0.1, 1e-3)
+    fig = figures.fig8(load_results_from(table))
+    a, b, c, d, e, f = fig.axes[:6]
+    assert "(B = 16)" in a.get_title(loc="left") and "(T = 100)" in b.get_title(loc="left")
+    assert e.get_title(loc="left").endswith("(B = 16, GPU-A)") and "GPU-A" not in e.get_ylabel()
+    for ax in (a, b, c, d, e, f):
+        for axis in (ax.xaxis, ax.yaxis):
+            labels = tick_labels(axis)
+            assert labels and not any("^" in t or "×" in t or "10^" in t for t in labels), labels
+    assert tick_labels(b.xaxis)[:3] == ["4", "8", "16"]
+    assert {ax.get_legend().get_title().get_text() for ax in (a, b, c, d)} == {"device"}
+    assert e.get_legend().get_title().get_text() == "phase, method"
+    for ax in (a, c, e):  # legends beside the data, not on it
+        assert ax.get_legend().get_bbox_to_anchor().x0 > ax.get_window_extent().x1
+    plt.close(fig)
+
+
+def test_loss_curves_start_at_zero_and_tell_configurations_apart() -> None:
+    table = []
+    for t in (50, 100):
+        for mode in ("bptt", "bppsa"):
+            table += [
+                {**r, "initial_loss": 2.5, "run": f"{mode}-{t}"} for r in rows(mode, t, 16, "CPU", 1.0, 1e-3)
+            ]
+    fig = figures.fig7(load_results_from(table))
+    ax = fig.axes[0]
+    lines = ax.get_lines()
+    assert len(lines) == 4 and all(line.get_xdata()[0] == 0 and line.get_ydata()[0] == 2.5 for line in lines)
+    labels = sorted(line.get_label() for line in lines)
+    assert labels == [
+        "BPPSA, T = 100, B = 16",
+        "BPPSA, T = 50, B = 16",
+        "BPTT, T = 100, B = 16",
+        "BPTT, T = 50, B = 16",
+    ]
+    styles = {line.get_label(): line.get_linestyle() for line in lines}
+    assert styles["BPTT, T = 50, B = 16"] != styles["BPTT, T = 100, B = 16"]
+    plt.close(fig)
+
+
+def test_the_scaling_figure_reads_plainly_and_names_t_and_b(tmp_path: Path) -> None:
+    table = []
+    for p in (1, 2, 4, 8):
+        for mode, t in (("bptt", 1.0), ("bppsa", 2.0 / p)):
+            table += [
+                {**r, "threads_used": p, "run": f"{mode}-{p}"} for r in rows(mode, 1000, 16, "CPU", 1.0, t)
+            ]
+    fig = figures.scaling(load_results_from(table, tmp_path))
+    ax = fig.axes[0]
+    assert tick_labels(ax.xaxis) == ["1", "2", "4", "8"]
+    assert ax.get_title() == "Scaling with workers (T = 1000, B = 16)"
+    plt.close(fig)
+
+
+def test_fig10_merges_methods_that_draw_the_same_points(tmp_path: Path) -> None:
+    from analysis import fig10
+
+    base = {"ratio": 0.5, "flops": 10, "critical": True}
+    products = pd.DataFrame(
+        [
+            {**base, "method": m, "mnk": mnk, "kind": k}
+            for m, k in (("levels=3", "up"), ("levels=all", "down"))
+            for mnk in (1, 2)
+        ]
+        + [{**base, "method": "BP", "mnk": 3, "kind": "seq"}]
+    )
+    merged = fig10.merge_identical(products)
+    assert sorted(merged["method"].unique()) == ["BP", "levels=3 = levels=all"]
+    fig = fig10.fig10(products)
+    legend = [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
+    assert legend == ["BP", "levels=3 = levels=all", "on the critical path", "off it"]
+    plt.close(fig)
+
+
+def test_cells_without_timings_or_spread_say_why() -> None:
+    short = rows("bptt", 100, 16, "CPU", 2.0, 1e-2, epochs=2) + rows(
+        "bppsa", 100, 16, "CPU", 1.0, 1e-3, epochs=2
+    )
+    untimed = [
+        {**r, "seq_len": 200, "timed_iterations": 0, "run": r["run"] + "-u"}
+        for r in rows("bptt", 200, 16, "CPU", 2.0, 1e-2) + rows("bppsa", 200, 16, "CPU", 1.0, 1e-3)
+    ]
+    table = speedups(load_results_from(short + untimed)).set_index("seq_len")
+    text = report.speedup_markdown(table.reset_index())
+    assert "10.00× (2 epoch(s) on a side: no interval)" in text
+    assert "n/a: no timed iteration (every iteration was warm-up)" in text
+    assert "nan" not in text
+
+
+def test_contended_epochs_are_left_out_and_counted(tmp_path: Path) -> None:
+    table = [{**r, "contended": r["epoch"] == 2} for r in t_sweep()]
+    data = load_results_from(table, tmp_path)
+    assert data.attrs["contended_epochs"] == 6 and not data["contended"].any()
+    kept = load_results([next(tmp_path.iterdir()) / "sweep"], keep_contended=True)
+    assert len(kept) == len(table)
+    path = report.write_report([next(tmp_path.iterdir()) / "sweep"], tmp_path / "report")
+    assert "6 epoch(s) measured while other work kept the machine busy are left out" in path.read_text()
+
+
+def test_provenance_is_read_beside_a_records_file(tmp_path: Path) -> None:
+    from analysis.data import provenance
+
+    (tmp_path / "summary.json").write_text(
+        '{"git": {"commit": "abcdef1234567890", "dirty": false}, '
+        '"versions": {"torch": "2.13.0", "python": "3.11.7"}}'
+    )
+    (tmp_path / "records.csv").write_text("x\n")
+    assert provenance([tmp_path / "records.csv"]) == {
+        "commits": ["abcdef123456"],
+        "versions": ["torch 2.13.0, python 3.11.7"],
+    }

@@ -42,3 +42,9 @@ def test_pip_install_gives_the_library_and_the_readme_example_runs_outside_the_t
     run = outside(readme_module_snippet() + "print(rnn.weight_hh_l0.grad.shape)")
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "torch.Size([20, 20])"
+
+
+def test_what_the_tools_write_by_default_is_not_tracked() -> None:
+    ignored = (ROOT / ".gitignore").read_text().split()
+    for folder in ("outputs/", "multirun/", "figures/", "report/", "results/"):
+        assert folder in ignored, folder

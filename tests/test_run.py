@@ -37,7 +37,7 @@ def test_every_preset_composes_validates_and_sweeps_both_backwards(preset: str) 
     params = cfg.hydra.sweeper.params
     assert params["backward"] == "bppsa,bptt"
     text = (CONF / "experiment" / f"{preset}.yaml").read_text()
-    assert "figure" in text.lower() or "hardware-sensitivity" in text  # each states its paper figure
+    assert "figure" in text.lower() or "hardware sensitivity" in text.lower()  # each states its paper result
 
 
 @pytest.mark.parametrize(
@@ -51,6 +51,55 @@ def test_every_preset_composes_validates_and_sweeps_both_backwards(preset: str) 
 )
 def test_group_options_compose_and_validate(overrides: list[str]) -> None:
     check(composed(*overrides))
+
+
+def test_help_describes_the_app_its_groups_presets_and_sweeps(tmp_path: Path) -> None:
+    done = run_py("--help", cwd=tmp_path)
+    assert done.returncode == 0
+    out = done.stdout
+    assert out.startswith("run.py: train the paper's recurrent classifiers")
+    assert "python run.py -m key=a,b" in out and "hydra/launcher=slurm" in out
+    assert "  model: gru, rnn" in out and "schema" not in out.split("== The configuration")[0]
+    for preset in PRESETS:
+        assert f"  {preset} " in out
+
+
+def test_the_workers_preset_fits_the_machine() -> None:
+    from experiments.hardware import cpu_cores, worker_counts
+
+    counts = [int(c) for c in worker_counts("cpu").split(",")]
+    assert counts[-1] == cpu_cores() and counts == sorted(set(counts))
+    assert all(c & (c - 1) == 0 for c in counts[:-1])  # powers of two below the core count
+    assert composed("experiment=workers", hydra=True).hydra.sweeper.params[
+        "hardware.workers"
+    ] == worker_counts("cpu")
+
+
+def test_a_warm_up_longer_than_an_epoch_is_said(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run_py(*TINY, "logger=csv", "trainer.warmup_iters=100", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert done.returncode == 0
+    assert "covers all 4 iterations of the first epoch: it has no timings" in done.stdout + done.stderr
+    assert "no timed iteration (all 4 were warm-up, trainer.warmup_iters=100)" in done.stdout
+
+
+def test_the_load_meter_sees_other_work_and_flags_the_timings() -> None:
+    from experiments.hardware import LoadMeter, contended
+
+    busy = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"]
+    )
+    try:
+        time.sleep(0.2)
+        meter = LoadMeter()
+        time.sleep(1.0)
+        other = meter.other_cores()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert other is not None and other > 0.6  # the busy process kept (most of) a core
+    assert contended(1.0, threads=2, cores=2) and not contended(1.0, threads=1, cores=2)
+    assert not contended(None, threads=2, cores=2)
 
 
 def test_every_option_of_every_group_extends_its_schema() -> None:
@@ -96,6 +145,14 @@ def test_the_default_job_runs_and_records(tmp_path: Path) -> None:
     )
     assert records["timed_iterations"].sum() == records["iterations"].sum() - 1  # one warm-up iteration
     assert (records["backward_s"] > 0).all()
+    assert records["threads_used"].tolist() == [1, 1]  # one thread unless hardware.workers says more
+    assert {"other_load", "contended", "initial_loss", "cpu_cores"} <= set(records.columns)
+    assert (
+        records["initial_loss"].nunique() == 1 and records["initial_loss"].iloc[0] > records["loss"].iloc[-1]
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/2", "epoch 2/2"]  # printed as they finish
+    assert "per iteration forward" in lines[1]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["config"]["dataset"]["seq_len"] == 8
     assert {"commit", "dirty"} <= set(summary["git"]) and summary["versions"]["torch"] == torch.__version__
@@ -135,8 +192,9 @@ def test_a_failed_job_is_recorded_and_the_others_kept(tmp_path: Path) -> None:
 
 
 def test_resume_continues_a_killed_run_without_duplicate_rows(tmp_path: Path) -> None:
+    """Killed once it has finished an epoch (however long that takes), resumed: the same rows."""
     run_dir = tmp_path / "run"
-    args = ["dataset.seq_len=200", "dataset.num_samples=1600", "trainer.epochs=3", "logger=csv"]
+    args = ["dataset.seq_len=50", "dataset.num_samples=400", "trainer.epochs=30", "logger=csv"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={run_dir}"],
@@ -145,19 +203,57 @@ def test_resume_continues_a_killed_run_without_duplicate_rows(tmp_path: Path) ->
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.time() + 120
-    while not (run_dir / "checkpoint.pt").exists() and proc.poll() is None and time.time() < deadline:
+    while records_of(run_dir) is None:  # written whole before the checkpoint: no deadline to miss
+        assert proc.poll() is None, "the run ended before it finished an epoch"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed = pd.read_csv(run_dir / "records.csv")
-    assert len(killed) < 3  # killed before the end
+    assert 1 <= len(killed) < 30  # killed before the end
     done = run_py(*args, "trainer.resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    records = pd.read_csv(run_dir / "records.csv")
-    assert records["epoch"].tolist() == [1, 2, 3]
-    assert records.loc[: len(killed) - 1, "loss"].tolist() == killed["loss"].tolist()
+    rows = pd.read_csv(run_dir / "records.csv")
+    assert rows["epoch"].tolist() == list(range(1, 31))
+    assert rows.loc[: len(killed) - 1, "loss"].tolist() == killed["loss"].tolist()
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+
+
+def records_of(run_dir: Path) -> pd.DataFrame | None:
+    from experiments.records import read_table
+
+    return read_table(run_dir / "records.csv")
+
+
+def test_ctrl_c_says_in_one_line_what_was_kept_and_how_to_go_on(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["dataset.seq_len=50", "dataset.num_samples=400", "trainer.epochs=1000", "logger=csv"]
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )
+    while records_of(run_dir) is None:
+        assert proc.poll() is None, "the run ended before it finished an epoch"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("run.py: interrupted after epoch ")
+    assert f"kept in {run_dir}: records.csv, checkpoint.pt" in lines[0]
+    command = lines[0].split("to continue: python run.py ")[1]
+    assert command.endswith(f"trainer.resume=true hydra.run.dir={run_dir}")
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    kept = len(pd.read_csv(run_dir / "records.csv"))
+    resumed = run_py(
+        *command.replace("trainer.epochs=1000", f"trainer.epochs={kept + 1}").split(), cwd=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert pd.read_csv(run_dir / "records.csv")["epoch"].tolist() == list(range(1, kept + 2))
 
 
 def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypatch) -> None:
@@ -183,6 +279,7 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
         (["dataset=irmas"], "dataset.root is required"),
         (["dataset=irmas", "dataset.root=/no/such/irmas"], "IRMAS root '/no/such/irmas' does not exist"),
         (["hardware.device=tpu"], "unknown hardware.device 'tpu'; accepted: auto, cpu, cuda"),
+        (["hardware.workers=999"], "hardware.workers=999 is more than the "),
         (["trainer.foo=1"], "unknown key trainer.foo; accepted: epochs, batch_size, warmup_iters"),
         (["trainer.epochs=1e26"], "trainer.epochs must be a positive integer, got 1e+26"),
         (["optimizer.lr=fast"], "optimizer.lr must be a positive number, got 'fast'"),

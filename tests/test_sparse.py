@@ -292,6 +292,8 @@ def test_pruned_vgg_study_writes_its_tables_and_fig_10(tmp_path, capsys) -> None
     out = tmp_path / "study"
     argv = ["--out", str(out), "--width", "0.0625", "--steps", "2", "--ratios", "0.9", "--levels", "2", "all"]
     assert pruned_vgg.main(argv) == 0
+    progress = capsys.readouterr().err
+    assert "[pruned_vgg" in progress and "ratio 0.9: scanning with levels=all" in progress  # not silent
     summary = pd.read_csv(out / "summary.csv").set_index("method")
     assert list(summary.index) == ["BP", "BPPSA levels=2", "BPPSA levels=all"]
     assert summary.loc["BP", "steps"] == 23  # 8 convs, 8 ReLUs, 5 pools, flatten, linear

@@ -24,7 +24,7 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bppsa_core import sparse
-from experiments.bench.common import non_negative_int, parser, positive_int
+from experiments.bench.common import Progress, non_negative_int, parser, positive_int
 from experiments.records import write_table
 
 VGG11 = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
@@ -147,22 +147,26 @@ def study(
     image_size: int,
     steps: int,
     seed: int = 0,
+    progress: Callable[[str], None] = lambda text: None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The summary and products tables for every pruning ratio."""
+    """The summary and products tables for every pruning ratio; ``progress`` hears of each stage."""
     images, labels = synthetic_images(512, image_size, seed)
     summary, products = [], []
     for ratio in ratios:
+        progress(f"ratio {ratio:g}: pruning and retraining for {steps} steps ...")
         torch.manual_seed(seed)
         model = vgg11(width, image_size)
         masks = prune(model, ratio)
         loss = retrain(model, masks, images, labels, steps)
         x = images[0]
+        progress(f"ratio {ratio:g}: building the CSR Jacobian chain ...")
         chain = jacobian_chain(model, x)
         g_y = torch.randn(CLASSES, generator=torch.Generator().manual_seed(seed))
         xr = x.clone().requires_grad_()
         (expected,) = torch.autograd.grad(model(xr.unsqueeze(0))[0], xr, g_y)
         methods = [("BP", sparse.backprop_cost(chain), None)]
         for lv in levels:
+            progress(f"ratio {ratio:g}: scanning with levels={'all' if lv is None else lv} ...")
             t0 = time.perf_counter()
             xs, cost = sparse.sparse_scan(chain, g_y, levels=lv)
             err = float((xs[0] - expected.reshape(-1)).norm() / expected.norm())
@@ -220,7 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         vgg11(args.width, args.image_size)
     except ValueError as exc:
         p.error(str(exc))
-    summary, products = study(args.ratios, args.levels, args.width, args.image_size, args.steps)
+    progress = Progress("pruned_vgg")
+    summary, products = study(
+        args.ratios, args.levels, args.width, args.image_size, args.steps, progress=progress
+    )
+    progress("done")
     out = Path(args.out)
     write_table(out / "summary.csv", summary)
     write_table(out / "products.csv", products)
