@@ -1,14 +1,15 @@
 """BPPSA: back-propagation through recurrent layers as a parallel scan.
 
-``bppsa_core.nn``: drop-in ``RNN`` / ``GRU`` modules with a scan-based backward (re-exported here).
+``bppsa_core.nn``: drop-in ``RNN`` / ``GRU`` / ``LSTM`` modules with a scan-based backward (re-exported here).
+``bppsa_core.layer``: one layer in one direction: PyTorch's forward, the BPPSA backward and tangent.
 ``bppsa_core.scan``: the scans (sequential reference twin, Blelloch, chunked; on a GPU Triton kernels
 (``bppsa_core.triton_scan``) and a CUDA-graph capture).
 ``bppsa_core.chain``: dense and factored chains of Jacobian elements, as the scans consume them.
-``bppsa_core.jacobians``: per-step Jacobians of RNN and GRU cells and the gradients that follow.
+``bppsa_core.jacobians``: per-step Jacobians of RNN, GRU and LSTM cells and the gradients that follow.
 
 A library: it imports nothing beyond torch, and logs instead of printing.
 """
 
-from bppsa_core.nn import GRU, RNN
+from bppsa_core.nn import GRU, LSTM, RNN
 
-__all__ = ["GRU", "RNN"]
+__all__ = ["GRU", "LSTM", "RNN"]

@@ -6,8 +6,8 @@ Every decision about scan strategies is made here, so that ``bppsa_core.scan``, 
 * ``ScanOptions``: strategy, chunk size and Blelloch levels, checked once, when made;
 * ``check_device``: whether a strategy can run on a device at all (``graph`` needs CUDA, ``triton``
   CUDA or Triton's interpreter);
-* ``kernels_take``: whether the Triton kernels take a chain (float32, at most 3 weight terms,
-  H <= 64: the weights stay in one program's registers);
+* ``kernels_take``, ``lstm_kernels_take``: whether the Triton kernels take a chain (float32, at most
+  3 weight terms and H <= 64, or an LSTM's with 2H <= 64: the weights stay in one program's registers);
 * ``resolve``: the strategy "auto" stands for, given the chain, the device and the kernels;
 * ``with_kernels``: the one fallback. Under "auto", kernels that fail to compile for the GPU at
   hand (Triton's ``CompilationError`` or ``OutOfResources``) are logged once, not tried again on
@@ -36,6 +36,8 @@ STRATEGIES: tuple[str, ...] = ("auto", "sequential", "blelloch", "chunked", "tri
 # The Triton kernels keep the K shared (H x H) weights of a chain in one program's registers.
 MAX_TERMS = 3
 MAX_HIDDEN = 64
+# An LSTM's state is (h, c): 2H numbers, and its four gates' H x H weights stay in registers.
+MAX_LSTM_HIDDEN = MAX_HIDDEN // 2
 
 # Below this many elements, a chunked scan has too few chunks to pay for its extra matrix work.
 _MIN_PARALLEL_LENGTH = 16
@@ -138,9 +140,15 @@ def kernels_take(terms: int, hidden: int, *dtypes: torch.dtype) -> bool:
     )
 
 
+def lstm_kernels_take(hidden: int, *dtypes: torch.dtype) -> bool:
+    """Whether the Triton kernels take an LSTM chain over (h, c) of this H: float32, H <= 32."""
+    return hidden <= MAX_LSTM_HIDDEN and all(d == torch.float32 for d in dtypes) and triton_installed()
+
+
 KERNELS_REFUSED = (
     f"strategy='triton' takes a float32 factored chain of at most {MAX_TERMS} terms with H <= "
-    f"{MAX_HIDDEN} (an RNN's or a GRU's); accepted for this chain: auto, sequential, blelloch, chunked, graph"
+    f"{MAX_HIDDEN} (an RNN's or a GRU's) or an LSTM's with H <= {MAX_LSTM_HIDDEN}, not transposed; "
+    "accepted for this chain: auto, sequential, blelloch, chunked, graph"
 )
 
 

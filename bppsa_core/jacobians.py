@@ -7,18 +7,27 @@ The elements come as a ``FactoredChain``: the per-step diagonal factors stay (T,
 and the shared weights are never copied per sample; each product of the scan folds them on the fly
 (``FactoredChain.dense`` gives the explicit matrices).
 
-A cell supplies three things, all parallel over time and batch:
+A cell supplies these, all parallel over time and batch:
 
 * ``factors``: the per-step vectors the Jacobians and the weight gradients need, recovered from the
   layer's input, previous states and outputs (the forward ran in PyTorch's fused kernel and kept none).
+  With ``keep`` (1 on a sequence's steps, 0 past its end) the steps past the end become identities:
+  the state is carried unchanged, as PyTorch's packed sequences do.
 * ``chain``: the elements J_t in time order (the scan consumes them from t = T down).
 * ``preactivation_grads``: from g_t = dL/dh_t of a block of steps (which it may overwrite: the
   scan's output is scratch by then) and the block's factors, the gradients of the input-side and
   hidden-side pre-activations, from which every weight, bias and input gradient follows by GEMMs
   (``layer_grads``, block by block over time).
+* ``direct_tangent`` and ``tangent_chain``, for forward-mode differentiation: a tangent of the
+  state obeys ``v_t = J_t v_{t-1} + c_t``, where c_t, the part that comes from the step's own
+  inputs and weights, is ``preactivation_grads``' adjoint applied to the pre-activations' tangents;
+  the same scan solves it over the transposed elements taken in reverse.
+
+The state is h (H numbers per sample), or for an LSTM (h, c) (2H, h first).
 
 PyTorch's gate layouts are used throughout: RNN ``h' = f(W_ih x + b_ih + W_hh h + b_hh)``; GRU rows
-(r, z, n), ``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``, ``h' = (1 - z) * n + z * h``.
+(r, z, n), ``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``, ``h' = (1 - z) * n + z * h``; LSTM rows
+(i, f, g, o), ``c' = f * c + i * g``, ``h' = o * tanh(c')``.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from bppsa_core.chain import FactoredChain
+from bppsa_core.chain import FactoredChain, LSTMChain
+from bppsa_core.scan import elementwise_recurrence
 
 # Bytes of temporaries the per-step work may use per block of time steps (GRUCell.factors and
 # layer_grads work block by block, so that the temporaries stay in the CPU's cache).
@@ -38,7 +48,7 @@ _BLOCK_BYTES = 8 << 20
 
 def _block_steps(bytes_per_step: int) -> int:
     """Time steps per block of work that touches ``bytes_per_step`` bytes per step."""
-    return max(1, _BLOCK_BYTES // bytes_per_step)
+    return max(1, _BLOCK_BYTES // max(1, bytes_per_step))
 
 
 @dataclass(frozen=True)
@@ -66,22 +76,42 @@ class RNNCell:
             raise ValueError(f"unknown nonlinearity {nonlinearity!r}; accepted: tanh, relu")
         self.nonlinearity = nonlinearity
 
-    def factors(self, x: Tensor, h_prev: Tensor, h: Tensor, w: LayerWeights) -> tuple[Tensor, ...]:
-        """f'(z_t), read off the outputs: 1 - h^2 for tanh, [h > 0] for relu."""
-        if self.nonlinearity == "tanh":
-            return (h.square().neg_().add_(1.0),)
-        return ((h > 0).to(h.dtype),)
+    def factors(
+        self,
+        x: Tensor,
+        h_prev: Tensor,
+        h: Tensor,
+        w: LayerWeights,
+        c0: Tensor | None = None,
+        keep: Tensor | None = None,
+    ) -> tuple[Tensor, ...]:
+        """f'(z_t), read off the outputs: 1 - h^2 for tanh, [h > 0] for relu. With ``keep``
+        (T, B, 1), f' is 0 past a sequence's end and a second factor, 1 - keep, is the identity there."""
+        fp = h.square().neg_().add_(1.0) if self.nonlinearity == "tanh" else (h > 0).to(h.dtype)
+        if keep is None:
+            return (fp,)
+        return fp.mul_(keep), torch.rsub(keep, 1.0).expand_as(fp)
 
     def chain(self, factors: tuple[Tensor, ...], w: LayerWeights) -> FactoredChain:
-        """Elements ``diag(f'_t) @ W_hh``, t = 1..T."""
-        (fp,) = factors
-        return FactoredChain(fp.unsqueeze(-2), w.w_hh.unsqueeze(0))
+        """Elements ``diag(f'_t) @ W_hh`` (+ the identity past a sequence's end), t = 1..T."""
+        fp, *past_end = factors
+        return FactoredChain(fp.unsqueeze(-2), w.w_hh.unsqueeze(0), *past_end)
 
     def preactivation_grads(self, g: Tensor, factors: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
         """delta_t = f'(z_t) * g_t, written into g; input and hidden sides share the pre-activation."""
-        (fp,) = factors
-        delta = g.mul_(fp)
+        delta = g.mul_(factors[0])
         return delta, delta
+
+    def direct_tangent(self, e_in: Tensor, e_hid: Tensor, factors: tuple[Tensor, ...]) -> Tensor:
+        """c_t = f'(z_t) (e_in + e_hid): the adjoint of ``preactivation_grads``."""
+        return (e_in + e_hid).mul_(factors[0])
+
+    def tangent_chain(self, factors: tuple[Tensor, ...], w: LayerWeights) -> FactoredChain:
+        """The transposed elements J_T^T, ..., J_1^T: a tangent's chain, read from its end."""
+        fp, *past_end = factors
+        return FactoredChain(
+            fp.flip(0).unsqueeze(-2), w.w_hh.unsqueeze(0), *(d.flip(0) for d in past_end), transposed=True
+        )
 
 
 class GRUCell:
@@ -93,7 +123,15 @@ class GRUCell:
         """W_ih x + b_ih and W_hh h_{t-1} + b_hh (rows r, z, n) for all steps: two large matmuls."""
         return _affine(x, w.w_ih, w.b_ih), _affine(h_prev, w.w_hh, w.b_hh)
 
-    def factors(self, x: Tensor, h_prev: Tensor, h: Tensor, w: LayerWeights) -> tuple[Tensor, ...]:
+    def factors(
+        self,
+        x: Tensor,
+        h_prev: Tensor,
+        h: Tensor,
+        w: LayerWeights,
+        c0: Tensor | None = None,
+        keep: Tensor | None = None,
+    ) -> tuple[Tensor, ...]:
         """The Jacobians' scales (T, B, 3, H), their diagonal z and dn = (1-z)(1-n^2), for all steps.
 
         The gates r, z, n and m = W_hn h + b_hn are recomputed from the two pre-activation GEMMs, and
@@ -111,6 +149,10 @@ class GRUCell:
         for s in range(0, steps, block):
             t = slice(s, s + block)
             self._factors(x[t], h_prev[t], w, scales[t], z[t], dn[t])
+        if keep is not None:  # past a sequence's end: no scales, diagonal 1
+            scales.mul_(keep.unsqueeze(-1))
+            z.mul_(keep).add_(torch.rsub(keep, 1.0))
+            dn.mul_(keep)
         return scales, z, dn
 
     def _factors(
@@ -153,8 +195,97 @@ class GRUCell:
         torch.mul(g, dn, out=input_side[..., 2, :])
         return input_side.flatten(-2), hidden_side.flatten(-2)
 
+    def direct_tangent(self, e_in: Tensor, e_hid: Tensor, factors: tuple[Tensor, ...]) -> Tensor:
+        """c_t from the pre-activations' tangents (rows r, z, n): the adjoint of ``preactivation_grads``."""
+        scales, _, dn = factors
+        hidden = scales.shape[-1]
+        e_in, e_hid = e_in.unflatten(-1, (3, hidden)), e_hid.unflatten(-1, (3, hidden))
+        c = (e_hid * scales).sum(-2)
+        c.addcmul_(e_in[..., 0, :], scales[..., 0, :]).addcmul_(e_in[..., 1, :], scales[..., 1, :])
+        return c.addcmul_(e_in[..., 2, :], dn)
 
-Cell = RNNCell | GRUCell
+    def tangent_chain(self, factors: tuple[Tensor, ...], w: LayerWeights) -> FactoredChain:
+        """The transposed elements J_T^T, ..., J_1^T: a tangent's chain, read from its end."""
+        scales, z, _ = factors
+        hidden = w.w_hh.shape[1]
+        return FactoredChain(scales.flip(0), w.w_hh.reshape(3, hidden, hidden), z.flip(0), transposed=True)
+
+
+class LSTMCell:
+    """PyTorch's LSTM cell, gates (i, f, g, o), without projections; its state is (h, c)."""
+
+    gates = 4
+
+    def factors(
+        self,
+        x: Tensor,
+        h_prev: Tensor,
+        h: Tensor,
+        w: LayerWeights,
+        c0: Tensor | None = None,
+        keep: Tensor | None = None,
+    ) -> tuple[Tensor, ...]:
+        """The chain's factors (``LSTMChain``): scales_h, scales_c (T, B, 4, H), diag_hc, diag_cc
+        (T, B, H), and with ``keep`` diag_hh = 1 - keep, h's identity past a sequence's end.
+
+        The gates come from the two pre-activation GEMMs; the cell states, which PyTorch's forward
+        does not return, from ``c_t = f c_{t-1} + i g`` solved as an elementwise linear recurrence
+        (``scan.elementwise_recurrence``). With k = o (1 - tanh(c)^2), the scales of W_i, W_f, W_g,
+        W_o are, for c: g i (1-i), c_{t-1} f (1-f), i (1-g^2), 0; for h: k times those, except
+        tanh(c) o (1-o) for W_o; and dc'/dc = f, dh'/dc = k f.
+        """
+        hidden = h_prev.shape[-1]
+        pre = _affine(x, w.w_ih, w.b_ih).add_(_affine(h_prev, w.w_hh, w.b_hh)).unflatten(-1, (4, hidden))
+        i, f, o = (torch.sigmoid(pre[..., j, :]) for j in (0, 1, 3))
+        g = torch.tanh(pre[..., 2, :])
+        if c0 is None:
+            raise ValueError("an LSTM's factors need its initial cell state c0")
+        a, b = (f, i * g) if keep is None else (f * keep + torch.rsub(keep, 1.0), i * g * keep)
+        c = elementwise_recurrence(a, b, c0)
+        c_prev = torch.cat((c0.unsqueeze(0), c[:-1]))
+        tc = torch.tanh(c)
+        k = o * (1 - tc * tc)
+        scales_c = torch.stack(
+            (g * i * (1 - i), c_prev * f * (1 - f), i * (1 - g * g), torch.zeros_like(g)), -2
+        )
+        scales_h = scales_c * k.unsqueeze(-2)
+        scales_h[..., 3, :] = tc * o * (1 - o)
+        diag_cc, diag_hc = f, k * f
+        if keep is not None:
+            m = keep.unsqueeze(-1)
+            scales_c.mul_(m), scales_h.mul_(m), diag_hc.mul_(keep)
+            past_end = torch.rsub(keep, 1.0).expand_as(f)
+            return scales_h, scales_c, diag_hc, diag_cc * keep + past_end, past_end
+        return scales_h, scales_c, diag_hc, diag_cc
+
+    def chain(self, factors: tuple[Tensor, ...], w: LayerWeights) -> LSTMChain:
+        """Elements of the LSTM Jacobian over (h, c), t = 1..T, in W_hh's row order i, f, g, o."""
+        hidden = w.w_hh.shape[1]
+        return LSTMChain(*factors[:2], w.w_hh.reshape(4, hidden, hidden), *factors[2:])
+
+    def preactivation_grads(self, g: Tensor, factors: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+        """The gates' pre-activation gradients g_h * scales_h + g_c * scales_c (rows i, f, g, o),
+        shared by the input and hidden sides, from g = (dL/dh, dL/dc)."""
+        scales_h, scales_c = factors[:2]
+        hidden = scales_h.shape[-1]
+        g_h, g_c = g[..., :hidden].unsqueeze(-2), g[..., hidden:].unsqueeze(-2)
+        delta = (g_h * scales_h).addcmul_(g_c, scales_c).flatten(-2)
+        return delta, delta
+
+    def direct_tangent(self, e_in: Tensor, e_hid: Tensor, factors: tuple[Tensor, ...]) -> Tensor:
+        """(c_h, c_c) from the gates' pre-activation tangents: the adjoint of ``preactivation_grads``."""
+        scales_h, scales_c = factors[:2]
+        e = (e_in + e_hid).unflatten(-1, (4, scales_h.shape[-1]))
+        return torch.cat(((e * scales_h).sum(-2), (e * scales_c).sum(-2)), -1)
+
+    def tangent_chain(self, factors: tuple[Tensor, ...], w: LayerWeights) -> LSTMChain:
+        """The transposed elements J_T^T, ..., J_1^T: a tangent's chain, read from its end."""
+        hidden = w.w_hh.shape[1]
+        scales_h, scales_c, *diagonals = (f.flip(0) for f in factors)
+        return LSTMChain(scales_h, scales_c, w.w_hh.reshape(4, hidden, hidden), *diagonals, transposed=True)
+
+
+Cell = RNNCell | GRUCell | LSTMCell
 
 
 Deltas = Callable[[slice], tuple[Tensor, Tensor]]

@@ -29,7 +29,7 @@ Every strategy returns ``[x_0, x_1, ..., x_n]`` as one (n + 1, B, H) tensor:
   products. The same O(n) matrix products as Blelloch's scan, depth ~2·chunk + scan(n / chunk), and a
   small working set.
 * ``triton``: the chunked scan as three Triton kernels for a factored chain of up to three terms
-  (RNN and GRU, H <= 64; ``bppsa_core.triton_scan``, whose twin is ``chunked``).
+  (RNN and GRU, H <= 64) or an LSTM's (H <= 32) (``bppsa_core.triton_scan``, whose twin is ``chunked``).
 * ``graph``: on a GPU, the eager per-level scan (Blelloch, or chunked when Blelloch's up-sweep
   would not fit) captured once per shape in a CUDA graph and replayed: one launch instead of one
   per op, for the chains the Triton kernels do not take.
@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from bppsa_core import dispatch
-from bppsa_core.chain import Chain, DenseChain, FactoredChain, Index, as_chain
+from bppsa_core.chain import Chain, DenseChain, FactoredChain, Index, LSTMChain, as_chain
 from bppsa_core.denormals import flush_denormals
 from bppsa_core.dispatch import ScanOptions
 
@@ -155,16 +155,37 @@ def _eager(name: str, chain: Chain, x_last: Tensor, offsets: Tensor | None, opti
 
 
 def _kernels_take(chain: Chain) -> bool:
-    """Whether the Triton kernels take this chain: a factored one that ``dispatch.kernels_take``."""
-    return isinstance(chain, FactoredChain) and dispatch.kernels_take(
-        chain.weights.shape[0], chain.hidden, *(t.dtype for t in chain.tensors())
+    """Whether the Triton kernels take this chain: a factored one, not transposed, that
+    ``dispatch.kernels_take`` (or an LSTM's that ``dispatch.lstm_kernels_take``)."""
+    dtypes = [t.dtype for t in chain.tensors()]
+    if isinstance(chain, LSTMChain):
+        return not chain.transposed and dispatch.lstm_kernels_take(chain.weights.shape[-1], *dtypes)
+    return (
+        isinstance(chain, FactoredChain)
+        and not chain.transposed
+        and dispatch.kernels_take(chain.weights.shape[0], chain.hidden, *dtypes)
     )
 
 
-def _triton(chain: FactoredChain, x_last: Tensor, offsets: Tensor | None, chunk: int | None) -> Tensor:
+def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | None) -> Tensor:
     """The chunked scan in Triton kernels (``bppsa_core.triton_scan``)."""
     from bppsa_core import triton_scan
 
+    if isinstance(chain, LSTMChain):
+        batch = x_last.shape[0]
+        tensors = [t.expand(chain.length, batch, *t.shape[2:]) for t in (chain.scales_h, chain.scales_c)]
+        diagonals = [
+            None if t is None else t.expand(chain.length, batch, -1)
+            for t in (chain.diag_hc, chain.diag_cc, chain.diag_hh)
+        ]
+        return triton_scan.triton_lstm_scan(
+            *tensors,
+            chain.weights,
+            *diagonals,
+            x_last,
+            offsets,
+            chunk or dispatch.default_chunk(chain.length),
+        )
     return triton_scan.triton_chunked_scan(
         chain.scales,
         chain.weights,
@@ -195,7 +216,7 @@ def _graphed(chain: Chain, x_last: Tensor, offsets: Tensor | None, options: Scan
 
     def run(ts: list[Tensor]) -> Tensor:
         b = None if offsets is None else ts[n_chain + 1]
-        return _eager(inner, type(chain)(*ts[:n_chain]), ts[n_chain], b, options)
+        return _eager(inner, chain.with_tensors(ts[:n_chain]), ts[n_chain], b, options)
 
     if key not in _GRAPHS:
         static = [t.detach().clone() for t in tensors]
@@ -302,8 +323,7 @@ def chunked_scan(
     chain = as_chain(elements)
     n = chain.length
     if chunk is None:
-        terms = chain.weights.shape[0] if isinstance(chain, FactoredChain) else 1
-        element = x_last.shape[0] * terms * chain.hidden**2 * x_last.element_size()
+        element = x_last.shape[0] * _terms(chain) * chain.hidden**2 * x_last.element_size()
         chunk = dispatch.default_chunk(n, element)
     c = chunk
     p = math.ceil(n / c)
@@ -333,4 +353,47 @@ def chunked_scan(
         idx = slice(c - 1 - i, full, c)
         y = _vec(chain, y, idx, offsets)
         out[idx] = y
+    return out
+
+
+def _terms(chain: Chain) -> int:
+    """How many (state x state) matrices one product by an element touches: its weights and the
+    scaled copy of the multiplied rows (an LSTM's scaled copy is 2H x 4H, its output 2H x 2H)."""
+    if isinstance(chain, FactoredChain):
+        return chain.weights.shape[0]
+    return 3 if isinstance(chain, LSTMChain) else 1
+
+
+def elementwise_recurrence(a: Tensor, b: Tensor, x0: Tensor, chunk: int | None = None) -> Tensor:
+    """x_t = a_t * x_{t-1} + b_t for t = 1..n, elementwise, from x0; returns x_1..x_n as (n, ...).
+
+    The diagonal case of the chain, solved forward in time by the same two-level scheme as
+    ``chunked_scan``: every chunk is scanned from 0 in parallel (with its running products of a),
+    the chunks' entry values follow one after the other, and one fused multiply-add corrects
+    every chunk: about 2·chunk + n / chunk dependent steps instead of n. An LSTM's backward
+    recovers its cell states this way (``jacobians.LSTMCell``).
+    """
+    n = a.shape[0]
+    c = chunk or dispatch.default_chunk(n)
+    p = n // c
+    out = torch.empty_like(b)
+    x = x0
+    if p >= 2:
+        full = p * c
+        a_c, b_c = a[:full].unflatten(0, (p, c)), b[:full].unflatten(0, (p, c))
+        local, prod = out[:full].unflatten(0, (p, c)), torch.empty_like(a_c)
+        local[:, 0], prod[:, 0] = b_c[:, 0], a_c[:, 0]
+        for i in range(1, c):
+            torch.addcmul(b_c[:, i], a_c[:, i], local[:, i - 1], out=local[:, i])
+            torch.mul(a_c[:, i], prod[:, i - 1], out=prod[:, i])
+        entries = torch.empty_like(local[:, 0])
+        for q in range(p):
+            entries[q] = x
+            x = torch.addcmul(local[q, -1], prod[q, -1], x)
+        local.addcmul_(prod, entries.unsqueeze(1))
+    else:
+        full = 0
+    for t in range(full, n):
+        x = torch.addcmul(b[t], a[t], x)
+        out[t] = x
     return out

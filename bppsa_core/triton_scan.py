@@ -21,6 +21,12 @@ source tensors:
 * ``GRU``: a GRU layer's backward (``gru_layer_backward``): the gates r, z, n recomputed from the
   two pre-activation GEMMs ``gi`` = W_ih x + b_ih and ``gh`` = W_hh h + b_hh and from ``h_prev``.
 
+An LSTM's chain (``LSTMChain``, state (h, c) of 2H) has kernels of its own, ``_lstm_reduce``,
+``_lstm_spine`` and ``_lstm_expand`` (``triton_lstm_scan``), organised the same way: a program holds
+the four gates' H x H weights and an aggregate as two (2H x H) column blocks, the h and the c columns;
+a step is four ``tl.dot`` for the h columns and two elementwise products for the c columns. The
+chain fits one program when 2H <= 64 (``dispatch.lstm_kernels_take``).
+
 The K weights are in W_hh's own row order (a GRU's W_hr, W_hz, W_hn), as ``GRUCell.chain`` has them.
 In the layer modes the kernels also take the outside gradient shifted by one step (no offsets copy)
 and write only what the weight gradients need: g_0 and the pre-activation gradients (deltas) of
@@ -372,6 +378,280 @@ def _expand(
             y, s0, s1, s2, e, dn, w0, w1, w2, offsets_ptr, out_ptr, delta_ptr, k, b, B, H,
             K, HAS_DIAG, HAS_B, MODE, SHIFT, FUSED, HP,
         )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- LSTM
+
+
+@triton.jit
+def _lstm_weights(w_ptr, H, HP: tl.constexpr):
+    """The four gates' H x H weights (W_i, W_f, W_g, W_o), padded to HP x HP."""
+    r = tl.arange(0, HP)
+    mat = (r < H)[:, None] & (r < H)[None, :]
+    offs = r[:, None] * H + r[None, :]
+    w0 = tl.load(w_ptr + offs, mask=mat, other=0.0)
+    w1 = tl.load(w_ptr + H * H + offs, mask=mat, other=0.0)
+    w2 = tl.load(w_ptr + 2 * H * H + offs, mask=mat, other=0.0)
+    w3 = tl.load(w_ptr + 3 * H * H + offs, mask=mat, other=0.0)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _lstm_element(sh_ptr, sc_ptr, hc_ptr, cc_ptr, hh_ptr, k, b, B, H, HAS_HH: tl.constexpr, HP: tl.constexpr):
+    """Element k of sample b: the h and c scales of the four gates, and the diagonals h<-c, c<-c, h<-h."""
+    k = k.to(tl.int64)
+    r = tl.arange(0, HP)
+    vec = r < H
+    rows = (k * B + b) * 4 * H + r
+    sh0 = tl.load(sh_ptr + rows, mask=vec, other=0.0)
+    sh1 = tl.load(sh_ptr + rows + H, mask=vec, other=0.0)
+    sh2 = tl.load(sh_ptr + rows + 2 * H, mask=vec, other=0.0)
+    sh3 = tl.load(sh_ptr + rows + 3 * H, mask=vec, other=0.0)
+    sc0 = tl.load(sc_ptr + rows, mask=vec, other=0.0)
+    sc1 = tl.load(sc_ptr + rows + H, mask=vec, other=0.0)
+    sc2 = tl.load(sc_ptr + rows + 2 * H, mask=vec, other=0.0)
+    sc3 = tl.load(sc_ptr + rows + 3 * H, mask=vec, other=0.0)
+    row = (k * B + b) * H + r
+    d_hc = tl.load(hc_ptr + row, mask=vec, other=0.0)
+    d_cc = tl.load(cc_ptr + row, mask=vec, other=0.0)
+    d_hh = tl.zeros([HP], dtype=tl.float32)
+    if HAS_HH:
+        d_hh = tl.load(hh_ptr + row, mask=vec, other=0.0)
+    return sh0, sh1, sh2, sh3, sc0, sc1, sc2, sc3, d_hc, d_cc, d_hh
+
+
+@triton.jit
+def _lstm_mat_step(
+    a_h, a_c, sh0, sh1, sh2, sh3, sc0, sc1, sc2, sc3, d_hc, d_cc, d_hh, w0, w1, w2, w3, HAS_HH: tl.constexpr
+):
+    """(a_h | a_c) @ M for one element: rows of the aggregate, its h columns and its c columns."""
+    out_h = tl.dot(a_h * sh0[None, :] + a_c * sc0[None, :], w0, input_precision="ieee")
+    out_h += tl.dot(a_h * sh1[None, :] + a_c * sc1[None, :], w1, input_precision="ieee")
+    out_h += tl.dot(a_h * sh2[None, :] + a_c * sc2[None, :], w2, input_precision="ieee")
+    out_h += tl.dot(a_h * sh3[None, :] + a_c * sc3[None, :], w3, input_precision="ieee")
+    if HAS_HH:
+        out_h += a_h * d_hh[None, :]
+    out_c = a_h * d_hc[None, :] + a_c * d_cc[None, :]
+    return out_h, out_c
+
+
+@triton.jit
+def _lstm_vec_step(
+    y_h, y_c, sh0, sh1, sh2, sh3, sc0, sc1, sc2, sc3, d_hc, d_cc, d_hh, w0, w1, w2, w3, HAS_HH: tl.constexpr
+):
+    """(y_h | y_c) @ M for one element and one row vector."""
+    out_h = tl.sum((y_h * sh0 + y_c * sc0)[:, None] * w0, axis=0)
+    out_h += tl.sum((y_h * sh1 + y_c * sc1)[:, None] * w1, axis=0)
+    out_h += tl.sum((y_h * sh2 + y_c * sc2)[:, None] * w2, axis=0)
+    out_h += tl.sum((y_h * sh3 + y_c * sc3)[:, None] * w3, axis=0)
+    if HAS_HH:
+        out_h += y_h * d_hh
+    return out_h, y_h * d_hc + y_c * d_cc
+
+
+@triton.jit
+def _lstm_reduce(
+    sh_ptr, sc_ptr, hc_ptr, cc_ptr, hh_ptr, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr, B, H,
+    C: tl.constexpr, HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
+):  # fmt: skip
+    """Chunk q (1..P-2) of sample b folded into one (2H x 2H) aggregate and its offset."""
+    q = tl.program_id(0) + 1
+    b = tl.program_id(1).to(tl.int64)
+    r = tl.arange(0, HP)
+    rr = tl.arange(0, 2 * HP)  # the aggregate's rows: h rows, then c rows
+    vec = r < H
+    w0, w1, w2, w3 = _lstm_weights(w_ptr, H, HP)
+    a_h = tl.where(rr[:, None] == r[None, :], 1.0, 0.0)
+    a_c = tl.where(rr[:, None] == r[None, :] + HP, 1.0, 0.0)
+    o_h = tl.zeros([HP], dtype=tl.float32)
+    o_c = tl.zeros([HP], dtype=tl.float32)
+    for i in range(0, C):  # the chunk's last element is applied first
+        k = q * C + C - 1 - i
+        sh0, sh1, sh2, sh3, sc0, sc1, sc2, sc3, d_hc, d_cc, d_hh = _lstm_element(
+            sh_ptr, sc_ptr, hc_ptr, cc_ptr, hh_ptr, k, b, B, H, HAS_HH, HP
+        )
+        a_h, a_c = _lstm_mat_step(
+            a_h, a_c, sh0, sh1, sh2, sh3, sc0, sc1, sc2, sc3, d_hc, d_cc, d_hh, w0, w1, w2, w3, HAS_HH
+        )
+        if HAS_B:
+            o_h, o_c = _lstm_vec_step(
+                o_h, o_c, sh0, sh1, sh2, sh3, sc0, sc1, sc2, sc3, d_hc, d_cc, d_hh, w0, w1, w2, w3, HAS_HH
+            )
+            row = offsets_ptr + (k.to(tl.int64) * B + b) * 2 * H + r
+            o_h += tl.load(row, mask=vec, other=0.0)
+            o_c += tl.load(row + H, mask=vec, other=0.0)
+    j = q - 1
+    state_row = tl.where(rr < HP, rr, rr - HP + H)  # padded row -> row of the 2H state
+    row_ok = (rr % HP) < H
+    base = agg_ptr + ((j * B + b) * 2 * H + state_row[:, None]) * 2 * H
+    mat = row_ok[:, None] & vec[None, :]
+    tl.store(base + r[None, :], a_h, mask=mat)
+    tl.store(base + H + r[None, :], a_c, mask=mat)
+    out = agg_offsets_ptr + (j * B + b) * 2 * H + r
+    tl.store(out, o_h, mask=vec)
+    tl.store(out + H, o_c, mask=vec)
+
+
+@triton.jit
+def _lstm_walk_step(
+    y_h, y_c, sh0, sh1, sh2, sh3, sc0, sc1, sc2, sc3, d_hc, d_cc, d_hh, w0, w1, w2, w3,
+    offsets_ptr, out_ptr, k, b, B, H, HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
+):  # fmt: skip
+    """x_k from y = x_{k+1} through element k, stored into row k of ``out``."""
+    r = tl.arange(0, HP)
+    vec = r < H
+    y_h, y_c = _lstm_vec_step(
+        y_h, y_c, sh0, sh1, sh2, sh3, sc0, sc1, sc2, sc3, d_hc, d_cc, d_hh, w0, w1, w2, w3, HAS_HH
+    )
+    k = k.to(tl.int64)
+    if HAS_B:
+        row = offsets_ptr + (k * B + b) * 2 * H + r
+        y_h += tl.load(row, mask=vec, other=0.0)
+        y_c += tl.load(row + H, mask=vec, other=0.0)
+    out = out_ptr + (k * B + b) * 2 * H + r
+    tl.store(out, y_h, mask=vec)
+    tl.store(out + H, y_c, mask=vec)
+    return y_h, y_c
+
+
+@triton.jit
+def _lstm_spine(
+    sh_ptr, sc_ptr, hc_ptr, cc_ptr, hh_ptr, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr, x_last_ptr,
+    out_ptr, entry_ptr, B, H, N,
+    REM: tl.constexpr, NAGG: tl.constexpr, HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
+):  # fmt: skip
+    """Sample b's remainder chunk walked from x_n, then the chunk aggregates scanned: every chunk's
+    entry vector into ``entry``."""
+    b = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, HP)
+    vec = r < H
+    mat = vec[:, None] & vec[None, :]
+    w0, w1, w2, w3 = _lstm_weights(w_ptr, H, HP)
+    y_h = tl.load(x_last_ptr + b * 2 * H + r, mask=vec, other=0.0)
+    y_c = tl.load(x_last_ptr + b * 2 * H + H + r, mask=vec, other=0.0)
+    last = out_ptr + (N * B + b) * 2 * H + r
+    tl.store(last, y_h, mask=vec)
+    tl.store(last + H, y_c, mask=vec)
+    for i in range(0, REM):
+        k = N - 1 - i
+        sh0, sh1, sh2, sh3, sc0, sc1, sc2, sc3, d_hc, d_cc, d_hh = _lstm_element(
+            sh_ptr, sc_ptr, hc_ptr, cc_ptr, hh_ptr, k, b, B, H, HAS_HH, HP
+        )
+        y_h, y_c = _lstm_walk_step(
+            y_h, y_c, sh0, sh1, sh2, sh3, sc0, sc1, sc2, sc3, d_hc, d_cc, d_hh, w0, w1, w2, w3,
+            offsets_ptr, out_ptr, k, b, B, H, HAS_HH, HAS_B, HP,
+        )  # fmt: skip
+    entry = entry_ptr + (NAGG * B + b) * 2 * H + r
+    tl.store(entry, y_h, mask=vec)
+    tl.store(entry + H, y_c, mask=vec)
+    for i in range(0, NAGG):  # aggregates of chunks P-2 .. 1
+        j = NAGG - 1 - i
+        base = agg_ptr + ((j * B + b) * 2 * H + r[:, None]) * 2 * H + r[None, :]
+        a_hh = tl.load(base, mask=mat, other=0.0)
+        a_hc = tl.load(base + H, mask=mat, other=0.0)
+        a_ch = tl.load(base + H * 2 * H, mask=mat, other=0.0)
+        a_cc = tl.load(base + H * 2 * H + H, mask=mat, other=0.0)
+        off = agg_offsets_ptr + (j * B + b) * 2 * H + r
+        new_h = tl.sum(y_h[:, None] * a_hh + y_c[:, None] * a_ch, axis=0) + tl.load(off, mask=vec, other=0.0)
+        new_c = tl.sum(y_h[:, None] * a_hc + y_c[:, None] * a_cc, axis=0) + tl.load(
+            off + H, mask=vec, other=0.0
+        )
+        y_h = new_h
+        y_c = new_c
+        entry = entry_ptr + (j * B + b) * 2 * H + r
+        tl.store(entry, y_h, mask=vec)
+        tl.store(entry + H, y_c, mask=vec)
+
+
+@triton.jit
+def _lstm_expand(
+    sh_ptr, sc_ptr, hc_ptr, cc_ptr, hh_ptr, w_ptr, offsets_ptr, entry_ptr, out_ptr, B, H,
+    C: tl.constexpr, HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
+):  # fmt: skip
+    """Chunk q (0..P-2) of sample b walked from its entry vector."""
+    q = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    r = tl.arange(0, HP)
+    vec = r < H
+    w0, w1, w2, w3 = _lstm_weights(w_ptr, H, HP)
+    entry = entry_ptr + (q * B + b) * 2 * H + r
+    y_h = tl.load(entry, mask=vec, other=0.0)
+    y_c = tl.load(entry + H, mask=vec, other=0.0)
+    for i in range(0, C):
+        k = q * C + C - 1 - i
+        sh0, sh1, sh2, sh3, sc0, sc1, sc2, sc3, d_hc, d_cc, d_hh = _lstm_element(
+            sh_ptr, sc_ptr, hc_ptr, cc_ptr, hh_ptr, k, b, B, H, HAS_HH, HP
+        )
+        y_h, y_c = _lstm_walk_step(
+            y_h, y_c, sh0, sh1, sh2, sh3, sc0, sc1, sc2, sc3, d_hc, d_cc, d_hh, w0, w1, w2, w3,
+            offsets_ptr, out_ptr, k, b, B, H, HAS_HH, HAS_B, HP,
+        )  # fmt: skip
+
+
+def triton_lstm_scan(
+    scales_h: Tensor,
+    scales_c: Tensor,
+    weights: Tensor,
+    diag_hc: Tensor,
+    diag_cc: Tensor,
+    diag_hh: Tensor | None,
+    x_last: Tensor,
+    offsets: Tensor | None,
+    chunk: int,
+) -> Tensor:
+    """The chunked scan of an LSTM chain (``LSTMChain``'s tensors, one per sample: B, not 1).
+
+    scales_h, scales_c (n, B, 4, H), weights (4, H, H), the diagonals (n, B, H), x_last (B, 2H),
+    offsets (n, B, 2H) or None. Returns x_0..x_n as (n + 1, B, 2H).
+    """
+    n, batch, _, h = scales_h.shape
+    hp = padded(h)
+    p = math.ceil(n / chunk)
+    out = x_last.new_empty((n + 1, batch, 2 * h))
+    agg = x_last.new_empty((max(p - 2, 1), batch, 2 * h, 2 * h))
+    agg_offsets = x_last.new_empty((max(p - 2, 1), batch, 2 * h))
+    entry = x_last.new_empty((max(p - 1, 1), batch, 2 * h))
+    sources = [t.contiguous() for t in (scales_h, scales_c, diag_hc, diag_cc)]
+    hh = sources[2] if diag_hh is None else diag_hh.contiguous()
+    common = {
+        "sh_ptr": sources[0],
+        "sc_ptr": sources[1],
+        "hc_ptr": sources[2],
+        "cc_ptr": sources[3],
+        "hh_ptr": hh,
+        "w_ptr": weights.contiguous(),
+        "offsets_ptr": sources[0] if offsets is None else offsets.contiguous(),
+        "B": batch,
+        "H": h,
+        "HAS_HH": diag_hh is not None,
+        "HAS_B": offsets is not None,
+        "HP": hp,
+        "num_warps": lstm_num_warps(hp),
+    }
+    if p > 2:
+        _lstm_reduce[(p - 2, batch)](**common, agg_ptr=agg, agg_offsets_ptr=agg_offsets, C=chunk)
+    _lstm_spine[(batch,)](
+        **common,
+        agg_ptr=agg,
+        agg_offsets_ptr=agg_offsets,
+        x_last_ptr=x_last.contiguous(),
+        out_ptr=out,
+        entry_ptr=entry,
+        N=n,
+        REM=n - (p - 1) * chunk,
+        NAGG=max(p - 2, 0),
+    )
+    if p > 1:
+        _lstm_expand[(p - 1, batch)](**common, entry_ptr=entry, out_ptr=out, C=chunk)
+    return out
+
+
+def lstm_num_warps(hp: int) -> int:
+    """4 warps, or 8 at Hp = 32, where a program holds 4 x 32^2 weights and a 64 x 32 aggregate twice."""
+    return 8 if hp >= 32 else 4
+
+
+# ----------------------------------------------------------------------------------------- launch
 
 
 def padded(h: int) -> int:

@@ -1,77 +1,43 @@
-"""bppsa_core.nn.RNN / GRU: the same module, outputs and gradients as torch.nn's."""
+"""bppsa_core.nn.RNN / GRU / LSTM: the same outputs and gradients as torch.nn's, for every layout,
+option and scan strategy (PyTorch's own tests, rewritten, are in test_conformance.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from helpers import rel_err
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from recurrent import F64, KINDS, assert_same, pair, run, state, state_leaves
+from torch.nn.utils.rnn import pack_sequence
 
 from bppsa_core import nn as bnn
 
-F64 = torch.float64
-KINDS = {
-    "tanh": (torch.nn.RNN, bnn.RNN, {}),
-    "relu": (torch.nn.RNN, bnn.RNN, {"nonlinearity": "relu"}),
-    "gru": (torch.nn.GRU, bnn.GRU, {}),
-}
-LOSSES = ("h_n", "output", "both", "last_output")
+# Indices into recurrent.flat's list: output, h_n (and an LSTM's c_n).
+LOSSES = {"h_n": [1], "output": [0], "all": None}
 
 
-def pair(kind: str, features: int, hidden: int, dtype=F64, seed: int = 0, **kwargs):
-    """A torch.nn module and ours with the same weights."""
-    ref_cls, our_cls, extra = KINDS[kind]
-    torch.manual_seed(seed)
-    scan_opts = {k: kwargs.pop(k) for k in ("backward", "strategy", "chunk", "levels") if k in kwargs}
-    ref = ref_cls(features, hidden, **extra, **kwargs).to(dtype)
-    ours = our_cls(features, hidden, **extra, **kwargs, **scan_opts).to(dtype)
-    ours.load_state_dict(ref.state_dict())
-    return ref, ours
-
-
-def grads(module, x, h0, loss: str, seed: int = 1):
-    """Gradients of a fixed random projection of the outputs w.r.t. input, h0 and parameters."""
-    x = x.detach().clone().requires_grad_()
-    h0 = None if h0 is None else h0.detach().clone().requires_grad_()
-    module.zero_grad(set_to_none=True)
-    out, h_n = module(x, h0)
-    g = torch.Generator().manual_seed(seed)
-    w_out = torch.randn(out.shape, generator=g, dtype=out.dtype)
-    w_hn = torch.randn(h_n.shape, generator=g, dtype=out.dtype)
-    value = {
-        "h_n": lambda: (h_n * w_hn).sum(),
-        "output": lambda: (out * w_out).sum(),
-        "both": lambda: (out * w_out).sum() + (h_n * w_hn).sum(),
-        "last_output": lambda: (out.select(1 if module.batch_first else 0, -1) ** 2).sum(),
-    }[loss]()
-    value.backward()
-    named = {"x": x.grad, **{n: p.grad for n, p in module.named_parameters()}}
-    if h0 is not None:
-        named["h0"] = h0.grad
-    return out.detach(), h_n.detach(), named
-
-
-def assert_same(kind, steps, batch, features, hidden, loss, tol, dtype=F64, h0=True, **kwargs):
+def check(
+    kind, steps, batch, features, hidden, loss="all", tol=1e-10, dtype=F64, h0=True, lengths=None, **kwargs
+):
+    """Ours equals torch.nn on a random (padded or, given ``lengths``, packed) batch."""
     ref, ours = pair(kind, features, hidden, dtype=dtype, **kwargs)
-    layers = ref.num_layers
-    shape = (batch, steps, features) if ref.batch_first else (steps, batch, features)
-    x = torch.randn(shape, dtype=dtype)
-    hx = torch.randn(layers, batch, hidden, dtype=dtype) if h0 else None
-    out_r, hn_r, g_r = grads(ref, x, hx, loss)
-    out_o, hn_o, g_o = grads(ours, x, hx, loss)
-    assert torch.allclose(out_r, out_o) and torch.allclose(hn_r, hn_o)
-    assert g_r.keys() == g_o.keys()
-    for name in g_r:
-        assert g_o[name] is not None, name
-        assert rel_err(g_r[name], g_o[name]) < tol, (name, rel_err(g_r[name], g_o[name]))
+    hx = state(ours, batch, dtype) if h0 else None
+    if lengths is not None:
+        seqs = [torch.randn(n, features, dtype=dtype, requires_grad=True) for n in lengths]
+        inp, leaves = pack_sequence(seqs, enforce_sorted=False), seqs
+    else:
+        shape = (batch, steps, features) if ours.batch_first else (steps, batch, features)
+        inp = torch.randn(shape, dtype=dtype, requires_grad=True)
+        leaves = [inp]
+    assert_same(ref, ours, inp, hx, [*leaves, *state_leaves(hx)], tol, LOSSES[loss])
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("steps", [1, 2, 3, 7, 16])
 @pytest.mark.parametrize("loss", LOSSES)
 def test_gradients_match_autograd_float64(kind: str, steps: int, loss: str) -> None:
-    assert_same(kind, steps, batch=3, features=2, hidden=4, loss=loss, tol=1e-10)
+    check(kind, steps, 3, 2, 4, loss)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -79,19 +45,19 @@ def test_gradients_match_autograd_float64(kind: str, steps: int, loss: str) -> N
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("h0", [False, True])
 def test_stacked_layers_batch_first_and_default_h0(kind, layers, batch_first, h0) -> None:
-    for loss in ("h_n", "output"):
-        assert_same(kind, 11, 2, 3, 5, loss, 1e-10, h0=h0, num_layers=layers, batch_first=batch_first)
+    for loss in LOSSES:
+        check(kind, 11, 2, 3, 5, loss, h0=h0, num_layers=layers, batch_first=batch_first)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("batch", "hidden"), [(1, 1), (1, 6), (4, 1)])
 def test_degenerate_sizes(kind: str, batch: int, hidden: int) -> None:
-    assert_same(kind, 9, batch, 1, hidden, "both", 1e-10)
+    check(kind, 9, batch, 1, hidden)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_bias(kind: str) -> None:
-    assert_same(kind, 10, 2, 3, 4, "both", 1e-10, bias=False, num_layers=2)
+    check(kind, 10, 2, 3, 4, bias=False, num_layers=2, bidirectional=True)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -99,43 +65,91 @@ def test_no_bias(kind: str) -> None:
     "opts", [{"strategy": "sequential"}, {"strategy": "blelloch", "levels": 2}, {"strategy": "chunked"}]
 )
 def test_float32_at_moderate_length(kind: str, opts: dict) -> None:
-    assert_same(kind, 300, 4, 3, 8, "both", 1e-4, dtype=torch.float32, **opts)
+    check(kind, 300, 4, 3, 8, tol=1e-4, dtype=torch.float32, **opts)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layers", [1, 3])
+def test_bidirectional_dropout_and_packed_sequences(kind: str, layers: int) -> None:
+    for lengths in (None, [5, 1, 7, 3]):
+        for dropout in (0.0, 0.5) if layers > 1 else (0.0,):
+            check(kind, 7, 4, 3, 5, lengths=lengths, num_layers=layers, bidirectional=True, dropout=dropout)
 
 
 @given(
     kind=st.sampled_from(list(KINDS)),
-    steps=st.integers(1, 40),
+    steps=st.integers(1, 30),
     batch=st.integers(1, 3),
     hidden=st.integers(1, 6),
     layers=st.integers(1, 3),
-    loss=st.sampled_from(LOSSES),
+    bidirectional=st.booleans(),
+    dropout=st.sampled_from([0.0, 0.4]),
+    packed=st.booleans(),
+    batch_first=st.booleans(),
+    loss=st.sampled_from(list(LOSSES)),
     strategy=st.sampled_from(["auto", "sequential", "blelloch", "chunked"]),
     chunk=st.one_of(st.none(), st.integers(1, 9)),
+    data=st.data(),
 )
-def test_property_any_shape_any_strategy(kind, steps, batch, hidden, layers, loss, strategy, chunk) -> None:
-    assert_same(kind, steps, batch, 2, hidden, loss, 1e-10, num_layers=layers, strategy=strategy, chunk=chunk)
+def test_property_any_shape_any_layout_any_strategy(
+    kind,
+    steps,
+    batch,
+    hidden,
+    layers,
+    bidirectional,
+    dropout,
+    packed,
+    batch_first,
+    loss,
+    strategy,
+    chunk,
+    data,
+) -> None:
+    lengths = data.draw(st.lists(st.integers(1, steps), min_size=batch, max_size=batch)) if packed else None
+    check(
+        kind, steps, batch, 2, hidden, loss, lengths=lengths, num_layers=layers, bidirectional=bidirectional,
+        dropout=dropout if layers > 1 else 0.0, batch_first=batch_first, strategy=strategy, chunk=chunk,
+    )  # fmt: skip
+
+
+@settings(max_examples=12)  # Triton's interpreter runs every program in Python
+@given(
+    kind=st.sampled_from(list(KINDS)),
+    steps=st.integers(1, 16),
+    batch=st.integers(1, 2),
+    hidden=st.integers(1, 20),
+    bidirectional=st.booleans(),
+    packed=st.booleans(),
+    chunk=st.one_of(st.none(), st.integers(1, 7)),
+    data=st.data(),
+)
+def test_property_the_triton_kernels_in_float32(
+    kind, steps, batch, hidden, bidirectional, packed, chunk, data
+) -> None:
+    lengths = data.draw(st.lists(st.integers(1, steps), min_size=batch, max_size=batch)) if packed else None
+    check(
+        kind, steps, batch, 2, hidden, tol=1e-4, dtype=torch.float32, lengths=lengths,
+        bidirectional=bidirectional, strategy="triton", chunk=chunk,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_unbatched_input(kind: str) -> None:
     ref, ours = pair(kind, 2, 3)
-    x = torch.randn(6, 2, dtype=F64)
-    out_r, hn_r, g_r = grads(ref, x, None, "both")
-    out_o, hn_o, g_o = grads(ours, x, None, "both")
-    assert out_o.shape == (6, 3) and hn_o.shape == (1, 3)
-    assert torch.allclose(out_r, out_o) and torch.allclose(hn_r, hn_o)
-    for name in g_r:
-        assert rel_err(g_r[name], g_o[name]) < 1e-10, name
+    x = torch.randn(6, 2, dtype=F64, requires_grad=True)
+    assert [t.shape for t in run(ours, x)][:2] == [(6, 3), (1, 3)]
+    assert_same(ref, ours, x, leaves=[x])
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_state_dict_round_trips_with_torch_nn(kind: str) -> None:
     ref_cls, our_cls, extra = KINDS[kind]
-    ref = ref_cls(3, 4, num_layers=2, **extra)
-    ours = our_cls(3, 4, num_layers=2, **extra)
+    ref = ref_cls(3, 4, num_layers=2, bidirectional=True, **extra)
+    ours = our_cls(3, 4, num_layers=2, bidirectional=True, **extra)
     assert [n for n, _ in ref.named_parameters()] == [n for n, _ in ours.named_parameters()]
     ours.load_state_dict(ref.state_dict())
-    back = ref_cls(3, 4, num_layers=2, **extra)
+    back = ref_cls(3, 4, num_layers=2, bidirectional=True, **extra)
     back.load_state_dict(ours.state_dict())
     for a, b in zip(ref.parameters(), back.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -143,33 +157,32 @@ def test_state_dict_round_trips_with_torch_nn(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bptt_mode_is_torch_nn(kind: str) -> None:
-    assert_same(kind, 8, 2, 3, 4, "both", 1e-13, backward="bptt", num_layers=2)
-    _, our_cls, extra = KINDS[kind]
-    assert our_cls(
-        2, 3, num_layers=2, dropout=0.5, bidirectional=True, backward="bptt", **extra
-    ).bidirectional
+    check(kind, 8, 2, 3, 4, tol=1e-13, backward="bptt", num_layers=2, bidirectional=True)
 
 
-def test_inference_output_matches_and_builds_no_graph() -> None:
-    ref, ours = pair("gru", 2, 3)
+@pytest.mark.parametrize("kind", KINDS)
+def test_inference_output_matches_and_builds_no_graph(kind: str) -> None:
+    ref, ours = pair(kind, 2, 3, num_layers=2)
     x = torch.randn(5, 2, 2, dtype=F64)
     with torch.no_grad():
-        out, _ = ours(x)
-    assert out.grad_fn is None
-    assert torch.equal(out, ref(x)[0].detach())
+        out = run(ours, x)
+    assert all(t.grad_fn is None for t in out)
+    for a, b in zip(out, run(ref, x), strict=True):
+        assert torch.equal(a, b.detach())
 
 
-def test_training_loop_with_an_optimizer_lowers_the_loss() -> None:
+@pytest.mark.parametrize("cls", [bnn.RNN, bnn.LSTM])
+def test_training_loop_with_an_optimizer_lowers_the_loss(cls) -> None:
     torch.manual_seed(0)
-    rnn, head = bnn.RNN(1, 8, batch_first=True), torch.nn.Linear(8, 2)
+    rnn, head = cls(1, 8, batch_first=True), torch.nn.Linear(8, 2)
     opt = torch.optim.Adam([*rnn.parameters(), *head.parameters()], lr=1e-2)
     x = torch.bernoulli(torch.full((32, 50, 1), 0.5))
     y = (x.mean((1, 2)) > 0.5).long()
     losses = []
     for _ in range(30):
         opt.zero_grad()
-        _, h_n = rnn(x)
-        loss = torch.nn.functional.cross_entropy(head(h_n[-1]), y)
+        out, _ = rnn(x)
+        loss = torch.nn.functional.cross_entropy(head(out[:, -1]), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -179,41 +192,17 @@ def test_training_loop_with_an_optimizer_lowers_the_loss() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"bidirectional": True}, "bidirectional=True is not supported by backward='bppsa' yet"),
-        ({"num_layers": 2, "dropout": 0.2}, "dropout=0.2 between layers is not supported"),
         ({"backward": "magic"}, "unknown backward 'magic'; accepted: bppsa, bptt"),
         ({"strategy": "magic"}, "unknown scan strategy 'magic'; accepted: auto"),
         ({"chunk": 0}, "chunk must be a positive integer or None, got 0"),
         ({"levels": -2}, "levels must be a non-negative integer or None, got -2"),
+        ({"segment": 0}, "segment must be a positive integer, got 0"),
     ],
 )
-@pytest.mark.parametrize("cls", [bnn.RNN, bnn.GRU])
-def test_unsupported_options_fail_at_construction(cls, kwargs: dict, message: str) -> None:
+@pytest.mark.parametrize("cls", [bnn.RNN, bnn.GRU, bnn.LSTM])
+def test_bad_options_fail_at_construction(cls, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         cls(2, 3, **kwargs)
-
-
-def test_packed_sequences_are_rejected() -> None:
-    rnn = bnn.RNN(2, 3)
-    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 2), [4, 2])
-    with pytest.raises(ValueError, match="packed sequences are not supported by backward='bppsa'"):
-        rnn(packed)
-
-
-def test_wrong_input_size_is_named() -> None:
-    with pytest.raises(
-        RuntimeError, match=r"input.size\(-1\) must be equal to input_size. Expected 2, got 5"
-    ):
-        bnn.RNN(2, 3)(torch.randn(4, 1, 5))
-
-
-def test_double_backward_is_refused_not_silently_wrong() -> None:
-    rnn = bnn.RNN(2, 3).double()
-    x = torch.randn(5, 2, 2, dtype=F64, requires_grad=True)
-    _, h_n = rnn(x)
-    (gx,) = torch.autograd.grad(h_n.sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"once_differentiable|does not require grad"):
-        gx.sum().backward()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -245,3 +234,29 @@ def test_cpu_autocast_trains_like_torch_nn(kind: str) -> None:
         grads_of.append([p.grad for p in m.parameters()])
     for a, b in zip(*grads_of, strict=True):
         assert b.dtype == torch.float32 and rel_err(a, b) < 3e-2  # both see bfloat16 states
+
+
+# ----------------------------------------------------------------------------------- long sequences
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("segment", [1, 3, 7])
+def test_the_forward_in_segments_gives_the_same_results(kind: str, segment: int) -> None:
+    for lengths in (None, [9, 4, 6]):
+        check(kind, 9, 3, 2, 4, lengths=lengths, num_layers=2, bidirectional=True, segment=segment)
+
+
+def test_a_sequence_longer_than_cudnn_takes_runs_in_segments(monkeypatch) -> None:
+    from bppsa_core import layer
+
+    calls = []
+    real = layer._native_call
+
+    def counted(mode, x, *args):
+        calls.append(x.shape[0])
+        return real(mode, x, *args)
+
+    monkeypatch.setattr(layer, "_native_call", counted)
+    rnn = bnn.GRU(1, 2)
+    out, _ = rnn(torch.randn(layer.MAX_SEGMENT + 5, 1, 1))
+    assert calls == [layer.MAX_SEGMENT, 5] and out.shape == (layer.MAX_SEGMENT + 5, 1, 2)

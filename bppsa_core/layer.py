@@ -1,0 +1,663 @@
+"""One recurrent layer in one direction: PyTorch's forward, a BPPSA backward and a BPPSA tangent.
+
+``bppsa_core.nn`` builds its modules from ``layer``, one call per layer and direction. Each call is
+an ``autograd.Function`` whose work is done by three operators registered with ``torch.library``, so
+that ``torch.compile`` and ``torch.jit.trace`` treat each as one opaque step:
+
+* ``bppsa::layer_forward``: PyTorch's fused kernel (cuDNN on a GPU) over the layer, in segments of at
+  most ``segment`` steps with the state passed across (cuDNN refuses more than 65,535 steps), and
+  over packed sequences when ``lengths`` is given;
+* ``bppsa::layer_backward``: the per-step Jacobians recovered from the saved states
+  (``bppsa_core.jacobians``), the chain ``g_{t-1} = g_t @ J_t + u_{t-1}`` scanned
+  (``bppsa_core.scan``), and every input, state, weight and bias gradient from a few large matmuls;
+* ``bppsa::layer_tangent``: forward-mode differentiation. A tangent of the state obeys the linear
+  recurrence ``v_t = J_t v_{t-1} + c_t``, so the same factored Jacobians and the same scan, run over
+  the transposed elements, give it.
+
+The backward is the BPPSA scan whenever the gradient itself is not differentiated. When it is
+(``create_graph=True``, ``torch.func.grad``, ``jacrev``, Hessians), the layer's gradient is taken
+through PyTorch's own differentiable forward instead, so that every higher derivative is exact; the
+values of the first derivative are the same. ``vmap`` runs the operators once per mapped index.
+
+Sequences of different lengths (``lengths``, sorted longest first, as packing leaves them) are
+padded to T steps: past a sequence's end its outputs are 0 and its Jacobians are identities, so the
+state that reaches the end of the chain is each sequence's last valid one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.functional import linear
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+
+from bppsa_core import dispatch
+from bppsa_core.denormals import flush_denormals
+from bppsa_core.dispatch import ScanOptions
+from bppsa_core.jacobians import Cell, GRUCell, LayerWeights, LSTMCell, RNNCell, layer_grads
+from bppsa_core.scan import scan
+
+MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
+# cuDNN's limit on the steps of one call; the forward runs longer sequences in segments.
+MAX_SEGMENT = 65_535
+
+_NATIVE = {
+    "RNN_TANH": torch._VF.rnn_tanh,
+    "RNN_RELU": torch._VF.rnn_relu,
+    "GRU": torch._VF.gru,
+    "LSTM": torch._VF.lstm,
+}
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """What a layer call needs besides tensors: the cell, the forward's segment length, the scan."""
+
+    mode: str
+    segment: int = MAX_SEGMENT
+    options: ScanOptions = field(default_factory=ScanOptions)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; accepted: {', '.join(MODES)}")
+        if not dispatch._count(self.segment, 1):
+            raise ValueError(f"segment must be a positive integer, got {self.segment!r}")
+
+
+def cell_of(mode: str) -> Cell:
+    """The cell of a PyTorch RNN mode."""
+    if mode == "GRU":
+        return GRUCell()
+    if mode == "LSTM":
+        return LSTMCell()
+    return RNNCell("relu" if mode == "RNN_RELU" else "tanh")
+
+
+# ------------------------------------------------------------------------------------------- forward
+
+
+def native_forward(
+    mode: str,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    lengths: Tensor | None,
+    segment: int = MAX_SEGMENT,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """PyTorch's fused forward of one layer: x (T, B, I), h0 and c0 (an LSTM's) (B, H).
+
+    Returns the outputs h_1..h_T (T, B, H), 0 past each sequence's end, and the last state (h, c).
+    Runs in segments of at most ``segment`` steps. Differentiable (PyTorch's own autograd).
+    """
+    steps, batch = x.shape[:2]
+    if steps == 0:  # PyTorch's kernel refuses it, in its own words
+        return _native_call(mode, x, None, h0, c0, weights)
+    outs, h, c = [], h0, c0
+    for s in range(0, steps, segment):
+        e = min(steps, s + segment)
+        if lengths is None:
+            out, h, c = _native_call(mode, x[s:e], None, h, c, weights)
+            outs.append(out)
+            continue
+        seg = (lengths - s).clamp(0, e - s)
+        active = int((seg > 0).sum())
+        if active == 0:  # every sequence has ended
+            outs.append(x.new_zeros((steps - s, batch, h.shape[-1])))
+            break
+        packed = pack_padded_sequence(x[s:e, :active], seg[:active])
+        data, h_a, c_a = _native_call(
+            mode, packed.data, packed.batch_sizes, h[:active], _head(c, active), weights
+        )
+        out = pad_packed_sequence(PackedSequence(data, packed.batch_sizes), total_length=e - s)[0]
+        if active < batch:  # the sequences that have ended keep their state, and output 0
+            out = torch.cat((out, out.new_zeros((e - s, batch - active, out.shape[-1]))), 1)
+            h = torch.cat((h_a, h[active:]))
+            c = None if c is None else torch.cat((c_a, c[active:]))
+        else:
+            h, c = h_a, c_a
+        outs.append(out)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)), h, c
+
+
+def stepwise_forward(
+    mode: str, x: Tensor, h0: Tensor, c0: Tensor | None, weights: list[Tensor], lengths: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``native_forward`` one step at a time through PyTorch's cell functions: slow, and
+    differentiable under every transform (packed sequences are not, under ``torch.func``)."""
+    steps = x.shape[0]
+    keep = _keep(lengths, steps, x)
+    w = (*weights, None, None)[:4]
+    h, c, outs = h0, c0, []
+    for t in range(steps):
+        if mode == "LSTM":
+            h_new, c_new = torch.lstm_cell(x[t], (h, c), *w)
+        else:
+            h_new, c_new = _CELLS[mode](x[t], h, *w), None
+        if keep is not None:  # past a sequence's end the state is carried and the output is 0
+            h_new = torch.lerp(h, h_new, keep[t])
+            c_new = None if c is None else torch.lerp(c, c_new, keep[t])
+            outs.append(h_new * keep[t])
+        else:
+            outs.append(h_new)
+        h, c = h_new, c_new
+    return torch.stack(outs), h, c
+
+
+_CELLS = {"RNN_TANH": torch.rnn_tanh_cell, "RNN_RELU": torch.rnn_relu_cell, "GRU": torch.gru_cell}
+
+
+def _head(c: Tensor | None, n: int) -> Tensor | None:
+    return None if c is None else c[:n]
+
+
+def _native_call(
+    mode: str, x: Tensor, batch_sizes: Tensor | None, h: Tensor, c: Tensor | None, weights: list[Tensor]
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One call of PyTorch's fused kernel for one layer, padded or packed (``batch_sizes``).
+
+    On cuDNN, the weights of a layer after the first are a slice of the module's flattened buffer
+    that cuDNN does not take as its own, so it copies them per call and warns; the warning is
+    expected here and silenced (the copy is a few KB for the paper's sizes).
+    """
+    hx = (h.unsqueeze(0), c.unsqueeze(0)) if c is not None else h.unsqueeze(0)
+    bias = len(weights) == 4
+    packed = () if batch_sizes is None else (batch_sizes,)
+    flags = (bias, 1, 0.0, False, False) + (() if packed else (False,))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not part of single contiguous chunk of memory.*")
+        result = _NATIVE[mode](x, *packed, hx, weights, *flags)
+    if c is not None:
+        return result[0], result[1][0], result[2][0]
+    return result[0], result[1][0], None
+
+
+# ------------------------------------------------------------------------------------------ backward
+
+
+def _keep(lengths: Tensor | None, steps: int, like: Tensor) -> Tensor | None:
+    """(T, B, 1): 1 where step t (1..T) is within its sequence, else 0; None without lengths."""
+    if lengths is None:
+        return None
+    t = torch.arange(1, steps + 1, device=lengths.device).unsqueeze(1)
+    return (t <= lengths.unsqueeze(0)).to(device=like.device, dtype=like.dtype).unsqueeze(-1)
+
+
+def bppsa_backward(
+    config: LayerConfig,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    lengths: Tensor | None,
+    out: Tensor,
+    grad_out: Tensor | None,
+    grad_hn: Tensor | None,
+    grad_cn: Tensor | None,
+    need_input: bool = True,
+) -> tuple[Tensor | None, Tensor, Tensor | None, list[Tensor]]:
+    """The gradients of x, h0, c0 and the weights of one layer, from those of its outputs, its
+    last h and (an LSTM) its last c, by scanning its Jacobian chain from the end."""
+    with flush_denormals(x.device):  # scans and gradient GEMMs: see bppsa_core.denormals
+        return _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need_input)
+
+
+def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need_input):
+    # Under autocast the forward kept lower-precision states; the backward runs in the weights'
+    # dtype (autograd casts each returned gradient back to its input's dtype).
+    dtype = weights[0].dtype
+    x, h0, h, grad_out, grad_hn, c0, grad_cn = (
+        None if t is None else t.to(dtype) for t in (x, h0, out, grad_out, grad_hn, c0, grad_cn)
+    )
+    cell, w = cell_of(config.mode), LayerWeights(*weights)
+    steps, _batch, hidden = h.shape
+    keep = _keep(lengths, steps, h)
+    if grad_out is not None and keep is not None:
+        grad_out = grad_out * keep  # outputs past a sequence's end are constants
+    h_prev = torch.cat((h0.unsqueeze(0), h[:-1]))
+    g_last = _last_grad(grad_out, grad_hn, h)
+    fused = None if keep is not None else _fused_layer(config, cell, x, h_prev, h, w, grad_out, g_last)
+    g_c0 = None
+    if fused is not None:
+        g_h0, g_in, g_hid = fused
+
+        def deltas(t: slice) -> tuple[Tensor, Tensor]:
+            return g_in[t], g_hid[t]
+
+    else:
+        factors = cell.factors(x, h_prev, h, w, c0, keep)
+        offsets, start = None, g_last
+        if grad_out is not None:  # u_0 = 0 (nothing reaches h_0 from outside), u_1, ..., u_{T-1}
+            offsets = torch.cat((torch.zeros_like(grad_out[:1]), grad_out[:-1]))
+        if c0 is not None:  # an LSTM's state is (h, c): c gets gradient only from c_n
+            start = torch.cat((g_last, torch.zeros_like(g_last) if grad_cn is None else grad_cn), -1)
+            offsets = None if offsets is None else torch.cat((offsets, torch.zeros_like(offsets)), -1)
+        o = config.options
+        g = scan(cell.chain(factors, w), start, offsets, strategy=o.strategy, chunk=o.chunk, levels=o.levels)
+        g_h0, g_c0 = g[0, :, :hidden].clone(), (g[0, :, hidden:].clone() if c0 is not None else None)
+
+        def deltas(t: slice, g=g[1:]) -> tuple[Tensor, Tensor]:
+            return cell.preactivation_grads(g[t], tuple(f[t] for f in factors))
+
+    dx, dw = layer_grads(deltas, x, h_prev, w, need_input)
+    grads = [t for t in (dw.w_ih, dw.w_hh, dw.b_ih, dw.b_hh) if t is not None]
+    return dx, g_h0, g_c0, grads
+
+
+def _last_grad(u: Tensor | None, u_last: Tensor | None, h: Tensor) -> Tensor:
+    """dL/dh_T: what reaches the last state from the outputs and from h_n."""
+    parts = [t for t in (None if u is None else u[-1], u_last) if t is not None]
+    return sum(parts[1:], parts[0]) if parts else torch.zeros_like(h[-1])
+
+
+def _fused_layer(
+    config: LayerConfig,
+    cell: Cell,
+    x: Tensor,
+    h_prev: Tensor,
+    h: Tensor,
+    w: LayerWeights,
+    u: Tensor | None,
+    g_last: Tensor,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """g_0 and the input- and hidden-side pre-activation gradients of an RNN or GRU layer from the
+    fused Triton kernels (``triton_scan.rnn_layer_backward`` / ``gru_layer_backward``), or None.
+
+    Taken where the layer's strategy resolves to "triton" (``dispatch.resolve``: "triton" itself,
+    or "auto" on a GPU) and the kernels take the layer and run on its device; everything else goes
+    through ``scan``, which also gives "triton"'s error messages.
+    """
+    if isinstance(cell, LSTMCell):
+        return None
+    steps, batch, hidden = h.shape
+    fits = dispatch.kernels_take(cell.gates, hidden, h.dtype, w.w_hh.dtype)
+    strategy = config.options.strategy
+    chosen = dispatch.resolve(strategy, steps, batch, hidden, h.device, fits)
+    if chosen != "triton" or not fits or not dispatch.kernels_run_on(h.device):
+        return None
+    from bppsa_core import triton_scan
+
+    chunk = config.options.chunk or dispatch.default_chunk(steps)
+
+    def kernels() -> tuple[Tensor, Tensor, Tensor]:
+        if isinstance(cell, RNNCell):
+            g0, delta = triton_scan.rnn_layer_backward(h, w.w_hh, g_last, u, cell.nonlinearity, chunk)
+            return g0, delta, delta
+        gi, gh = cell.pre_activations(x, h_prev, w)
+        return triton_scan.gru_layer_backward(gi, gh, h_prev, w.w_hh, g_last, u, chunk)
+
+    return dispatch.with_kernels(strategy, h.device, kernels, lambda: None)
+
+
+# ------------------------------------------------------------------------------------------- tangent
+
+
+def bppsa_tangent(
+    config: LayerConfig,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    lengths: Tensor | None,
+    out: Tensor,
+    tangents: list[Tensor | None],
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The tangents of a layer's outputs, last h and last c, from those of (x, h0, c0, *weights).
+
+    The pre-activations' tangents from x's and the weights' are a few GEMMs, the cell turns them
+    into each step's own part c_t (``direct_tangent``), and the scan over the transposed Jacobians
+    carries the state's tangent from v_0 = (dh0, dc0) through all steps.
+    """
+    with flush_denormals(x.device):
+        dtype = weights[0].dtype
+        x, h0, h, c0 = (None if t is None else t.to(dtype) for t in (x, h0, out, c0))
+        tangents = [None if t is None else t.to(dtype) for t in tangents]
+        dx, dh0, dc0, *dweights = tangents
+        cell, w = cell_of(config.mode), LayerWeights(*weights)
+        dw = LayerWeights(*dweights)
+        steps, batch, hidden = h.shape
+        keep = _keep(lengths, steps, h)
+        h_prev = torch.cat((h0.unsqueeze(0), h[:-1]))
+        factors = cell.factors(x, h_prev, h, w, c0, keep)
+        rows = w.w_ih.shape[0]
+        e_in, e_hid = h.new_zeros((steps, batch, rows)), h.new_zeros((steps, batch, rows))
+        if dx is not None:
+            e_in += linear(dx, w.w_ih)
+        if dw.w_ih is not None:
+            e_in += linear(x, dw.w_ih)
+        if dw.b_ih is not None:
+            e_in += dw.b_ih
+        if dw.w_hh is not None:
+            e_hid += linear(h_prev, dw.w_hh)
+        if dw.b_hh is not None:
+            e_hid += dw.b_hh
+        direct = cell.direct_tangent(e_in, e_hid, factors)
+        v0 = torch.zeros_like(h0) if dh0 is None else dh0
+        if c0 is not None:
+            v0 = torch.cat((v0, torch.zeros_like(c0) if dc0 is None else dc0), -1)
+        o = config.options
+        strategy = "auto" if o.strategy == "triton" else o.strategy  # the kernels take no transposes
+        chain = cell.tangent_chain(factors, w)
+        v = scan(chain, v0, direct.flip(0), strategy=strategy, chunk=o.chunk, levels=o.levels).flip(0)
+        d_out = v[1:, :, :hidden] * keep if keep is not None else v[1:, :, :hidden].clone()
+        return (
+            d_out,
+            v[-1, :, :hidden].clone(),
+            (v[-1, :, hidden:].clone() if c0 is not None else None),
+        )
+
+
+# ----------------------------------------------------------------------------------------- operators
+# The work of one layer call as three operators of torch.library: opaque to torch.compile (which
+# sees their shapes through the fake implementations) and to tracing, and run once per index under
+# vmap. Optional results are returned as empty tensors (operators return tensors only); weights and
+# tangents are separate arguments, not lists, which vmap's fallback for batched gradients needs.
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty((0,))
+
+
+def _present(*tensors: Tensor | None) -> list[Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+@torch.library.custom_op("bppsa::layer_forward", mutates_args=())
+def _forward_op(
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    lengths: Tensor | None,
+    mode: str,
+    segment: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    weights = _present(w_ih, w_hh, b_ih, b_hh)
+    out, h, c = native_forward(mode, x, h0, c0, weights, lengths, segment)
+    return out, h.clone(), (_empty(h) if c is None else c.clone())
+
+
+@_forward_op.register_fake
+def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, mode, segment):
+    out = x.new_empty((x.shape[0], x.shape[1], w_hh.shape[1]))
+    return out, h0.new_empty(h0.shape), (_empty(h0) if c0 is None else c0.new_empty(c0.shape))
+
+
+@torch.library.custom_op("bppsa::layer_backward", mutates_args=())
+def _backward_op(
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    lengths: Tensor | None,
+    out: Tensor,
+    grad_out: Tensor | None,
+    grad_hn: Tensor | None,
+    grad_cn: Tensor | None,
+    mode: str,
+    strategy: str,
+    chunk: int | None,
+    levels: int | None,
+    need_input: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    config = LayerConfig(mode, options=ScanOptions(strategy, chunk, levels))
+    weights = _present(w_ih, w_hh, b_ih, b_hh)
+    dx, dh0, dc0, dw = bppsa_backward(
+        config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need_input
+    )
+    biases = dw[2:] if len(dw) == 4 else [_empty(h0), _empty(h0)]
+    return (
+        (_empty(h0) if dx is None else dx),
+        dh0,
+        (_empty(h0) if dc0 is None else dc0),
+        dw[0],
+        dw[1],
+        *biases,
+    )
+
+
+@_backward_op.register_fake
+def _(
+    x,
+    h0,
+    c0,
+    w_ih,
+    w_hh,
+    b_ih,
+    b_hh,
+    lengths,
+    out,
+    grad_out,
+    grad_hn,
+    grad_cn,
+    mode,
+    strategy,
+    chunk,
+    levels,
+    need_input,
+):
+    dtype = w_hh.dtype
+
+    def like(t: Tensor | None) -> Tensor:
+        return _empty(h0) if t is None else t.new_empty(t.shape, dtype=dtype)
+
+    return (
+        (like(x) if need_input else _empty(h0)),
+        like(h0),
+        like(c0),
+        like(w_ih),
+        like(w_hh),
+        like(b_ih),
+        like(b_hh),
+    )
+
+
+@torch.library.custom_op("bppsa::layer_tangent", mutates_args=())
+def _tangent_op(
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    lengths: Tensor | None,
+    out: Tensor,
+    dx: Tensor | None,
+    dh0: Tensor | None,
+    dc0: Tensor | None,
+    dw_ih: Tensor | None,
+    dw_hh: Tensor | None,
+    db_ih: Tensor | None,
+    db_hh: Tensor | None,
+    mode: str,
+    strategy: str,
+    chunk: int | None,
+    levels: int | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    config = LayerConfig(mode, options=ScanOptions(strategy, chunk, levels))
+    weights = _present(w_ih, w_hh, b_ih, b_hh)
+    tangents = [dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh]
+    d_out, d_h, d_c = bppsa_tangent(config, x, h0, c0, weights, lengths, out, tangents)
+    return d_out, d_h, _empty(d_h) if d_c is None else d_c
+
+
+@_tangent_op.register_fake
+def _(
+    x,
+    h0,
+    c0,
+    w_ih,
+    w_hh,
+    b_ih,
+    b_hh,
+    lengths,
+    out,
+    dx,
+    dh0,
+    dc0,
+    dw_ih,
+    dw_hh,
+    db_ih,
+    db_hh,
+    mode,
+    strategy,
+    chunk,
+    levels,
+):
+    dtype = w_hh.dtype
+    d_c = _empty(h0) if c0 is None else c0.new_empty(c0.shape, dtype=dtype)
+    return out.new_empty(out.shape, dtype=dtype), h0.new_empty(h0.shape, dtype=dtype), d_c
+
+
+def _loop_vmap(op: Any) -> Any:
+    """A vmap rule for ``op``: the operator once per mapped index, results stacked along dim 0."""
+
+    def rule(info: Any, in_dims: tuple, *args: Any) -> tuple[Any, Any]:
+        def take(i: int) -> list[Any]:
+            return [
+                a if d is None or a is None else a.select(d, i) for a, d in zip(args, in_dims, strict=True)
+            ]
+
+        results = [op(*take(i)) for i in range(info.batch_size)]
+        return tuple(torch.stack(r) for r in zip(*results, strict=True)), (0,) * len(results[0])
+
+    return rule
+
+
+for _op in (_forward_op, _backward_op, _tangent_op):
+    torch.library.register_vmap(_op, _loop_vmap(_op))
+
+
+# ---------------------------------------------------------------------------------------- autograd
+
+
+class _CompiledLayer(torch.autograd.Function):
+    """One layer call; inputs (x, h0, c0, lengths, config, *weights), outputs (out, h_n, c_n)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: Tensor,
+        h0: Tensor,
+        c0: Tensor | None,
+        lengths: Tensor | None,
+        config: LayerConfig,
+        *weights: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        w_ih, w_hh, b_ih, b_hh = (*weights, None, None)[:4]
+        return torch.ops.bppsa.layer_forward(
+            x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, config.mode, config.segment
+        )
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        x, h0, c0, lengths, config, *weights = inputs
+        ctx.config = config
+        ctx.save_for_backward(x, h0, c0, lengths, output[0], *weights)
+        ctx.save_for_forward(x, h0, c0, lengths, output[0], *weights)
+        ctx.set_materialize_grads(False)
+        if c0 is None:
+            ctx.mark_non_differentiable(output[2])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None) -> tuple:
+        x, h0, c0, lengths, out, *weights = ctx.saved_tensors
+        config: LayerConfig = ctx.config
+        if c0 is None:
+            grad_cn = None
+        if grad_out is None and grad_hn is None and grad_cn is None:
+            return (None,) * (5 + len(weights))
+        if torch.is_grad_enabled():  # the gradient will itself be differentiated
+            grads = _differentiable_vjp(config, x, h0, c0, lengths, weights, (grad_out, grad_hn, grad_cn))
+            return (*grads[:3], None, None, *grads[3:])
+        o = config.options
+        need = ctx.needs_input_grad
+        dx, dh0, dc0, *dw = torch.ops.bppsa.layer_backward(
+            x, h0, c0, *(*weights, None, None)[:4], lengths, out, grad_out, grad_hn, grad_cn,
+            config.mode, o.strategy, o.chunk, o.levels, need[0],
+        )  # fmt: skip
+        return (
+            dx if need[0] else None,
+            dh0,
+            dc0 if c0 is not None else None,
+            None,
+            None,
+            *dw[: len(weights)],
+        )
+
+
+class _Layer(_CompiledLayer):
+    """``_CompiledLayer`` with forward-mode differentiation: the tangent is a scan too."""
+
+    @staticmethod
+    def jvp(ctx: Any, dx: Tensor | None, dh0: Tensor | None, dc0: Tensor | None, *rest: Any) -> tuple:
+        x, h0, c0, lengths, out, *weights = ctx.saved_tensors
+        config: LayerConfig = ctx.config
+        dweights = (*rest[2:], None, None)[:4]
+        o = config.options
+        d_out, d_h, d_c = torch.ops.bppsa.layer_tangent(
+            x, h0, c0, *(*weights, None, None)[:4], lengths, out, dx, dh0, dc0, *dweights,
+            config.mode, o.strategy, o.chunk, o.levels,
+        )  # fmt: skip
+        return d_out, d_h, (d_c if c0 is not None else None)
+
+
+def _differentiable_vjp(
+    config: LayerConfig,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    lengths: Tensor | None,
+    weights: list[Tensor],
+    grads: tuple[Tensor | None, ...],
+) -> tuple[Tensor | None, ...]:
+    """The layer's vector-Jacobian product through PyTorch's own differentiable forward: exact to
+    every order, for gradients that are themselves differentiated."""
+    lstm = c0 is not None
+
+    def forward(x: Tensor, h0: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+        c, w = (rest[0] if lstm else None), list(rest[int(lstm) :])
+        if lengths is None:
+            out, h, c = native_forward(config.mode, x, h0, c, w, None, config.segment)
+        else:
+            out, h, c = stepwise_forward(config.mode, x, h0, c, w, lengths)
+        return (out, h, c) if lstm else (out, h)
+
+    primals = (x, h0, *((c0,) if lstm else ()), *weights)
+    outputs, vjp = torch.func.vjp(forward, *primals)
+    cotangents = tuple(torch.zeros_like(o) if g is None else g for o, g in zip(outputs, grads, strict=False))
+    result = vjp(cotangents)
+    if not lstm:
+        return (result[0], result[1], None, *result[2:])
+    return tuple(result)
+
+
+def layer(
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    config: LayerConfig,
+    lengths: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One layer in one direction, differentiable by BPPSA: x (T, B, I) time-major, h0 and c0 (an
+    LSTM's, else None) (B, H), ``weights`` PyTorch's (w_ih, w_hh[, b_ih, b_hh]), ``lengths`` (B,)
+    sorted longest first or None. Returns the outputs (T, B, H), the last h and the last c (or None).
+    """
+    # torch.compile traces autograd.Functions, but not their jvp: compiled graphs get the same
+    # function without it (forward-mode differentiation of a compiled graph is not supported anyway).
+    function = _CompiledLayer if torch.compiler.is_compiling() else _Layer
+    out, h, c = function.apply(x, h0, c0, lengths, config, *weights)
+    return out, h, (c if c0 is not None else None)
