@@ -234,29 +234,72 @@ class LSTMCell:
         W_o are, for c: g i (1-i), c_{t-1} f (1-f), i (1-g^2), 0; for h: k times those, except
         tanh(c) o (1-o) for W_o; and dc'/dc = f, dh'/dc = k f.
         """
-        hidden = h_prev.shape[-1]
-        pre = _affine(x, w.w_ih, w.b_ih).add_(_affine(h_prev, w.w_hh, w.b_hh)).unflatten(-1, (4, hidden))
-        i, f, o = (torch.sigmoid(pre[..., j, :]) for j in (0, 1, 3))
-        g = torch.tanh(pre[..., 2, :])
         if c0 is None:
             raise ValueError("an LSTM's factors need its initial cell state c0")
-        a, b = (f, i * g) if keep is None else (f * keep + torch.rsub(keep, 1.0), i * g * keep)
-        c = elementwise_recurrence(a, b, c0)
-        c_prev = torch.cat((c0.unsqueeze(0), c[:-1]))
-        tc = torch.tanh(c)
-        k = o * (1 - tc * tc)
-        scales_c = torch.stack(
-            (g * i * (1 - i), c_prev * f * (1 - f), i * (1 - g * g), torch.zeros_like(g)), -2
+        steps, batch, hidden = h_prev.shape
+        # In blocks of time steps, as GRUCell.factors: the gates and temporaries (about 16 H numbers
+        # per step and sample) stay in the CPU's cache. Two passes: the recurrence's coefficients,
+        # then, with the cell states known, the factors (the gates' GEMMs are made twice).
+        block = _block_steps(16 * hidden * batch * h_prev.element_size())
+        blocks = [slice(s, min(s + block, steps)) for s in range(0, steps, block)]
+        f_keep, ig = torch.empty_like(h_prev), torch.empty_like(h_prev)
+        for t in blocks:
+            i, f, g, _ = self._gates(x[t], h_prev[t], w)
+            torch.mul(i, g, out=ig[t])
+            f_keep[t] = f
+            if keep is not None:  # past a sequence's end: c_t = c_{t-1}
+                f_keep[t].mul_(keep[t]).add_(torch.rsub(keep[t], 1.0))
+                ig[t].mul_(keep[t])
+        c = elementwise_recurrence(f_keep, ig, c0)
+        del f_keep, ig
+        scales_h, scales_c = (h_prev.new_empty((steps, batch, 4, hidden)) for _ in range(2))
+        diag_hc, diag_cc = torch.empty_like(h_prev), torch.empty_like(h_prev)
+        for t in blocks:
+            c_prev = c[t.start - 1 : t.stop - 1] if t.start else torch.cat((c0.unsqueeze(0), c[: t.stop - 1]))
+            self._factors(x[t], h_prev[t], w, c_prev, c[t], scales_h[t], scales_c[t], diag_hc[t], diag_cc[t])
+        if keep is None:
+            return scales_h, scales_c, diag_hc, diag_cc
+        scales_h.mul_(keep.unsqueeze(-1))
+        scales_c.mul_(keep.unsqueeze(-1))
+        diag_hc.mul_(keep)
+        past_end = torch.rsub(keep, 1.0).expand_as(h_prev)
+        return scales_h, scales_c, diag_hc, diag_cc.mul_(keep).add_(past_end), past_end
+
+    def _gates(self, x: Tensor, h_prev: Tensor, w: LayerWeights) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The gates i, f, g, o of a block of steps, from the two pre-activation GEMMs."""
+        pre = (
+            _affine(x, w.w_ih, w.b_ih)
+            .add_(_affine(h_prev, w.w_hh, w.b_hh))
+            .unflatten(-1, (4, h_prev.shape[-1]))
         )
-        scales_h = scales_c * k.unsqueeze(-2)
-        scales_h[..., 3, :] = tc * o * (1 - o)
-        diag_cc, diag_hc = f, k * f
-        if keep is not None:
-            m = keep.unsqueeze(-1)
-            scales_c.mul_(m), scales_h.mul_(m), diag_hc.mul_(keep)
-            past_end = torch.rsub(keep, 1.0).expand_as(f)
-            return scales_h, scales_c, diag_hc, diag_cc * keep + past_end, past_end
-        return scales_h, scales_c, diag_hc, diag_cc
+        i, f, o = (torch.sigmoid(pre[..., j, :]) for j in (0, 1, 3))
+        return i, f, torch.tanh(pre[..., 2, :]), o
+
+    def _factors(
+        self,
+        x: Tensor,
+        h_prev: Tensor,
+        w: LayerWeights,
+        c_prev: Tensor,
+        c: Tensor,
+        scales_h: Tensor,
+        scales_c: Tensor,
+        diag_hc: Tensor,
+        diag_cc: Tensor,
+    ) -> None:
+        """``factors`` of a block of steps, written into the last four tensors."""
+        i, f, g, o = self._gates(x, h_prev, w)
+        s_i, s_f, s_g, s_o = scales_c.unbind(-2)
+        torch.mul(i, i, out=s_i).neg_().add_(i).mul_(g)  # i (1 - i) g
+        torch.mul(f, f, out=s_f).neg_().add_(f).mul_(c_prev)
+        torch.mul(g, g, out=s_g).neg_().add_(1.0).mul_(i)
+        s_o.zero_()
+        tc = torch.tanh(c)
+        k = torch.mul(tc, tc).neg_().add_(1.0).mul_(o)
+        torch.mul(scales_c, k.unsqueeze(-2), out=scales_h)
+        torch.mul(o, o, out=scales_h[..., 3, :]).neg_().add_(o).mul_(tc)
+        diag_cc.copy_(f)
+        torch.mul(k, f, out=diag_hc)
 
     def chain(self, factors: tuple[Tensor, ...], w: LayerWeights) -> LSTMChain:
         """Elements of the LSTM Jacobian over (h, c), t = 1..T, in W_hh's row order i, f, g, o."""

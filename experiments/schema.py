@@ -84,7 +84,8 @@ class RNNModel:
 
 @dataclass
 class GRUModel:
-    """``bppsa_core.GRU`` (torch.nn.GRU's arguments); the input size comes from the data."""
+    """``bppsa_core.GRU`` or ``bppsa_core.LSTM`` (torch.nn's arguments); the input size comes from
+    the data."""
 
     _target_: str = MISSING
     hidden_size: int = checked(POSITIVE_INT)
@@ -214,7 +215,7 @@ class Config:
 
 # Group option -> schema. Every YAML option in conf/<group>/ has an entry (a test checks it).
 OPTIONS: dict[str, dict[str, type]] = {
-    "model": {"rnn": RNNModel, "gru": GRUModel},
+    "model": {"rnn": RNNModel, "gru": GRUModel, "lstm": GRUModel},
     "dataset": {"bitstream": BitstreamData, "irmas": IRMASData},
     "backward": {"bppsa": BPPSABackward, "bptt": BPTTBackward},
     "optimizer": {"adam": Optimizer, "sgd": Optimizer},

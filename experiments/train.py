@@ -41,7 +41,8 @@ class Classifier(nn.Module):
         self.head = nn.Linear(rnn.hidden_size, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _, h_n = self.rnn(x)
+        _, state = self.rnn(x)
+        h_n = state[0] if isinstance(state, tuple) else state  # an LSTM's state is (h_n, c_n)
         return self.head(h_n[-1])
 
 

@@ -35,14 +35,14 @@ def triton_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-@pytest.mark.parametrize("model", ["rnn", "gru"])
+@pytest.mark.parametrize("model", ["rnn", "gru", "lstm"])
 def test_a_backward_row_times_bptt_and_every_strategy_and_checks_the_gradients(model) -> None:
     row = bench(model, 9, 2, 3, 2, ["chunked", "blelloch"], CPU, floors=FLOORS, **ONCE)
     assert (row.model, row.steps, row.batch, row.hidden) == (model, 9, 2, 3)
     assert row.bptt_ms > 0 and set(row.bppsa_ms) == {"chunked", "blelloch"}
     assert all(isinstance(v, float) and v > 0 for v in row.bppsa_ms.values())
     assert row.max_rel_err < 1e-4 and row.notes == {}  # the timed code computes autograd's gradients
-    assert row.floor_bytes_ms == FLOORS.bytes_ms(9, 2, 3, 1 if model == "rnn" else 3)
+    assert row.floor_bytes_ms == FLOORS.bytes_ms(9, 2, 3, {"rnn": 1, "gru": 3, "lstm": 4}[model])
     assert row.floor_levels_ms == FLOORS.levels_ms(9)
 
 
@@ -147,7 +147,7 @@ def test_default_strategies_are_those_that_exist(monkeypatch) -> None:
         (["--T", "0"], "argument --T: 0 is not positive; accepted: positive integers"),
         (["--B", "-3"], "argument --B: -3 is not positive"),
         (["--H", "ten"], "argument --H: 'ten' is not an integer"),
-        (["--model", "lstm"], "argument --model: invalid choice: 'lstm'"),
+        (["--model", "elman"], "argument --model: invalid choice: 'elman'"),
         (["--device", "tpu"], "argument --device: unknown device 'tpu'; accepted: auto, cpu, cuda, cuda:N"),
         (["--device", "meta"], "unknown device 'meta'; accepted: auto, cpu, cuda, cuda:N"),
         (["--warmup", "-1"], "argument --warmup: -1 is negative; accepted: non-negative integers"),

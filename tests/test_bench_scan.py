@@ -18,20 +18,22 @@ from experiments.bench.scan import JAX_PEER, TORCH_PEER, affine_elements, combin
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("model", ["rnn", "gru"])
+@pytest.mark.parametrize("model", ["rnn", "gru", "lstm"])
 def test_layer_chain_is_a_plain_chain_of_the_layer(model) -> None:
     chain, x_last = layer_chain(model, 7, 3, 4, 2, CPU)
-    assert (chain.length, chain.batch, chain.hidden) == (7, 3, 4)
-    assert chain.weights.shape[0] == (1 if model == "rnn" else 3)
-    assert x_last.shape == (3, 4)
+    state = 8 if model == "lstm" else 4  # an LSTM's state is (h, c)
+    assert (chain.length, chain.batch, chain.hidden) == (7, 3, state)
+    assert chain.weights.shape[0] == {"rnn": 1, "gru": 3, "lstm": 4}[model]
+    assert x_last.shape == (3, state)
     assert not any(t.requires_grad for t in (*chain.tensors(), x_last))  # scan() refuses those
 
 
-@pytest.mark.parametrize("model", ["rnn", "gru"])
+@pytest.mark.parametrize("model", ["rnn", "gru", "lstm"])
 def test_folding_the_affine_elements_from_the_end_gives_the_twin(model) -> None:
     chain, x_last = layer_chain(model, 9, 2, 3, 1, CPU)
     a, c = affine_elements(chain, x_last)
-    assert a.shape == (10, 2, 3, 3) and c.shape == (10, 2, 3)
+    s = chain.hidden
+    assert a.shape == (10, 2, s, s) and c.shape == (10, 2, s)
     acc = (a[9], c[9])
     folded = [acc[1]]
     for k in reversed(range(9)):  # the reverse inclusive scan, one element at a time

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import rel_err
 
-from bppsa_core.jacobians import GRUCell, LayerWeights, RNNCell
+from bppsa_core.jacobians import GRUCell, LayerWeights, LSTMCell, RNNCell
 
 F64 = torch.float64
 
@@ -50,6 +50,87 @@ def test_chain_elements_are_the_step_jacobians(cell, hidden: int) -> None:
                 lambda hp, one=one: step(cell, one, hp.unsqueeze(0), w)[0], h_prev[t, b]
             )
             assert rel_err(jac, elements[t, b]) < 1e-12, (t, b)
+
+
+CELLS = {"tanh": RNNCell("tanh"), "relu": RNNCell("relu"), "gru": GRUCell(), "lstm": LSTMCell()}
+
+
+def run_cell(cell, x, w, h0, c0):
+    """States h_1..h_T (and c_1..c_T) through PyTorch's own cell functions."""
+    hs, cs, h, c = [], [], h0, c0
+    for t in range(x.shape[0]):
+        if isinstance(cell, LSTMCell):
+            h, c = torch.lstm_cell(x[t], (h, c), w.w_ih, w.w_hh, w.b_ih, w.b_hh)
+            cs.append(c)
+        else:
+            h = step(cell, x[t], h, w)
+        hs.append(h)
+    return torch.stack(hs), (torch.stack(cs) if cs else None)
+
+
+@pytest.mark.parametrize("name", CELLS)
+def test_elements_with_keep_are_the_step_jacobians_or_identities(name: str) -> None:
+    """Every element against autograd's Jacobian of one step of the state (h, or (h, c)); steps
+    past a sequence's end (keep = 0) are identities; the tangent chain holds the transposes, reversed."""
+    cell = CELLS[name]
+    steps, batch, features, hidden = 5, 3, 2, 4
+    w = weights(cell.gates, features, hidden, seed=7)
+    x = torch.randn(steps, batch, features, dtype=F64)
+    h0, c0 = torch.randn(batch, hidden, dtype=F64), torch.randn(batch, hidden, dtype=F64)
+    lstm = isinstance(cell, LSTMCell)
+    hs, cs = run_cell(cell, x, w, h0, c0 if lstm else None)
+    h_prev = torch.cat((h0.unsqueeze(0), hs[:-1]))
+    keep = (torch.arange(1, steps + 1).unsqueeze(1) <= torch.tensor([5, 2, 4])).to(F64).unsqueeze(-1)
+    factors = cell.factors(x, h_prev, hs * keep, w, c0 if lstm else None, keep)
+    elements = cell.chain(factors, w).dense()
+    tangent = cell.tangent_chain(factors, w).dense()
+    size = 2 * hidden if lstm else hidden
+    assert elements.shape == (steps, batch, size, size)
+    c_prev = torch.cat((c0.unsqueeze(0), cs[:-1])) if lstm else None
+    for t in range(steps):
+        assert torch.equal(tangent[steps - 1 - t], elements[t].transpose(-1, -2))
+        for b in range(batch):
+            if keep[t, b] == 0:
+                assert torch.equal(elements[t, b], torch.eye(size, dtype=F64)), (t, b)
+                continue
+            one = x[t, b : b + 1]
+            if lstm:
+
+                def f(s, one=one):
+                    h, c = torch.lstm_cell(
+                        one, (s[:hidden][None], s[hidden:][None]), w.w_ih, w.w_hh, w.b_ih, w.b_hh
+                    )
+                    return torch.cat((h[0], c[0]))
+
+                point = torch.cat((h_prev[t, b], c_prev[t, b]))
+            else:
+
+                def f(s, one=one):
+                    return step(cell, one, s.unsqueeze(0), w)[0]
+
+                point = h_prev[t, b]
+            jac = torch.autograd.functional.jacobian(f, point)
+            assert rel_err(jac, elements[t, b]) < 1e-12, (t, b)
+
+
+@pytest.mark.parametrize("name", CELLS)
+def test_the_direct_tangent_is_the_adjoint_of_the_preactivation_gradients(name: str) -> None:
+    """<delta_in(g), e_in> + <delta_hid(g), e_hid> = <g, c(e_in, e_hid)> for every g, e."""
+    cell = CELLS[name]
+    steps, batch, hidden = 4, 2, 3
+    w = weights(cell.gates, 2, hidden, seed=1)
+    lstm = isinstance(cell, LSTMCell)
+    x = torch.randn(steps, batch, 2, dtype=F64)
+    h_prev = torch.randn(steps, batch, hidden, dtype=F64)
+    h = torch.rand(steps, batch, hidden, dtype=F64)
+    factors = cell.factors(x, h_prev, h, w, torch.randn(batch, hidden, dtype=F64) if lstm else None)
+    g = torch.randn(steps, batch, 2 * hidden if lstm else hidden, dtype=F64)
+    rows = cell.gates * hidden
+    e_in, e_hid = torch.randn(steps, batch, rows, dtype=F64), torch.randn(steps, batch, rows, dtype=F64)
+    d_in, d_hid = cell.preactivation_grads(g.clone(), factors)
+    lhs = (d_in * e_in).sum() + (d_hid * e_hid).sum() if d_in is not d_hid else (d_in * (e_in + e_hid)).sum()
+    rhs = (g * cell.direct_tangent(e_in, e_hid, factors)).sum()
+    assert abs(lhs - rhs) < 1e-12 * abs(lhs)
 
 
 def test_unknown_nonlinearity_is_named() -> None:

@@ -43,3 +43,29 @@ def test_blelloch_backward_holds_at_most_about_one_dense_chain() -> None:
     assert peak > DENSE_BYTES / 2
     # ... and they stay within one H x H element per (step, sample), plus a slab of temporaries.
     assert peak < 1.15 * DENSE_BYTES
+
+
+LONG = """
+import sys, torch
+from bppsa_core import nn as bnn
+torch.manual_seed(0)
+cls = {"rnn": bnn.RNN, "gru": bnn.GRU, "lstm": bnn.LSTM}[sys.argv[1]]
+steps = int(sys.argv[2])
+rnn = cls(1, 20)
+out, _ = rnn(torch.randn(steps, 1, 1))
+loss = out[-1].sum()
+before = rss_bytes()
+reset_peak()
+loss.backward()
+print(peak_bytes() - before)
+"""
+
+
+@pytest.mark.parametrize(("kind", "bound"), [("rnn", 8), ("gru", 12), ("lstm", 20)])
+def test_a_million_steps_back_propagate_in_memory_linear_in_the_states(kind: str, bound: int) -> None:
+    """T = 1,000,000, B = 1, H = 20 on the CPU: the backward's peak, counted in units of the layer's
+    states (T * B * H floats), stays a small constant: no T x H x H chain, no per-step overhead.
+    Measured: 5.0 (RNN), 9.0 (GRU: its three scales), 16.5 (LSTM: eight scales over (h, c))."""
+    steps = 1_000_000
+    unit = steps * 1 * 20 * 4
+    assert int(run_child(LONG, kind, str(steps))) < bound * unit

@@ -59,7 +59,7 @@ def test_help_describes_the_app_its_groups_presets_and_sweeps(tmp_path: Path) ->
     out = done.stdout
     assert out.startswith("run.py: train the paper's recurrent classifiers")
     assert "python run.py -m key=a,b" in out and "hydra/launcher=slurm" in out
-    assert "  model: gru, rnn" in out and "schema" not in out.split("== The configuration")[0]
+    assert "  model: gru, lstm, rnn" in out and "schema" not in out.split("== The configuration")[0]
     for preset in PRESETS:
         assert f"  {preset} " in out
 
@@ -271,7 +271,7 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["model=lstm"], "unknown model 'lstm'; accepted: gru, rnn"),
+        (["model=elman"], "unknown model 'elman'; accepted: gru, lstm, rnn"),
         (["dataset=mnist"], "unknown dataset 'mnist'; accepted: bitstream, irmas"),
         (["dataset.seq_len=0"], "dataset.seq_len must be a positive integer, got 0"),
         (["trainer.batch_size=-4"], "trainer.batch_size must be a positive integer, got -4"),
@@ -284,7 +284,7 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
         (["trainer.epochs=1e26"], "trainer.epochs must be a positive integer, got 1e+26"),
         (["optimizer.lr=fast"], "optimizer.lr must be a positive number, got 'fast'"),
         (["optimizer=adamw"], "unknown optimizer 'adamw'; accepted: adam, sgd"),
-        (["model="], "unknown model ''; accepted: gru, rnn"),
+        (["model="], "unknown model ''; accepted: gru, lstm, rnn"),
         (["hydra/launcher=nope"], "unknown hydra/launcher 'nope'; accepted: basic"),
         (["--config-name=nope"], "unknown config 'nope'; accepted: config"),
         (

@@ -10,8 +10,8 @@ from helpers import rel_err
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bppsa_core.chain import DenseChain, FactoredChain
-from bppsa_core.scan import blelloch_scan, chunked_scan, scan, sequential_scan
+from bppsa_core.chain import DenseChain, FactoredChain, LSTMChain
+from bppsa_core.scan import blelloch_scan, chunked_scan, elementwise_recurrence, scan, sequential_scan
 
 F64 = torch.float64
 
@@ -22,12 +22,26 @@ def random_chain(n: int, batch: int, hidden: int, shared: bool, seed: int) -> to
     return torch.randn(n, 1 if shared else batch, hidden, hidden, generator=g, dtype=F64) * scale
 
 
-def random_factored(n: int, batch: int, hidden: int, k: int, diagonal: bool, seed: int) -> FactoredChain:
+def random_factored(
+    n: int, batch: int, hidden: int, k: int, diagonal: bool, seed: int, transposed: bool = False
+) -> FactoredChain:
     g = torch.Generator().manual_seed(seed)
     scales = torch.rand(n, batch, k, hidden, generator=g, dtype=F64)
     weights = torch.randn(k, hidden, hidden, generator=g, dtype=F64) / (k * math.sqrt(hidden))
     diag = torch.rand(n, batch, hidden, generator=g, dtype=F64) * 0.5 if diagonal else None
-    return FactoredChain(scales, weights, diag)
+    return FactoredChain(scales, weights, diag, transposed)
+
+
+def random_lstm(
+    n: int, batch: int, hidden: int, past_end: bool, seed: int, transposed: bool = False
+) -> LSTMChain:
+    g = torch.Generator().manual_seed(seed)
+    vectors = [torch.rand(n, batch, 4, hidden, generator=g, dtype=F64) * 0.5 for _ in range(2)]
+    weights = torch.randn(4, hidden, hidden, generator=g, dtype=F64) / (4 * math.sqrt(hidden))
+    diagonals = [
+        torch.rand(n, batch, hidden, generator=g, dtype=F64) * 0.5 for _ in range(3 if past_end else 2)
+    ]
+    return LSTMChain(*vectors, weights, *diagonals, transposed=transposed)
 
 
 def plain_recurrence(m: torch.Tensor, x_last: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
@@ -89,6 +103,67 @@ def test_parallel_scans_match_sequential_on_factored_chains(n, batch, hidden, k,
     ref = sequential_scan(chain.dense(), x, b)
     for strategy in ("sequential", "blelloch", "chunked"):
         assert rel_err(ref, scan(chain, x, b, strategy=strategy)) < 1e-10, strategy
+
+
+@given(
+    n=st.integers(1, 40),
+    batch=st.integers(1, 3),
+    hidden=st.integers(1, 4),
+    lstm=st.booleans(),
+    extra_diagonal=st.booleans(),
+    transposed=st.booleans(),
+    affine=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_lstm_and_transposed_chains_scan_like_their_dense_elements(
+    n, batch, hidden, lstm, extra_diagonal, transposed, affine, seed
+) -> None:
+    if lstm:
+        chain = random_lstm(n, batch, hidden, extra_diagonal, seed, transposed)
+    else:
+        chain = random_factored(n, batch, hidden, 3, extra_diagonal, seed, transposed)
+    state = chain.hidden
+    x = torch.randn(batch, state, dtype=F64)
+    b = torch.randn(n, batch, state, dtype=F64) if affine else None
+    ref = sequential_scan(chain.dense(), x, b)
+    for strategy in ("sequential", "blelloch", "chunked"):
+        assert rel_err(ref, scan(chain, x, b, strategy=strategy, chunk=3)) < 1e-10, strategy
+
+
+def test_an_lstm_element_is_its_definition_and_a_transposed_one_its_transpose() -> None:
+    chain = random_lstm(3, 2, 4, True, seed=2)
+    s_h, s_c, w = chain.scales_h, chain.scales_c, chain.weights
+    h_cols = lambda s: sum(torch.diag_embed(s[:, :, j]) @ w[j] for j in range(4))  # noqa: E731
+    expected = torch.cat(
+        (
+            torch.cat((h_cols(s_h) + torch.diag_embed(chain.diag_hh), torch.diag_embed(chain.diag_hc)), -1),
+            torch.cat((h_cols(s_c), torch.diag_embed(chain.diag_cc)), -1),
+        ),
+        -2,
+    )
+    assert rel_err(expected, chain.dense()) < 1e-14
+    flipped = LSTMChain(*chain.tensors(), transposed=True)
+    assert torch.equal(flipped.dense(), expected.transpose(-1, -2))
+    rows = torch.randn(3, 2, 5, 8, dtype=F64)
+    out, work = torch.empty_like(rows), torch.empty(chain.work_shape(rows), dtype=F64)
+    assert rel_err(rows @ expected, chain.rmul(rows, slice(None), out=out, work=work)) < 1e-14
+    assert (
+        rel_err(rows @ expected.transpose(-1, -2), flipped.rmul(rows, slice(None), out=out, work=work))
+        < 1e-14
+    )
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 17, 200])
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+def test_the_elementwise_recurrence_is_the_plain_loop(n: int, chunk: int | None) -> None:
+    g = torch.Generator().manual_seed(n)
+    a, b = torch.rand(n, 3, 4, generator=g, dtype=F64), torch.randn(n, 3, 4, generator=g, dtype=F64)
+    x = x0 = torch.randn(3, 4, generator=g, dtype=F64)
+    expected = []
+    for t in range(n):
+        x = a[t] * x + b[t]
+        expected.append(x)
+    assert rel_err(torch.stack(expected), elementwise_recurrence(a, b, x0, chunk)) < 1e-14
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 31, 64, 100])

@@ -10,7 +10,7 @@ from helpers import rel_err
 pytest.importorskip("triton")
 
 from bppsa_core import nn as bnn
-from bppsa_core.chain import DenseChain, FactoredChain
+from bppsa_core.chain import DenseChain, FactoredChain, LSTMChain
 from bppsa_core.jacobians import GRUCell, LayerWeights
 from bppsa_core.scan import chunked_scan, scan
 
@@ -80,7 +80,52 @@ def test_kernels_match_the_chunked_twin_on_a_gpu(n, batch, hidden, chunk, affine
     run("cuda", n, batch, hidden, chunk, affine, terms)
 
 
-@pytest.mark.parametrize(("ref_cls", "our_cls"), [(torch.nn.RNN, bnn.RNN), (torch.nn.GRU, bnn.GRU)])
+LSTM_CASES = [
+    (n, batch, hidden, chunk, affine, past_end)
+    for n, batch, hidden in ((2, 1, 1), (9, 2, 5), (37, 3, 17), (6, 1, 32))
+    for chunk in (1, 4)
+    for affine in (False, True)
+    for past_end in (False, True)
+]
+
+
+def run_lstm(device: str, n: int, batch: int, hidden: int, chunk: int, affine: bool, past_end: bool) -> None:
+    """An LSTM's chain over (h, c); ``past_end``: with h's identity term of shorter sequences."""
+    g = torch.Generator().manual_seed(n * 100 + hidden)
+    vectors = [torch.rand(n, batch, 4, hidden, generator=g) * 0.5 for _ in range(2)]
+    diagonals = [torch.rand(n, batch, hidden, generator=g) for _ in range(3 if past_end else 2)]
+    w = torch.randn(4, hidden, hidden, generator=g) / (4 * hidden) ** 0.5
+    x = torch.randn(batch, 2 * hidden, generator=g)
+    b = torch.randn(n, batch, 2 * hidden, generator=g) if affine else None
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    chain = LSTMChain(*map(to, vectors), to(w), *map(to, diagonals))
+    twin = chunked_scan(chain, to(x), to(b), chunk=chunk)
+    kernel = scan(chain, to(x), to(b), strategy="triton", chunk=chunk)
+    assert kernel.shape == (n + 1, batch, 2 * hidden)
+    assert rel_err(twin.double().cpu(), kernel.double().cpu()) < 1e-5
+
+
+LSTM_ARGS = ("n", "batch", "hidden", "chunk", "affine", "past_end")
+
+
+@pytest.mark.parametrize(LSTM_ARGS, LSTM_CASES)
+def test_lstm_kernels_match_the_chunked_twin_on_the_cpu(n, batch, hidden, chunk, affine, past_end) -> None:
+    run_lstm("cpu", n, batch, hidden, chunk, affine, past_end)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    LSTM_ARGS, [*LSTM_CASES, (1000, 16, 32, 22, True, False), (1034, 64, 20, 23, True, True)]
+)
+def test_lstm_kernels_match_the_chunked_twin_on_a_gpu(n, batch, hidden, chunk, affine, past_end) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    run_lstm("cuda", n, batch, hidden, chunk, affine, past_end)
+
+
+@pytest.mark.parametrize(
+    ("ref_cls", "our_cls"), [(torch.nn.RNN, bnn.RNN), (torch.nn.GRU, bnn.GRU), (torch.nn.LSTM, bnn.LSTM)]
+)
 def test_a_recurrent_net_trains_with_the_triton_backward(ref_cls, our_cls) -> None:
     torch.manual_seed(0)
     ref = ref_cls(2, 7, num_layers=2)
@@ -89,8 +134,9 @@ def test_a_recurrent_net_trains_with_the_triton_backward(ref_cls, our_cls) -> No
     x = torch.randn(19, 3, 2)
     grads = []
     for m in (ref, ours):
-        out, h_n = m(x)
-        (out.sum() + h_n.pow(2).sum()).backward()
+        out, state = m(x)
+        states = state if isinstance(state, tuple) else (state,)
+        (out.sum() + sum(s.pow(2).sum() for s in states)).backward()
         grads.append([p.grad for p in m.parameters()])
     for a, b in zip(*grads, strict=True):
         assert rel_err(a, b) < 1e-4
@@ -104,6 +150,11 @@ def test_a_recurrent_net_trains_with_the_triton_backward(ref_cls, our_cls) -> No
         (FactoredChain(torch.rand(5, 2, 4, 4), torch.randn(4, 4, 4)), "four terms"),
         (FactoredChain(torch.rand(5, 2, 1, 4).double(), torch.randn(1, 4, 4).double()), "float64"),
         (DenseChain(torch.rand(5, 2, 4, 4)), "a dense chain"),
+        (FactoredChain(torch.rand(5, 2, 1, 4), torch.randn(1, 4, 4), transposed=True), "a transposed chain"),
+        (
+            LSTMChain(*[torch.rand(5, 2, 4, 33)] * 2, torch.randn(4, 33, 33), *[torch.rand(5, 2, 33)] * 2),
+            "LSTM H = 33",
+        ),
     ],
 )
 def test_chains_the_kernels_do_not_take_are_refused(chain, why) -> None:

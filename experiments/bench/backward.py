@@ -1,4 +1,4 @@
-"""Backward-pass benchmark: PyTorch's BPTT (autograd over its fused RNN/GRU) against BPPSA.
+"""Backward-pass benchmark: PyTorch's BPTT (autograd over its fused RNN/GRU/LSTM) against BPPSA.
 
     python -m experiments.bench.backward --model rnn --T 100 1000 10000 --B 16 --H 20
     python -m experiments.bench.backward --device cuda --suite paper   # all tables, the paper's shapes
@@ -52,10 +52,10 @@ from experiments.bench.common import (
     positive_int,
 )
 from experiments.bench.floors import Floors, measure_floors
-from experiments.bench.scan import bench_scan, format_scan_table
+from experiments.bench.scan import MODULES, TERMS, bench_scan, format_scan_table
 from experiments.timing import time_ms
 
-MODELS = ("rnn", "gru")
+MODELS = tuple(MODULES)
 TABLES = ("backward", "scan", "epoch")
 PEER_NAMES = ("torch", "jax")
 SUITES = ("paper", "long")
@@ -122,7 +122,8 @@ def backward_once(
 ) -> tuple[float, list[torch.Tensor]]:
     """One backward (ms) of ``loss`` through ``module`` (forward not timed), and its gradients."""
     module.zero_grad(set_to_none=True)
-    out, h_n = module(x)
+    out, state = module(x)
+    h_n = state[0] if isinstance(state, tuple) else state  # an LSTM's state is (h_n, c_n)
     value = (h_n[-1] @ head).sum() if loss == "last" else (out @ head).sum()
     ms = time_ms(value.backward, x.device)
     return ms, [p.grad.detach().clone() for p in module.parameters()]
@@ -155,7 +156,7 @@ def bench(
     and the other columns go on.
     """
     torch.manual_seed(seed)
-    ref_cls, our_cls = (torch.nn.RNN, bnn.RNN) if model == "rnn" else (torch.nn.GRU, bnn.GRU)
+    ref_cls, our_cls = MODULES[model], getattr(bnn, MODULES[model].__name__)
     ref = ref_cls(features, hidden, batch_first=True).to(device, dtype)
     x = torch.bernoulli(torch.full((batch, steps, features), 0.5, device=device, dtype=dtype))
     head = torch.randn(hidden, 1, device=device, dtype=dtype)
@@ -192,7 +193,7 @@ def bench(
     bptt_ms = cells.pop("BPTT")
     row = Row(model, steps, batch, hidden, bptt_ms, cells, err, spread=spread, notes=notes)
     if floors is not None:
-        row.floor_bytes_ms = floors.bytes_ms(steps, batch, hidden, 1 if model == "rnn" else 3)
+        row.floor_bytes_ms = floors.bytes_ms(steps, batch, hidden, TERMS[model])
         row.floor_levels_ms = floors.levels_ms(steps)
     return row
 
@@ -407,7 +408,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="tables to print (default: backward; --suite: all)",
     )
-    p.add_argument("--model", choices=MODELS, default=None, help="rnn or gru (default: rnn)")
+    p.add_argument("--model", choices=MODELS, default=None, help="rnn, gru or lstm (default: rnn)")
     p.add_argument(
         "--T", type=positive_int, nargs="+", default=None, help="sequence lengths (default: 100 1000 10000)"
     )

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from bppsa_core.chain import FactoredChain
-from bppsa_core.jacobians import GRUCell, LayerWeights, RNNCell
+from bppsa_core.chain import Chain
+from bppsa_core.jacobians import LayerWeights
+from bppsa_core.layer import cell_of
 from bppsa_core.scan import scan, sequential_scan
 from experiments.bench.common import failure, fmt_ms, markdown
 from experiments.bench.floors import Floors
@@ -51,26 +52,30 @@ def layer_chain(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-) -> tuple[FactoredChain, Tensor]:
-    """The factored Jacobian chain of one RNN or GRU layer run on random bits, and a random x_last."""
+) -> tuple[Chain, Tensor]:
+    """The factored Jacobian chain of one RNN, GRU or LSTM layer run on random bits, and a random x_last."""
     torch.manual_seed(seed)
-    cls = torch.nn.RNN if model == "rnn" else torch.nn.GRU
-    layer = cls(features, hidden).to(device, dtype)
+    layer = MODULES[model](features, hidden).to(device, dtype)
     x = torch.bernoulli(torch.full((steps, batch, features), 0.5, device=device, dtype=dtype))
     with torch.no_grad():
         h, _ = layer(x)
         params = (layer.weight_ih_l0, layer.weight_hh_l0, layer.bias_ih_l0, layer.bias_hh_l0)
         w = LayerWeights(*(p.detach() for p in params))
         h_prev = torch.cat((torch.zeros_like(h[:1]), h[:-1]))
-        cell = RNNCell() if model == "rnn" else GRUCell()
-        chain = cell.chain(cell.factors(x, h_prev, h, w), w)
-    x_last = torch.randn(batch, hidden, device=device, dtype=dtype)
+        cell = cell_of(layer.mode)
+        c0 = torch.zeros_like(h[0]) if model == "lstm" else None
+        chain = cell.chain(cell.factors(x, h_prev, h, w, c0), w)
+    x_last = torch.randn(batch, chain.hidden, device=device, dtype=dtype)
     return chain, x_last
 
 
-def _as_double(chain: FactoredChain) -> FactoredChain:
-    d = None if chain.diagonal is None else chain.diagonal.double()
-    return FactoredChain(chain.scales.double(), chain.weights.double(), d)
+# The benchmarks' models: torch.nn's modules by name (the weight terms of their chains: ``TERMS``).
+MODULES = {"rnn": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}
+TERMS = {"rnn": 1, "gru": 3, "lstm": 4}
+
+
+def _as_double(chain: Chain) -> Chain:
+    return chain.with_tensors([t.double() for t in chain.tensors()])
 
 
 def rel_diff(out: Tensor, ref: Tensor) -> float:
@@ -82,7 +87,7 @@ def rel_diff(out: Tensor, ref: Tensor) -> float:
 # ----------------------------------------------------------------------------------------------- peers
 
 
-def affine_elements(chain: FactoredChain, x_last: Tensor) -> tuple[Tensor, Tensor]:
+def affine_elements(chain: Chain, x_last: Tensor) -> tuple[Tensor, Tensor]:
     """The chain as affine elements for a generic scan: A (n+1, B, H, H), c (n+1, B, H).
 
     Elements 0..n-1 are (M_k, 0); element n is (0, x_last), so the reverse scan's c at k is x_k.
@@ -214,7 +219,6 @@ def bench_scan(
         if "jax" in peers:
             cells[JAX_PEER] = _run_jax(a, c, twin, diffs, notes, warmup, repeats)
         del a, c
-    terms = chain.weights.shape[0]
     return ScanRow(
         model,
         steps,
@@ -222,7 +226,7 @@ def bench_scan(
         hidden,
         cells,
         diffs,
-        floors.bytes_ms(steps, batch, hidden, terms),
+        floors.bytes_ms(steps, batch, hidden, TERMS[model]),
         floors.levels_ms(steps),
         notes,
     )
