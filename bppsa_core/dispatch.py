@@ -54,7 +54,8 @@ _GPU_BLELLOCH_BYTES = 1 << 30
 T = TypeVar("T")
 
 
-def _count(value: object, minimum: int) -> bool:
+def is_count(value: object, minimum: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) of at least ``minimum``."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
@@ -70,9 +71,9 @@ class ScanOptions:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown scan strategy {self.strategy!r}; accepted: {', '.join(STRATEGIES)}")
-        if self.chunk is not None and not _count(self.chunk, 1):
+        if self.chunk is not None and not is_count(self.chunk, 1):
             raise ValueError(f"chunk must be a positive integer or None, got {self.chunk!r}")
-        if self.levels is not None and not _count(self.levels, 0):
+        if self.levels is not None and not is_count(self.levels, 0):
             raise ValueError(f"levels must be a non-negative integer or None, got {self.levels!r}")
 
 

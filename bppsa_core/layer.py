@@ -64,7 +64,7 @@ class LayerConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; accepted: {', '.join(MODES)}")
-        if not dispatch._count(self.segment, 1):
+        if not dispatch.is_count(self.segment, 1):
             raise ValueError(f"segment must be a positive integer, got {self.segment!r}")
 
 

@@ -245,23 +245,32 @@ def test_a_gru_too_wide_for_the_kernels_is_refused_by_the_triton_strategy() -> N
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("strategy", ["auto", "triton", "graph", "blelloch", "chunked"])
-@pytest.mark.parametrize(("ref_cls", "our_cls"), [(torch.nn.RNN, bnn.RNN), (torch.nn.GRU, bnn.GRU)])
-def test_every_gpu_path_gives_cudnn_gradients(strategy, ref_cls, our_cls) -> None:
+@pytest.mark.parametrize(
+    ("ref_cls", "our_cls"), [(torch.nn.RNN, bnn.RNN), (torch.nn.GRU, bnn.GRU), (torch.nn.LSTM, bnn.LSTM)]
+)
+@pytest.mark.parametrize("layout", ["plain", "bidirectional, packed"])
+def test_every_gpu_path_gives_cudnn_gradients(strategy, ref_cls, our_cls, layout) -> None:
     """Each GPU path, twice (the graph path replays its capture), against cuDNN's BPTT. cuDNN may run
     its fp32 forward in TF32 (``torch.backends.cudnn.allow_tf32``), hence the looser tolerance."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
     torch.manual_seed(0)
-    ref = ref_cls(3, 20, batch_first=True).cuda()
-    ours = our_cls(3, 20, batch_first=True, strategy=strategy).cuda()
+    two_way = layout != "plain"
+    ref = ref_cls(3, 20, batch_first=True, num_layers=2, bidirectional=two_way).cuda()
+    ours = our_cls(3, 20, batch_first=True, num_layers=2, bidirectional=two_way, strategy=strategy).cuda()
     ours.load_state_dict(ref.state_dict())
     for seed in (1, 2):
         x = torch.randn(16, 517, 3, generator=torch.Generator().manual_seed(seed)).cuda()
+        if two_way:
+            lengths = torch.randint(1, 518, (16,), generator=torch.Generator().manual_seed(seed))
+            x = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
         grads = []
         for m in (ref, ours):
             m.zero_grad()
-            out, h_n = m(x)
-            (out.mean() + h_n.pow(2).sum()).backward()
+            out, state = m(x)
+            out = out.data if two_way else out
+            states = state if isinstance(state, tuple) else (state,)
+            (out.mean() + sum(s.pow(2).sum() for s in states)).backward()
             grads.append([p.grad for p in m.parameters()])
         for a, b in zip(*grads, strict=True):
             assert rel_err(a, b) < 2e-3
