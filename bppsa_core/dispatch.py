@@ -32,7 +32,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-STRATEGIES: tuple[str, ...] = ("auto", "sequential", "blelloch", "chunked", "triton", "graph")
+STRATEGIES: tuple[str, ...] = ("auto", "sequential", "blelloch", "chunked", "numba", "triton", "graph")
 # The Triton kernels keep the K shared (H x H) weights of a chain in one program's registers.
 MAX_TERMS = 3
 MAX_HIDDEN = 64
@@ -100,6 +100,11 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@cache
+def numba_installed() -> bool:
+    return importlib.util.find_spec("numba") is not None
+
+
 def kernels_run_on(device: torch.device) -> bool:
     """Whether Triton kernels can run on this device: a GPU, or the CPU under TRITON_INTERPRET=1."""
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -111,6 +116,8 @@ def runs_on(strategy: str, device: torch.device) -> bool:
         return device.type == "cuda"
     if strategy == "triton":
         return triton_installed() and kernels_run_on(device)
+    if strategy == "numba":
+        return numba_installed() and device.type == "cpu"
     return True
 
 
@@ -121,6 +128,8 @@ def check_device(strategy: str, device: torch.device) -> None:
     here = ", ".join(s for s in STRATEGIES if runs_on(s, device))
     if strategy == "graph":
         need = "a CUDA device"
+    elif strategy == "numba":
+        need = "the numba package (pip install numba) and a CPU device"
     elif not triton_installed():
         need = "the triton package"
     else:
@@ -146,6 +155,49 @@ def lstm_kernels_take(hidden: int, *dtypes: torch.dtype) -> bool:
     return hidden <= MAX_LSTM_HIDDEN and all(d == torch.float32 for d in dtypes) and triton_installed()
 
 
+def numba_takes(terms: int, *dtypes: torch.dtype) -> bool:
+    """Whether the compiled CPU kernels (``bppsa_core.numba_scan``) take a factored chain of
+    ``terms`` weights whose tensors have ``dtypes``: one dtype, float32 or float64, terms <= 3."""
+    return (
+        terms <= MAX_TERMS
+        and len(set(dtypes)) == 1
+        and dtypes[0] in (torch.float32, torch.float64)
+        and numba_installed()
+    )
+
+
+NUMBA_REFUSED = (
+    f"strategy='numba' takes a factored chain of at most {MAX_TERMS} terms (an RNN's or a GRU's), "
+    "float32 or float64, not transposed; accepted for this chain: auto, sequential, blelloch, chunked"
+)
+
+
+def numba_chunk(n: int, batch: int, hidden: int, terms: int, threads: int) -> int:
+    """Chunk size of the compiled CPU scan: the one whose three phases finish first on ``threads``.
+
+    Work in units of one element applied to one vector (terms·H² multiply-adds): a walk costs 1 a
+    step, folding a step into a chunk aggregate H. Phases run their tasks (reduce: chunks 1..P-2 x
+    samples; spine: samples; expand: chunks 0..P-2 x samples) ``threads`` at a time. With at least
+    as many samples as threads this gives one chunk (P = 1: the sequential scan, samples in parallel).
+    """
+
+    def rounds(tasks: int) -> int:
+        return math.ceil(tasks / threads)
+
+    def cost(p: int) -> float:
+        c = math.ceil(n / p)
+        p = math.ceil(n / c)
+        rem = n - (p - 1) * c
+        return (
+            rounds(max(p - 2, 0) * batch) * c * hidden
+            + rounds(batch) * (rem + max(p - 2, 0) / terms)
+            + rounds((p - 1) * batch) * c
+        )
+
+    best = min(range(1, min(n, 2 + 4 * threads) + 1), key=cost)
+    return math.ceil(n / best)
+
+
 KERNELS_REFUSED = (
     f"strategy='triton' takes a float32 factored chain of at most {MAX_TERMS} terms with H <= "
     f"{MAX_HIDDEN} (an RNN's or a GRU's) or an LSTM's with H <= {MAX_LSTM_HIDDEN}, not transposed; "
@@ -156,15 +208,23 @@ KERNELS_REFUSED = (
 # ------------------------------------------------------------------------------------------ choice
 
 
-def choose(n: int, batch: int, hidden: int, device: torch.device, kernels_fit: bool = False) -> str:
+def choose(
+    n: int,
+    batch: int,
+    hidden: int,
+    device: torch.device,
+    kernels_fit: bool = False,
+    numba_fit: bool = False,
+) -> str:
     """The strategy "auto" picks for n elements of (hidden x hidden), ``batch`` samples each.
 
-    CPU: see ``eager_strategy``. GPU: the Triton kernels when the chain fits them and they work on
-    this GPU (``kernels_fit``), else the eager scan captured in a CUDA graph: on a GPU the cost is
-    launches, and both paths issue a handful however long the chain.
+    CPU: the compiled kernels where they take the chain (``numba_fit``: ``numba_takes``; one call,
+    no per-operation overhead), else see ``eager_strategy``. GPU: the Triton kernels when the chain
+    fits them and they work on this GPU (``kernels_fit``), else the eager scan captured in a CUDA
+    graph: on a GPU the cost is launches, and both paths issue a handful however long the chain.
     """
     if device.type != "cuda":
-        return eager_strategy(n, batch, hidden, device)
+        return "numba" if numba_fit and device.type == "cpu" else eager_strategy(n, batch, hidden, device)
     return "triton" if kernels_fit else "graph"
 
 
@@ -186,12 +246,21 @@ def eager_strategy(n: int, batch: int, hidden: int, device: torch.device) -> str
     return "chunked" if cost_chunk < cost_seq else "sequential"
 
 
-def resolve(strategy: str, n: int, batch: int, hidden: int, device: torch.device, kernels_fit: bool) -> str:
+def resolve(
+    strategy: str,
+    n: int,
+    batch: int,
+    hidden: int,
+    device: torch.device,
+    kernels_fit: bool,
+    numba_fit: bool = False,
+) -> str:
     """The concrete strategy: ``strategy`` itself, or what "auto" picks. ``kernels_fit``: whether the
-    Triton kernels take the chain (``kernels_take``); "auto" takes them only where they work."""
+    Triton kernels take the chain (``kernels_take``); "auto" takes them only where they work.
+    ``numba_fit``: whether the compiled CPU kernels take it (``numba_takes``)."""
     if strategy != "auto":
         return strategy
-    return choose(n, batch, hidden, device, kernels_fit and kernels_usable(device))
+    return choose(n, batch, hidden, device, kernels_fit and kernels_usable(device), numba_fit)
 
 
 # ---------------------------------------------------------------------------------------- fallback

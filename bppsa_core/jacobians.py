@@ -346,7 +346,8 @@ def layer_grads(
     ``deltas(steps)`` gives the input-side and hidden-side pre-activation gradients of a slice of
     time steps. They are made and consumed block by block, so they never all exist at once and
     each block's stay in the CPU's cache between the two: dW_ih += gi^T x, dW_hh += gh^T h_{t-1},
-    the biases' sums, and the input gradient gi @ W_ih of the block, all GEMMs.
+    the biases' sums, and the input gradient gi @ W_ih of the block, all GEMMs. Blocks are taken
+    from the last one down, the order in which a backward walk makes them.
     """
     steps, batch, hidden = h_prev.shape
     rows = w.w_ih.shape[0]  # gates x H
@@ -357,7 +358,7 @@ def layer_grads(
     d_b_hh = None if w.b_hh is None else torch.zeros_like(w.b_hh)
     dx = x.new_empty((*x.shape[:-1], w.w_ih.shape[1])) if need_input else None
     shared = False
-    for s in range(0, steps, block):
+    for s in reversed(range(0, steps, block)):
         t = slice(s, s + block)
         gi, gh = deltas(t)
         shared = gh is gi  # an RNN: both sides share one pre-activation
@@ -377,4 +378,4 @@ def layer_grads(
 
 def _sum_shared(deltas: Deltas, steps: int, block: int) -> Tensor:
     """The bias gradient of a shared pre-activation when there is no input-side bias to copy."""
-    return sum(deltas(slice(s, s + block))[0].flatten(0, -2).sum(0) for s in range(0, steps, block))
+    return sum(deltas(slice(s, s + block))[0].flatten(0, -2).sum(0) for s in reversed(range(0, steps, block)))

@@ -27,6 +27,7 @@ state that reaches the end of the chain is each sequence's last valid one.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from bppsa_core import dispatch
 from bppsa_core.denormals import flush_denormals
 from bppsa_core.dispatch import ScanOptions
-from bppsa_core.jacobians import Cell, GRUCell, LayerWeights, LSTMCell, RNNCell, layer_grads
+from bppsa_core.jacobians import Cell, Deltas, GRUCell, LayerWeights, LSTMCell, RNNCell, layer_grads
 from bppsa_core.scan import scan
 
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
@@ -223,11 +224,7 @@ def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_
     fused = None if keep is not None else _fused_layer(config, cell, x, h_prev, h, w, grad_out, g_last)
     g_c0 = None
     if fused is not None:
-        g_h0, g_in, g_hid = fused
-
-        def deltas(t: slice) -> tuple[Tensor, Tensor]:
-            return g_in[t], g_hid[t]
-
+        deltas, first = fused
     else:
         factors = cell.factors(x, h_prev, h, w, c0, keep)
         offsets, start = None, g_last
@@ -243,7 +240,11 @@ def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_
         def deltas(t: slice, g=g[1:]) -> tuple[Tensor, Tensor]:
             return cell.preactivation_grads(g[t], tuple(f[t] for f in factors))
 
+        def first(g_h0=g_h0) -> Tensor:
+            return g_h0
+
     dx, dw = layer_grads(deltas, x, h_prev, w, need_input)
+    g_h0 = first()  # a walk made block by block knows g_0 once layer_grads has taken every block
     grads = [t for t in (dw.w_ih, dw.w_hh, dw.b_ih, dw.b_hh) if t is not None]
     return dx, g_h0, g_c0, grads
 
@@ -263,34 +264,59 @@ def _fused_layer(
     w: LayerWeights,
     u: Tensor | None,
     g_last: Tensor,
-) -> tuple[Tensor, Tensor, Tensor] | None:
-    """g_0 and the input- and hidden-side pre-activation gradients of an RNN or GRU layer from the
-    fused Triton kernels (``triton_scan.rnn_layer_backward`` / ``gru_layer_backward``), or None.
+) -> tuple[Deltas, Callable[[], Tensor]] | None:
+    """An RNN or GRU layer's input- and hidden-side pre-activation gradients (``deltas(t)`` for
+    slices of steps) and its g_0 (``first()``, once ``layer_grads`` has taken the deltas) from fused
+    kernels (``rnn_layer_backward`` / ``gru_layer_backward`` of ``triton_scan`` or ``numba_scan``;
+    ``numba_scan.walk_layer`` where its scan is one chunk), or None.
 
-    Taken where the layer's strategy resolves to "triton" (``dispatch.resolve``: "triton" itself,
-    or "auto" on a GPU) and the kernels take the layer and run on its device; everything else goes
-    through ``scan``, which also gives "triton"'s error messages.
+    Taken where the layer's strategy resolves to "triton" or "numba" (``dispatch.resolve``: the
+    strategy itself, or "auto" on a GPU / on the CPU) and the kernels take the layer and run on its
+    device; everything else goes through ``scan``, which also gives the strategies' error messages.
     """
     if isinstance(cell, LSTMCell):
         return None
     steps, batch, hidden = h.shape
     fits = dispatch.kernels_take(cell.gates, hidden, h.dtype, w.w_hh.dtype)
-    strategy = config.options.strategy
-    chosen = dispatch.resolve(strategy, steps, batch, hidden, h.device, fits)
+    compiled = dispatch.numba_takes(cell.gates, h.dtype, w.w_hh.dtype, g_last.dtype)
+    strategy, chunk = config.options.strategy, config.options.chunk
+    chosen = dispatch.resolve(strategy, steps, batch, hidden, h.device, fits, compiled)
+
+    def kernels(module: Any, chunk: int | None) -> tuple[Tensor, Tensor, Tensor]:
+        if isinstance(cell, RNNCell):
+            g0, delta = module.rnn_layer_backward(h, w.w_hh, g_last, u, cell.nonlinearity, chunk)
+            return g0, delta, delta
+        gi, gh = cell.pre_activations(x, h_prev, w)
+        return module.gru_layer_backward(gi, gh, h_prev, w.w_hh, g_last, u, chunk)
+
+    def whole(result: tuple[Tensor, Tensor, Tensor] | None) -> tuple[Deltas, Callable[[], Tensor]] | None:
+        if result is None:
+            return None
+        g0, g_in, g_hid = result
+        return (lambda t: (g_in[t], g_hid[t])), (lambda: g0)
+
+    if chosen == "numba" and compiled and dispatch.runs_on("numba", h.device):
+        from bppsa_core import numba_scan
+
+        chunk = chunk or dispatch.numba_chunk(steps, batch, hidden, cell.gates, torch.get_num_threads())
+        if chunk < steps:
+            return whole(kernels(numba_scan, chunk))
+        if isinstance(cell, RNNCell):
+            return numba_scan.walk_layer(
+                numba_scan.ACTIVATIONS[cell.nonlinearity], lambda t: {"h": h[t]}, w.w_hh, g_last, u, steps
+            )
+
+        def gru_sources(t: slice) -> dict[str, Tensor]:
+            gi, gh = cell.pre_activations(x[t], h_prev[t], w)
+            return {"gi": gi, "gh": gh, "h_prev": h_prev[t]}
+
+        return numba_scan.walk_layer(numba_scan.GRU, gru_sources, w.w_hh, g_last, u, steps)
     if chosen != "triton" or not fits or not dispatch.kernels_run_on(h.device):
         return None
     from bppsa_core import triton_scan
 
-    chunk = config.options.chunk or dispatch.default_chunk(steps)
-
-    def kernels() -> tuple[Tensor, Tensor, Tensor]:
-        if isinstance(cell, RNNCell):
-            g0, delta = triton_scan.rnn_layer_backward(h, w.w_hh, g_last, u, cell.nonlinearity, chunk)
-            return g0, delta, delta
-        gi, gh = cell.pre_activations(x, h_prev, w)
-        return triton_scan.gru_layer_backward(gi, gh, h_prev, w.w_hh, g_last, u, chunk)
-
-    return dispatch.with_kernels(strategy, h.device, kernels, lambda: None)
+    chunk = chunk or dispatch.default_chunk(steps)
+    return whole(dispatch.with_kernels(strategy, h.device, lambda: kernels(triton_scan, chunk), lambda: None))
 
 
 # ------------------------------------------------------------------------------------------- tangent
@@ -340,7 +366,7 @@ def bppsa_tangent(
         if c0 is not None:
             v0 = torch.cat((v0, torch.zeros_like(c0) if dc0 is None else dc0), -1)
         o = config.options
-        strategy = "auto" if o.strategy == "triton" else o.strategy  # the kernels take no transposes
+        strategy = "auto" if o.strategy in ("triton", "numba") else o.strategy  # kernels take no transposes
         chain = cell.tangent_chain(factors, w)
         v = scan(chain, v0, direct.flip(0), strategy=strategy, chunk=o.chunk, levels=o.levels).flip(0)
         d_out = v[1:, :, :hidden] * keep if keep is not None else v[1:, :, :hidden].clone()

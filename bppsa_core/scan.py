@@ -117,7 +117,13 @@ def scan(
         )
     device = x_last.device
     chosen = dispatch.resolve(
-        strategy, chain.length, x_last.shape[0], chain.hidden, device, _kernels_take(chain)
+        strategy,
+        chain.length,
+        x_last.shape[0],
+        chain.hidden,
+        device,
+        _kernels_take(chain),
+        _numba_takes(chain, x_last, offsets),
     )
     log.debug("scan of %d elements: %s", chain.length, chosen)
     with flush_denormals(device):  # long products of Jacobians underflow: see bppsa_core.denormals
@@ -132,6 +138,14 @@ def _run(chosen: str, chain: Chain, x_last: Tensor, offsets: Tensor | None, opti
     dispatch.check_device(chosen, device)
     if chosen == "graph":
         return _graphed(chain, x_last, offsets, options)
+    if chosen == "numba":
+        if not _numba_takes(chain, x_last, offsets):
+            raise ValueError(dispatch.NUMBA_REFUSED)
+        from bppsa_core import numba_scan
+
+        return numba_scan.chunked_scan(
+            chain.scales, chain.weights, x_last, offsets, options.chunk, chain.diagonal
+        )
     if not _kernels_take(chain):
         raise ValueError(dispatch.KERNELS_REFUSED)
     return dispatch.with_kernels(
@@ -165,6 +179,15 @@ def _kernels_take(chain: Chain) -> bool:
         and not chain.transposed
         and dispatch.kernels_take(chain.weights.shape[0], chain.hidden, *dtypes)
     )
+
+
+def _numba_takes(chain: Chain, x_last: Tensor, offsets: Tensor | None) -> bool:
+    """Whether the compiled CPU kernels take this chain: a factored one, not transposed, that
+    ``dispatch.numba_takes`` with the start vector and offsets of its dtype."""
+    if not isinstance(chain, FactoredChain) or chain.transposed:
+        return False
+    tensors = (*chain.tensors(), x_last) + (() if offsets is None else (offsets,))
+    return dispatch.numba_takes(chain.weights.shape[0], *(t.dtype for t in tensors))
 
 
 def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | None) -> Tensor:

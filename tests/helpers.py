@@ -73,6 +73,18 @@ def run_py(
     )
 
 
+def run_module(module: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m module args`` in a fresh interpreter at the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def composed(*overrides: str, hydra: bool = False):
     """The configuration ``run.py`` would compose from ``overrides``."""
     from hydra import compose, initialize_config_dir

@@ -133,7 +133,7 @@ def test_the_quick_suite_prints_every_table_in_order(capsys, no_jax) -> None:
 
 
 def test_default_strategies_are_those_that_exist(monkeypatch) -> None:
-    assert backward.default_strategies(CPU) == ["chunked", "blelloch"]
+    assert backward.default_strategies(CPU) == ["numba", "chunked", "blelloch"]
     cuda = torch.device("cuda")
     monkeypatch.setattr(backward, "STRATEGIES", ("auto", "blelloch", "chunked", "triton"))
     assert backward.default_strategies(cuda) == ["blelloch", "chunked", "triton", "auto"]

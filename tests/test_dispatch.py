@@ -19,7 +19,10 @@ def test_auto_choices() -> None:
     assert choose(8, 16, 20, CPU) == "sequential"
     assert choose(1000, 16, 20, CPU) == "chunked"
     assert choose(1000, 16, 1024, CPU) == "sequential"  # H^3 work outweighs the depth
-    assert choose(1000, 16, 20, CPU, kernels_fit=True) == "chunked"  # kernels are for GPUs
+    assert choose(1000, 16, 20, CPU, kernels_fit=True) == "chunked"  # Triton kernels are for GPUs
+    assert choose(8, 16, 20, CPU, numba_fit=True) == "numba"  # compiled: no per-op overhead to weigh
+    assert choose(1000, 16, 20, GPU, kernels_fit=True, numba_fit=True) == "triton"  # numba: CPU only
+    assert choose(1000, 16, 256, GPU, numba_fit=True) == "graph"
     assert choose(1000, 16, 20, GPU, kernels_fit=True) == "triton"
     assert choose(1000, 16, 256, GPU) == "graph"  # the kernels do not take H = 256
     # What the CUDA graph captures: Blelloch, unless its up-sweep would not fit.
@@ -69,9 +72,18 @@ def test_bad_options_are_named(kwargs: dict, message: str) -> None:
 def test_check_device_names_what_runs_here(monkeypatch) -> None:
     check_device("graph", GPU)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(dispatch, "numba_installed", lambda: True)
     with pytest.raises(ValueError, match=r"strategy='graph' needs a CUDA device, and this device is cpu; "
-                       r"accepted here: auto, sequential, blelloch, chunked$"):  # fmt: skip
+                       r"accepted here: auto, sequential, blelloch, chunked, numba$"):  # fmt: skip
         check_device("graph", CPU)
+    with pytest.raises(ValueError, match=r"strategy='numba' needs the numba package \(pip install numba\) "
+                       r"and a CPU device, and this device is cuda; accepted here: auto, sequential, "
+                       r"blelloch, chunked, triton, graph$"):  # fmt: skip
+        check_device("numba", GPU)
+    monkeypatch.setattr(dispatch, "numba_installed", lambda: False)
+    with pytest.raises(ValueError, match=r"strategy='numba' needs the numba package .* this device is cpu; "
+                       r"accepted here: auto, sequential, blelloch, chunked$"):  # fmt: skip
+        check_device("numba", CPU)
     if dispatch.triton_installed():
         with pytest.raises(ValueError, match=r"strategy='triton' needs a CUDA device \(or TRITON_INTERPRET"):
             check_device("triton", CPU)

@@ -1,0 +1,182 @@
+"""The compiled CPU kernels (numba) against their plain-PyTorch twin, and the modules that run them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import rel_err
+from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case, fused_gru_case, fused_rnn_case
+
+pytest.importorskip("numba")
+
+from bppsa_core import dispatch, numba_scan
+from bppsa_core import nn as bnn
+from bppsa_core.chain import DenseChain, FactoredChain, LSTMChain
+from bppsa_core.scan import chunked_scan, scan
+
+F32, F64 = torch.float32, torch.float64
+TOL = {F64: 1e-12, F32: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize(CHAIN_ARGS, [*CHAIN_CASES, (1, 2, 3, 1, True, 3), (40, 3, 4, None, True, 1)])
+def test_kernels_match_the_chunked_twin(n, batch, hidden, chunk, affine, terms, dtype) -> None:
+    chain, x, b = chain_case(n, batch, hidden, affine, terms, dtype)
+    twin = chunked_scan(chain, x, b, chunk=chunk)
+    out = scan(chain, x, b, strategy="numba", chunk=chunk)
+    assert out.shape == (n + 1, batch, hidden) and out.dtype == dtype
+    assert rel_err(twin, out) < TOL[dtype]
+
+
+def test_threads_change_nothing() -> None:
+    """Every task of a phase is independent, so 2 threads give the 1-thread result bit for bit, with
+    all three phases running (chunk 3 of 37 elements: reduce, spine and expand)."""
+    chain, x, b = chain_case(37, 3, 5, True, 3, F64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = scan(chain, x, b, strategy="numba", chunk=3)
+        torch.set_num_threads(2)
+        two = scan(chain, x, b, strategy="numba", chunk=3)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+@pytest.mark.parametrize(("n", "batch", "hidden", "chunk"), [(37, 3, 5, 4), (9, 1, 20, 2), (7, 2, 3, None)])
+@pytest.mark.parametrize("outside", [False, True])
+def test_the_fused_rnn_backward_matches_its_twin(nonlinearity, n, batch, hidden, chunk, outside, dtype):
+    args, (g0_twin, delta_twin) = fused_rnn_case(nonlinearity, n, batch, hidden, chunk or n, outside, dtype)
+    g0, delta = numba_scan.rnn_layer_backward(*args, nonlinearity, chunk)
+    assert g0.shape == (batch, hidden) and delta.shape == (n, batch, hidden)
+    assert rel_err(g0_twin, g0) < TOL[dtype] and rel_err(delta_twin, delta) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize(
+    ("n", "batch", "hidden", "chunk"), [(37, 3, 5, 4), (9, 1, 20, 2), (7, 2, 3, None), (11, 2, 100, 3)]
+)
+@pytest.mark.parametrize("outside", [False, True])
+def test_the_fused_gru_backward_matches_its_twin(n, batch, hidden, chunk, outside, dtype) -> None:
+    """Any H: the compiled kernels keep nothing in registers, so they take a GRU of H = 100."""
+    args, twins = fused_gru_case(n, batch, hidden, chunk or n, outside, dtype)
+    got = numba_scan.gru_layer_backward(*args, chunk)
+    assert got[0].shape == (batch, hidden) and got[1].shape == got[2].shape == (n, batch, 3 * hidden)
+    for twin, value in zip(twins, got, strict=True):
+        assert rel_err(twin, value) < TOL[dtype]
+
+
+@pytest.mark.parametrize("kind", ["RNN", "GRU"])
+@pytest.mark.parametrize(
+    ("strategy", "chunk", "fused"),
+    [("numba", None, "walk_layer"), ("auto", None, "walk_layer"), ("numba", 5, "layer_backward")],
+)
+def test_a_net_on_the_cpu_takes_the_fused_path_and_gives_autograds_gradients(
+    monkeypatch, kind, strategy, chunk, fused
+) -> None:
+    """float64, two layers, loss on every output and on h_n: exact to 1e-10; "auto" on the CPU
+    picks the compiled kernels: one chunk walked block by block, or (chunk given) chunks."""
+    torch.manual_seed(0)
+    kwargs = {"nonlinearity": "relu"} if kind == "RNN" else {}
+    ref = getattr(torch.nn, kind)(2, 6, num_layers=2, batch_first=True, **kwargs).double()
+    ours = getattr(bnn, kind)(2, 6, num_layers=2, batch_first=True, strategy=strategy, chunk=chunk, **kwargs)
+    ours.double().load_state_dict(ref.state_dict())
+    calls = []
+    fused = fused if fused == "walk_layer" else f"{kind.lower()}_{fused}"
+    kernel = getattr(numba_scan, fused)
+    monkeypatch.setattr(numba_scan, fused, lambda *a: calls.append(1) or kernel(*a))
+    x = torch.randn(3, 23, 2, dtype=F64)
+    grads = []
+    for m in (ref, ours):
+        xi = x.clone().requires_grad_()
+        out, h_n = m(xi)
+        (out.sin().sum() + h_n.pow(2).sum()).backward()
+        grads.append([xi.grad, *(p.grad for p in m.parameters())])
+    assert len(calls) == ours.num_layers
+    for a, b in zip(*grads, strict=True):
+        assert rel_err(a, b) < 1e-10
+
+
+def test_packed_sequences_scan_in_the_kernels() -> None:
+    """Variable lengths take the scan of the stored chain (identities past each end) in SCALES mode."""
+    torch.manual_seed(1)
+    ref = torch.nn.GRU(3, 5).double()
+    ours = bnn.GRU(3, 5, strategy="numba").double()
+    ours.load_state_dict(ref.state_dict())
+    seqs = [torch.randn(t, 3, dtype=F64) for t in (9, 4, 1)]
+    grads = []
+    for m in (ref, ours):
+        packed = torch.nn.utils.rnn.pack_sequence([s.clone().requires_grad_() for s in seqs])
+        out, h_n = m(packed)
+        (out.data.cos().sum() + h_n.sum()).backward()
+        grads.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert rel_err(a, b) < 1e-10
+
+
+@pytest.mark.parametrize(
+    "chain",
+    [
+        DenseChain(torch.randn(4, 2, 3, 3)),
+        FactoredChain(torch.rand(4, 2, 1, 3), torch.randn(1, 3, 3), transposed=True),
+        FactoredChain(torch.rand(4, 2, 4, 3), torch.randn(4, 3, 3)),
+        LSTMChain(
+            torch.rand(4, 2, 4, 3),
+            torch.rand(4, 2, 4, 3),
+            torch.randn(4, 3, 3),
+            torch.rand(4, 2, 3),
+            torch.rand(4, 2, 3),
+        ),
+    ],
+    ids=["dense", "transposed", "four terms", "lstm"],
+)
+def test_chains_the_kernels_do_not_take_are_refused(chain) -> None:
+    with pytest.raises(ValueError, match=r"^strategy='numba' takes a factored chain of at most 3 terms"):
+        scan(chain, torch.zeros(2, chain.hidden, dtype=chain.tensors()[0].dtype), strategy="numba")
+
+
+def test_an_lstm_is_refused_by_the_numba_strategy_and_taken_elsewhere_by_auto() -> None:
+    x = torch.randn(5, 2, 3)
+    with pytest.raises(ValueError, match="strategy='numba' takes a factored chain"):
+        bnn.LSTM(3, 4, strategy="numba")(x)[0].sum().backward()
+    ref, ours = torch.nn.LSTM(3, 4), bnn.LSTM(3, 4)
+    ours.load_state_dict(ref.state_dict())
+    for m in (ref, ours):
+        m(x)[0].sum().backward()
+    assert rel_err(ref.weight_hh_l0.grad, ours.weight_hh_l0.grad) < 1e-5
+
+
+def test_the_chunk_follows_the_threads() -> None:
+    """One chunk (every sample walked, in parallel) when samples keep the threads busy; chunks only
+    where threads outnumber samples and the walk is long enough to pay for the aggregates."""
+    assert dispatch.numba_chunk(1000, 16, 20, 1, threads=2) == 1000
+    assert dispatch.numba_chunk(1000, 1, 20, 1, threads=1) == 1000
+    chunk = dispatch.numba_chunk(100_000, 1, 20, 1, threads=64)
+    assert 1 < chunk < 100_000 // 30  # dozens of chunks for 64 threads
+    assert dispatch.numba_chunk(50, 1, 20, 1, threads=64) == 50  # H = 20 times the walk: not worth it
+    for n in (1, 2, 7, 1000):
+        assert 1 <= dispatch.numba_chunk(n, 2, 3, 3, threads=8) <= n
+
+
+def test_subnormal_results_are_flushed_to_zero() -> None:
+    """An RNN-like chain whose products sink below float32's smallest normal number: without the
+    flush the kernels produce subnormals (numba's workers ignore the caller's FTZ mode), with it none."""
+    g = torch.Generator().manual_seed(0)
+    scales = torch.rand(600, 8, 1, 20, generator=g) * 0.3 + 0.2
+    w = torch.randn(1, 20, 20, generator=g) / 20**0.5
+    x = torch.randn(8, 20, generator=g)
+    tiny = torch.finfo(F32).tiny
+
+    def subnormal(t: torch.Tensor) -> bool:
+        return bool(((t != 0) & (t.abs() < tiny)).any())
+
+    for chunk in (600, 50):
+        raw = x.new_empty((601, 8, 20))
+        sources = {"scales": scales}
+        numba_scan._run(numba_scan.SCALES, sources, w, x, None, chunk, raw, n=600, shift=0, flush=False)
+        flushed = numba_scan.chunked_scan(scales, w, x, None, chunk)
+        assert subnormal(raw) and not subnormal(flushed)
+        assert (flushed - raw).abs().max() < 4 * tiny  # differences of the order of 2^-126 only
+        assert torch.equal(flushed[-50:], raw[-50:])  # and none before the products sink
