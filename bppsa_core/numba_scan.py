@@ -10,7 +10,8 @@ optional offsets, scanned as ``x_k = x_{k+1} @ M_k + offsets[k]`` from x_n. One 
 3. expand: one task per (chunk 0..P-2, sample) walks its chunk from its entry vector.
 
 Each phase is a ``prange`` over its tasks, so CPU threads are real workers across chunks and
-samples. The chunk count comes from ``dispatch.numba_chunk``: a chunk's aggregate costs H times a
+samples (``torch.get_num_threads()`` of them; with one, a serial build runs in the calling thread).
+The chunk count comes from ``dispatch.numba_chunk``: a chunk's aggregate costs H times a
 walk, so with as many samples as threads one chunk (every sample walked once, in parallel) is
 cheapest, and chunks pay only where threads outnumber samples.
 
@@ -30,6 +31,7 @@ does to them (docs/DESIGN.md, "Subnormal numbers"), for H compares a step agains
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable
 
 import numba
@@ -136,7 +138,6 @@ def _walk(
         y[:] = nxt
 
 
-@njit(parallel=True, cache=True)
 def _scan(
     mode, n_terms, has_diag, has_b, shift, fused, tiny, n, chunk,
     scales, diag, h, gi, gh, h_prev, w, offsets, x_last, out, delta, g0,
@@ -196,6 +197,20 @@ def _scan(
         )  # fmt: skip
 
 
+def _compiled(fn: Callable, name: str, parallel: bool) -> Callable:
+    """``fn`` compiled under its own name, so that numba's on-disk cache keeps the serial and the
+    parallel build apart (the cache is keyed by the function's name, not by its options)."""
+    renamed = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    renamed.__qualname__ = name
+    return njit(parallel=parallel, cache=True)(renamed)
+
+
+# One thread runs the serial build in the calling thread (no pool to wake, no worker spinning
+# beside other work, each prange a plain loop); more threads run the parallel one.
+_scan_serial = _compiled(_scan, "_scan_serial", parallel=False)
+_scan_parallel = _compiled(_scan, "_scan_parallel", parallel=True)
+
+
 def _arr(t: Tensor | None, dtype: torch.dtype, dims: int) -> np.ndarray:
     """A C-contiguous NumPy view of ``t`` (copied only if it is not contiguous), or a one-element
     placeholder of ``dims`` dimensions for a source the mode does not read."""
@@ -225,9 +240,11 @@ def _run(
     terms = weights.numel() // (hid * hid)
     dt = x_last.dtype
     chunk = chunk or dispatch.numba_chunk(n, batch, hid, terms, torch.get_num_threads())
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if threads > 1:
+        numba.set_num_threads(threads)
     fused = delta is not None
-    _scan(
+    (_scan_parallel if threads > 1 else _scan_serial)(
         mode, terms, "diag" in sources or mode == GRU, offsets is not None, shift, fused,
         torch.finfo(dt).tiny if flush else 0.0, n, min(chunk, n),
         _arr(sources.get("scales"), dt, 4), _arr(sources.get("diag"), dt, 3), _arr(sources.get("h"), dt, 3),
