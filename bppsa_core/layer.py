@@ -266,13 +266,13 @@ def _fused_layer(
     g_last: Tensor,
 ) -> tuple[Deltas, Callable[[], Tensor]] | None:
     """An RNN or GRU layer's input- and hidden-side pre-activation gradients (``deltas(t)`` for
-    slices of steps) and its g_0 (``first()``, once ``layer_grads`` has taken the deltas) from fused
-    kernels (``rnn_layer_backward`` / ``gru_layer_backward`` of ``triton_scan`` or ``numba_scan``;
-    ``numba_scan.walk_layer`` where its scan is one chunk), or None.
+    slices of steps) and its g_0 (``first()``, once ``layer_grads`` has taken the deltas), or None.
 
-    Taken where the layer's strategy resolves to "triton" or "numba" (``dispatch.resolve``: the
-    strategy itself, or "auto" on a GPU / on the CPU) and the kernels take the layer and run on its
-    device; everything else goes through ``scan``, which also gives the strategies' error messages.
+    Where the layer's strategy resolves to "triton" (``dispatch.resolve``: "triton" itself, or
+    "auto" on a GPU) and the kernels take the layer and run on its device: the fused Triton kernels
+    (``triton_scan.rnn_layer_backward`` / ``gru_layer_backward``). Where it resolves to "numba"
+    ("auto" on the CPU) and the compiled scan is one chunk: the layer walked block by block
+    (``_walked``). Everything else goes through ``scan``, which also gives the strategies' errors.
     """
     if isinstance(cell, LSTMCell):
         return None
@@ -281,42 +281,64 @@ def _fused_layer(
     compiled = dispatch.numba_takes(cell.gates, h.dtype, w.w_hh.dtype, g_last.dtype)
     strategy, chunk = config.options.strategy, config.options.chunk
     chosen = dispatch.resolve(strategy, steps, batch, hidden, h.device, fits, compiled)
-
-    def kernels(module: Any, chunk: int | None) -> tuple[Tensor, Tensor, Tensor]:
-        if isinstance(cell, RNNCell):
-            g0, delta = module.rnn_layer_backward(h, w.w_hh, g_last, u, cell.nonlinearity, chunk)
-            return g0, delta, delta
-        gi, gh = cell.pre_activations(x, h_prev, w)
-        return module.gru_layer_backward(gi, gh, h_prev, w.w_hh, g_last, u, chunk)
-
-    def whole(result: tuple[Tensor, Tensor, Tensor] | None) -> tuple[Deltas, Callable[[], Tensor]] | None:
-        if result is None:
-            return None
-        g0, g_in, g_hid = result
-        return (lambda t: (g_in[t], g_hid[t])), (lambda: g0)
-
     if chosen == "numba" and compiled and dispatch.runs_on("numba", h.device):
-        from bppsa_core import numba_scan
-
         chunk = chunk or dispatch.numba_chunk(steps, batch, hidden, cell.gates, torch.get_num_threads())
-        if chunk < steps:
-            return whole(kernels(numba_scan, chunk))
-        if isinstance(cell, RNNCell):
-            return numba_scan.walk_layer(
-                numba_scan.ACTIVATIONS[cell.nonlinearity], lambda t: {"h": h[t]}, w.w_hh, g_last, u, steps
-            )
-
-        def gru_sources(t: slice) -> dict[str, Tensor]:
-            gi, gh = cell.pre_activations(x[t], h_prev[t], w)
-            return {"gi": gi, "gh": gh, "h_prev": h_prev[t]}
-
-        return numba_scan.walk_layer(numba_scan.GRU, gru_sources, w.w_hh, g_last, u, steps)
+        return _walked(cell, x, h_prev, h, w, u, g_last) if chunk >= steps else None
     if chosen != "triton" or not fits or not dispatch.kernels_run_on(h.device):
         return None
     from bppsa_core import triton_scan
 
     chunk = chunk or dispatch.default_chunk(steps)
-    return whole(dispatch.with_kernels(strategy, h.device, lambda: kernels(triton_scan, chunk), lambda: None))
+
+    def kernels() -> tuple[Deltas, Callable[[], Tensor]]:
+        if isinstance(cell, RNNCell):
+            g0, g_in = triton_scan.rnn_layer_backward(h, w.w_hh, g_last, u, cell.nonlinearity, chunk)
+            g_hid = g_in
+        else:
+            gi, gh = cell.pre_activations(x, h_prev, w)
+            g0, g_in, g_hid = triton_scan.gru_layer_backward(gi, gh, h_prev, w.w_hh, g_last, u, chunk)
+        return (lambda t: (g_in[t], g_hid[t])), (lambda: g0)
+
+    return dispatch.with_kernels(strategy, h.device, kernels, lambda: None)
+
+
+def _walked(
+    cell: Cell, x: Tensor, h_prev: Tensor, h: Tensor, w: LayerWeights, u: Tensor | None, g_last: Tensor
+) -> tuple[Deltas, Callable[[], Tensor]]:
+    """A layer's scan as one chunk of the compiled kernels (each sample walked once, samples in
+    parallel), made block by block from the end as ``layer_grads`` asks for the deltas: a block's
+    factors (the cell's vectorized PyTorch code), its walk from the gradient at its end
+    (``numba_scan.chunked_scan``), its pre-activation gradients. Only a block's worth ever exists.
+
+    Returns ``deltas(t)`` for slices asked for from the last one down (the last again starts over)
+    and ``first()``, g_0 once the first block has been walked.
+    """
+    from bppsa_core import numba_scan
+
+    steps = h.shape[0]
+    state = {"g": g_last, "next": steps}
+
+    def deltas(t: slice) -> tuple[Tensor, Tensor]:
+        lo, hi, _ = t.indices(steps)
+        if hi == steps:
+            state["g"] = g_last
+        elif hi != state["next"]:
+            raise RuntimeError(f"steps {lo}..{hi} asked for; a walk from the end needs ..{state['next']}")
+        factors = cell.factors(x[lo:hi], h_prev[lo:hi], h[lo:hi], w)
+        chain = cell.chain(factors, w)
+        offsets = None  # element k's offset is u_k = dL/dh_k from outside (u_0 = 0)
+        if u is not None:
+            offsets = u[lo - 1 : hi - 1] if lo else torch.cat((torch.zeros_like(u[:1]), u[: hi - 1]))
+        g = numba_scan.chunked_scan(chain.scales, chain.weights, state["g"], offsets, hi - lo, chain.diagonal)
+        state["g"], state["next"] = g[0], lo
+        return cell.preactivation_grads(g[1:], factors)
+
+    def first() -> Tensor:
+        if state["next"] != 0:
+            raise RuntimeError("g_0 is known once every block has been walked")
+        return state["g"]
+
+    return deltas, first
 
 
 # ------------------------------------------------------------------------------------------- tangent

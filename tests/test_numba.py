@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import rel_err
-from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case, fused_gru_case, fused_rnn_case
+from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case
 
 pytest.importorskip("numba")
 
-from bppsa_core import dispatch, numba_scan
+from bppsa_core import dispatch, jacobians, numba_scan
+from bppsa_core import layer as layer_mod
 from bppsa_core import nn as bnn
 from bppsa_core.chain import DenseChain, FactoredChain, LSTMChain
+from bppsa_core.jacobians import LayerWeights, RNNCell
 from bppsa_core.scan import chunked_scan, scan
 
 F32, F64 = torch.float32, torch.float64
@@ -43,50 +45,28 @@ def test_threads_change_nothing() -> None:
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("dtype", [F64, F32])
-@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
-@pytest.mark.parametrize(("n", "batch", "hidden", "chunk"), [(37, 3, 5, 4), (9, 1, 20, 2), (7, 2, 3, None)])
-@pytest.mark.parametrize("outside", [False, True])
-def test_the_fused_rnn_backward_matches_its_twin(nonlinearity, n, batch, hidden, chunk, outside, dtype):
-    args, (g0_twin, delta_twin) = fused_rnn_case(nonlinearity, n, batch, hidden, chunk or n, outside, dtype)
-    g0, delta = numba_scan.rnn_layer_backward(*args, nonlinearity, chunk)
-    assert g0.shape == (batch, hidden) and delta.shape == (n, batch, hidden)
-    assert rel_err(g0_twin, g0) < TOL[dtype] and rel_err(delta_twin, delta) < TOL[dtype]
-
-
-@pytest.mark.parametrize("dtype", [F64, F32])
-@pytest.mark.parametrize(
-    ("n", "batch", "hidden", "chunk"), [(37, 3, 5, 4), (9, 1, 20, 2), (7, 2, 3, None), (11, 2, 100, 3)]
-)
-@pytest.mark.parametrize("outside", [False, True])
-def test_the_fused_gru_backward_matches_its_twin(n, batch, hidden, chunk, outside, dtype) -> None:
-    """Any H: the compiled kernels keep nothing in registers, so they take a GRU of H = 100."""
-    args, twins = fused_gru_case(n, batch, hidden, chunk or n, outside, dtype)
-    got = numba_scan.gru_layer_backward(*args, chunk)
-    assert got[0].shape == (batch, hidden) and got[1].shape == got[2].shape == (n, batch, 3 * hidden)
-    for twin, value in zip(twins, got, strict=True):
-        assert rel_err(twin, value) < TOL[dtype]
-
-
 @pytest.mark.parametrize("kind", ["RNN", "GRU"])
 @pytest.mark.parametrize(
-    ("strategy", "chunk", "fused"),
-    [("numba", None, "walk_layer"), ("auto", None, "walk_layer"), ("numba", 5, "layer_backward")],
+    ("strategy", "chunk", "block", "walked"),
+    [("numba", None, None, True), ("auto", None, 4, True), ("numba", 5, None, False)],
 )
-def test_a_net_on_the_cpu_takes_the_fused_path_and_gives_autograds_gradients(
-    monkeypatch, kind, strategy, chunk, fused
+def test_a_net_on_the_cpu_runs_the_kernels_and_gives_autograds_gradients(
+    monkeypatch, kind, strategy, chunk, block, walked
 ) -> None:
-    """float64, two layers, loss on every output and on h_n: exact to 1e-10; "auto" on the CPU
-    picks the compiled kernels: one chunk walked block by block, or (chunk given) chunks."""
+    """float64, two layers, loss on every output and on h_n: exact to 1e-10. One chunk (the default
+    here, "auto" too): each layer walked block by block (blocks of 4 steps: the walk carries the
+    gradient across them); chunk 5: the stored chain's chunked scan in the kernels."""
     torch.manual_seed(0)
     kwargs = {"nonlinearity": "relu"} if kind == "RNN" else {}
     ref = getattr(torch.nn, kind)(2, 6, num_layers=2, batch_first=True, **kwargs).double()
     ours = getattr(bnn, kind)(2, 6, num_layers=2, batch_first=True, strategy=strategy, chunk=chunk, **kwargs)
     ours.double().load_state_dict(ref.state_dict())
-    calls = []
-    fused = fused if fused == "walk_layer" else f"{kind.lower()}_{fused}"
-    kernel = getattr(numba_scan, fused)
-    monkeypatch.setattr(numba_scan, fused, lambda *a: calls.append(1) or kernel(*a))
+    walks, scans = [], []
+    real_walked, real_scan = layer_mod._walked, numba_scan.chunked_scan
+    monkeypatch.setattr(layer_mod, "_walked", lambda *a: walks.append(1) or real_walked(*a))
+    monkeypatch.setattr(numba_scan, "chunked_scan", lambda *a, **k: scans.append(1) or real_scan(*a, **k))
+    if block:
+        monkeypatch.setattr(jacobians, "_block_steps", lambda *a: block)
     x = torch.randn(3, 23, 2, dtype=F64)
     grads = []
     for m in (ref, ours):
@@ -94,9 +74,24 @@ def test_a_net_on_the_cpu_takes_the_fused_path_and_gives_autograds_gradients(
         out, h_n = m(xi)
         (out.sin().sum() + h_n.pow(2).sum()).backward()
         grads.append([xi.grad, *(p.grad for p in m.parameters())])
-    assert len(calls) == ours.num_layers
+    assert len(walks) == (ours.num_layers if walked else 0)
+    assert len(scans) == ours.num_layers * (-(-23 // block) if block else 1)
     for a, b in zip(*grads, strict=True):
         assert rel_err(a, b) < 1e-10
+
+
+def test_a_walk_takes_its_blocks_from_the_end() -> None:
+    cell, steps = RNNCell("tanh"), 6
+    w = LayerWeights(torch.randn(4, 2), torch.randn(4, 4), None, None)
+    h = torch.rand(steps, 1, 4)
+    deltas, first = layer_mod._walked(cell, torch.randn(steps, 1, 2), h, h, w, None, torch.randn(1, 4))
+    with pytest.raises(RuntimeError, match="g_0 is known once every block has been walked"):
+        first()
+    deltas(slice(3, 6))
+    with pytest.raises(RuntimeError, match=r"steps 0\.\.2 asked for; a walk from the end needs \.\.3"):
+        deltas(slice(0, 2))
+    deltas(slice(0, 3))
+    assert first().shape == (1, 4)
 
 
 def test_packed_sequences_scan_in_the_kernels() -> None:
@@ -173,9 +168,7 @@ def test_subnormal_results_are_flushed_to_zero() -> None:
         return bool(((t != 0) & (t.abs() < tiny)).any())
 
     for chunk in (600, 50):
-        raw = x.new_empty((601, 8, 20))
-        sources = {"scales": scales}
-        numba_scan._run(numba_scan.SCALES, sources, w, x, None, chunk, raw, n=600, shift=0, flush=False)
+        raw = numba_scan.chunked_scan(scales, w, x, None, chunk, flush=False)
         flushed = numba_scan.chunked_scan(scales, w, x, None, chunk)
         assert subnormal(raw) and not subnormal(flushed)
         assert (flushed - raw).abs().max() < 4 * tiny  # differences of the order of 2^-126 only
