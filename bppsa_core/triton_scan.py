@@ -33,19 +33,28 @@ and write only what the weight gradients need: g_0 and the pre-activation gradie
 every step, instead of every g_t. So the chain, the offsets copy and the delta pass never touch
 memory; the weight gradients stay GEMMs over the deltas (docs/DESIGN.md, "Decisions").
 
-Loop bounds (chunk size, remainder, aggregate count) are compile-time constants (docs/DESIGN.md
-says why). H is padded to a power of two of at least 16 (``tl.dot``'s minimum) inside the programs
-and the K weight matrices stay in registers, so a chain fits one program when H <= 64
-(``dispatch.kernels_take``; a GRU's 3 x 64^2 weights run on 8 warps instead of 4, which keeps them
-at 48 registers a thread). ``tl.dot`` runs with ``input_precision="ieee"`` (full fp32: TF32's ~1e-3
-error would exceed the gradient tolerances). Elements shared by the batch are read with a batch
-stride of 0, never copied; offsets into memory are 64-bit, so tensors of more than 2^31 elements
-are indexed correctly. Everything is checked against the twin on the CPU with ``TRITON_INTERPRET=1``.
+H is padded to a power of two of at least 16 (``tl.dot``'s minimum) inside the programs and the K
+weight matrices stay in registers, so a chain fits one program when H <= 64 (``dispatch.kernels_take``;
+a GRU's 3 x 64^2 weights run on 8 warps instead of 4, which keeps them at 48 registers a thread); the
+chunk aggregates go through memory padded to HP (``_reduce`` says why). ``tl.dot`` runs with
+``input_precision="ieee"`` (full fp32: TF32's ~1e-3 error would exceed the gradient tolerances).
+Elements shared by the batch are read with a batch stride of 0, never copied; offsets into memory are
+64-bit, so tensors of more than 2^31 elements are indexed correctly. Everything is checked against the
+twin on the CPU with ``TRITON_INTERPRET=1``.
+
+Loop bounds (chunk size, remainder, aggregate count) are run-time arguments, and no integer that
+changes with the data (length, chunk size, batch, the scales' strides) is specialized on, so a GPU
+compiles each configuration once, whatever the sequence length; under Triton's interpreter the
+launches hand the bounds in as ``tl.constexpr`` objects (``_BOUNDS``; docs/DESIGN.md, "Loop bounds").
+The constexprs and warps of every launch come from ``launch_config`` and ``lstm_launch_config``;
+``launch_configs`` lists every configuration the modules can launch, and ``experiments.bench.kernels``
+(with ``tests/test_compile.py``) compiles them all for sm_80 and sm_90 without a GPU.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
@@ -57,8 +66,20 @@ TANH = tl.constexpr(1)
 RELU = tl.constexpr(2)
 GRU = tl.constexpr(3)
 ACTIVATIONS = {"tanh": TANH, "relu": RELU}
+MODE_NAMES = {SCALES.value: "SCALES", TANH.value: "TANH", RELU.value: "RELU", GRU.value: "GRU"}
 # The source tensors ``_element`` may read; a launch passes the ones of its mode.
 SOURCES = ("scales_ptr", "diag_ptr", "h_ptr", "gi_ptr", "gh_ptr", "h_prev_ptr")
+
+# The loops' bounds (chunk size C, remainder REM, aggregate count NAGG): run-time arguments. Triton's
+# interpreter (the CPU tests) turns an int argument into a 1-element NumPy array, which ``range`` cannot
+# take as a bound with NumPy 2 (``int()`` of a 1-d array is an error there), and passes a
+# ``tl.constexpr`` object through as it is; so under the interpreter ``Launch.run`` hands them in so.
+_BOUNDS = ("C", "REM", "NAGG")
+# Integer arguments that change with the data (lengths, the chunk size, the batch, the scales' strides):
+# never specialized on their values, so one binary serves every sequence length, chunk size and batch
+# (Triton would otherwise compile again whenever one is 1 or turns a multiple of 16). Only H, fixed
+# for a model, keeps Triton's specialization: a multiple of 16 lets the compiler vectorize row loads.
+_BY_DATA = (*_BOUNDS, "N", "B", "stride_k", "stride_b")
 
 
 @triton.jit
@@ -98,13 +119,14 @@ def _element(
 ):
     """Element k of sample b: its scales (s0, s1, s2) of W_0..W_2, its diagonal e, and (GRU) dn.
 
-    SCALES: ``scales`` (n, B or 1, K, H) with element and batch strides ``stride_k``, ``stride_b``,
+    SCALES: ``scales`` (n, B or 1, K, H) with element and batch strides ``stride_k``, ``stride_b``
+    counted in rows of H (so that H alone tells the compiler how its rows are aligned),
     ``diag`` (n, B, H). TANH/RELU: ``h`` (n, B, H). GRU: ``gi``, ``gh`` (n, B, 3H, rows r, z, n) and
     ``h_prev`` (n, B, H); the scales of W_hr, W_hz, W_hn are dn m r (1 - r), (h_prev - n) z (1 - z)
     and dn r with dn = (1 - z)(1 - n^2) and m = W_hn h + b_hn, the diagonal is z. Unused values and
     padded lanes are 0.
     """
-    k = k.to(tl.int64)  # k * stride_k may pass 2^31 (b already is 64-bit)
+    k = k.to(tl.int64)  # k * stride_k * H may pass 2^31 (b already is 64-bit)
     r = tl.arange(0, HP)
     vec = r < H
     zero = tl.zeros([HP], dtype=tl.float32)
@@ -127,7 +149,7 @@ def _element(
         s2 = dn * gate_r
         e = tl.where(vec, z, 0.0)
     elif MODE == SCALES:
-        row = scales_ptr + k * stride_k + b * stride_b
+        row = scales_ptr + (k * stride_k + b * stride_b) * H
         s0 = tl.load(row + r, mask=vec, other=0.0)
         if K > 1:
             s1 = tl.load(row + H + r, mask=vec, other=0.0)
@@ -173,7 +195,7 @@ def _offset(offsets_ptr, k, b, B, H, r, vec, SHIFT: tl.constexpr):
     return tl.load(offsets_ptr + ((k - SHIFT) * B + b) * H + r, mask=vec & (k >= SHIFT), other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BY_DATA)
 def _reduce(
     scales_ptr,
     diag_ptr,
@@ -189,7 +211,7 @@ def _reduce(
     H,
     stride_k,
     stride_b,
-    C: tl.constexpr,
+    C,
     K: tl.constexpr,
     HAS_DIAG: tl.constexpr,
     HAS_B: tl.constexpr,
@@ -202,7 +224,6 @@ def _reduce(
     b = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a (T, B, 6H) GRU delta may pass 2^31
     r = tl.arange(0, HP)
     vec = r < H
-    mat = vec[:, None] & vec[None, :]
     w0, w1, w2 = _load_weights(w_ptr, H, K, HP)
     agg = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     c = tl.zeros([HP], dtype=tl.float32)
@@ -217,8 +238,10 @@ def _reduce(
             c = _vec_step(c, s0, s1, s2, e, w0, w1, w2, K, HAS_DIAG)
             c += _offset(offsets_ptr, k, b, B, H, r, vec, SHIFT)
     j = q - 1
-    tl.store(agg_ptr + ((j * B + b) * H + r[:, None]) * H + r[None, :], agg, mask=mat)
-    tl.store(agg_offsets_ptr + (j * B + b) * H + r, c, mask=vec)
+    # Stored whole, padding included (the scratch is HP wide; ``_spine`` reads it masked): a masked
+    # store keeps its mask's predicates alive through the loop, and ptxas spilled them to the stack.
+    tl.store(agg_ptr + ((j * B + b) * HP + r[:, None]) * HP + r[None, :], agg)
+    tl.store(agg_offsets_ptr + (j * B + b) * HP + r, c)
 
 
 @triton.jit
@@ -276,7 +299,7 @@ def _walk_step(
     return y_next
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BY_DATA)
 def _spine(
     scales_ptr,
     diag_ptr,
@@ -297,8 +320,8 @@ def _spine(
     N,
     stride_k,
     stride_b,
-    REM: tl.constexpr,
-    NAGG: tl.constexpr,
+    REM,
+    NAGG,
     K: tl.constexpr,
     HAS_DIAG: tl.constexpr,
     HAS_B: tl.constexpr,
@@ -330,13 +353,13 @@ def _spine(
     tl.store(entry_ptr + (NAGG * B + b) * H + r, y, mask=vec)
     for i in range(0, NAGG):  # aggregates of chunks P-2 .. 1: entry of chunk j is x at (j + 1) C
         j = NAGG - 1 - i
-        a = tl.load(agg_ptr + ((j * B + b) * H + r[:, None]) * H + r[None, :], mask=mat, other=0.0)
+        a = tl.load(agg_ptr + ((j * B + b) * HP + r[:, None]) * HP + r[None, :], mask=mat, other=0.0)
         y = tl.sum(y[:, None] * a, axis=0)
-        y += tl.load(agg_offsets_ptr + (j * B + b) * H + r, mask=vec, other=0.0)
+        y += tl.load(agg_offsets_ptr + (j * B + b) * HP + r, mask=vec, other=0.0)
         tl.store(entry_ptr + (j * B + b) * H + r, y, mask=vec)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BY_DATA)
 def _expand(
     scales_ptr,
     diag_ptr,
@@ -353,7 +376,7 @@ def _expand(
     H,
     stride_k,
     stride_b,
-    C: tl.constexpr,
+    C,
     K: tl.constexpr,
     HAS_DIAG: tl.constexpr,
     HAS_B: tl.constexpr,
@@ -449,10 +472,10 @@ def _lstm_vec_step(
     return out_h, y_h * d_hc + y_c * d_cc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BY_DATA)
 def _lstm_reduce(
     sh_ptr, sc_ptr, hc_ptr, cc_ptr, hh_ptr, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr, B, H,
-    C: tl.constexpr, HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
+    C, HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
 ):  # fmt: skip
     """Chunk q (1..P-2) of sample b folded into one (2H x 2H) aggregate and its offset."""
     q = tl.program_id(0) + 1
@@ -481,15 +504,13 @@ def _lstm_reduce(
             o_h += tl.load(row, mask=vec, other=0.0)
             o_c += tl.load(row + H, mask=vec, other=0.0)
     j = q - 1
-    state_row = tl.where(rr < HP, rr, rr - HP + H)  # padded row -> row of the 2H state
-    row_ok = (rr % HP) < H
-    base = agg_ptr + ((j * B + b) * 2 * H + state_row[:, None]) * 2 * H
-    mat = row_ok[:, None] & vec[None, :]
-    tl.store(base + r[None, :], a_h, mask=mat)
-    tl.store(base + H + r[None, :], a_c, mask=mat)
-    out = agg_offsets_ptr + (j * B + b) * 2 * H + r
-    tl.store(out, o_h, mask=vec)
-    tl.store(out + H, o_c, mask=vec)
+    # Stored whole, padding included (2HP x 2HP: h rows, c rows; h columns, c columns), as ``_reduce``.
+    base = agg_ptr + ((j * B + b) * 2 * HP + rr[:, None]) * 2 * HP
+    tl.store(base + r[None, :], a_h)
+    tl.store(base + HP + r[None, :], a_c)
+    out = agg_offsets_ptr + (j * B + b) * 2 * HP + r
+    tl.store(out, o_h)
+    tl.store(out + HP, o_c)
 
 
 @triton.jit
@@ -514,11 +535,11 @@ def _lstm_walk_step(
     return y_h, y_c
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BY_DATA)
 def _lstm_spine(
     sh_ptr, sc_ptr, hc_ptr, cc_ptr, hh_ptr, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr, x_last_ptr,
     out_ptr, entry_ptr, B, H, N,
-    REM: tl.constexpr, NAGG: tl.constexpr, HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
+    REM, NAGG, HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
 ):  # fmt: skip
     """Sample b's remainder chunk walked from x_n, then the chunk aggregates scanned: every chunk's
     entry vector into ``entry``."""
@@ -546,15 +567,15 @@ def _lstm_spine(
     tl.store(entry + H, y_c, mask=vec)
     for i in range(0, NAGG):  # aggregates of chunks P-2 .. 1
         j = NAGG - 1 - i
-        base = agg_ptr + ((j * B + b) * 2 * H + r[:, None]) * 2 * H + r[None, :]
+        base = agg_ptr + ((j * B + b) * 2 * HP + r[:, None]) * 2 * HP + r[None, :]  # see _lstm_reduce
         a_hh = tl.load(base, mask=mat, other=0.0)
-        a_hc = tl.load(base + H, mask=mat, other=0.0)
-        a_ch = tl.load(base + H * 2 * H, mask=mat, other=0.0)
-        a_cc = tl.load(base + H * 2 * H + H, mask=mat, other=0.0)
-        off = agg_offsets_ptr + (j * B + b) * 2 * H + r
+        a_hc = tl.load(base + HP, mask=mat, other=0.0)
+        a_ch = tl.load(base + HP * 2 * HP, mask=mat, other=0.0)
+        a_cc = tl.load(base + HP * 2 * HP + HP, mask=mat, other=0.0)
+        off = agg_offsets_ptr + (j * B + b) * 2 * HP + r
         new_h = tl.sum(y_h[:, None] * a_hh + y_c[:, None] * a_ch, axis=0) + tl.load(off, mask=vec, other=0.0)
         new_c = tl.sum(y_h[:, None] * a_hc + y_c[:, None] * a_cc, axis=0) + tl.load(
-            off + H, mask=vec, other=0.0
+            off + HP, mask=vec, other=0.0
         )
         y_h = new_h
         y_c = new_c
@@ -563,10 +584,10 @@ def _lstm_spine(
         tl.store(entry + H, y_c, mask=vec)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BY_DATA)
 def _lstm_expand(
     sh_ptr, sc_ptr, hc_ptr, cc_ptr, hh_ptr, w_ptr, offsets_ptr, entry_ptr, out_ptr, B, H,
-    C: tl.constexpr, HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
+    C, HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
 ):  # fmt: skip
     """Chunk q (0..P-2) of sample b walked from its entry vector."""
     q = tl.program_id(0)
@@ -605,11 +626,11 @@ def triton_lstm_scan(
     offsets (n, B, 2H) or None. Returns x_0..x_n as (n + 1, B, 2H).
     """
     n, batch, _, h = scales_h.shape
-    hp = padded(h)
     p = math.ceil(n / chunk)
     out = x_last.new_empty((n + 1, batch, 2 * h))
-    agg = x_last.new_empty((max(p - 2, 1), batch, 2 * h, 2 * h))
-    agg_offsets = x_last.new_empty((max(p - 2, 1), batch, 2 * h))
+    hp = padded(h)
+    agg = x_last.new_empty((max(p - 2, 1), batch, 2 * hp, 2 * hp))  # padded: see ``_lstm_reduce``
+    agg_offsets = x_last.new_empty((max(p - 2, 1), batch, 2 * hp))
     entry = x_last.new_empty((max(p - 1, 1), batch, 2 * h))
     sources = [t.contiguous() for t in (scales_h, scales_c, diag_hc, diag_cc)]
     hh = sources[2] if diag_hh is None else diag_hh.contiguous()
@@ -623,14 +644,12 @@ def triton_lstm_scan(
         "offsets_ptr": sources[0] if offsets is None else offsets.contiguous(),
         "B": batch,
         "H": h,
-        "HAS_HH": diag_hh is not None,
-        "HAS_B": offsets is not None,
-        "HP": hp,
-        "num_warps": lstm_num_warps(hp),
     }
+    kernels = lstm_launch_config(diag_hh is not None, offsets is not None, hp)
     if p > 2:
-        _lstm_reduce[(p - 2, batch)](**common, agg_ptr=agg, agg_offsets_ptr=agg_offsets, C=chunk)
-    _lstm_spine[(batch,)](
+        kernels["reduce"].run((p - 2, batch), **common, agg_ptr=agg, agg_offsets_ptr=agg_offsets, C=chunk)
+    kernels["spine"].run(
+        (batch,),
         **common,
         agg_ptr=agg,
         agg_offsets_ptr=agg_offsets,
@@ -642,13 +661,8 @@ def triton_lstm_scan(
         NAGG=max(p - 2, 0),
     )
     if p > 1:
-        _lstm_expand[(p - 1, batch)](**common, entry_ptr=entry, out_ptr=out, C=chunk)
+        kernels["expand"].run((p - 1, batch), **common, entry_ptr=entry, out_ptr=out, C=chunk)
     return out
-
-
-def lstm_num_warps(hp: int) -> int:
-    """4 warps, or 8 at Hp = 32, where a program holds 4 x 32^2 weights and a 64 x 32 aggregate twice."""
-    return 8 if hp >= 32 else 4
 
 
 # ----------------------------------------------------------------------------------------- launch
@@ -662,6 +676,124 @@ def padded(h: int) -> int:
 def num_warps(terms: int, hp: int) -> int:
     """4 warps, or 8 where the weights pass 4096 entries (a GRU at Hp = 64), to keep them in registers."""
     return 8 if terms * hp * hp > 4096 else 4
+
+
+def lstm_num_warps(hp: int) -> int:
+    """4 warps, or 8 at Hp = 32, where a program holds 4 x 32^2 weights and a 64 x 32 aggregate twice."""
+    return 8 if hp >= 32 else 4
+
+
+class Launch(NamedTuple):
+    """How one kernel of a launch is compiled: its constexprs and warps. Everything else it is given
+    (pointers, sizes, the loop bounds) is a run-time argument."""
+
+    kernel: Any  # a ``triton.jit`` kernel (``JITFunction``, or ``InterpretedFunction`` under the interpreter)
+    constexprs: dict[str, int | bool]
+    num_warps: int
+
+    def run(self, grid: tuple[int, ...], **args: Any) -> None:
+        """The kernel on ``grid`` with the run-time ``args`` (by name) and these settings."""
+        if not isinstance(self.kernel, triton.JITFunction):  # Triton's interpreter: see ``_BOUNDS``
+            args = {k: tl.constexpr(v) if k in _BOUNDS else v for k, v in args.items()}
+        self.kernel[grid](**args, **self.constexprs, num_warps=self.num_warps)
+
+
+def launch_config(
+    mode: int, terms: int, has_diag: bool, has_b: bool, shift: int, fused: bool, hp: int
+) -> dict[str, Launch]:
+    """The three kernels of a chunked-scan launch by role (``reduce``, ``spine``, ``expand``), as
+    ``_launch`` runs them and ``experiments.bench.kernels`` compiles them.
+
+    ``mode``: ``SCALES``, ``TANH``, ``RELU`` or ``GRU`` (the value); ``terms``: K weights;
+    ``has_diag``: a diagonal term (a GRU always has one); ``has_b``: offsets; ``shift``: offsets read
+    one step late (the layer modes); ``fused``: only x_0 and the deltas written; ``hp``: ``padded(H)``.
+    """
+    chain = {
+        "K": terms,
+        "HAS_DIAG": has_diag or mode == GRU.value,
+        "HAS_B": has_b,
+        "MODE": mode,
+        "SHIFT": shift,
+        "HP": hp,
+    }
+    walks = {**chain, "FUSED": fused}  # the kernels that walk elements and write x_k or deltas
+    warps = num_warps(terms, hp)
+    return {
+        "reduce": Launch(_reduce, chain, warps),
+        "spine": Launch(_spine, walks, warps),
+        "expand": Launch(_expand, walks, warps),
+    }
+
+
+def lstm_launch_config(has_hh: bool, has_b: bool, hp: int) -> dict[str, Launch]:
+    """The three kernels of an LSTM launch by role, as ``triton_lstm_scan`` runs them: ``has_hh``, the
+    h<-h diagonal (sequences of different lengths); ``has_b``, offsets; ``hp``, ``padded(H)``."""
+    settings = {"HAS_HH": has_hh, "HAS_B": has_b, "HP": hp}
+    warps = lstm_num_warps(hp)
+    kernels = {"reduce": _lstm_reduce, "spine": _lstm_spine, "expand": _lstm_expand}
+    return {role: Launch(kernel, settings, warps) for role, kernel in kernels.items()}
+
+
+class KernelConfig(NamedTuple):
+    """One kernel in one configuration the modules can launch (``launch_configs``)."""
+
+    role: str  # reduce, spine or expand
+    mode: str  # SCALES, TANH, RELU, GRU or LSTM
+    terms: int  # K weight terms (an LSTM: its 4 gates)
+    diag: bool  # HAS_DIAG; an LSTM: HAS_HH
+    affine: bool  # HAS_B
+    fused: bool  # a layer mode: only x_0 and the deltas written
+    hidden: tuple[int, ...]  # every H this binary serves; the first is the one to compile it with
+    launch: Launch
+
+
+def h_variants(largest: int) -> list[tuple[int, ...]]:
+    """The H values 1..``largest`` grouped by the binary they get: by ``padded(H)`` and by how Triton
+    specializes the int H (1 becomes a constant; a multiple of 16 is marked divisible by 16)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for h in range(1, largest + 1):
+        kind = 1 if h == 1 else 16 if h % 16 == 0 else 0
+        groups.setdefault((padded(h), kind), []).append(h)
+    return sorted(tuple(hs) for hs in groups.values())
+
+
+def launch_configs() -> list[KernelConfig]:
+    """Every kernel configuration the modules can launch, each once.
+
+    ``triton_chunked_scan``: SCALES with K = 1, 2, 3, with and without a diagonal; the fused layer
+    backwards: TANH, RELU (K = 1) and GRU (K = 3, a diagonal); each with and without offsets, for
+    every H the kernels take (``dispatch.MAX_HIDDEN``, grouped by ``h_variants``). ``triton_lstm_scan``:
+    with and without the h<-h diagonal and offsets, H <= ``dispatch.MAX_LSTM_HIDDEN``. A configuration
+    whose kernel, constexprs and warps another already has (``_reduce`` takes no ``FUSED``) is listed
+    once.
+    """
+    from bppsa_core.dispatch import MAX_HIDDEN, MAX_LSTM_HIDDEN
+
+    scans = [(SCALES.value, k, diag, False) for k in (1, 2, 3) for diag in (False, True)]
+    scans += [(TANH.value, 1, False, True), (RELU.value, 1, False, True), (GRU.value, 3, True, True)]
+    found: list[KernelConfig] = []
+    for hidden in h_variants(MAX_HIDDEN):
+        for mode, terms, diag, fused in scans:
+            for affine in (False, True):
+                launches = launch_config(mode, terms, diag, affine, int(fused), fused, padded(hidden[0]))
+                found += [
+                    KernelConfig(role, MODE_NAMES[mode], terms, diag, affine, fused, hidden, launch)
+                    for role, launch in launches.items()
+                ]
+    for hidden in h_variants(MAX_LSTM_HIDDEN):
+        for has_hh in (False, True):
+            for affine in (False, True):
+                launches = lstm_launch_config(has_hh, affine, padded(hidden[0]))
+                found += [
+                    KernelConfig(role, "LSTM", 4, has_hh, affine, False, hidden, launch)
+                    for role, launch in launches.items()
+                ]
+    unique: dict[tuple, KernelConfig] = {}
+    for config in found:
+        launch = config.launch
+        key = (launch.kernel, tuple(sorted(launch.constexprs.items())), launch.num_warps, config.hidden)
+        unique.setdefault(key, config)
+    return list(unique.values())
 
 
 def triton_chunked_scan(
@@ -684,8 +816,8 @@ def triton_chunked_scan(
     if diagonal is not None:
         sources["diag_ptr"] = diagonal.expand(n, batch, h).contiguous()
     out = x_last.new_empty((n + 1, batch, h))
-    strides = {"stride_k": s.stride(0), "stride_b": s.stride(1) if s.shape[1] == batch else 0}
-    _launch(sources, weights, x_last, offsets, chunk, out, mode=SCALES, shift=0, strides=strides)
+    rows = {"stride_k": s.stride(0) // h, "stride_b": s.stride(1) // h if s.shape[1] == batch else 0}
+    _launch(sources, weights, x_last, offsets, chunk, out, mode=SCALES, shift=0, strides=rows)
     return out
 
 
@@ -746,15 +878,15 @@ def _launch(
     element); the others are never read. ``weights``: the K stacked H x H weights, (K, H, H) or
     (K * H, H) (a GRU's W_hh). ``delta``: where a layer mode writes its deltas (``out`` then gets
     only x_0); None writes every x_k into ``out``. ``strides``: the scales' element and batch
-    strides (SCALES mode).
+    strides in rows of H (SCALES mode).
     """
     first = next(iter(sources.values()))
     n, (batch, h) = first.shape[0], x_last.shape
     terms = weights.numel() // (h * h)
     hp = padded(h)
     p = math.ceil(n / chunk)
-    agg = first.new_empty((max(p - 2, 1), batch, h, h))
-    agg_offsets = first.new_empty((max(p - 2, 1), batch, h))  # every row read is written by _reduce
+    agg = first.new_empty((max(p - 2, 1), batch, hp, hp))  # HP x HP: see ``_reduce``
+    agg_offsets = first.new_empty((max(p - 2, 1), batch, hp))  # every row read is written by _reduce
     entry = first.new_empty((max(p - 1, 1), batch, h))
     common = {
         **dict.fromkeys(SOURCES, first),  # placeholders for the pointers this mode does not read
@@ -764,18 +896,15 @@ def _launch(
         "B": batch,
         "H": h,
         **(strides or {"stride_k": 0, "stride_b": 0}),
-        "K": terms,
-        "HAS_DIAG": mode is GRU or "diag_ptr" in sources,
-        "HAS_B": offsets is not None,
-        "MODE": mode.value,
-        "SHIFT": shift,
-        "HP": hp,
-        "num_warps": num_warps(terms, hp),
     }
-    walk = {"out_ptr": out, "delta_ptr": out if delta is None else delta, "FUSED": delta is not None}
+    walk = {"out_ptr": out, "delta_ptr": out if delta is None else delta}
+    kernels = launch_config(
+        mode.value, terms, "diag_ptr" in sources, offsets is not None, shift, delta is not None, hp
+    )
     if p > 2:
-        _reduce[(p - 2, batch)](**common, agg_ptr=agg, agg_offsets_ptr=agg_offsets, C=chunk)
-    _spine[(batch,)](
+        kernels["reduce"].run((p - 2, batch), **common, agg_ptr=agg, agg_offsets_ptr=agg_offsets, C=chunk)
+    kernels["spine"].run(
+        (batch,),
         **common,
         **walk,
         agg_ptr=agg,
@@ -787,4 +916,4 @@ def _launch(
         NAGG=max(p - 2, 0),
     )
     if p > 1:
-        _expand[(p - 1, batch)](**common, **walk, entry_ptr=entry, C=chunk)
+        kernels["expand"].run((p - 1, batch), **common, **walk, entry_ptr=entry, C=chunk)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import rel_err
+from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case, fused_gru_case, fused_rnn_case
 
 pytest.importorskip("triton")
 
 from bppsa_core import nn as bnn
 from bppsa_core.chain import DenseChain, FactoredChain, LSTMChain
-from bppsa_core.jacobians import GRUCell, LayerWeights
 from bppsa_core.scan import chunked_scan, scan
 
 
@@ -26,36 +26,17 @@ def nan_filled_empty_tensors(request):
     torch.use_deterministic_algorithms(before)
 
 
-CASES = [
-    (n, batch, hidden, chunk, affine, terms)
-    for n in (2, 5, 37)
-    for batch, hidden in ((1, 1), (3, 5), (2, 20))
-    for chunk in (1, 4)
-    for affine in (False, True)
-    for terms in (1, 3)
-]
+CASES, ARGS = CHAIN_CASES, CHAIN_ARGS
 
 
 def run(device: str, n: int, batch: int, hidden: int, chunk: int, affine: bool, terms: int) -> None:
-    """terms=1: an RNN's chain; terms=3: a GRU's (three weights and a diagonal). Elements of odd
-    n are shared by the batch (batch dimension 1), to check the kernels' broadcast reads."""
-    g = torch.Generator().manual_seed(n * 100 + hidden + terms)
-    shared = n % 2 == 1 and batch > 1
-    bm = 1 if shared else batch
-    s = torch.rand(n, bm, terms, hidden, generator=g)
-    w = torch.randn(terms, hidden, hidden, generator=g) / (terms * hidden) ** 0.5
-    e = torch.rand(n, bm, hidden, generator=g) if terms > 1 else None
-    x = torch.randn(batch, hidden, generator=g)
-    b = torch.randn(n, batch, hidden, generator=g) if affine else None
+    chain, x, b = chain_case(n, batch, hidden, affine, terms)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    chain = FactoredChain(to(s), to(w), to(e))
+    chain = FactoredChain(*(to(t) for t in (chain.scales, chain.weights, chain.diagonal)))
     twin = chunked_scan(chain, to(x), to(b), chunk=chunk)
     kernel = scan(chain, to(x), to(b), strategy="triton", chunk=chunk)
     assert kernel.shape == (n + 1, batch, hidden)
     assert rel_err(twin.double().cpu(), kernel.double().cpu()) < 1e-5
-
-
-ARGS = ("n", "batch", "hidden", "chunk", "affine", "terms")
 
 
 @pytest.mark.parametrize(ARGS, CASES)
@@ -170,19 +151,12 @@ def test_the_fused_rnn_backward_matches_its_twin(nonlinearity, n, batch, hidden,
     """Jacobians built in the kernels from h, offsets read shifted, only g_0 and the deltas written."""
     from bppsa_core import triton_scan
 
-    g = torch.Generator().manual_seed(n + hidden)
-    h = torch.rand(n, batch, hidden, generator=g) * 2 - 1  # tanh/relu outputs: (-1, 1); relu zeroes < 0
-    h = h if nonlinearity == "tanh" else h.clamp_min(0)
-    w = torch.randn(hidden, hidden, generator=g) / hidden**0.5
-    g_last = torch.randn(batch, hidden, generator=g)
-    u = torch.randn(n, batch, hidden, generator=g) if outside else None
-    fp = 1 - h * h if nonlinearity == "tanh" else (h > 0).float()
-    offsets = None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))
-    x = chunked_scan(FactoredChain(fp.unsqueeze(2), w.unsqueeze(0)), g_last, offsets, chunk=chunk)
-    g0, delta = triton_scan.rnn_layer_backward(h, w, g_last, u, nonlinearity, chunk)
+    args, (g0_twin, delta_twin) = fused_rnn_case(
+        nonlinearity, n, batch, hidden, chunk, outside, torch.float32
+    )
+    g0, delta = triton_scan.rnn_layer_backward(*args, nonlinearity, chunk)
     assert g0.shape == (batch, hidden) and delta.shape == (n, batch, hidden)
-    assert rel_err(x[0].double(), g0.double()) < 1e-5
-    assert rel_err((x[1:] * fp).double(), delta.double()) < 1e-5
+    assert rel_err(g0_twin, g0) < 1e-5 and rel_err(delta_twin, delta) < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -194,24 +168,11 @@ def test_the_fused_gru_backward_matches_its_twin(n, batch, hidden, chunk, outsid
     g_0 and the input- and hidden-side pre-activation gradients written."""
     from bppsa_core import triton_scan
 
-    g = torch.Generator().manual_seed(n + hidden)
-    cell = GRUCell()
-    w = LayerWeights(*(torch.randn(*shape, generator=g) / hidden**0.5 for shape in
-                       ((3 * hidden, 2), (3 * hidden, hidden), (3 * hidden,), (3 * hidden,))))  # fmt: skip
-    x = torch.randn(n, batch, 2, generator=g)
-    h_prev = torch.rand(n, batch, hidden, generator=g) * 2 - 1
-    g_last = torch.randn(batch, hidden, generator=g)
-    u = torch.randn(n, batch, hidden, generator=g) if outside else None
-    factors = cell.factors(x, h_prev, h_prev, w)  # a GRU's factors do not read h
-    offsets = None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))
-    twin = chunked_scan(cell.chain(factors, w), g_last, offsets, chunk=chunk)
-    d_in, d_hid = cell.preactivation_grads(twin[1:].clone(), factors)
-    gi, gh = cell.pre_activations(x, h_prev, w)
-    g0, k_in, k_hid = triton_scan.gru_layer_backward(gi, gh, h_prev, w.w_hh, g_last, u, chunk)
-    assert g0.shape == (batch, hidden) and k_in.shape == k_hid.shape == (n, batch, 3 * hidden)
-    assert rel_err(twin[0].double(), g0.double()) < 1e-5
-    assert rel_err(d_in.double(), k_in.double()) < 1e-5
-    assert rel_err(d_hid.double(), k_hid.double()) < 1e-5
+    args, twins = fused_gru_case(n, batch, hidden, chunk, outside, torch.float32)
+    got = triton_scan.gru_layer_backward(*args, chunk)
+    assert got[0].shape == (batch, hidden) and got[1].shape == got[2].shape == (n, batch, 3 * hidden)
+    for twin, value in zip(twins, got, strict=True):
+        assert rel_err(twin, value) < 1e-5
 
 
 @pytest.mark.parametrize(("kind", "fused"), [("RNN", "rnn_layer_backward"), ("GRU", "gru_layer_backward")])

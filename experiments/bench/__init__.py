@@ -4,6 +4,8 @@
   training epoch; ``--suite paper`` runs the paper's shapes.
 * ``jacobian_table``: the paper's Table 1, CSR transposed Jacobians against autograd row by row.
 * ``pruned_vgg``: the pruned VGG-11 study, the sparse scan's FLOPs (``analysis.fig10`` draws it).
+* ``kernels``: the Triton kernels compiled for sm_80 / sm_90 without a GPU: registers, spills, shared
+  memory and a static estimate of their loops.
 
 ``scan`` and ``floors`` are the pieces of the backward tool's tables; ``common`` holds what the tools
 share (argument types, the device, Markdown tables, progress lines). The timing itself is

@@ -1,0 +1,568 @@
+"""The Triton scan kernels compiled for NVIDIA GPUs without one: registers, spills, shared memory and a
+static estimate of their loops.
+
+    python -m experiments.bench.kernels [--arch 80 90] [--T 1000] [--chunk 32] [--summary]
+
+Every kernel configuration the modules can launch (``bppsa_core.triton_scan.launch_configs``: kernel,
+mode, terms, diagonal, offsets, fused or not, the H it serves, with the constexprs and warps of
+``launch_config``, the settings the launches themselves use) is compiled ahead of time for each
+``--arch`` (compute capability x 10: 80 = A100, 90 = H100) by Triton's compiler and the ptxas in the
+triton wheel, as Triton's JIT compiles it on such a GPU: every pointer 16-byte aligned (as PyTorch
+allocates), H specialized as Triton specializes an int (1 a constant, a multiple of 16 marked so),
+every other integer a run-time i32 (the kernels never specialize on them). The wheel's cuobjdump then
+reads each cubin: registers per thread, stack, local memory (spills), shared memory, and the SASS of
+each loop: the instructions from a backward branch's target to the branch.
+
+The estimate is static, a lower bound in cycles, not a measurement: the sum over a kernel's loops of
+its SASS instructions per iteration (the body's shortest path: a forward branch inside may skip a
+few) x its iterations at ``--T`` and ``--chunk`` (reduce and expand: one chunk per program; spine:
+the remainder chunk, then one step per chunk aggregate) x ceil(warps / 4). It assumes
+each of an SM's 4 warp schedulers issues at most one instruction per cycle and every warp of a program
+issues every instruction of the loop; stalls on memory, on dependencies and on other programs sharing
+the SM only add to it.
+
+Imports only the standard library, torch, triton and ``bppsa_core`` (and tqdm, when installed, for
+the progress bar); fails with one line if triton's ptxas or cuobjdump is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from bppsa_core import triton_scan
+from bppsa_core.triton_scan import KernelConfig, Launch
+
+ARCHS = (80, 90)
+SCHEDULERS_PER_SM = 4  # warp schedulers per SM on sm_70 and later
+REGISTERS_PER_SM = 65536
+DEFAULT_T = 1000
+DEFAULT_CHUNK = 32
+# Per arch: shared memory per SM and the most a block may use (bytes), resident warps per SM
+# (the CUDA C++ Programming Guide's table of compute capabilities).
+SM_LIMITS = {
+    80: (167936, 166912, 64),
+    86: (102400, 101376, 48),
+    89: (102400, 101376, 48),
+    90: (233472, 232448, 64),
+}
+# What ``triton.compile`` takes besides the kernel: signature, constexprs by name, attributes.
+Inputs = tuple[dict[str, str], dict[str, Any], dict]
+
+
+class ToolchainError(RuntimeError):
+    """Triton's ptxas or cuobjdump is missing, or the kernels cannot be compiled in this process."""
+
+
+def tools() -> tuple[str, str]:
+    """The paths of the ptxas and cuobjdump Triton uses (its wheel's, or ``TRITON_PTXAS_PATH`` and
+    ``TRITON_CUOBJDUMP_PATH``); ToolchainError with one line when either is missing."""
+    import triton
+
+    paths = []
+    for name in ("ptxas", "cuobjdump"):
+        try:
+            paths.append(getattr(triton.knobs.nvidia, name).path)
+        except RuntimeError:
+            env = f"TRITON_{name.upper()}_PATH"
+            raise ToolchainError(
+                f"triton's {name} was not found (not in the triton wheel; set {env})"
+            ) from None
+    return paths[0], paths[1]
+
+
+def _check_compilable() -> None:
+    import triton
+
+    tools()
+    if not isinstance(triton_scan._reduce, triton.JITFunction):
+        raise ToolchainError(
+            "the kernels were loaded for Triton's interpreter (TRITON_INTERPRET is set); run without it"
+        )
+
+
+# ------------------------------------------------------------------------------------------ compile
+
+
+def compile_inputs(config: KernelConfig, arch: int) -> Inputs:
+    """The signature, constexprs and attributes Triton's JIT compiles ``config`` with, for H =
+    ``config.hidden[0]``: pointers float32 and 16-byte aligned, constexprs from ``launch_config``, an
+    int the kernel never specializes (``do_not_specialize``) a plain i32, H as Triton specializes it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    kernel = config.launch.kernel
+    constexprs = dict(config.launch.constexprs)
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], Any] = {}
+    for param in kernel.params:
+        name = param.name
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*fp32"
+            attrs[(param.num,)] = backend.parse_attr("D")
+        elif param.do_not_specialize:
+            signature[name] = "i32"
+        elif name == "H":
+            h = config.hidden[0]
+            if h == 1:
+                signature[name] = "constexpr"
+                constexprs[name] = 1
+            else:
+                signature[name] = "i32"
+                attrs[(param.num,)] = backend.parse_attr("D" if h % 16 == 0 else "")  # "": none, as the JIT
+        else:
+            raise ValueError(f"{kernel.__name__}: no rule for the specialized argument {name!r}")
+    return signature, constexprs, attrs
+
+
+def recorded_launches(call: Callable[[], object]) -> list[tuple[Launch, dict[str, Any]]]:
+    """The kernel launches ``call()`` makes through ``triton_scan`` (each ``Launch`` with its run-time
+    arguments), recorded instead of run: what a module's call would compile, on any machine."""
+    launches: list[tuple[Launch, dict[str, Any]]] = []
+    run = Launch.run
+    Launch.run = lambda self, grid, **args: launches.append((self, args))  # type: ignore[method-assign]
+    try:
+        call()
+    finally:
+        Launch.run = run  # type: ignore[method-assign]
+    return launches
+
+
+def jit_inputs(launch: Launch, args: dict[str, Any], arch: int) -> Inputs:
+    """The signature, constexprs (by name) and attributes Triton's JIT would compile ``launch`` with,
+    given its run-time ``args``, on an sm_``arch`` GPU: Triton's own specialization of the values,
+    through its binder (``create_function_from_signature``) and ``JITFunction._pack_args``, internals
+    of the triton version the project pins (``tests/test_compile.py`` notices if they change)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = launch.kernel
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = {
+        **args,
+        **launch.constexprs,
+        "num_warps": launch.num_warps,
+        "debug": False,
+        "instrumentation_mode": triton.knobs.compilation.instrumentation_mode,
+    }
+    bound, specialization, options = binder(**kwargs)
+    _, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    names = {(p.num,): p.name for p in kernel.params}
+    return signature, {names[path]: value for path, value in constexprs.items()}, attrs
+
+
+def config_of(launch: Launch, hidden: int) -> KernelConfig:
+    """The configuration of ``launch_configs()`` that compiles ``launch`` for this H."""
+    for config in triton_scan.launch_configs():
+        if config.launch == launch and hidden in config.hidden:
+            return config
+    raise LookupError(
+        f"{launch.kernel.__name__} {launch.constexprs} at H = {hidden} is not in launch_configs()"
+    )
+
+
+def compile_config(config: KernelConfig, arch: int) -> Any:
+    """``config`` compiled for sm_``arch``: Triton's ``CompiledKernel`` (``asm["cubin"]``, ``metadata``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs, attrs = compile_inputs(config, arch)
+    source = ASTSource(fn=config.launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": config.launch.num_warps}
+    )
+
+
+def cuobjdump(cubin: bytes) -> str:
+    """cuobjdump's resource usage and SASS of a cubin."""
+    _, tool = tools()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        done = subprocess.run(
+            [tool, "--dump-resource-usage", "-sass", str(path)], capture_output=True, text=True, check=False
+        )
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise ToolchainError(f"cuobjdump failed: {last}")
+    return done.stdout
+
+
+def resources(dump: str) -> dict[str, int]:
+    """Registers per thread, stack, static shared and local bytes of the (one) function in ``dump``."""
+    line = re.search(r"^\s*REG:.*$", dump, re.MULTILINE)
+    if line is None:
+        raise ValueError("cuobjdump printed no resource usage")
+    fields = dict(re.findall(r"([A-Z]+(?:\[\d+\])?):(\d+)", line.group()))
+    return {key.lower(): int(fields[key]) for key in ("REG", "STACK", "SHARED", "LOCAL")}
+
+
+_INSTRUCTION = re.compile(
+    r"^\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", re.MULTILINE
+)
+
+
+class Loop(NamedTuple):
+    """A loop in SASS: its instructions (from the backward branch's target to the branch, both
+    included), those on its shortest path (less what forward branches inside it can skip), and its
+    local-memory loads and stores (register spills, LDL/STL)."""
+
+    instructions: int
+    shortest: int
+    local: int = 0
+
+
+def sass_loops(dump: str) -> list[Loop]:
+    """The loops of the (one) function in ``dump``, in address order. A branch to itself (the padding
+    after the last EXIT) is not a loop."""
+    instructions = [(int(addr, 16), op, rest) for addr, op, rest in _INSTRUCTION.findall(dump)]
+    branches = []
+    for addr, op, rest in instructions:
+        if op == "BRA" or op.startswith("BRA."):
+            target = re.search(r"0x([0-9a-f]+)", rest)
+            if target is None:
+                raise ValueError(f"a branch without an address: {op}{rest}")
+            branches.append((addr, int(target.group(1), 16)))
+    loops = []
+    for end, start in branches:
+        if start >= end:
+            continue
+        body = [(a, op) for a, op, _ in instructions if start <= a <= end]
+        skipped = {a for a, _ in body for at, to in branches if start < at < to <= end and at < a < to}
+        local = sum(op.startswith(("LDL", "STL")) for _, op in body)
+        loops.append(Loop(len(body), len(body) - len(skipped), local))
+    return loops
+
+
+def iterations(role: str, length: int, chunk: int) -> list[int]:
+    """Each loop's iterations in one program of ``role``, in the kernel's order, for a chain of
+    ``length`` elements in chunks of ``chunk`` (``_launch``'s P, REM and NAGG)."""
+    p = math.ceil(length / chunk)
+    if role == "spine":
+        return [length - (p - 1) * chunk, max(p - 2, 0)]
+    return [chunk]
+
+
+def loop_estimate(loop_instructions: Sequence[int], loop_iterations: Sequence[int], warps: int) -> int:
+    """A static lower bound in cycles on a program's loops: instructions per iteration (a loop's
+    shortest path) x iterations, summed over the loops, x ceil(warps / 4): each of the SM's 4 warp
+    schedulers issues at most one instruction per cycle, and every warp issues every instruction."""
+    if len(loop_instructions) != len(loop_iterations):
+        raise ValueError(f"{len(loop_instructions)} loops in the SASS, {len(loop_iterations)} in the kernel")
+    issued = sum(n * i for n, i in zip(loop_instructions, loop_iterations, strict=True))
+    return issued * math.ceil(warps / SCHEDULERS_PER_SM)
+
+
+def warps_per_sm(registers: int, warps: int, shared: int = 0, arch: int | None = None) -> int:
+    """Warps of this kernel an SM holds at once: whole programs of ``warps`` warps, as many as its
+    registers (each warp taking ``registers`` x 32, rounded up to the allocation unit of 256, of the
+    SM's 65,536), its ``shared`` bytes per program (plus the 1 KB CUDA reserves per block) and the
+    SM's warp slots allow; shared memory and warp slots only for an arch in ``SM_LIMITS``."""
+    per_warp = math.ceil(registers * 32 / 256) * 256
+    programs = REGISTERS_PER_SM // (per_warp * warps)
+    if arch in SM_LIMITS:
+        shared_per_sm, _, max_warps = SM_LIMITS[arch]
+        programs = min(programs, shared_per_sm // (shared + 1024), max_warps // warps)
+    return programs * warps
+
+
+def row(
+    config: KernelConfig, arch: int, length: int = DEFAULT_T, chunk: int = DEFAULT_CHUNK
+) -> dict[str, Any]:
+    """``config`` compiled for sm_``arch`` and read back: one row of the table."""
+    started = time.perf_counter()
+    kernel = compile_config(config, arch)
+    compile_s = time.perf_counter() - started
+    dump = cuobjdump(kernel.asm["cubin"])
+    used = resources(dump)
+    loops = sass_loops(dump)
+    shortest = [loop.shortest for loop in loops]
+    its = iterations(config.role, length, chunk)
+    warps = config.launch.num_warps
+    return {
+        "kernel": config.launch.kernel.__name__,
+        "role": config.role,
+        "mode": config.mode,
+        "K": config.terms,
+        "diag": config.diag,
+        "affine": config.affine,
+        "fused": config.fused,
+        "HP": config.launch.constexprs["HP"],
+        "H": list(config.hidden),
+        "warps": warps,
+        "arch": arch,
+        "regs": used["reg"],
+        "stack": used["stack"],
+        "local": used["local"],
+        "shared": used["shared"],
+        "triton_shared": kernel.metadata.shared,
+        "warps_per_sm": warps_per_sm(used["reg"], warps, used["shared"] + kernel.metadata.shared, arch),
+        "loops": [loop.instructions for loop in loops],
+        "loops_shortest": shortest,
+        "local_in_loops": sum(loop.local for loop in loops),
+        "iterations": its,
+        "T": length,
+        "chunk": chunk,
+        "estimate": loop_estimate(shortest, its, warps) if len(loops) == len(its) else None,
+        "compile_s": round(compile_s, 3),
+    }
+
+
+def representative(configs: Iterable[KernelConfig]) -> list[KernelConfig]:
+    """A subset with every kernel and every mode: at each kernel's widest H (a multiple of 16, the
+    variant with vectorized loads) with offsets, a diagonal where the mode may have one, and every K."""
+    configs = list(configs)
+    widest: dict[str, int] = {}
+    for c in configs:
+        widest[c.mode] = max(widest.get(c.mode, 0), c.hidden[-1])
+    return [
+        c
+        for c in configs
+        if c.hidden[-1] == widest[c.mode] and c.affine and (c.diag or c.mode in ("TANH", "RELU"))
+    ]
+
+
+# The H values every launch of the modules is compiled at by the default test (tests/test_compile.py).
+LISTED_H = (1, 20, 32, 64)
+
+
+def listed(configs: Iterable[KernelConfig]) -> list[KernelConfig]:
+    """Every configuration whose binary serves H = 1, 20, 32 or 64 (``LISTED_H``; the LSTM's
+    largest, 32, among them): each mode, affine or not, fused or not, at those widths."""
+    return [c for c in configs if set(c.hidden) & set(LISTED_H)]
+
+
+def compile_all(
+    archs: Sequence[int] = ARCHS,
+    configs: Sequence[KernelConfig] | None = None,
+    length: int = DEFAULT_T,
+    chunk: int = DEFAULT_CHUNK,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Every configuration (``launch_configs()`` unless given) compiled for each arch: one row each."""
+    _check_compilable()
+    configs = triton_scan.launch_configs() if configs is None else configs
+    jobs = [(c, a) for a in archs for c in configs]
+    bar = _progress(len(jobs), progress)
+    rows = []
+    for config, arch in jobs:
+        rows.append(row(config, arch, length, chunk))
+        bar(f"sm_{arch} {config.launch.kernel.__name__} {config.mode} HP={config.launch.constexprs['HP']}")
+    bar(None)
+    return rows
+
+
+def _progress(total: int, enabled: bool) -> Callable[[str | None], None]:
+    """A progress bar on stderr (tqdm, or a line per tenth without it); called once per step, then None."""
+    if not enabled:
+        return lambda _: None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        done = [0]
+
+        def line(text: str | None) -> None:
+            if text is not None:
+                done[0] += 1
+                if done[0] % max(total // 10, 1) == 0 or done[0] == total:
+                    print(f"compiled {done[0]}/{total}", file=sys.stderr, flush=True)
+
+        return line
+    bar = tqdm(total=total, desc="compiling", unit="kernel", file=sys.stderr)
+
+    def step(text: str | None) -> None:
+        if text is None:
+            bar.close()
+        else:
+            bar.set_postfix_str(text, refresh=False)
+            bar.update()
+
+    return step
+
+
+# ------------------------------------------------------------------------------------------- tables
+
+
+def hidden_text(hidden: Sequence[int]) -> str:
+    """H values as ranges: 1, 2-15, 33-47 49-63."""
+    runs: list[list[int]] = []
+    for h in hidden:
+        if runs and h == runs[-1][-1] + 1:
+            runs[-1].append(h)
+        else:
+            runs.append([h])
+    return " ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _caption(rows: Sequence[dict[str, Any]]) -> str:
+    t, chunk = (rows[0]["T"], rows[0]["chunk"]) if rows else (DEFAULT_T, DEFAULT_CHUNK)
+    return (
+        f"Estimate: a static lower bound in cycles at T = {t}, chunk = {chunk}: loop SASS instructions "
+        "(shortest path) x iterations x ceil(warps / 4), one instruction issued per cycle per warp "
+        "scheduler (4 per SM); not a measurement. Loop instructions: one count per loop (the spine's "
+        "remainder walk, then its aggregate scan). Shared: the cubin's static bytes + the dynamic bytes "
+        "Triton launches with. Warps/SM: resident per SM by registers, shared memory (plus the 1 KB "
+        "reserved per block) and warp slots."
+    )
+
+
+def _flags(r: dict[str, Any]) -> str:
+    parts = [f"K={r['K']}"]
+    parts += [name for name in ("diag", "affine", "fused") if r[name]]
+    return " ".join(parts)
+
+
+def _loops(r: dict[str, Any]) -> str:
+    return " + ".join(str(n) for n in r["loops"])
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Every row: kernel, mode, flags, HP, H, warps, arch, registers, stack, local, shared, resident
+    warps per SM, the loops' instruction counts and the estimate, with the assumptions as a caption."""
+    head = [
+        "kernel", "mode", "K/diag/affine/fused", "HP", "H", "warps", "sm", "regs", "stack", "local",
+        "shared B", "warps/SM", "loop instr", "estimate (cycles)",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [
+            r["kernel"], r["mode"], _flags(r), r["HP"], hidden_text(r["H"]), r["warps"], r["arch"], r["regs"],
+            r["stack"], r["local"], f"{r['shared']} + {r['triton_shared']}", r["warps_per_sm"], _loops(r),
+            "n/a" if r["estimate"] is None else r["estimate"],
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join([*lines, "", _caption(rows)])
+
+
+def _span(values: Iterable[int]) -> str:
+    values = sorted(set(values))
+    return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
+def summary(rows: Sequence[dict[str, Any]], arch: int = 90) -> str:
+    """One line per kernel, mode and HP over its variants (K, diagonal, offsets, H): ranges of
+    registers (at ``arch``, then at the other archs), spills (all archs), and at ``arch`` shared
+    bytes, resident warps per SM, loop instructions and the estimate."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["kernel"], r["mode"], r["HP"]), []).append(r)
+    others = sorted({r["arch"] for r in rows} - {arch})
+    head = [
+        "kernel", "mode", "HP", "H", "warps", f"regs sm_{arch}",
+        *(f"regs sm_{a}" for a in others), "spills (stack + local B)", f"shared B sm_{arch}",
+        f"warps/SM sm_{arch}", f"loop instr sm_{arch}", f"estimate sm_{arch} (cycles)",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (kernel, mode, hp), group in groups.items():
+        here = [r for r in group if r["arch"] == arch]
+        if not here:
+            continue
+        cells = [
+            kernel,
+            mode,
+            hp,
+            hidden_text(sorted({h for r in group for h in r["H"]})),
+            _span(r["warps"] for r in here),
+            _span(r["regs"] for r in here),
+            *(_span(r["regs"] for r in group if r["arch"] == a) for a in others),
+            _span(r["stack"] + r["local"] for r in group),
+            _span(r["shared"] + r["triton_shared"] for r in here),
+            _span(r["warps_per_sm"] for r in here),
+            " / ".join(_span(r["loops"][i] for r in here) for i in range(len(here[0]["loops"]))),
+            _span(r["estimate"] for r in here if r["estimate"] is not None),
+        ]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join([*lines, "", _caption(rows)])
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def _arch(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability like 80 or 90") from None
+    if value < 75:
+        raise argparse.ArgumentTypeError(
+            f"sm_{value}: the kernels' tl.dot needs sm_75 or later; accepted: 75 and up"
+        )
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.bench.kernels",
+        description=(
+            "Compile every Triton scan kernel configuration the modules can launch for NVIDIA GPUs, "
+            "without one (Triton's compiler and ptxas), and print a Markdown table of what cuobjdump "
+            "reads from each cubin: registers per thread, stack, local (spills), shared bytes, SASS "
+            "instructions per loop, and a static estimate: loop instructions x iterations at --T and "
+            "--chunk x ceil(warps / 4), a lower bound in cycles assuming one instruction issued per "
+            "cycle per warp scheduler (4 per SM). Not a measurement."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--arch", type=_arch, nargs="+", default=list(ARCHS), help="compute capabilities x 10"
+    )
+    parser.add_argument("--T", type=_positive, default=DEFAULT_T, help="chain length of the estimate")
+    parser.add_argument("--chunk", type=_positive, default=DEFAULT_CHUNK, help="chunk size of the estimate")
+    parser.add_argument(
+        "--configs",
+        choices=("all", "listed", "representative"),
+        default="all",
+        help="every configuration; those at H = 1, 20, 32, 64; or one per kernel and mode at the "
+        "widest H (with offsets, diagonal)",
+    )
+    parser.add_argument(
+        "--summary", action="store_true", help="one line per kernel, mode and HP instead of every row"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    try:
+        configs = triton_scan.launch_configs()
+        if args.configs == "representative":
+            configs = representative(configs)
+        elif args.configs == "listed":
+            configs = listed(configs)
+        rows = compile_all(args.arch, configs, args.T, args.chunk)
+    except ToolchainError as exc:
+        print(f"experiments.bench.kernels: {exc}", file=sys.stderr)
+        return 2
+    if args.json is not None:
+        import json
+
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    print(summary(rows, max(args.arch)) if args.summary else markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""One command on a GPU: every GPU check and table of the suite, written to one Markdown report.
+
+    python -m experiments.gpu_check [--out gpu_report.md]
+
+Needs torch (>= 2.11) and triton; not Hydra, not librosa; jax is used where installed. Steps, each a
+section of the report with its command, its time and its output (or why it failed, or was skipped):
+
+1. ``tests``: the ``gpu`` tests (the Triton kernels, the graph scan and every module path against
+   cuDNN; the sparse Jacobians);
+2. ``backward``: the paper's backward tables, cuDNN's BPTT against every BPPSA strategy (PyTorch
+   picks cuDNN's persistent small-hidden algorithm for these shapes: the baseline to beat);
+3. ``epoch``: one training epoch of the bitstream RNN, BPTT against BPPSA;
+4. ``scan``: the scan alone against ``torch``'s and ``jax``'s ``associative_scan``;
+5. ``chunk``: the Triton kernels' chunk-size sweep at T = 1000 and 30,000;
+6. ``workers``: BPPSA's and cuDNN's backward confined to 1, 2, 4, ... SMs (CUDA green contexts);
+7. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
+   kernels at H = 1, 20, 32 and 64, for this GPU's architecture, to set beside the measured times
+   of steps 2 and 5.
+
+``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
+GPU: what needs CUDA (the tests, the graph and Triton strategies, green contexts) is reported as
+skipped, everything else runs. The report is written whole at the end (never half a file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from datasets.common import write_atomic
+from experiments.bench.common import Progress, markdown, version
+from experiments.timing import time_ms
+
+STEPS = ("tests", "backward", "epoch", "scan", "chunk", "workers", "kernels")
+CHUNKS = (8, 16, 32, 64, 128)
+GPU_TEST_FILES = ("tests/test_triton.py", "tests/test_sparse.py")
+
+
+@dataclass
+class Section:
+    """One step's part of the report."""
+
+    title: str
+    commands: list[str] = field(default_factory=list)
+    status: str = "ok"  # ok | failed | skipped
+    seconds: float = 0.0
+    body: str = ""
+
+
+def _bench(*args: str) -> list[str]:
+    return [sys.executable, "-m", "experiments.bench.backward", *args]
+
+
+def plan(dry: bool, repeats: int, warmup: int) -> dict[str, list[list[str]] | str]:
+    """Each step's commands (argv lists), or the reason it is skipped."""
+    device = ["--device", "cpu" if dry else "cuda", "--repeats", str(repeats), "--warmup", str(warmup)]
+    suite = ["--suite", "paper", *(["--quick"] if dry else [])]
+    gpu_only = "needs a CUDA device"
+    if dry:
+        chunk_shape = ["--T", "30", "60", "--B", "4", "--H", "5", "--strategies", "chunked", "numba"]
+    else:
+        chunk_shape = ["--T", "1000", "30000", "--strategies", "triton"]
+    return {
+        "tests": gpu_only if dry else [[sys.executable, "-m", "pytest", "-q", "-m", "gpu", *GPU_TEST_FILES]],
+        "backward": [_bench(*suite, "--tables", "backward", *device)],
+        "epoch": [_bench(*suite, "--tables", "epoch", "--epoch-samples", "64" if dry else "3200", *device)],
+        "scan": [_bench(*suite, "--tables", "scan", "--peers", "torch", "jax", *device)],
+        "chunk": [_bench(*chunk_shape, "--chunk", str(c), "--tables", "backward", *device) for c in CHUNKS],
+        "workers": "in process",
+        "kernels": [
+            [
+                sys.executable,
+                "-m",
+                "experiments.bench.kernels",
+                "--summary",
+                "--configs",
+                "representative" if dry else "listed",
+                "--arch",
+                *architectures(dry),
+            ]
+        ],
+    }
+
+
+def architectures(dry: bool) -> list[str]:
+    """This GPU's compute capability (e.g. 90), or, dry, the two the CI compile test covers."""
+    if dry or not torch.cuda.is_available():
+        return ["80", "90"]
+    major, minor = torch.cuda.get_device_capability()
+    return [f"{major}{minor}"]
+
+
+def run_command(argv: Sequence[str], timeout: float) -> tuple[bool, str]:
+    """Run one tool; (succeeded, its stdout, or the tail of its stderr when it failed). Never under
+    Triton's interpreter: the report is about compiled kernels."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": path}
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
+        return False, f"{out}\n\nstopped after {timeout:.0f} s (--step-timeout)"
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-20:])
+        indented = tail.replace("\n", "\n    ")
+        return False, f"{done.stdout}\n\nexit status {done.returncode}:\n\n    {indented}"
+    return True, done.stdout
+
+
+def worker_scaling(dry: bool, repeats: int, warmup: int) -> str:
+    """Backward ms of cuDNN's BPTT and BPPSA ("auto") on the paper's RNN (T = 1000, B = 16, H = 20)
+    confined to 1, 2, 4, ... SMs (CPU threads when dry), as a Markdown table."""
+    from bppsa_core import nn as bnn
+    from experiments.hardware import cpu_cores, limit_workers, sm_count
+
+    device = torch.device("cpu" if dry else "cuda")
+    total = cpu_cores() if dry else sm_count(device)
+    counts = sorted({*(2**k for k in range(total.bit_length()) if 2**k <= total), total})
+    steps = 30 if dry else 1000
+    torch.manual_seed(0)
+    ref = torch.nn.RNN(1, 20, batch_first=True).to(device)
+    ours = bnn.RNN(1, 20, batch_first=True).to(device)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.bernoulli(torch.full((16, steps, 1), 0.5, device=device))
+    rows = []
+    for workers in counts:
+        try:
+            with limit_workers(device, workers):
+                times = {}
+                for name, module in (("BPTT", ref), ("BPPSA", ours)):
+                    samples = []
+                    for i in range(warmup + repeats):
+                        h_n = module(x)[1]
+                        ms = time_ms(h_n.sum().backward, device)
+                        if i >= warmup:
+                            samples.append(ms)
+                    times[name] = statistics.median(samples)
+            rows.append([str(workers), f"{times['BPTT']:.4g}", f"{times['BPPSA']:.4g}",
+                         f"{times['BPTT'] / times['BPPSA']:.3g}"])  # fmt: skip
+        except Exception as exc:  # a count the driver refuses is a row, not the end of the table
+            rows.append([str(workers), "n/a", "n/a", str(exc).splitlines()[0]])
+    unit = "CPU threads" if dry else "SMs"
+    head = [unit, "BPTT ms", "BPPSA ms", "BPTT / BPPSA"]
+    return f"RNN, T = {steps}, B = 16, H = 20, loss on h_T; BPPSA strategy auto\n\n" + markdown(head, rows)
+
+
+def environment(dry: bool, argv: Sequence[str]) -> str:
+    """The lines that say what the numbers were measured on."""
+    lines = [
+        f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- command: `python -m experiments.gpu_check {shlex.join(argv)}`",
+        f"- Python {platform.python_version()}, torch {torch.__version__}, triton {version('triton')}, "
+        f"jax {version('jax')}, numba {version('numba')}",
+    ]
+    if dry:
+        lines.append(f"- dry run on the CPU ({platform.processor() or platform.machine()}): no GPU figures")
+    else:
+        props = torch.cuda.get_device_properties(0)
+        lines.append(
+            f"- GPU: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
+            f"compute capability {props.major}.{props.minor}; CUDA {torch.version.cuda}, "
+            f"cuDNN {torch.backends.cudnn.version()}"
+        )
+    return "\n".join(lines)
+
+
+def render(sections: dict[str, Section], dry: bool, argv: Sequence[str]) -> str:
+    """The whole report."""
+    parts = [f"# GPU check{' (dry run)' if dry else ''}", "", environment(dry, argv), ""]
+    for name, s in sections.items():
+        took = f", {s.seconds:.0f} s" if s.seconds else ""
+        parts += [f"## {s.title}", "", f"Step `{name}`: {s.status}{took}"]
+        parts += [""] + [f"    {c}" for c in s.commands] + ([""] if s.commands else [])
+        parts += [s.body.strip(), ""]
+    return "\n".join(parts)
+
+
+TITLES = {
+    "tests": "GPU tests",
+    "backward": "Full backward against cuDNN",
+    "epoch": "End-to-end training epoch",
+    "scan": "Scan only, against associative_scan",
+    "chunk": "Triton chunk-size sweep",
+    "workers": "Backward against SMs (green contexts)",
+    "kernels": "Compiled kernels: resources and static estimate",
+}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.gpu_check",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out", type=Path, default=Path("gpu_report.md"), help="where the report is written")
+    p.add_argument("--dry", action="store_true", help="run on the CPU at small shapes; CUDA steps skipped")
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="the steps to run")
+    p.add_argument("--repeats", type=int, default=10, help="timed repeats of every measurement")
+    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up runs before them")
+    p.add_argument("--step-timeout", type=float, default=300.0, help="seconds before a step is stopped")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        p.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
+    if not args.dry and not torch.cuda.is_available():
+        p.error("no CUDA device here; accepted: a machine with a GPU, or --dry to check the command on a CPU")
+    if not args.out.parent.is_dir():
+        p.error(f"--out: {args.out.parent} is not a directory")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the steps, write the report; exit status 1 if any step failed."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    progress = Progress("gpu_check")
+    steps = plan(args.dry, args.repeats, args.warmup)
+    sections: dict[str, Section] = {}
+    for name in args.steps:
+        section = sections[name] = Section(TITLES[name])
+        todo = steps[name]
+        progress(f"{name} ...")
+        t0 = time.perf_counter()
+        if isinstance(todo, str) and todo != "in process":
+            section.status, section.body = "skipped", f"Skipped: {todo}."
+            continue
+        if name == "workers":
+            work: list[Callable[[], tuple[bool, str]]] = [
+                lambda: (True, worker_scaling(args.dry, args.repeats, args.warmup))
+            ]
+        else:
+            section.commands = [shlex.join(["python", *argv_[1:]]) for argv_ in todo]
+            work = [lambda a=argv_: run_command(a, args.step_timeout) for argv_ in todo]
+        outputs = []
+        for job in work:
+            try:
+                ok, text = job()
+            except Exception as exc:  # one failed step is reported; the others still run
+                ok, text = False, f"{type(exc).__name__}: {exc}"
+            outputs.append(text)
+            if not ok:
+                section.status = "failed"
+        section.seconds = time.perf_counter() - t0
+        section.body = "\n\n".join(outputs)
+    report = render(sections, args.dry, argv)
+    write_atomic(args.out, lambda tmp: tmp.write_text(report))
+    failed = [n for n, s in sections.items() if s.status == "failed"]
+    progress(f"report written to {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

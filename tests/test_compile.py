@@ -1,0 +1,285 @@
+"""The Triton kernels compiled for real GPUs, without one: every configuration the modules launch
+(``triton_scan.launch_configs``) through Triton's compiler and ptxas for sm_80 and sm_90, read back with
+cuobjdump (``experiments.bench.kernels``).
+
+The compiles run in a child process without ``TRITON_INTERPRET`` (conftest sets it for this process
+when there is no GPU, and the kernels are then loaded for the interpreter, which cannot compile). The
+default run compiles every configuration at H = 1, 20, 32 and 64 (``kernels.listed``: each mode,
+affine or not, fused or not, warps as launched) for both archs; the ``slow`` test compiles every
+configuration (every H from 1 to 64).
+
+Spills: no compile may use local memory or a stack frame, except the ones named in ``KNOWN_STACK``:
+there ptxas keeps 8 bytes in a stack slot although registers are left (a value saved before the
+reduce loop, reloaded once per iteration among 378-3,860 instructions or after the loop;
+docs/PERFORMANCE.md). Any other spill, or a larger one, fails.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from experiments.bench import kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHS = (80, 90)
+LOOPS = {"reduce": 1, "spine": 2, "expand": 1}  # the loops each kernel's source has
+KERNELS = {
+    mode: {f"_{p}{role}" for role in LOOPS}
+    for mode, p in (("SCALES", ""), ("TANH", ""), ("RELU", ""), ("GRU", ""), ("LSTM", "lstm_"))
+}
+
+
+# (arch, kernel, mode, K, diagonal, offsets, fused, HP, smallest H of the binary): 8-byte stack slots.
+KNOWN_STACK = {
+    (80, "_reduce", "SCALES", 3, False, True, False, 32, 17),
+    (80, "_reduce", "SCALES", 3, True, True, False, 32, 17),
+    (80, "_reduce", "SCALES", 2, True, False, False, 64, 33),
+    (80, "_reduce", "GRU", 3, True, False, True, 64, 33),
+    (80, "_lstm_reduce", "LSTM", 4, True, False, False, 32, 17),
+    (90, "_expand", "GRU", 3, True, False, True, 16, 16),
+    (90, "_reduce", "SCALES", 3, False, True, False, 32, 32),
+    (90, "_reduce", "SCALES", 3, True, True, False, 32, 32),
+    (90, "_reduce", "GRU", 3, True, False, True, 64, 48),
+}
+
+
+def key(r: dict) -> tuple:
+    return (r["arch"], r["kernel"], r["mode"], r["K"], r["diag"], r["affine"], r["fused"], r["HP"], r["H"][0])
+
+
+def compiled_env() -> dict[str, str]:
+    """This process's environment without the interpreter."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+def compile_rows(tmp: Path, configs: str) -> list[dict]:
+    """``python -m experiments.bench.kernels --configs <configs>`` for both archs, in a child process."""
+    out = tmp / "rows.json"
+    cmd = [sys.executable, "-m", "experiments.bench.kernels", "--arch", *map(str, ARCHS)]
+    cmd += ["--configs", configs, "--json", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, env=compiled_env(), capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("| kernel | mode |")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def listed_rows(tmp_path_factory) -> list[dict]:
+    return compile_rows(tmp_path_factory.mktemp("kernels"), "listed")
+
+
+def check_rows(rows: list[dict]) -> None:
+    """What every compiled kernel must satisfy.
+
+    * no spill: cuobjdump's LOCAL is 0 bytes and its STACK 0, except the 8-byte slots of
+      ``KNOWN_STACK``, which at most 2 instructions of a loop may touch;
+    * occupancy: at least 4 warps of the kernel resident per SM, one per warp scheduler. By registers:
+      a program of ``warps`` warps at ``regs`` registers a thread takes
+      ``warps * ceil(regs * 32 / 256) * 256`` of the SM's 65,536 registers (allocated per warp in
+      units of 256), and ``warps * floor(65536 / that)`` must be >= 4. By shared memory: a program's
+      bytes (the cubin's static plus Triton's dynamic) must fit a block (at most 166,912 bytes on
+      sm_80, 232,448 on sm_90), and the warps resident with shared memory and warp slots counted too
+      (``kernels.warps_per_sm``) must still be >= 4;
+    * the SASS has exactly the loops of the source (reduce and expand 1, spine 2: nothing unrolled,
+      nothing split), each with a positive instruction count, so the estimate is defined.
+    """
+    bad = []
+    for r in rows:
+        where = f"sm_{r['arch']} {r['kernel']} {r['mode']} K={r['K']} HP={r['HP']} H={r['H'][0]}"
+        known = key(r) in KNOWN_STACK
+        if r["stack"] > (8 if known else 0) or r["local"] or (known and r["local_in_loops"] > 2):
+            bad.append(f"{where}: spills (stack {r['stack']} B, local {r['local']} B)")
+        programs = 65536 // (r["warps"] * math.ceil(r["regs"] * 32 / 256) * 256)
+        if programs * r["warps"] < 4:
+            bad.append(f"{where}: {r['regs']} registers x {r['warps']} warps: {programs} programs per SM")
+        shared = r["shared"] + r["triton_shared"]
+        if shared > kernels.SM_LIMITS[r["arch"]][1] or r["warps_per_sm"] < 4:
+            bad.append(f"{where}: {shared} shared bytes, {r['warps_per_sm']} warps per SM")
+        if len(r["loops"]) != LOOPS[r["role"]] or min(r["loops"]) <= 0 or r["estimate"] is None:
+            bad.append(f"{where}: loops {r['loops']}, expected {LOOPS[r['role']]}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_kernel_mode_and_listed_h_compiles_for_both_archs_without_spills(listed_rows) -> None:
+    rows = listed_rows
+    for arch in ARCHS:
+        here = [r for r in rows if r["arch"] == arch]
+        for mode, names in KERNELS.items():
+            assert {r["kernel"] for r in here if r["mode"] == mode} == names, (arch, mode)
+        assert {r["K"] for r in here if r["mode"] == "SCALES"} == {1, 2, 3}
+        for mode in ("SCALES", "TANH", "RELU", "GRU"):
+            assert {h for r in here if r["mode"] == mode for h in r["H"]} >= set(kernels.LISTED_H)
+            assert {(r["affine"], r["fused"]) for r in here if r["mode"] == mode} >= (
+                {(False, False), (True, False)} if mode == "SCALES" else {(False, True), (True, True)}
+            )
+        assert {h for r in here if r["mode"] == "LSTM" for h in r["H"]} >= {1, 20, 32}
+    check_rows(rows)
+
+
+def test_the_estimate_is_the_loops_instructions_times_their_iterations(listed_rows) -> None:
+    for r in listed_rows:
+        shortest, warps = r["loops_shortest"], r["warps"]
+        its = kernels.iterations(r["role"], r["T"], r["chunk"])
+        assert r["estimate"] == sum(n * i for n, i in zip(shortest, its, strict=True)) * math.ceil(warps / 4)
+        assert min(shortest) > 0 and all(s <= n for s, n in zip(shortest, r["loops"], strict=True))
+        if r["role"] != "spine":  # one chunk per program: linear in the chunk size
+            assert kernels.loop_estimate(shortest, [2 * r["chunk"]], warps) == 2 * r["estimate"]
+
+
+@pytest.mark.slow
+def test_every_configuration_compiles_for_both_archs_without_spills(tmp_path) -> None:
+    """As the default run, over every configuration (about 4 to 8 minutes on 2 cores)."""
+    from bppsa_core import triton_scan
+
+    rows = compile_rows(tmp_path, "all")
+    assert len(rows) == len(ARCHS) * len(triton_scan.launch_configs())
+    covered = {(r["mode"], h) for r in rows for h in r["H"]}
+    assert {h for mode, h in covered if mode == "GRU"} == set(range(1, 65))
+    assert {h for mode, h in covered if mode == "LSTM"} == set(range(1, 33))
+    check_rows(rows)
+
+
+# A child process: the launches of two chains of different lengths, chunk sizes and batches,
+# recorded; what Triton's JIT compiles for each (its own specialization of the argument values),
+# compiled from scratch (TRITON_ALWAYS_COMPILE) for sm_90; and what experiments.bench.kernels
+# compiles for the same configuration.
+BOUNDS_CHECK = r"""
+import json, torch, triton
+from bppsa_core import triton_scan as ts
+from experiments.bench import kernels as K
+
+def calls(n, b, chunk):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.rand(*s, generator=g)
+    return {
+        "scales K=3 H=20": lambda: ts.triton_chunked_scan(
+            r(n, 1, 3, 20), r(3, 20, 20), r(b, 20), r(n, b, 20), chunk, r(n, 1, 20)),
+        "tanh H=64": lambda: ts.rnn_layer_backward(r(n, b, 64), r(64, 64), r(b, 64), None, "tanh", chunk),
+        "gru H=1": lambda: ts.gru_layer_backward(
+            r(n, b, 3), r(n, b, 3), r(n, b, 1), r(3, 1), r(b, 1), r(n, b, 1), chunk),
+        "lstm H=32": lambda: ts.triton_lstm_scan(
+            r(n, b, 4, 32), r(n, b, 4, 32), r(4, 32, 32), r(n, b, 32), r(n, b, 32), None, r(b, 64), None,
+            chunk),
+    }
+
+report = {}
+for name, call in calls(1000, 3, 32).items():
+    hidden = int(name.split("H=")[1])
+    first = K.recorded_launches(call)
+    second = K.recorded_launches(calls(777, 16, 23)[name])
+    for (launch, args), (launch2, args2) in zip(first, second, strict=True):
+        role = launch.kernel.__name__
+        inputs = K.jit_inputs(launch, args, 90)
+        bounds = {k: (args[k], args2[k]) for k in ("C", "REM", "NAGG", "N", "B") if k in args}
+        cubins = [
+            triton.compile(triton.compiler.ASTSource(l.kernel, *K.jit_inputs(l, a, 90)),
+                           target=triton.backends.compiler.GPUTarget("cuda", 90, 32),
+                           options={"num_warps": l.num_warps}).asm["cubin"]
+            for l, a in ((launch, args), (launch2, args2))
+        ]
+        report[f"{name} {role}"] = {
+            "bounds": bounds,
+            "same_launch": launch == launch2,
+            "same_jit_inputs": inputs == K.jit_inputs(launch2, args2, 90),
+            "same_cubin": cubins[0] == cubins[1],
+            "cubin_bytes": len(cubins[0]),
+            "compile_test_matches_jit": K.compile_inputs(K.config_of(launch, hidden), 90) == inputs,
+        }
+print(json.dumps(report))
+"""
+
+
+def test_loop_bounds_are_not_compiled_in_and_the_test_compiles_what_a_launch_compiles(tmp_path) -> None:
+    """Two chains of different lengths (1000, 777), chunk sizes (32, 23) and batches (3, 16) launch
+    identical compiles (loop bounds, length and batch are run-time arguments, never specialized), and
+    ``experiments.bench.kernels`` builds the same compile inputs as Triton's JIT does for each."""
+    env = {**compiled_env(), "TRITON_ALWAYS_COMPILE": "1", "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", BOUNDS_CHECK], cwd=ROOT, env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert len(report) == 12  # 4 calls x (reduce, spine, expand)
+    for where, r in report.items():
+        assert all(a != b for a, b in r["bounds"].values()), (where, r["bounds"])  # they did differ
+        assert r["same_launch"] and r["same_jit_inputs"] and r["same_cubin"], where
+        assert r["cubin_bytes"] > 1000, where
+        assert r["compile_test_matches_jit"], where
+
+
+# ------------------------------------------------------------------------------------------ pure parts
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   ISETP.GE.AND P0, PT, R0, 0x1, PT ;
+        /*0020*/               @P0 BRA 0x90 ;
+        /*0030*/                   FFMA R2, R3, R4, R2 ;
+        /*0040*/               @P1 BRA 0x60 ;
+        /*0050*/                   STG.E desc[UR4][R6.64], R2 ;
+        /*0060*/                   STL [R1], R0 ;
+        /*0070*/                   IADD3 R0, R0, -0x1, RZ ;
+        /*0080*/               @P2 BRA 0x30 ;
+        /*0090*/                   EXIT ;
+        /*00a0*/                   BRA 0xa0;
+"""
+
+
+def test_sass_loops_counts_a_loop_body_and_its_shortest_path() -> None:
+    """One loop from 0x30 to its backward branch at 0x80 (6 instructions, one a local store); the
+    forward branch inside may skip the global store (shortest path 5); the guard's forward branch and
+    the padding's branch to itself are not loops."""
+    assert kernels.sass_loops(SASS) == [kernels.Loop(instructions=6, shortest=5, local=1)]
+
+
+def test_the_estimate_scales_linearly_with_iterations_and_with_warps_per_scheduler() -> None:
+    assert kernels.iterations("reduce", 1000, 32) == [32]
+    assert kernels.iterations("spine", 1000, 32) == [8, 30]  # P = 32: remainder 1000 - 31 x 32, 30 aggregates
+    assert kernels.iterations("spine", 64, 32) == [32, 0]
+    assert kernels.loop_estimate([100], [32], 4) == 3200
+    assert kernels.loop_estimate([100], [64], 4) == 2 * kernels.loop_estimate([100], [32], 4)
+    assert kernels.loop_estimate([100], [32], 8) == 2 * kernels.loop_estimate([100], [32], 4)
+    assert kernels.loop_estimate([100, 10], [8, 30], 4) == 1100
+    with pytest.raises(ValueError, match="2 loops in the SASS, 1 in the kernel"):
+        kernels.loop_estimate([100, 10], [8], 4)
+
+
+def test_launch_configs_cover_every_h_once_per_binary() -> None:
+    from bppsa_core import dispatch, triton_scan
+
+    variants = triton_scan.h_variants(dispatch.MAX_HIDDEN)
+    assert sorted(h for hs in variants for h in hs) == list(range(1, dispatch.MAX_HIDDEN + 1))
+    assert (1,) in variants and (48, 64) in variants and (32,) in variants
+    configs = triton_scan.launch_configs()
+    keys = [(c.launch.kernel, tuple(sorted(c.launch.constexprs.items())), c.hidden) for c in configs]
+    assert len(keys) == len(set(keys))
+    gru = [c for c in configs if c.mode == "GRU" and c.hidden == (48, 64)]
+    assert {(c.role, c.affine, c.launch.num_warps) for c in gru} == {
+        (role, affine, 8) for role in LOOPS for affine in (False, True)
+    }
+
+
+def test_the_tool_fails_in_one_line_without_ptxas(monkeypatch, capsys) -> None:
+    import triton
+
+    monkeypatch.setattr(triton.knobs.NvidiaTool, "from_path", staticmethod(lambda path: None))
+    assert kernels.main(["--arch", "90"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ptxas was not found" in err and "TRITON_PTXAS_PATH" in err
+
+
+def test_the_tool_refuses_the_interpreter_in_one_line(capsys) -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels are loaded for a GPU here")
+    assert kernels.main(["--arch", "90"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "TRITON_INTERPRET" in err

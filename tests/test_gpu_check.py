@@ -1,0 +1,76 @@
+"""The one GPU command, checked on the CPU: its plan, its dry run end to end, its report, its errors."""
+
+from __future__ import annotations
+
+import sys
+
+from helpers import ROOT, markdown_tables, run_module
+
+from experiments import gpu_check
+
+
+def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
+    steps = gpu_check.plan(dry=False, repeats=10, warmup=3)
+    assert set(steps) == set(gpu_check.STEPS)
+    (tests,) = steps["tests"]
+    assert tests[1:6] == ["-m", "pytest", "-q", "-m", "gpu"]
+    assert all((ROOT / f).is_file() for f in tests[6:])  # the GPU test files exist
+    for name in ("backward", "epoch", "scan", "chunk"):
+        for argv in steps[name]:
+            assert argv[1:3] == ["-m", "experiments.bench.backward"]
+            assert "--device" in argv and argv[argv.index("--device") + 1] == "cuda"
+            assert "--quick" not in argv
+    assert [a[a.index("--chunk") + 1] for a in steps["chunk"]] == [str(c) for c in gpu_check.CHUNKS]
+    assert all("triton" in a for a in steps["chunk"])
+
+
+def test_the_dry_plan_skips_what_needs_cuda_and_shrinks_the_rest() -> None:
+    steps = gpu_check.plan(dry=True, repeats=1, warmup=0)
+    assert steps["tests"] == "needs a CUDA device"
+    for name in ("backward", "epoch", "scan", "chunk"):
+        for argv in steps[name]:
+            assert argv[argv.index("--device") + 1] == "cpu"
+            assert "--quick" in argv or "--T" in argv
+    assert steps["kernels"][0][-2:] == ["80", "90"] and "representative" in steps["kernels"][0]
+
+
+def test_without_a_gpu_the_command_says_how_to_check_it(tmp_path) -> None:
+    done = run_module("experiments.gpu_check", "--out", str(tmp_path / "r.md"))
+    assert done.returncode == 2 and not (tmp_path / "r.md").exists()
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.endswith(
+        "no CUDA device here; accepted: a machine with a GPU, or --dry to check the command on a CPU"
+    )
+
+
+def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path, monkeypatch) -> None:
+    fail = [sys.executable, "-c", "import sys; print('half a table'); sys.exit('boom')"]
+    ok = [sys.executable, "-c", "print('| a |\\n|---|\\n| 1 |')"]
+    monkeypatch.setattr(gpu_check, "plan", lambda *a: {"backward": [fail], "scan": [ok], "tests": "no GPU"})
+    out = tmp_path / "report.md"
+    assert gpu_check.main(["--dry", "--out", str(out), "--steps", "tests", "backward", "scan"]) == 1
+    text = out.read_text()
+    assert "Step `tests`: skipped" in text and "Skipped: no GPU." in text
+    assert "Step `backward`: failed" in text and "exit status 1" in text and "boom" in text
+    assert "half a table" in text  # what it printed before failing is kept
+    assert "Step `scan`: ok" in text and markdown_tables(text)[0][1] == [["1"]]
+
+
+def test_worker_scaling_times_both_methods_at_every_count() -> None:
+    text = gpu_check.worker_scaling(dry=True, repeats=1, warmup=0)
+    head, rows = markdown_tables(text)[0]
+    assert head == ["CPU threads", "BPTT ms", "BPPSA ms", "BPTT / BPPSA"]
+    assert rows[0][0] == "1" and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+
+
+def test_the_dry_run_goes_end_to_end(tmp_path) -> None:
+    """Every step on the CPU, the report whole: the tables of each tool inside it (about 90 s)."""
+    out = tmp_path / "report.md"
+    done = run_module("experiments.gpu_check", "--dry", "--out", str(out), "--repeats", "1", "--warmup", "1")
+    assert done.returncode == 0, done.stderr
+    text = out.read_text()
+    assert text.startswith("# GPU check (dry run)")
+    for name in gpu_check.STEPS:
+        assert f"Step `{name}`: " + ("skipped" if name == "tests" else "ok") in text
+    assert len(markdown_tables(text)) >= 10
+    assert "| kernel | mode |" in text and "estimate" in text  # the compiled kernels' table
