@@ -646,22 +646,7 @@ def triton_lstm_scan(
         "H": h,
     }
     kernels = lstm_launch_config(diag_hh is not None, offsets is not None, hp)
-    if p > 2:
-        kernels["reduce"].run((p - 2, batch), **common, agg_ptr=agg, agg_offsets_ptr=agg_offsets, C=chunk)
-    kernels["spine"].run(
-        (batch,),
-        **common,
-        agg_ptr=agg,
-        agg_offsets_ptr=agg_offsets,
-        x_last_ptr=x_last.contiguous(),
-        out_ptr=out,
-        entry_ptr=entry,
-        N=n,
-        REM=n - (p - 1) * chunk,
-        NAGG=max(p - 2, 0),
-    )
-    if p > 1:
-        kernels["expand"].run((p - 1, batch), **common, entry_ptr=entry, out_ptr=out, C=chunk)
+    _three_launches(kernels, common, {"out_ptr": out}, x_last, n, chunk, agg, agg_offsets, entry)
     return out
 
 
@@ -901,6 +886,24 @@ def _launch(
     kernels = launch_config(
         mode.value, terms, "diag_ptr" in sources, offsets is not None, shift, delta is not None, hp
     )
+    _three_launches(kernels, common, walk, x_last, n, chunk, agg, agg_offsets, entry)
+
+
+def _three_launches(
+    kernels: dict[str, Launch],
+    common: dict[str, Any],
+    walk: dict[str, Tensor],
+    x_last: Tensor,
+    n: int,
+    chunk: int,
+    agg: Tensor,
+    agg_offsets: Tensor,
+    entry: Tensor,
+) -> None:
+    """Reduce (chunks 1..P-2), spine and expand (chunks 0..P-2) of a chain of n elements: ``common``
+    the arguments all three take, ``walk`` the outputs the spine and the expand write."""
+    batch = x_last.shape[0]
+    p = math.ceil(n / chunk)
     if p > 2:
         kernels["reduce"].run((p - 2, batch), **common, agg_ptr=agg, agg_offsets_ptr=agg_offsets, C=chunk)
     kernels["spine"].run(
