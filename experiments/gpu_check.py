@@ -46,6 +46,16 @@ from experiments.timing import time_ms
 STEPS = ("tests", "backward", "epoch", "scan", "chunk", "workers", "kernels")
 CHUNKS = (8, 16, 32, 64, 128)
 GPU_TEST_FILES = ("tests/test_triton.py", "tests/test_sparse.py")
+TITLES = {
+    "tests": "GPU tests",
+    "backward": "Full backward against cuDNN",
+    "epoch": "End-to-end training epoch",
+    "scan": "Scan only, against associative_scan",
+    "chunk": "Triton chunk-size sweep",
+    "workers": "Backward against SMs (green contexts)",
+    "kernels": "Compiled kernels: resources and static estimate",
+}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -185,18 +195,6 @@ def render(sections: dict[str, Section], dry: bool, argv: Sequence[str]) -> str:
         parts += [""] + [f"    {c}" for c in s.commands] + ([""] if s.commands else [])
         parts += [s.body.strip(), ""]
     return "\n".join(parts)
-
-
-TITLES = {
-    "tests": "GPU tests",
-    "backward": "Full backward against cuDNN",
-    "epoch": "End-to-end training epoch",
-    "scan": "Scan only, against associative_scan",
-    "chunk": "Triton chunk-size sweep",
-    "workers": "Backward against SMs (green contexts)",
-    "kernels": "Compiled kernels: resources and static estimate",
-}
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
