@@ -73,6 +73,10 @@ class DenseChain:
     def dense(self, idx: Index = slice(None)) -> Tensor:
         return self.elements[idx]
 
+    def diagonals(self) -> Tensor:
+        """Every element's diagonal, (n, B or 1, H)."""
+        return self.elements.diagonal(dim1=-2, dim2=-1)
+
 
 @dataclass(frozen=True)
 class FactoredChain:
@@ -148,6 +152,11 @@ class FactoredChain:
         if self.diagonal is not None:
             out.diagonal(dim1=-2, dim2=-1).add_(self.diagonal[idx])
         return out
+
+    def diagonals(self) -> Tensor:
+        """Every element's diagonal, (n, B or 1, H), without forming an element (transposed or not)."""
+        out = (self.scales * self.weights.diagonal(dim1=-2, dim2=-1)).sum(-2)
+        return out if self.diagonal is None else out.add_(self.diagonal)
 
 
 def _flat(work: Tensor | None) -> Tensor | None:
@@ -252,6 +261,13 @@ class LSTMChain:
         if self.diag_hh is not None:
             out[..., :h, :h].diagonal(dim1=-2, dim2=-1).add_(self.diag_hh[idx])
         return out.transpose(-1, -2).contiguous() if self.transposed else out
+
+    def diagonals(self) -> Tensor:
+        """Every element's diagonal, (n, B, 2H): h's through the gates' weights, c's ``diag_cc``."""
+        d_h = (self.scales_h * self.weights.diagonal(dim1=-2, dim2=-1)).sum(-2)
+        if self.diag_hh is not None:
+            d_h.add_(self.diag_hh)
+        return torch.cat((d_h, self.diag_cc), -1)
 
 
 Chain = DenseChain | FactoredChain | LSTMChain

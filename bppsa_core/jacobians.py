@@ -18,6 +18,8 @@ A cell supplies these, all parallel over time and batch:
   scan's output is scratch by then) and the block's factors, the gradients of the input-side and
   hidden-side pre-activations, from which every weight, bias and input gradient follows by GEMMs
   (``layer_grads``, block by block over time).
+* ``step``, for a forward solved by Newton's method (``bppsa_core.newton``): every step at once from
+  given previous states, the new states and the factors of the Jacobians at those states.
 * ``direct_tangent`` and ``tangent_chain``, for forward-mode differentiation: a tangent of the
   state obeys ``v_t = J_t v_{t-1} + c_t``, where c_t, the part that comes from the step's own
   inputs and weights, is ``preactivation_grads``' adjoint applied to the pre-activations' tangents;
@@ -66,6 +68,11 @@ def _affine(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return torch.nn.functional.linear(x, w, b)
 
 
+def _carry(prev: Tensor, new: Tensor, keep: Tensor | None) -> Tensor:
+    """The new states, and past a sequence's end (``keep`` 0) the previous ones, carried."""
+    return new if keep is None else torch.lerp(prev, new, keep)
+
+
 class RNNCell:
     """Elman cell ``h' = f(W_ih x + b_ih + W_hh h + b_hh)`` with f = tanh or relu."""
 
@@ -91,6 +98,15 @@ class RNNCell:
         if keep is None:
             return (fp,)
         return fp.mul_(keep), torch.rsub(keep, 1.0).expand_as(fp)
+
+    def step(
+        self, x: Tensor, h_prev: Tensor, w: LayerWeights, keep: Tensor | None = None
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """h_t = f(W_ih x_t + b_ih + W_hh h_{t-1} + b_hh) for every t at once, from given h_{t-1}
+        (T, B, H), and ``factors`` there; with ``keep``, the state is carried past a sequence's end."""
+        z = _affine(x, w.w_ih, w.b_ih).add_(_affine(h_prev, w.w_hh, w.b_hh))
+        h = torch.tanh_(z) if self.nonlinearity == "tanh" else torch.relu_(z)
+        return _carry(h_prev, h, keep), self.factors(x, h_prev, h, w, keep=keep)
 
     def chain(self, factors: tuple[Tensor, ...], w: LayerWeights) -> FactoredChain:
         """Elements ``diag(f'_t) @ W_hh`` (+ the identity past a sequence's end), t = 1..T."""
@@ -140,6 +156,21 @@ class GRUCell:
 
             c = dn m r (1-r),   d = (h_prev - n) z (1-z),   a = dn r.
         """
+        return self._all_factors(x, h_prev, w, keep)
+
+    def step(
+        self, x: Tensor, h_prev: Tensor, w: LayerWeights, keep: Tensor | None = None
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The GRU's h_t for every t at once, from given h_{t-1} (T, B, H), and ``factors`` there,
+        made in the same pass; with ``keep``, the state is carried past a sequence's end."""
+        h = torch.empty_like(h_prev)
+        factors = self._all_factors(x, h_prev, w, keep, h)
+        return _carry(h_prev, h, keep), factors
+
+    def _all_factors(
+        self, x: Tensor, h_prev: Tensor, w: LayerWeights, keep: Tensor | None, h: Tensor | None = None
+    ) -> tuple[Tensor, ...]:
+        """``factors``, and into ``h`` (when given) each step's new state from the same gates."""
         steps, batch, hidden = h_prev.shape
         scales = h_prev.new_empty((steps, batch, 3, hidden))
         z, dn = torch.empty_like(h_prev), torch.empty_like(h_prev)
@@ -148,7 +179,7 @@ class GRUCell:
         block = _block_steps(14 * hidden * batch * h_prev.element_size())
         for s in range(0, steps, block):
             t = slice(s, s + block)
-            self._factors(x[t], h_prev[t], w, scales[t], z[t], dn[t])
+            self._factors(x[t], h_prev[t], w, scales[t], z[t], dn[t], None if h is None else h[t])
         if keep is not None:  # past a sequence's end: no scales, diagonal 1
             scales.mul_(keep.unsqueeze(-1))
             z.mul_(keep).add_(torch.rsub(keep, 1.0))
@@ -156,9 +187,17 @@ class GRUCell:
         return scales, z, dn
 
     def _factors(
-        self, x: Tensor, h_prev: Tensor, w: LayerWeights, scales: Tensor, z: Tensor, dn: Tensor
+        self,
+        x: Tensor,
+        h_prev: Tensor,
+        w: LayerWeights,
+        scales: Tensor,
+        z: Tensor,
+        dn: Tensor,
+        h: Tensor | None = None,
     ) -> None:
-        """``factors`` of a block of steps, written into ``scales``, ``z`` and ``dn``."""
+        """``factors`` of a block of steps, written into ``scales``, ``z`` and ``dn`` (and the new
+        states, n + z (h_prev - n), into ``h`` when given)."""
         gi, gh = self.pre_activations(x, h_prev, w)
         i_r, i_z, i_n = gi.chunk(3, dim=-1)
         h_r, h_z, m = gh.chunk(3, dim=-1)
@@ -170,7 +209,10 @@ class GRUCell:
         c, d, a = scales.unbind(-2)
         torch.mul(dn, r, out=a)
         torch.mul(a, m, out=c).mul_(torch.rsub(r, 1.0))
-        torch.sub(h_prev, n, out=d).mul_(z).mul_(one_minus_z)
+        torch.sub(h_prev, n, out=d)
+        if h is not None:
+            torch.addcmul(n, z, d, out=h)
+        d.mul_(z).mul_(one_minus_z)
 
     def chain(self, factors: tuple[Tensor, ...], w: LayerWeights) -> FactoredChain:
         """Elements of the GRU Jacobian (docs/DESIGN.md), t = 1..T, in W_hh's own row order r, z, n:
@@ -240,30 +282,54 @@ class LSTMCell:
         # In blocks of time steps, as GRUCell.factors: the gates and temporaries (about 16 H numbers
         # per step and sample) stay in the CPU's cache. Two passes: the recurrence's coefficients,
         # then, with the cell states known, the factors (the gates' GEMMs are made twice).
-        block = _block_steps(16 * hidden * batch * h_prev.element_size())
-        blocks = [slice(s, min(s + block, steps)) for s in range(0, steps, block)]
-        f_keep, ig = torch.empty_like(h_prev), torch.empty_like(h_prev)
+        blocks = self._blocks(h_prev)
+        c = self.cell_states(x, h_prev, w, c0, keep)
+        scales_h, scales_c = (h_prev.new_empty((steps, batch, 4, hidden)) for _ in range(2))
+        diag_hc, diag_cc = torch.empty_like(h_prev), torch.empty_like(h_prev)
         for t in blocks:
+            c_prev = c[t.start - 1 : t.stop - 1] if t.start else torch.cat((c0.unsqueeze(0), c[: t.stop - 1]))
+            gates = self._gates(x[t], h_prev[t], w)
+            self._factors(gates, c_prev, c[t], scales_h[t], scales_c[t], diag_hc[t], diag_cc[t])
+        return _past_end((scales_h, scales_c, diag_hc, diag_cc), keep)
+
+    def _blocks(self, h_prev: Tensor) -> list[slice]:
+        steps, batch, hidden = h_prev.shape
+        block = _block_steps(16 * hidden * batch * h_prev.element_size())
+        return [slice(s, min(s + block, steps)) for s in range(0, steps, block)]
+
+    def cell_states(
+        self, x: Tensor, h_prev: Tensor, w: LayerWeights, c0: Tensor, keep: Tensor | None = None
+    ) -> Tensor:
+        """c_1..c_T (T, B, H) given every h_{t-1}: ``c_t = f c_{t-1} + i g`` solved as an elementwise
+        linear recurrence; with ``keep``, c is carried past a sequence's end."""
+        f_keep, ig = torch.empty_like(h_prev), torch.empty_like(h_prev)
+        for t in self._blocks(h_prev):
             i, f, g, _ = self._gates(x[t], h_prev[t], w)
             torch.mul(i, g, out=ig[t])
             f_keep[t] = f
             if keep is not None:  # past a sequence's end: c_t = c_{t-1}
                 f_keep[t].mul_(keep[t]).add_(torch.rsub(keep[t], 1.0))
                 ig[t].mul_(keep[t])
-        c = elementwise_recurrence(f_keep, ig, c0)
-        del f_keep, ig
-        scales_h, scales_c = (h_prev.new_empty((steps, batch, 4, hidden)) for _ in range(2))
+        return elementwise_recurrence(f_keep, ig, c0)
+
+    def step(
+        self, x: Tensor, s_prev: Tensor, w: LayerWeights, keep: Tensor | None = None
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The LSTM's state (h_t, c_t) for every t at once, from given (h_{t-1}, c_{t-1}) (T, B, 2H),
+        and ``factors`` there; with ``keep``, the state is carried past a sequence's end."""
+        steps, batch, two_h = s_prev.shape
+        hidden = two_h // 2
+        h_prev, c_prev = s_prev[..., :hidden], s_prev[..., hidden:]
+        s = torch.empty_like(s_prev)
+        scales_h, scales_c = (s_prev.new_empty((steps, batch, 4, hidden)) for _ in range(2))
         diag_hc, diag_cc = torch.empty_like(h_prev), torch.empty_like(h_prev)
-        for t in blocks:
-            c_prev = c[t.start - 1 : t.stop - 1] if t.start else torch.cat((c0.unsqueeze(0), c[: t.stop - 1]))
-            self._factors(x[t], h_prev[t], w, c_prev, c[t], scales_h[t], scales_c[t], diag_hc[t], diag_cc[t])
-        if keep is None:
-            return scales_h, scales_c, diag_hc, diag_cc
-        scales_h.mul_(keep.unsqueeze(-1))
-        scales_c.mul_(keep.unsqueeze(-1))
-        diag_hc.mul_(keep)
-        past_end = torch.rsub(keep, 1.0).expand_as(h_prev)
-        return scales_h, scales_c, diag_hc, diag_cc.mul_(keep).add_(past_end), past_end
+        for t in self._blocks(h_prev):
+            i, f, g, o = gates = self._gates(x[t], h_prev[t], w)
+            c = s[t, :, hidden:]
+            torch.addcmul(i * g, f, c_prev[t], out=c)
+            torch.mul(o, torch.tanh(c), out=s[t, :, :hidden])
+            self._factors(gates, c_prev[t], c, scales_h[t], scales_c[t], diag_hc[t], diag_cc[t])
+        return _carry(s_prev, s, keep), _past_end((scales_h, scales_c, diag_hc, diag_cc), keep)
 
     def _gates(self, x: Tensor, h_prev: Tensor, w: LayerWeights) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The gates i, f, g, o of a block of steps, from the two pre-activation GEMMs."""
@@ -277,9 +343,7 @@ class LSTMCell:
 
     def _factors(
         self,
-        x: Tensor,
-        h_prev: Tensor,
-        w: LayerWeights,
+        gates: tuple[Tensor, Tensor, Tensor, Tensor],
         c_prev: Tensor,
         c: Tensor,
         scales_h: Tensor,
@@ -287,8 +351,8 @@ class LSTMCell:
         diag_hc: Tensor,
         diag_cc: Tensor,
     ) -> None:
-        """``factors`` of a block of steps, written into the last four tensors."""
-        i, f, g, o = self._gates(x, h_prev, w)
+        """``factors`` of a block of steps from its gates, written into the last four tensors."""
+        i, f, g, o = gates
         s_i, s_f, s_g, s_o = scales_c.unbind(-2)
         torch.mul(i, i, out=s_i).neg_().add_(i).mul_(g)  # i (1 - i) g
         torch.mul(f, f, out=s_f).neg_().add_(f).mul_(c_prev)
@@ -326,6 +390,19 @@ class LSTMCell:
         hidden = w.w_hh.shape[1]
         scales_h, scales_c, *diagonals = (f.flip(0) for f in factors)
         return LSTMChain(scales_h, scales_c, w.w_hh.reshape(4, hidden, hidden), *diagonals, transposed=True)
+
+
+def _past_end(factors: tuple[Tensor, Tensor, Tensor, Tensor], keep: Tensor | None) -> tuple[Tensor, ...]:
+    """An LSTM's factors with the steps past a sequence's end (``keep`` 0) made identities: no
+    scales, c carried (diag_cc 1), and a fifth factor, diag_hh = 1 - keep, carrying h."""
+    if keep is None:
+        return factors
+    scales_h, scales_c, diag_hc, diag_cc = factors
+    scales_h.mul_(keep.unsqueeze(-1))
+    scales_c.mul_(keep.unsqueeze(-1))
+    diag_hc.mul_(keep)
+    past_end = torch.rsub(keep, 1.0).expand_as(diag_hc)
+    return scales_h, scales_c, diag_hc, diag_cc.mul_(keep).add_(past_end), past_end
 
 
 Cell = RNNCell | GRUCell | LSTMCell

@@ -6,7 +6,8 @@ that ``torch.compile`` and ``torch.jit.trace`` treat each as one opaque step:
 
 * ``bppsa::layer_forward``: PyTorch's fused kernel (cuDNN on a GPU) over the layer, in segments of at
   most ``segment`` steps with the state passed across (cuDNN refuses more than 65,535 steps), and
-  over packed sequences when ``lengths`` is given;
+  over packed sequences when ``lengths`` is given; or, with a Newton ``solver``, the states solved
+  parallel in time (``bppsa_core.newton``), falling back to the fused kernel when they do not converge;
 * ``bppsa::layer_backward``: the per-step Jacobians recovered from the saved states
   (``bppsa_core.jacobians``), the chain ``g_{t-1} = g_t @ J_t + u_{t-1}`` scanned
   (``bppsa_core.scan``), and every input, state, weight and bias gradient from a few large matmuls;
@@ -26,6 +27,7 @@ state that reaches the end of the chain is each sequence's last valid one.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,12 +38,14 @@ from torch import Tensor
 from torch.nn.functional import linear
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from bppsa_core import dispatch
+from bppsa_core import dispatch, newton
 from bppsa_core.denormals import flush_denormals
 from bppsa_core.dispatch import ScanOptions
 from bppsa_core.jacobians import Cell, Deltas, GRUCell, LayerWeights, LSTMCell, RNNCell, layer_grads
-from bppsa_core.scan import scan
+from bppsa_core.newton import SolverOptions, SolveStats
+from bppsa_core.scan import forward_scan, scan
 
+log = logging.getLogger(__name__)
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # cuDNN's limit on the steps of one call; the forward runs longer sequences in segments.
 MAX_SEGMENT = 65_535
@@ -56,11 +60,13 @@ _NATIVE = {
 
 @dataclass(frozen=True)
 class LayerConfig:
-    """What a layer call needs besides tensors: the cell, the forward's segment length, the scan."""
+    """What a layer call needs besides tensors: the cell, the forward's segment length, the scan,
+    and how the forward is solved."""
 
     mode: str
     segment: int = MAX_SEGMENT
     options: ScanOptions = field(default_factory=ScanOptions)
+    solver: SolverOptions = field(default_factory=SolverOptions)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -123,6 +129,49 @@ def native_forward(
             h, c = h_a, c_a
         outs.append(out)
     return (outs[0] if len(outs) == 1 else torch.cat(outs)), h, c
+
+
+def solved_forward(
+    config: LayerConfig,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    lengths: Tensor | None,
+    guess: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, SolveStats]:
+    """``native_forward``'s results by ``config.solver``, and what the solve took.
+
+    The Newton methods solve the states parallel in time (``bppsa_core.newton.solve``) from ``guess``
+    (h_1..h_T (T, B, H), or None for zeros; an LSTM's c follows from it, ``LSTMCell.cell_states``).
+    When they do not converge the layer says so in the log and runs ``native_forward`` instead.
+    Not differentiable.
+    """
+    solver = config.solver
+    if solver.method == "native" or x.shape[0] == 0:
+        return *native_forward(config.mode, x, h0, c0, weights, lengths, config.segment), newton.NATIVE
+    hidden = h0.shape[-1]
+    s0 = h0 if c0 is None else torch.cat((h0, c0), -1)
+    keep = _keep(lengths, x.shape[0], x)
+    cell, w = cell_of(config.mode), LayerWeights(*weights)
+    if guess is not None and c0 is not None:
+        c = cell.cell_states(x, torch.cat((h0.unsqueeze(0), guess[:-1])), w, c0, keep)
+        guess = torch.cat((guess, c), -1)
+    states, stats = newton.solve(cell, x, s0, w, keep, solver, config.options, guess)
+    if not stats.converged:
+        log.warning(
+            "%s forward did not converge in %d iterations (last change %.3g, tolerance %.3g); "
+            "this layer ran the native sequential forward instead",
+            solver.method,
+            stats.iterations,
+            stats.change,
+            solver.tolerance(x.dtype),
+        )
+        return *native_forward(config.mode, x, h0, c0, weights, lengths, config.segment), stats
+    out = states[..., :hidden]
+    out = out * keep if keep is not None else out.contiguous()
+    c = states[-1, :, hidden:].clone() if c0 is not None else None
+    return out, states[-1, :, :hidden].clone(), c, stats
 
 
 def stepwise_forward(
@@ -387,10 +436,7 @@ def bppsa_tangent(
         v0 = torch.zeros_like(h0) if dh0 is None else dh0
         if c0 is not None:
             v0 = torch.cat((v0, torch.zeros_like(c0) if dc0 is None else dc0), -1)
-        o = config.options
-        strategy = "auto" if o.strategy in ("triton", "numba") else o.strategy  # kernels take no transposes
-        chain = cell.tangent_chain(factors, w)
-        v = scan(chain, v0, direct.flip(0), strategy=strategy, chunk=o.chunk, levels=o.levels).flip(0)
+        v = forward_scan(cell.tangent_chain(factors, w), v0, direct, config.options)
         d_out = v[1:, :, :hidden] * keep if keep is not None else v[1:, :, :hidden].clone()
         return (
             d_out,
@@ -424,18 +470,29 @@ def _forward_op(
     b_ih: Tensor | None,
     b_hh: Tensor | None,
     lengths: Tensor | None,
+    guess: Tensor | None,
     mode: str,
     segment: int,
-) -> tuple[Tensor, Tensor, Tensor]:
+    solver: str,
+    tol: float | None,
+    max_iters: int,
+    strategy: str,
+    chunk: int | None,
+    levels: int | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    config = LayerConfig(
+        mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, max_iters)
+    )
     weights = _present(w_ih, w_hh, b_ih, b_hh)
-    out, h, c = native_forward(mode, x, h0, c0, weights, lengths, segment)
-    return out, h.clone(), (_empty(h) if c is None else c.clone())
+    out, h, c, stats = solved_forward(config, x, h0, c0, weights, lengths, guess)
+    return out, h.clone(), (_empty(h) if c is None else c.clone()), stats.as_tensor()
 
 
 @_forward_op.register_fake
-def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, mode, segment):
+def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, guess, mode, segment, solver, tol, max_iters, *scan):
     out = x.new_empty((x.shape[0], x.shape[1], w_hh.shape[1]))
-    return out, h0.new_empty(h0.shape), (_empty(h0) if c0 is None else c0.new_empty(c0.shape))
+    stats = torch.empty((3,), dtype=torch.float64)  # on the CPU, as the real one
+    return out, h0.new_empty(h0.shape), (_empty(h0) if c0 is None else c0.new_empty(c0.shape)), stats
 
 
 @torch.library.custom_op("bppsa::layer_backward", mutates_args=())
@@ -591,7 +648,8 @@ for _op in (_forward_op, _backward_op, _tangent_op):
 
 
 class _CompiledLayer(torch.autograd.Function):
-    """One layer call; inputs (x, h0, c0, lengths, config, *weights), outputs (out, h_n, c_n)."""
+    """One layer call; inputs (x, h0, c0, lengths, guess, config, *weights), outputs (out, h_n, c_n,
+    stats), the last ``newton.SolveStats.as_tensor`` (not differentiable)."""
 
     generate_vmap_rule = True
 
@@ -601,35 +659,39 @@ class _CompiledLayer(torch.autograd.Function):
         h0: Tensor,
         c0: Tensor | None,
         lengths: Tensor | None,
+        guess: Tensor | None,
         config: LayerConfig,
         *weights: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         w_ih, w_hh, b_ih, b_hh = (*weights, None, None)[:4]
+        o, s = config.options, config.solver
         return torch.ops.bppsa.layer_forward(
-            x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, config.mode, config.segment
-        )
+            x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, guess, config.mode, config.segment,
+            s.method, s.tol, s.max_iters, o.strategy, o.chunk, o.levels,
+        )  # fmt: skip
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        x, h0, c0, lengths, config, *weights = inputs
+        x, h0, c0, lengths, _guess, config, *weights = inputs
         ctx.config = config
         ctx.save_for_backward(x, h0, c0, lengths, output[0], *weights)
         ctx.save_for_forward(x, h0, c0, lengths, output[0], *weights)
         ctx.set_materialize_grads(False)
-        if c0 is None:
-            ctx.mark_non_differentiable(output[2])
+        ctx.mark_non_differentiable(*((output[2], output[3]) if c0 is None else (output[3],)))
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None) -> tuple:
+    def backward(
+        ctx: Any, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None, _stats: Any
+    ) -> tuple:
         x, h0, c0, lengths, out, *weights = ctx.saved_tensors
         config: LayerConfig = ctx.config
         if c0 is None:
             grad_cn = None
         if grad_out is None and grad_hn is None and grad_cn is None:
-            return (None,) * (5 + len(weights))
+            return (None,) * (6 + len(weights))
         if torch.is_grad_enabled():  # the gradient will itself be differentiated
             grads = _differentiable_vjp(config, x, h0, c0, lengths, weights, (grad_out, grad_hn, grad_cn))
-            return (*grads[:3], None, None, *grads[3:])
+            return (*grads[:3], None, None, None, *grads[3:])
         o = config.options
         need = ctx.needs_input_grad
         dx, dh0, dc0, *dw = torch.ops.bppsa.layer_backward(
@@ -640,6 +702,7 @@ class _CompiledLayer(torch.autograd.Function):
             dx if need[0] else None,
             dh0,
             dc0 if c0 is not None else None,
+            None,
             None,
             None,
             *dw[: len(weights)],
@@ -653,13 +716,13 @@ class _Layer(_CompiledLayer):
     def jvp(ctx: Any, dx: Tensor | None, dh0: Tensor | None, dc0: Tensor | None, *rest: Any) -> tuple:
         x, h0, c0, lengths, out, *weights = ctx.saved_tensors
         config: LayerConfig = ctx.config
-        dweights = (*rest[2:], None, None)[:4]
+        dweights = (*rest[3:], None, None)[:4]
         o = config.options
         d_out, d_h, d_c = torch.ops.bppsa.layer_tangent(
             x, h0, c0, *(*weights, None, None)[:4], lengths, out, dx, dh0, dc0, *dweights,
             config.mode, o.strategy, o.chunk, o.levels,
         )  # fmt: skip
-        return d_out, d_h, (d_c if c0 is not None else None)
+        return d_out, d_h, (d_c if c0 is not None else None), None
 
 
 def _differentiable_vjp(
@@ -699,13 +762,16 @@ def layer(
     weights: list[Tensor],
     config: LayerConfig,
     lengths: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
+    guess: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """One layer in one direction, differentiable by BPPSA: x (T, B, I) time-major, h0 and c0 (an
     LSTM's, else None) (B, H), ``weights`` PyTorch's (w_ih, w_hh[, b_ih, b_hh]), ``lengths`` (B,)
-    sorted longest first or None. Returns the outputs (T, B, H), the last h and the last c (or None).
+    sorted longest first or None, ``guess`` a Newton solver's first iterate of the outputs (T, B, H)
+    or None. Returns the outputs (T, B, H), the last h, the last c (or None) and what the forward
+    took (``newton.SolveStats.as_tensor``).
     """
     # torch.compile traces autograd.Functions, but not their jvp: compiled graphs get the same
     # function without it (forward-mode differentiation of a compiled graph is not supported anyway).
     function = _CompiledLayer if torch.compiler.is_compiling() else _Layer
-    out, h, c = function.apply(x, h0, c0, lengths, config, *weights)
-    return out, h, (c if c0 is not None else None)
+    out, h, c, stats = function.apply(x, h0, c0, lengths, guess, config, *weights)
+    return out, h, (c if c0 is not None else None), stats

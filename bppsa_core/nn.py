@@ -19,6 +19,11 @@ training (read from ``self.dropout`` at every call), ``PackedSequence`` input (s
 sequence's end are identity elements of the chain), unbatched input, any sequence length (the
 forward runs in segments of at most ``segment`` steps; cuDNN refuses more than 65,535), double
 backward, forward-mode AD, ``torch.func`` transforms, ``torch.compile`` and ``torch.jit.trace``.
+
+``forward_solver="newton"`` (or ``"quasi-newton"``) solves each layer's forward parallel in time by
+Newton iterations over the same scans (``bppsa_core.newton``; ``newton_tol``, ``newton_iters``,
+``newton_guess``: "zeros" or "previous", the last forward's outputs when the shapes match); the
+backward is unchanged. What each layer's solve took is in ``solver_stats`` after every forward.
 Not taken: an LSTM with ``proj_size > 0`` (refused at construction; ``backward="bptt"`` runs it).
 """
 
@@ -33,8 +38,10 @@ from torch.nn.utils.rnn import PackedSequence
 
 from bppsa_core.dispatch import ScanOptions
 from bppsa_core.layer import MAX_SEGMENT, LayerConfig, layer
+from bppsa_core.newton import DEFAULT_MAX_ITERS, SolverOptions, SolveStats
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
+GUESSES: tuple[str, ...] = ("zeros", "previous")
 
 State = Tensor | tuple[Tensor, Tensor]
 
@@ -53,12 +60,26 @@ class _BPPSAMixin:
         chunk: int | None = None,
         levels: int | None = None,
         segment: int = MAX_SEGMENT,
+        forward_solver: str = "native",
+        newton_tol: float | None = None,
+        newton_iters: int = DEFAULT_MAX_ITERS,
+        newton_guess: str = "zeros",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)  # torch.nn's RNN / GRU / LSTM: its arguments, parameters and checks
         if backward not in BACKWARDS:
             raise ValueError(f"unknown backward {backward!r}; accepted: {', '.join(BACKWARDS)}")
-        LayerConfig(self.mode, segment, ScanOptions(strategy, chunk, levels))  # checked now and at every call
+        solver = SolverOptions(forward_solver, newton_tol, newton_iters)
+        LayerConfig(
+            self.mode, segment, ScanOptions(strategy, chunk, levels), solver
+        )  # checked now and at every call
+        if newton_guess not in GUESSES:
+            raise ValueError(f"unknown newton_guess {newton_guess!r}; accepted: {', '.join(GUESSES)}")
+        if backward == "bptt" and forward_solver != "native":
+            raise ValueError(
+                f"forward_solver={forward_solver!r} needs backward='bppsa'; accepted with backward='bptt': "
+                "forward_solver='native'"
+            )
         if backward == "bppsa" and self.proj_size > 0:
             raise ValueError(
                 f"proj_size={self.proj_size} is not supported by backward='bppsa'; accepted: proj_size=0, "
@@ -66,9 +87,22 @@ class _BPPSAMixin:
             )
         self.backward_mode = backward
         self.strategy, self.chunk, self.levels, self.segment = strategy, chunk, levels, segment
+        self.forward_solver, self.newton_tol, self.newton_iters = forward_solver, newton_tol, newton_iters
+        self.newton_guess = newton_guess
+        self._stats: list[Tensor] = []
+        self._guesses: dict[int, Tensor] = {}
 
     def _config(self) -> LayerConfig:
-        return LayerConfig(self.mode, self.segment, ScanOptions(self.strategy, self.chunk, self.levels))
+        solver = SolverOptions(self.forward_solver, self.newton_tol, self.newton_iters)
+        return LayerConfig(
+            self.mode, self.segment, ScanOptions(self.strategy, self.chunk, self.levels), solver
+        )
+
+    @property
+    def solver_stats(self) -> list[SolveStats]:
+        """What the last forward's solve took, per layer and direction (torch.nn's order of h_n):
+        Newton iterations (0: the native forward), whether they converged, the last change."""
+        return [SolveStats.from_tensor(t) for t in self._stats]
 
     def forward(self, input: Tensor | PackedSequence, hx: State | None = None) -> tuple[Any, State]:
         """Same contract as ``torch.nn``'s forward; the backward is BPPSA in ``bppsa`` mode."""
@@ -147,7 +181,7 @@ class _BPPSAMixin:
         config = self._config()
         directions = self._directions
         per_call = len(self._flat_weights) // (self.num_layers * directions)
-        hs, cs = [], []
+        hs, cs, stats = [], [], []
         inp = x
         for i in range(self.num_layers):
             outs = []
@@ -155,7 +189,11 @@ class _BPPSAMixin:
                 k = i * directions + d
                 w = self._flat_weights[k * per_call : (k + 1) * per_call]
                 seq = inp if d == 0 else _reverse(inp, lengths)
-                out, h, c = layer(seq, h0[k], None if c0 is None else c0[k], w, config, lengths)
+                guess = self._guess(k, (*seq.shape[:2], self.hidden_size), seq)
+                out, h, c, solve = layer(seq, h0[k], None if c0 is None else c0[k], w, config, lengths, guess)
+                if self.newton_guess == "previous" and self.forward_solver != "native":
+                    self._guesses[k] = out.detach()
+                stats.append(solve)
                 outs.append(out if d == 0 else _reverse(out, lengths))
                 hs.append(h)
                 cs.append(c)
@@ -163,7 +201,16 @@ class _BPPSAMixin:
             if self.training and self.dropout > 0 and i < self.num_layers - 1:
                 inp = _dropout(inp, self.dropout, lengths, index)
         h_n = torch.stack(hs)
+        self._stats = stats
         return inp, ((h_n, torch.stack(cs)) if lstm else h_n)
+
+    def _guess(self, k: int, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
+        """With ``newton_guess="previous"``, layer-direction k's outputs of the last forward when
+        they have this shape, dtype and device; else None (zeros)."""
+        guess = self._guesses.get(k)
+        if guess is None or guess.shape != shape or guess.dtype != like.dtype or guess.device != like.device:
+            return None
+        return guess
 
     def extra_repr(self) -> str:
         s = super().extra_repr() + f", backward={self.backward_mode!r}"
@@ -171,6 +218,8 @@ class _BPPSAMixin:
             s += f", strategy={self.strategy!r}, chunk={self.chunk}, levels={self.levels}"
             if self.segment != MAX_SEGMENT:
                 s += f", segment={self.segment}"
+            if self.forward_solver != "native":
+                s += f", forward_solver={self.forward_solver!r}"
         return s
 
 

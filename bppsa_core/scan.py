@@ -130,6 +130,18 @@ def scan(
         return _run(chosen, chain, x_last, offsets, options)
 
 
+def forward_scan(chain: Chain, v0: Tensor, c: Tensor, options: ScanOptions) -> Tensor:
+    """Solve ``v_t = J_t v_{t-1} + c_t`` for t = 1..n forward in time from v_0; return v_0..v_n.
+
+    The same scan, read the other way: ``chain`` holds the transposed elements J_n^T, ..., J_1^T (a
+    cell's ``tangent_chain``), so x_k = v_{n-k}. A tangent takes this path (forward-mode
+    differentiation) and so does each iteration of a Newton forward (``bppsa_core.newton``). The
+    compiled kernels take no transposed elements: "triton" and "numba" run as "auto" here.
+    """
+    strategy = "auto" if options.strategy in ("triton", "numba") else options.strategy
+    return scan(chain, v0, c.flip(0), strategy=strategy, chunk=options.chunk, levels=options.levels).flip(0)
+
+
 def _run(chosen: str, chain: Chain, x_last: Tensor, offsets: Tensor | None, options: ScanOptions) -> Tensor:
     """The scan by the strategy ``chosen``."""
     device = x_last.device

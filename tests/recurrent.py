@@ -21,7 +21,10 @@ KINDS = {
     "lstm": (torch.nn.LSTM, bnn.LSTM, {}),
 }
 CLASSES = {"RNN": (torch.nn.RNN, bnn.RNN), "GRU": (torch.nn.GRU, bnn.GRU), "LSTM": (torch.nn.LSTM, bnn.LSTM)}
-SCAN_OPTIONS = ("backward", "strategy", "chunk", "levels", "segment")
+SCAN_OPTIONS = (
+    "backward", "strategy", "chunk", "levels", "segment",
+    "forward_solver", "newton_tol", "newton_iters", "newton_guess",
+)  # fmt: skip
 
 
 def pair(kind: str, *args, dtype=F64, seed: int = 0, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -1,0 +1,202 @@
+"""The Newton forward (``forward_solver="newton"`` / ``"quasi-newton"``): converged states equal
+torch.nn's forward (1e-10 in float64, 1e-5 in float32), gradients equal autograd's, the iteration
+count is bounded and reported, and a solve that does not converge falls back to the native forward."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import rel_err
+from hypothesis import given
+from hypothesis import strategies as st
+from recurrent import F64, KINDS, flat, pair, run, state, state_leaves
+from torch.nn.utils.rnn import pack_sequence
+
+from bppsa_core import nn as bnn
+from bppsa_core.dispatch import ScanOptions
+from bppsa_core.jacobians import GRUCell, LayerWeights, LSTMCell, RNNCell
+from bppsa_core.newton import SOLVERS, SolverOptions, solve
+
+NEWTON = [s for s in SOLVERS if s != "native"]
+# Largest absolute difference of the outputs and last states from torch.nn's, by dtype.
+OUT_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+GRAD_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+def check(kind, solver, steps, batch, features, hidden, dtype=F64, lengths=None, **kwargs):
+    """Ours with a Newton forward against torch.nn: outputs, states and every gradient; returns
+    ours (its ``solver_stats`` are those of the compared forward)."""
+    ref, ours = pair(kind, features, hidden, dtype=dtype, forward_solver=solver, **kwargs)
+    hx = state(ours, batch, dtype)
+    g = torch.Generator().manual_seed(2)
+    if lengths is not None:
+        seqs = [torch.randn(n, features, generator=g, dtype=dtype, requires_grad=True) for n in lengths]
+        inp, leaves = pack_sequence(seqs, enforce_sorted=False), seqs
+    else:
+        inp = torch.randn(steps, batch, features, generator=g, dtype=dtype, requires_grad=True)
+        leaves = [inp]
+    a, b = run(ref, inp, hx), run(ours, inp, hx)
+    stats = ours.solver_stats
+    for x, y in zip(a, b, strict=True):
+        assert (x - y).abs().max().item() <= OUT_TOL[dtype]
+    cot = [torch.randn(t.shape, generator=g, dtype=dtype) for t in a]
+    wrt = [*leaves, *state_leaves(hx)]
+    loss_a, loss_b = (sum((t * c).sum() for t, c in zip(r, cot, strict=True)) for r in (a, b))
+    ga = torch.autograd.grad(loss_a, [*ref.parameters(), *wrt], retain_graph=True)  # packing is shared
+    gb = torch.autograd.grad(loss_b, [*ours.parameters(), *wrt])
+    for x, y in zip(ga, gb, strict=True):
+        assert rel_err(x, y) < GRAD_TOL[dtype]
+    return stats
+
+
+@given(
+    kind=st.sampled_from(sorted(KINDS)),
+    solver=st.sampled_from(NEWTON),
+    steps=st.integers(1, 60),
+    batch=st.integers(1, 4),
+    features=st.integers(1, 4),
+    hidden=st.integers(1, 12),
+    layers=st.integers(1, 2),
+    bidirectional=st.booleans(),
+)
+def test_converged_forward_equals_torch_nn_float64(
+    kind, solver, steps, batch, features, hidden, layers, bidirectional
+) -> None:
+    stats = check(
+        kind, solver, steps, batch, features, hidden, num_layers=layers, bidirectional=bidirectional
+    )
+    assert len(stats) == layers * (2 if bidirectional else 1)
+    # after k iterations the first k states are exact: T + 1 iterations always end it
+    assert all(s.converged and 1 <= s.iterations <= steps + 1 for s in stats), stats
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("solver", NEWTON)
+def test_converged_forward_equals_torch_nn_float32(kind: str, solver: str) -> None:
+    stats = check(kind, solver, 300, 8, 3, 20, dtype=torch.float32, num_layers=2)
+    assert all(s.converged for s in stats), stats
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("solver", NEWTON)
+def test_packed_sequences(kind: str, solver: str) -> None:
+    """Past a sequence's end the state is carried and the output is 0, as torch.nn's."""
+    stats = check(kind, solver, None, 4, 2, 5, lengths=[9, 3, 14, 1], bidirectional=True)
+    assert all(s.converged for s in stats)
+
+
+def test_newton_takes_fewer_iterations_than_quasi_newton() -> None:
+    """Newton converges quadratically, quasi-Newton linearly: on the same layer Newton takes fewer."""
+    counts = {}
+    for s in NEWTON:
+        _, ours = pair("gru", 3, 16, forward_solver=s)
+        ours(torch.randn(200, 4, 3, dtype=F64))
+        counts[s] = ours.solver_stats[0].iterations
+    assert counts["newton"] < counts["quasi-newton"], counts
+
+
+def _chaotic(solver: str, iters: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tanh RNN whose recurrent weights are 3 times an orthogonal matrix (chaotic)."""
+    ref, ours = pair("tanh", 2, 16, forward_solver=solver, newton_iters=iters)
+    w = 3 * torch.linalg.qr(torch.randn(16, 16, generator=torch.Generator().manual_seed(0), dtype=F64))[0]
+    with torch.no_grad():
+        for m in (ref, ours):
+            m.weight_hh_l0.copy_(w)
+    return ref, ours
+
+
+@pytest.mark.parametrize("solver", NEWTON)
+def test_a_solve_that_does_not_converge_falls_back_to_the_native_forward(solver: str, caplog) -> None:
+    ref, ours = _chaotic(solver, 10)
+    x = torch.randn(200, 3, 2, dtype=F64)
+    with caplog.at_level(logging.WARNING, logger="bppsa_core.layer"):
+        got = flat(ours(x))
+    (stats,) = ours.solver_stats
+    assert not stats.converged and stats.iterations == 10
+    assert f"{solver} forward did not converge in 10 iterations" in caplog.text
+    assert "native sequential forward instead" in caplog.text
+    for a, b in zip(flat(ref(x)), got, strict=True):  # the fallback is the native forward: exact
+        assert (a - b).abs().max().item() <= 1e-12
+
+
+def test_previous_guess_starts_from_the_last_forward() -> None:
+    """With ``newton_guess="previous"`` the same batch again converges in one iteration (the
+    guess is the solution; the iteration confirms it), for an LSTM too (its c follows from h)."""
+    for kind in ("gru", "lstm"):
+        _, ours = pair(kind, 3, 8, forward_solver="newton", newton_guess="previous")
+        x = torch.randn(40, 2, 3, dtype=F64)
+        ours(x)
+        assert ours.solver_stats[0].iterations > 1
+        ours(x)
+        assert ours.solver_stats[0].iterations == 1
+        ours(x[:30])  # another shape: zeros again
+        assert ours.solver_stats[0].iterations > 1
+
+
+def test_native_forward_reports_zero_iterations() -> None:
+    _, ours = pair("gru", 3, 8, num_layers=3)
+    ours(torch.randn(5, 2, 3, dtype=F64))
+    assert [(s.iterations, s.converged) for s in ours.solver_stats] == [(0, True)] * 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"forward_solver": "jacobi"},
+            "unknown forward_solver 'jacobi'; accepted: native, newton, quasi-newton",
+        ),
+        (
+            {"forward_solver": "newton", "newton_tol": 0},
+            "newton_tol must be a number in (0, 1) or None, got 0",
+        ),
+        ({"forward_solver": "newton", "newton_tol": float("nan")}, "newton_tol must be a number in (0, 1)"),
+        ({"forward_solver": "newton", "newton_iters": 0}, "newton_iters must be a positive integer, got 0"),
+        ({"newton_guess": "ones"}, "unknown newton_guess 'ones'; accepted: zeros, previous"),
+        ({"forward_solver": "newton", "backward": "bptt"}, "forward_solver='newton' needs backward='bppsa'"),
+    ],
+)
+def test_bad_options_are_refused_in_one_line(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        bnn.GRU(3, 4, **kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("cell", [RNNCell("tanh"), RNNCell("relu"), GRUCell(), LSTMCell()], ids=repr)
+def test_step_is_the_cell_and_its_jacobian_diagonal(cell) -> None:
+    """``Cell.step`` from given previous states is torch's cell function at every step, and its
+    chain's ``diagonals`` are the diagonals of the dense Jacobians."""
+    torch.manual_seed(0)
+    steps, batch, inp, hidden = 6, 3, 2, 5
+    gates = cell.gates
+    w = LayerWeights(
+        *(
+            torch.randn(s, dtype=F64)
+            for s in [(gates * hidden, inp), (gates * hidden, hidden), (gates * hidden,), (gates * hidden,)]
+        )
+    )
+    lstm = isinstance(cell, LSTMCell)
+    x = torch.randn(steps, batch, inp, dtype=F64)
+    prev = torch.randn(steps, batch, 2 * hidden if lstm else hidden, dtype=F64)
+    new, factors = cell.step(x, prev, w)
+    for t in range(steps):
+        if lstm:
+            h, c = torch.lstm_cell(x[t], (prev[t, :, :hidden], prev[t, :, hidden:]), *vars(w).values())
+            expected = torch.cat((h, c), -1)
+        elif isinstance(cell, GRUCell):
+            expected = torch.gru_cell(x[t], prev[t], *vars(w).values())
+        else:
+            fn = torch.rnn_tanh_cell if cell.nonlinearity == "tanh" else torch.rnn_relu_cell
+            expected = fn(x[t], prev[t], *vars(w).values())
+        assert (new[t] - expected).abs().max() < 1e-12
+    chain = cell.chain(factors, w)
+    assert torch.allclose(chain.diagonals(), chain.dense().diagonal(dim1=-2, dim2=-1), atol=1e-13)
+
+
+def test_solve_refuses_the_native_method() -> None:
+    with pytest.raises(ValueError, match="solve\\(\\) runs the Newton methods; got forward_solver 'native'"):
+        x = torch.zeros(3, 1, 1, dtype=F64)
+        w = LayerWeights(torch.zeros(1, 1, dtype=F64), torch.zeros(1, 1, dtype=F64))
+        solve(RNNCell(), x, torch.zeros(1, 1, dtype=F64), w, None, SolverOptions(), ScanOptions())
