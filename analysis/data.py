@@ -7,9 +7,9 @@ or a single run folder, or a CSV file.
 Speedups follow the paper. A BPTT run and a BPPSA run are compared when everything but their
 backward is the same: the same ``comparison_key`` (a hash of the whole resolved configuration
 less the backward group and the keys that do not change results, written by the runner), device
-and worker count; each BPPSA variant (strategy, chunk, levels) gets its own row. Records without a
-``comparison_key`` are compared on every column that describes their run (all but the
-measurements). Per comparison:
+and worker count; each BPPSA variant (strategy, chunk, levels, forward solver) gets its own row.
+Records without a ``comparison_key`` are compared on every column that describes their run (all but
+the measurements). Per comparison:
 
 * overall = median epoch time of BPTT / median epoch time of BPPSA;
 * backward = median backward time per timed iteration of BPTT / the same of BPPSA (BPPSA's
@@ -72,6 +72,8 @@ MEASUREMENTS = (
     "loss",
     "accuracy",
     "samples_per_s",
+    "newton_iterations",
+    "newton_fallbacks",
     "test_loss",
     "test_accuracy",
     "run",
@@ -80,7 +82,7 @@ MEASUREMENTS = (
     "config_hash",
 )
 # The backward group's columns: what distinguishes the two sides and the BPPSA variants.
-BACKWARD_COLUMNS = ("backward", "strategy", "chunk", "levels")
+BACKWARD_COLUMNS = ("backward", "strategy", "chunk", "levels", "forward_solver")
 BOOTSTRAP_DRAWS = 1000
 # Fewer epochs than this on a side give a median but no interval: too few to estimate a spread.
 MIN_INTERVAL_EPOCHS = 3

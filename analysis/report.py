@@ -68,12 +68,16 @@ def _speedup_cell(row, label: str) -> str:
 
 
 def _variant(row) -> str:
-    """The BPPSA side of a comparison: its strategy, and chunk and levels where set."""
+    """The BPPSA side of a comparison: its strategy, chunk and levels where set, and a forward
+    solver other than the native one."""
     parts = [str(getattr(row, "strategy", "")) if pd.notna(getattr(row, "strategy", None)) else "-"]
     for key in ("chunk", "levels"):
         value = getattr(row, key, None)
         if value is not None and pd.notna(value):
             parts.append(f"{key} {int(value)}")
+    solver = getattr(row, "forward_solver", None)
+    if isinstance(solver, str) and solver != "native":
+        parts.append(f"{solver} forward")
     return ", ".join(parts)
 
 

@@ -50,6 +50,8 @@ NON_RESULT_KEYS = (
 )
 # Overrides that name or place the sweep, not one of its jobs: left out of job folder names.
 SWEEP_KEYS = ("name", "experiment", "hydra")
+# The model's keys of the forward solver (conf/forward/newton.yaml): BPPSA variants, as the backward's are.
+SOLVER_KEYS = ("model.forward_solver", "model.newton_")
 # The variable that carries the id of the sweep a job belongs to, from run.py to every job.
 SWEEP_ID_VARIABLE = "BPPSA_SWEEP_ID"
 
@@ -111,8 +113,9 @@ def config_hash(config: dict) -> str:
 
 def comparison_key(config: dict) -> str:
     """What a BPTT and a BPPSA run must share to be compared: the configuration's identity less its
-    backward group (``analysis.data.speedups`` pairs runs by it)."""
-    keys = {k: v for k, v in _result_keys(config).items() if not k.startswith("backward.")}
+    backward group and the forward solver, which only a BPPSA run may change (``analysis.data.speedups``
+    pairs runs by it)."""
+    keys = {k: v for k, v in _result_keys(config).items() if not k.startswith(("backward.", *SOLVER_KEYS))}
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -93,6 +93,7 @@ def identity_columns(
         "features": x.shape[2],
         "batch_size": cfg.trainer.batch_size,
         "backward": cfg.backward.mode,
+        "forward_solver": cfg.model.get("forward_solver", "native"),
         "strategy": cfg.backward.get("strategy"),
         "chunk": cfg.backward.get("chunk"),
         "levels": cfg.backward.get("levels"),
@@ -328,6 +329,9 @@ def epoch_line(row: dict, epochs: int, warmup_iters: int) -> str:
     else:
         warmup = f"all {row['iterations']} were warm-up, trainer.warmup_iters={warmup_iters}"
         line += f"; no timed iteration ({warmup})"
+    if row.get("newton_iterations"):
+        its, fallbacks = row["newton_iterations"], row["newton_fallbacks"]
+        line += f"; Newton {its:.1f} iterations per layer, {fallbacks} fallbacks"
     return line + ("; timings suspect: the machine was busy" if row.get("contended") else "")
 
 

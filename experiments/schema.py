@@ -26,6 +26,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from bppsa_core.dispatch import STRATEGIES
+from bppsa_core.newton import SOLVERS
+from bppsa_core.nn import GUESSES
 from datasets.common import is_count
 from experiments.hardware import worker_counts
 from experiments.records import job_folder, sweep_folder
@@ -73,23 +75,26 @@ BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
 
 
 @dataclass
-class RNNModel:
-    """``bppsa_core.RNN`` (torch.nn.RNN's arguments); the input size comes from the data."""
+class GRUModel:
+    """``bppsa_core.GRU`` or ``bppsa_core.LSTM`` (torch.nn's arguments, and how the forward is
+    solved: ``conf/forward/newton.yaml``); the input size comes from the data."""
 
     _target_: str = MISSING
     hidden_size: int = checked(POSITIVE_INT)
     num_layers: int = checked(POSITIVE_INT)
-    nonlinearity: str = checked(one_of("tanh", "relu"))
+    forward_solver: str = checked(one_of(*SOLVERS))
+    newton_tol: float | None = checked(
+        or_null(Rule(lambda v: POSITIVE_NUMBER.ok(v) and v < 1, "a number strictly between 0 and 1"))
+    )
+    newton_iters: int = checked(POSITIVE_INT)
+    newton_guess: str = checked(one_of(*GUESSES))
 
 
 @dataclass
-class GRUModel:
-    """``bppsa_core.GRU`` or ``bppsa_core.LSTM`` (torch.nn's arguments); the input size comes from
-    the data."""
+class RNNModel(GRUModel):
+    """``bppsa_core.RNN``: ``GRUModel``'s keys and the nonlinearity."""
 
-    _target_: str = MISSING
-    hidden_size: int = checked(POSITIVE_INT)
-    num_layers: int = checked(POSITIVE_INT)
+    nonlinearity: str = checked(one_of("tanh", "relu"))
 
 
 # ------------------------------------------------------------------------------------------- dataset
@@ -211,6 +216,17 @@ class Config:
     trainer: Any = MISSING
     logger: Any = MISSING
     hardware: Any = MISSING
+
+    @staticmethod
+    def together(node: Any) -> str | None:
+        """A Newton forward belongs to the BPPSA layer: BPTT runs PyTorch's own forward and backward."""
+        solver = node.model.get("forward_solver", "native")
+        if node.backward.mode == "bptt" and solver != "native":
+            return (
+                f"model.forward_solver={solver} needs backward=bppsa; accepted with backward=bptt: "
+                "model.forward_solver=native"
+            )
+        return None
 
 
 # Group option -> schema. Every YAML option in conf/<group>/ has an entry (a test checks it).

@@ -10,7 +10,8 @@ from experiments.records import RECORDS, SUMMARY, read_json
 
 
 def summary_table(records: pd.DataFrame) -> str:
-    """Per epoch: loss, accuracies, phase times per timed iteration (ms), throughput."""
+    """Per epoch: loss, accuracies, phase times per timed iteration (ms), throughput, and with a
+    Newton forward its iterations per layer forward and fallbacks."""
     per_iter = records["timed_iterations"].where(records["timed_iterations"] > 0)
     table = pd.DataFrame(
         {
@@ -24,6 +25,9 @@ def summary_table(records: pd.DataFrame) -> str:
             "samples/s": records["samples_per_s"].map("{:.0f}".format),
         }
     )
+    if records.get("forward_solver", pd.Series(["native"])).iloc[0] != "native":
+        table["newton its"] = records["newton_iterations"].map("{:.1f}".format)
+        table["fallbacks"] = records["newton_fallbacks"]
     return table.to_string(index=False)
 
 
@@ -36,7 +40,7 @@ def print_summary(run_dir: Path, skipped: bool = False) -> None:
     print(
         f"{'skipped (already completed): ' if skipped else ''}{first['model']} on {first['dataset']}, "
         f"T={first['seq_len']}, B={first['batch_size']}, backward={first['backward']}, "
-        f"device={first['device_name']}"
+        f"forward={first.get('forward_solver', 'native')}, device={first['device_name']}"
     )
     print(summary_table(records))
     print(f"results: {run_dir / RECORDS}, {run_dir / SUMMARY} (status {summary.get('status')})")

@@ -98,7 +98,7 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tupl
 
 
 def train_epoch(
-    model: nn.Module,
+    model: Classifier,
     optimizer: torch.optim.Optimizer,
     loader: DataLoader,
     device: torch.device,
@@ -111,12 +111,14 @@ def train_epoch(
 
     timer = PhaseTimer(device)
     loss_sum, correct, seen, timed, iterations = 0.0, 0, 0, 0, 0
+    solves: list = []  # every layer's forward solve of the epoch (bppsa_core.newton.SolveStats)
     t0 = time.perf_counter()
     bar = tqdm(loader, desc=f"epoch {state.epoch + 1}", leave=False, disable=not progress, file=sys.stderr)
     for x, y in bar:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         record = state.iteration >= warmup_iters
         logits, loss = timer.time("forward", lambda x=x, y=y: _forward(model, x, y), record)
+        solves += model.rnn.solver_stats
         optimizer.zero_grad(set_to_none=True)
         timer.time("backward", loss.backward, record)
         timer.time("step", optimizer.step, record)
@@ -146,6 +148,9 @@ def train_epoch(
         "loss": loss_sum / max(seen, 1),
         "accuracy": correct / max(seen, 1),
         "samples_per_s": seen / epoch_s if epoch_s > 0 else float("nan"),
+        # Newton iterations per layer forward (0: the native forward), and the solves that fell back
+        "newton_iterations": sum(s.iterations for s in solves) / max(len(solves), 1),
+        "newton_fallbacks": sum(not s.converged for s in solves),
     }
 
 

@@ -47,6 +47,12 @@ def test_every_preset_composes_validates_and_sweeps_both_backwards(preset: str) 
         ["model=gru", "dataset=irmas", "dataset.root=/x", "dataset.frames=l"],
         ["backward=bptt", "logger=none", "hardware.device=cpu", "hardware.workers=1"],
         ["logger=wandb", "logger.mode=online", "backward.strategy=blelloch", "backward.levels=2"],
+        [
+            "model=lstm",
+            "model.forward_solver=quasi-newton",
+            "model.newton_guess=previous",
+            "model.newton_tol=1e-5",
+        ],
     ],
 )
 def test_group_options_compose_and_validate(overrides: list[str]) -> None:
@@ -158,6 +164,34 @@ def test_the_default_job_runs_and_records(tmp_path: Path) -> None:
     assert {"commit", "dirty"} <= set(summary["git"]) and summary["versions"]["torch"] == torch.__version__
     assert summary["device"]["device_type"] == "cpu" and summary["totals"]["epochs"] == 2
     assert not (ROOT / "outputs").exists() or not any((ROOT / "outputs").rglob(run_dir.name))
+
+
+def test_a_newton_forward_runs_and_records_its_iterations(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run_py(
+        *TINY, "logger=none", "model.forward_solver=newton", f"hydra.run.dir={run_dir}", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert "forward=newton" in done.stdout and "newton its" in done.stdout
+    assert "Newton " in done.stdout and " iterations per layer, 0 fallbacks" in done.stdout
+    records = pd.read_csv(run_dir / "records.csv")
+    assert records["forward_solver"].tolist() == ["newton", "newton"]
+    # T = 8: at least one iteration, at most T + 1 (after k iterations the first k states are exact)
+    assert records["newton_iterations"].between(1, 9).all() and (records["newton_fallbacks"] == 0).all()
+
+
+def test_a_newton_run_is_compared_with_the_bptt_run_of_its_configuration() -> None:
+    """The forward solver is a BPPSA variant, like the scan strategy: it leaves the comparison key alone."""
+    from experiments import records
+
+    def key(*overrides: str) -> str:
+        return records.comparison_key(OmegaConf.to_container(composed(*overrides)))
+
+    bptt = key("backward=bptt")
+    assert (
+        key("model.forward_solver=newton", "model.newton_iters=7") == bptt == key("backward.strategy=chunked")
+    )
+    assert key("backward=bptt", "model.hidden_size=21") != bptt
 
 
 def test_a_sweep_merges_its_jobs_and_skips_them_when_rerun(tmp_path: Path) -> None:
@@ -284,6 +318,17 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
         (["trainer.epochs=1e26"], "trainer.epochs must be a positive integer, got 1e+26"),
         (["optimizer.lr=fast"], "optimizer.lr must be a positive number, got 'fast'"),
         (["optimizer=adamw"], "unknown optimizer 'adamw'; accepted: adam, sgd"),
+        (
+            ["model.forward_solver=jacobi"],
+            "model.forward_solver must be one of native, newton, quasi-newton, got 'jacobi'",
+        ),
+        (
+            ["backward=bptt", "model.forward_solver=newton"],
+            "model.forward_solver=newton needs backward=bppsa; accepted with backward=bptt: "
+            "model.forward_solver=native",
+        ),
+        (["model.newton_iters=0"], "model.newton_iters must be a positive integer, got 0"),
+        (["model.newton_tol=2"], "model.newton_tol must be a number strictly between 0 and 1 or null, got 2"),
         (["model="], "unknown model ''; accepted: gru, lstm, rnn"),
         (["hydra/launcher=nope"], "unknown hydra/launcher 'nope'; accepted: basic"),
         (["--config-name=nope"], "unknown config 'nope'; accepted: config"),
