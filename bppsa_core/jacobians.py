@@ -18,8 +18,9 @@ A cell supplies these, all parallel over time and batch:
   scan's output is scratch by then) and the block's factors, the gradients of the input-side and
   hidden-side pre-activations, from which every weight, bias and input gradient follows by GEMMs
   (``layer_grads``, block by block over time).
-* ``step``, for a forward solved by Newton's method (``bppsa_core.newton``): every step at once from
-  given previous states, the new states and the factors of the Jacobians at those states.
+* ``step`` and ``bounds``, for a forward solved by Newton's method (``bppsa_core.newton``): every
+  step at once from given previous states, the new states and the factors of the Jacobians at those
+  states; and the box every state of a sequence lies in, whatever the inputs and weights.
 * ``direct_tangent`` and ``tangent_chain``, for forward-mode differentiation: a tangent of the
   state obeys ``v_t = J_t v_{t-1} + c_t``, where c_t, the part that comes from the step's own
   inputs and weights, is ``preactivation_grads``' adjoint applied to the pre-activations' tangents;
@@ -34,6 +35,7 @@ PyTorch's gate layouts are used throughout: RNN ``h' = f(W_ih x + b_ih + W_hh h 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -108,6 +110,12 @@ class RNNCell:
         h = torch.tanh_(z) if self.nonlinearity == "tanh" else torch.relu_(z)
         return _carry(h_prev, h, keep), self.factors(x, h_prev, h, w, keep=keep)
 
+    def bounds(self, s0: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+        """Lower and upper bounds (B, H) of h_1..h_T: tanh's range, or relu's (never negative),
+        each widened to hold h_0 (a sequence that ends at once keeps it)."""
+        lo, hi = (-1.0, 1.0) if self.nonlinearity == "tanh" else (0.0, math.inf)
+        return s0.clamp(max=lo), s0.clamp(min=hi)
+
     def chain(self, factors: tuple[Tensor, ...], w: LayerWeights) -> FactoredChain:
         """Elements ``diag(f'_t) @ W_hh`` (+ the identity past a sequence's end), t = 1..T."""
         fp, *past_end = factors
@@ -166,6 +174,11 @@ class GRUCell:
         h = torch.empty_like(h_prev)
         factors = self._all_factors(x, h_prev, w, keep, h)
         return _carry(h_prev, h, keep), factors
+
+    def bounds(self, s0: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+        """Lower and upper bounds (B, H) of h_1..h_T: each h_t is a convex combination of tanh's
+        n_t and h_{t-1}, so it stays within [min(-1, h_0), max(1, h_0)]."""
+        return s0.clamp(max=-1.0), s0.clamp(min=1.0)
 
     def _all_factors(
         self, x: Tensor, h_prev: Tensor, w: LayerWeights, keep: Tensor | None, h: Tensor | None = None
@@ -330,6 +343,14 @@ class LSTMCell:
             torch.mul(o, torch.tanh(c), out=s[t, :, :hidden])
             self._factors(gates, c_prev[t], c, scales_h[t], scales_c[t], diag_hc[t], diag_cc[t])
         return _carry(s_prev, s, keep), _past_end((scales_h, scales_c, diag_hc, diag_cc), keep)
+
+    def bounds(self, s0: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+        """Lower and upper bounds (B, 2H) of (h, c)_1..T: h = o tanh(c) within [-1, 1] (or h_0),
+        and |c_t| <= |c_{t-1}| + 1 (f, i in (0, 1), |g| < 1), so |c| <= |c_0| + T."""
+        hidden = s0.shape[-1] // 2
+        h0, c0 = s0[..., :hidden], s0[..., hidden:]
+        c_max = c0.abs() + steps
+        return torch.cat((h0.clamp(max=-1.0), -c_max), -1), torch.cat((h0.clamp(min=1.0), c_max), -1)
 
     def _gates(self, x: Tensor, h_prev: Tensor, w: LayerWeights) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The gates i, f, g, o of a block of steps, from the two pre-activation GEMMs."""

@@ -17,11 +17,22 @@ is an elementwise recurrence (``scan.elementwise_recurrence``), H times less wor
 scan, for more iterations (it converges linearly, Newton quadratically near the solution).
 
 Both are exact at their fixed point, and both make the first k states exact after k iterations (the
-first wrong step's residual is corrected exactly), so T iterations always suffice in exact
-arithmetic. Iterations stop when the largest change ``max |d|`` is at most ``tol * max(1, max |h|)``;
-``tol`` defaults by dtype (``DEFAULT_TOL``). A solve that reaches ``max_iters`` without converging,
-or whose correction is not finite, reports ``converged=False``; the layer then runs the native
-sequential forward instead (``bppsa_core.layer.solved_forward``), so a state is never silently wrong.
+first wrong step's residual is corrected exactly), so T + 1 iterations always suffice in exact
+arithmetic. Far from the solution, though, a linearised solve over many steps of a recurrence that
+is not contractive (a trained RNN) multiplies its corrections by long products of Jacobians and
+overflows to inf and NaN: plain DEER diverges there. So a correction that is not a number is
+dropped, and every iterate is projected onto the box the cell's states provably lie in
+(``Cell.bounds``: tanh's [-1, 1], a GRU's convex combinations, an LSTM's |c_t| <= |c_0| + t). Both
+are inactive at the solution, so the fixed point and the first-k-exact property are unchanged, and
+a trained model's solve converges where the plain one stops at NaN (docs/PERFORMANCE.md).
+
+Iterations stop when the error estimate of the last change, ``max |h_new - h|``, is at most
+``tol * max(1, max |h|)``: the change itself for Newton (quadratic: the error left is far smaller),
+``change * rate / (1 - rate)`` for quasi-Newton (linear, at the observed rate ``change /
+previous change``). ``tol`` defaults by dtype (``DEFAULT_TOL``). A solve that reaches ``max_iters``
+without converging, or whose change is not finite, reports ``converged=False``; the layer then runs
+the native sequential forward instead (``bppsa_core.layer.solved_forward``), so a state is never
+silently wrong.
 """
 
 from __future__ import annotations
@@ -110,9 +121,11 @@ def solve(
     steps = x.shape[0]
     tol = options.tolerance(x.dtype)
     with torch.no_grad():
+        lo, hi = cell.bounds(s0, steps)
         s = s0.new_zeros((steps, *s0.shape)) if guess is None else guess.to(s0.dtype, copy=True)
+        s.clamp_(lo, hi)
         zero = torch.zeros_like(s0)
-        change = math.inf
+        change, last = math.inf, math.inf
         for k in range(1, options.max_iters + 1):
             prev = torch.cat((s0.unsqueeze(0), s[:-1]))
             new, factors = cell.step(x, prev, w, keep)
@@ -122,10 +135,20 @@ def solve(
             else:
                 a = cell.chain(factors, w).diagonals().expand_as(residual)
                 d = elementwise_recurrence(a, residual, zero)
-            change = float(d.abs().max()) if d.numel() else 0.0
-            s += d
+            new = d.nan_to_num_(nan=0.0).add_(s).clamp_(lo, hi)  # the projected iterate
+            change = _max_abs(new - s)
+            s = new
             if not math.isfinite(change):
                 return s, SolveStats(k, False, change)
-            if change <= tol * max(1.0, float(s.abs().max()) if s.numel() else 0.0):
+            error = change
+            if options.method == "quasi-newton":
+                rate = change / last if last > 0 else 0.0
+                error = max(change, change * rate / (1 - rate)) if rate < 1 else math.inf
+            if error <= tol * max(1.0, _max_abs(s)):
                 return s, SolveStats(k, True, change)
+            last = change
     return s, SolveStats(options.max_iters, False, change)
+
+
+def _max_abs(t: Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0

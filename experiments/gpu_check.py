@@ -13,7 +13,9 @@ section of the report with its command, its time and its output (or why it faile
 4. ``scan``: the scan alone against ``torch``'s and ``jax``'s ``associative_scan``;
 5. ``chunk``: the Triton kernels' chunk-size sweep at T = 1000 and 30,000;
 6. ``workers``: BPPSA's and cuDNN's backward confined to 1, 2, 4, ... SMs (CUDA green contexts);
-7. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
+7. ``forward``: the Newton forwards (``forward_solver="newton"``, ``"quasi-newton"``) against cuDNN's
+   sequential forward, T = 100 ... 100,000, at initialization and trained (``experiments.bench.forward``);
+8. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
    kernels at H = 1, 20, 32 and 64, for this GPU's architecture, to set beside the measured times
    of steps 2 and 5.
 
@@ -43,7 +45,7 @@ from datasets.common import write_atomic
 from experiments.bench.common import Progress, markdown, version
 from experiments.timing import time_ms
 
-STEPS = ("tests", "backward", "epoch", "scan", "chunk", "workers", "kernels")
+STEPS = ("tests", "backward", "epoch", "scan", "chunk", "workers", "forward", "kernels")
 CHUNKS = (8, 16, 32, 64, 128)
 GPU_TEST_FILES = ("tests/test_triton.py", "tests/test_sparse.py")
 TITLES = {
@@ -53,6 +55,7 @@ TITLES = {
     "scan": "Scan only, against associative_scan",
     "chunk": "Triton chunk-size sweep",
     "workers": "Backward against SMs (green contexts)",
+    "forward": "Newton forward against cuDNN's",
     "kernels": "Compiled kernels: resources and static estimate",
 }
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +92,9 @@ def plan(dry: bool, repeats: int, warmup: int) -> dict[str, list[list[str]] | st
         "scan": [_bench(*suite, "--tables", "scan", "--peers", "torch", "jax", *device)],
         "chunk": [_bench(*chunk_shape, "--chunk", str(c), "--tables", "backward", *device) for c in CHUNKS],
         "workers": "in process",
+        "forward": [
+            [sys.executable, "-m", "experiments.bench.forward", *device, *(["--quick"] if dry else [])]
+        ],
         "kernels": [
             [
                 sys.executable,

@@ -20,6 +20,9 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
             assert argv[1:3] == ["-m", "experiments.bench.backward"]
             assert "--device" in argv and argv[argv.index("--device") + 1] == "cuda"
             assert "--quick" not in argv
+    (forward,) = steps["forward"]
+    assert forward[1:3] == ["-m", "experiments.bench.forward"] and "--quick" not in forward
+    assert forward[forward.index("--device") + 1] == "cuda"
     assert [a[a.index("--chunk") + 1] for a in steps["chunk"]] == [str(c) for c in gpu_check.CHUNKS]
     assert all("triton" in a for a in steps["chunk"])
 
@@ -32,6 +35,7 @@ def test_the_dry_plan_skips_what_needs_cuda_and_shrinks_the_rest() -> None:
             assert argv[argv.index("--device") + 1] == "cpu"
             assert "--quick" in argv or "--T" in argv
     assert steps["kernels"][0][-2:] == ["80", "90"] and "representative" in steps["kernels"][0]
+    assert "--quick" in steps["forward"][0] and "cpu" in steps["forward"][0]
 
 
 def test_without_a_gpu_the_command_says_how_to_check_it(tmp_path) -> None:

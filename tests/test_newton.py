@@ -107,6 +107,50 @@ def _chaotic(solver: str, iters: int) -> tuple[torch.nn.Module, torch.nn.Module]
     return ref, ours
 
 
+@pytest.mark.parametrize("model", ["rnn", "gru"])
+def test_a_trained_layer_converges_to_the_native_states(model: str) -> None:
+    """The benchmark's trained weights (300 Adam steps of the bitstream task; the RNN's recurrence is
+    no longer contractive, and unprojected iterations overflowed to NaN on it): the Newton forward
+    at T = 1000 in float32 converges, to the native states within 1e-5."""
+    from experiments.bench.forward import MODELS, task_batch, trained_state
+
+    cpu = torch.device("cpu")
+    cls, features = MODELS[model]
+    weights = trained_state(model, 20, 16, 300, cpu)[0]
+    x = task_batch(1000, 16, features, cpu, seed=10_000)[0]
+    ref = cls(features, 20, batch_first=True)
+    ours = cls(features, 20, batch_first=True, forward_solver="newton")
+    ref.load_state_dict(weights)
+    ours.load_state_dict(weights)
+    out = ours(x)[0]
+    (stats,) = ours.solver_stats
+    assert stats.converged, stats
+    assert (out - ref(x)[0]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_state_lies_within_the_cells_bounds(kind: str) -> None:
+    """``Cell.bounds`` holds for the native states, from initial states inside and outside [-1, 1]."""
+    from bppsa_core.layer import cell_of
+
+    _, ours = pair(kind, 3, 6)
+    hx = state(ours, 5)
+    with torch.no_grad():
+        for t in hx if isinstance(hx, tuple) else (hx,):
+            t.mul_(3)  # some initial states outside [-1, 1]
+        steps = 40
+        x = 2 * torch.randn(steps, 5, 3, dtype=F64)
+        lstm = kind == "lstm"
+        h, c, s0 = x.new_empty((steps, 5, 6)), x.new_empty((steps, 5, 6)), None
+        for t in range(steps):  # every state, step by step, from PyTorch's cell functions
+            out = ours(x[: t + 1], hx)[1]
+            h[t], c[t] = (out[0][0], out[1][0]) if lstm else (out[0], out[0])
+        s0 = torch.cat((hx[0][0], hx[1][0]), -1) if lstm else hx[0]
+        states = torch.cat((h, c), -1) if lstm else h
+        lo, hi = cell_of(ours.mode).bounds(s0, steps)
+        assert (states >= lo).all() and (states <= hi).all()
+
+
 @pytest.mark.parametrize("solver", NEWTON)
 def test_a_solve_that_does_not_converge_falls_back_to_the_native_forward(solver: str, caplog) -> None:
     ref, ours = _chaotic(solver, 10)

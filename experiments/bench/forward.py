@@ -1,0 +1,236 @@
+"""Forward benchmark: the native sequential forward against the Newton solves, parallel in time.
+
+    python -m experiments.bench.forward                       # RNN and GRU, T = 100 ... 100,000
+    python -m experiments.bench.forward --device cuda          # the same on a GPU
+    python -m experiments.bench.forward --quick                # seconds on a CPU
+
+For each model, weights and sequence length: the native forward's time (PyTorch's fused kernel,
+cuDNN on a GPU) and, per solver (``forward_solver="newton"`` and ``"quasi-newton"``,
+``bppsa_core.newton``), the iterations it took, its time, its ratio to the native time, and the
+largest difference of its outputs from the native ones. Every method runs the training forward of
+the same module weights on the same batch, the methods take turns (one call each per round), and
+each cell is the median of ``--repeats`` rounds after ``--warmup``, all in one process.
+
+Models: the paper's RNN (bitstream, one input feature, H = 20) and the GRU at the IRMAS setting
+m's width (24 features, H = 20). Weights: ``init`` (PyTorch's initialization) and ``trained``
+(``--train-steps`` Adam steps of the bitstream task at T = 100 through BPTT; the GRU's extra
+features are Gaussian noise). Newton's iterations grow as training makes the recurrence less
+contractive, which is why both are measured. The input is a batch of the same task at each T.
+
+Prints Markdown; progress goes to stderr. Imports nothing beyond torch, so it runs on a bare GPU
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from bppsa_core import nn as bnn
+from bppsa_core.newton import DEFAULT_MAX_ITERS, SOLVERS
+from experiments.bench.common import (
+    Progress,
+    device_arg,
+    fmt_ms,
+    machine_line,
+    markdown,
+    non_negative_int,
+    parser,
+    positive_int,
+)
+from experiments.timing import time_ms
+
+NEWTON = tuple(s for s in SOLVERS if s != "native")
+MODELS = {"rnn": (bnn.RNN, 1), "gru": (bnn.GRU, 24)}  # class, input features
+WEIGHTS = ("init", "trained")
+CLASSES = 10
+TRAIN_T = 100
+TRAIN_LR = 3e-3
+DEFAULT_T = (100, 1000, 10_000, 100_000)
+QUICK = {"T": (30, 300), "B": 4, "H": 8, "train_steps": 20}
+
+
+@dataclass
+class Row:
+    model: str
+    weights: str
+    steps: int
+    batch: int
+    hidden: int
+    features: int
+    native_ms: float
+    solver_ms: dict[str, float] = field(default_factory=dict)
+    iterations: dict[str, int] = field(default_factory=dict)
+    converged: dict[str, bool] = field(default_factory=dict)
+    max_diff: dict[str, float] = field(default_factory=dict)
+
+
+def task_batch(steps: int, batch: int, features: int, device: torch.device, seed: int) -> tuple:
+    """A batch of the bitstream task (B, T, features): the bits in feature 0, Gaussian noise in
+    the rest; and its labels."""
+    from experiments.bench.backward import bitstream_batches  # torch-only, like this module
+
+    x, y = bitstream_batches(steps, batch, batch, device, seed)[0]
+    if features > 1:
+        g = torch.Generator(device=device).manual_seed(seed)
+        noise = torch.randn((*x.shape[:2], features - 1), generator=g, device=device)
+        x = torch.cat((x, noise), -1)
+    return x, y
+
+
+def trained_state(
+    model: str, hidden: int, batch: int, steps: int, device: torch.device, seed: int = 0
+) -> tuple[dict, float, float]:
+    """The layer's weights after ``steps`` Adam steps of the task at T = 100 (BPTT), and the first
+    and last training losses."""
+    from experiments.train import Classifier  # the suite's model (its imports need no hydra)
+
+    cls, features = MODELS[model]
+    torch.manual_seed(seed)
+    net = Classifier(cls(features, hidden, batch_first=True, backward="bptt"), CLASSES).to(device)
+    optimizer = torch.optim.Adam(net.parameters(), lr=TRAIN_LR)
+    losses = []
+    for i in range(steps):
+        x, y = task_batch(TRAIN_T, batch, features, device, seed + 1 + i)
+        loss = F.cross_entropy(net(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return net.rnn.state_dict(), losses[0], sum(losses[-10:]) / len(losses[-10:])
+
+
+def bench(
+    model: str,
+    weights: dict,
+    label: str,
+    steps: int,
+    batch: int,
+    hidden: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    solvers: Sequence[str],
+    warmup: int,
+    repeats: int,
+    max_iters: int,
+) -> Row:
+    """One row: the native forward and each solver's, taking turns on the same batch."""
+    cls, features = MODELS[model]
+    x = task_batch(steps, batch, features, device, seed=10_000)[0].to(dtype)
+    modules = {}
+    for name in ("native", *solvers):
+        m = cls(features, hidden, batch_first=True, forward_solver=name, newton_iters=max_iters)
+        m.load_state_dict(weights)
+        modules[name] = m.to(device, dtype)
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    outputs = {}
+    for r in range(warmup + repeats):
+        for name, m in modules.items():
+            ms = time_ms(lambda m=m, name=name: outputs.__setitem__(name, m(x)[0]), device)
+            if r >= warmup:
+                times[name].append(ms)
+    row = Row(model, label, steps, batch, hidden, features, statistics.median(times["native"]))
+    for name in solvers:
+        (stats,) = modules[name].solver_stats
+        row.solver_ms[name] = statistics.median(times[name])
+        row.iterations[name] = stats.iterations
+        row.converged[name] = stats.converged
+        row.max_diff[name] = (outputs[name] - outputs["native"]).abs().max().item()
+    return row
+
+
+def format_table(rows: Sequence[Row], solvers: Sequence[str]) -> str:
+    """Markdown: native time, and per solver its iterations, time, ratio to native and difference."""
+    head = ["model", "weights", "T", "B", "H", "F", "native ms"]
+    for s in solvers:
+        head += [f"{s} its", f"{s} ms", f"{s} / native", f"{s} max diff"]
+    body = []
+    for r in rows:
+        cells = [r.model, r.weights, str(r.steps), str(r.batch), str(r.hidden), str(r.features)]
+        cells.append(fmt_ms(r.native_ms))
+        for s in solvers:
+            its = str(r.iterations[s]) + ("" if r.converged[s] else " (fallback)")
+            ratio = r.solver_ms[s] / r.native_ms
+            cells += [its, fmt_ms(r.solver_ms[s]), f"{ratio:.3g}", f"{r.max_diff[s]:.1e}"]
+        body.append(cells)
+    return markdown(head, body)
+
+
+LEGEND = (
+    "Training forward of one layer (the module call); 'its': Newton iterations to convergence, "
+    "'(fallback)': not converged within --max-iters, so the time includes the native forward run "
+    "after them; '/ native' < 1 means the solver is faster; 'max diff': the largest absolute "
+    "difference of the outputs from the native forward's."
+)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: a bad value ends the tool with one line and status 2."""
+    p = parser("experiments.bench.forward", __doc__)
+    p.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS), help="models")
+    p.add_argument("--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS), help="weights to time")
+    p.add_argument("--solvers", nargs="+", choices=NEWTON, default=list(NEWTON), help="solvers to time")
+    p.add_argument("--T", type=positive_int, nargs="+", default=None, help=f"lengths (default: {DEFAULT_T})")
+    p.add_argument("--B", type=positive_int, default=None, help="batch size (default: 16)")
+    p.add_argument("--H", type=positive_int, default=None, help="hidden size (default: 20)")
+    p.add_argument("--train-steps", type=positive_int, default=None, help="Adam steps (default: 300)")
+    p.add_argument("--max-iters", type=positive_int, default=DEFAULT_MAX_ITERS, help="newton_iters")
+    p.add_argument("--quick", action="store_true", help="small shapes, seconds on a CPU")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed rounds (the median is shown)")
+    p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed rounds before them")
+    args = p.parse_args(argv)
+    size = QUICK if args.quick else {"T": DEFAULT_T, "B": 16, "H": 20, "train_steps": 300}
+    args.T = args.T or list(size["T"])
+    args.B, args.H = args.B or size["B"], args.H or size["H"]
+    args.train_steps = size["train_steps"] if args.train_steps is None else args.train_steps
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print one table per model, each as soon as it is measured."""
+    args = parse_args(argv)
+    progress = Progress("forward")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = args.device, getattr(torch, args.dtype)
+    print(machine_line(device))
+    print(
+        f"{args.dtype}, median of {args.repeats} after {args.warmup} warm-up rounds; newton_iters "
+        f"{args.max_iters}; trained: {args.train_steps} Adam steps (lr {TRAIN_LR:g}) at T = {TRAIN_T}"
+    )
+    print(f"\n{LEGEND}")
+    for model in args.models:
+        cls, features = MODELS[model]
+        states = {}
+        if "init" in args.weights:
+            torch.manual_seed(0)
+            states["init"] = cls(features, args.H).state_dict()
+        if "trained" in args.weights:
+            progress(f"training {model} for {args.train_steps} steps ...")
+            state, first, last = trained_state(model, args.H, args.B, args.train_steps, device)
+            states["trained"] = state
+            print(f"\n{model}: training loss {first:.4f} at the first step, {last:.4f} over the last ten")
+        rows = []
+        timing = (args.warmup, args.repeats, args.max_iters)
+        for label, state in states.items():
+            for t in args.T:
+                progress(f"{model} {label} T={t} ...")
+                rows.append(
+                    bench(model, state, label, t, args.B, args.H, device, dtype, args.solvers, *timing)
+                )
+        title = f"{model.upper()} (F = {features}, B = {args.B}, H = {args.H})"
+        print(f"\n### Forward: {title}\n\n{format_table(rows, args.solvers)}", flush=True)
+    progress("done")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""The forward benchmark: what a row measures, one smoke test of what it prints, its bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import markdown_tables
+
+from experiments.bench import forward
+from experiments.bench.forward import bench, parse_args, trained_state
+
+CPU = torch.device("cpu")
+
+
+def test_a_row_times_every_solver_against_the_native_forward() -> None:
+    torch.manual_seed(0)
+    weights = torch.nn.GRU(24, 6).state_dict()
+    row = bench("gru", weights, "init", 40, 3, 6, CPU, torch.float64, forward.NEWTON, 0, 1, 100)
+    assert row.native_ms > 0 and set(row.solver_ms) == set(forward.NEWTON)
+    assert all(row.converged.values()) and all(1 <= n <= 41 for n in row.iterations.values())
+    assert max(row.max_diff.values()) < 1e-10  # float64: the converged states are the native ones
+
+
+def test_a_row_marks_a_fallback() -> None:
+    torch.manual_seed(0)
+    weights = torch.nn.RNN(1, 6).state_dict()
+    row = bench("rnn", weights, "init", 50, 2, 6, CPU, torch.float64, ["quasi-newton"], 0, 1, 2)
+    assert row.iterations == {"quasi-newton": 2} and row.converged == {"quasi-newton": False}
+    assert row.max_diff["quasi-newton"] == 0.0  # the native forward ran instead
+    assert "2 (fallback)" in forward.format_table([row], ["quasi-newton"])
+
+
+def test_training_lowers_the_loss() -> None:
+    _, first, last = trained_state("rnn", 20, 16, 100, CPU)
+    assert last < first
+
+
+def test_the_quick_run_prints_a_table_per_model(capsys) -> None:
+    assert forward.main(["--quick", "--repeats", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("device: cpu")
+    titles = [line[4:] for line in out.splitlines() if line.startswith("### ")]
+    assert titles == ["Forward: RNN (F = 1, B = 4, H = 8)", "Forward: GRU (F = 24, B = 4, H = 8)"]
+    for head, rows in markdown_tables(out):
+        assert head[:7] == ["model", "weights", "T", "B", "H", "F", "native ms"]
+        assert "newton / native" in head and "quasi-newton its" in head
+        assert [(r[1], r[2]) for r in rows] == [
+            ("init", "30"),
+            ("init", "300"),
+            ("trained", "30"),
+            ("trained", "300"),
+        ]
+        diffs = [float(r[i]) for r in rows for i, h in enumerate(head) if h.endswith("max diff")]
+        assert max(diffs) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--T", "0"], "argument --T: 0 is not positive; accepted: positive integers"),
+        (["--models", "lstm"], "argument --models: invalid choice: 'lstm'"),
+        (["--solvers", "native"], "argument --solvers: invalid choice: 'native'"),
+        (["--weights", "random"], "argument --weights: invalid choice: 'random'"),
+        (["--max-iters", "0"], "argument --max-iters: 0 is not positive"),
+        (["--train-steps", "0"], "argument --train-steps: 0 is not positive"),
+        (["--device", "tpu"], "argument --device: unknown device 'tpu'; accepted: auto, cpu, cuda, cuda:N"),
+    ],
+)
+def test_bad_input_exits_with_one_clear_line(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("python -m experiments.bench.forward: error: ") and message in last
