@@ -200,7 +200,8 @@ def numba_chunk(n: int, batch: int, hidden: int, terms: int, threads: int) -> in
 
 KERNELS_REFUSED = (
     f"strategy='triton' takes a float32 factored chain of at most {MAX_TERMS} terms with H <= "
-    f"{MAX_HIDDEN} (an RNN's or a GRU's) or an LSTM's with H <= {MAX_LSTM_HIDDEN}, not transposed; "
+    f"{MAX_HIDDEN} (an RNN's or a GRU's, transposed or not) or an LSTM's with H <= {MAX_LSTM_HIDDEN}, "
+    "not transposed; "
     "accepted for this chain: auto, sequential, blelloch, chunked, graph"
 )
 

@@ -136,9 +136,10 @@ def forward_scan(chain: Chain, v0: Tensor, c: Tensor, options: ScanOptions) -> T
     The same scan, read the other way: ``chain`` holds the transposed elements J_n^T, ..., J_1^T (a
     cell's ``tangent_chain``), so x_k = v_{n-k}. A tangent takes this path (forward-mode
     differentiation) and so does each iteration of a Newton forward (``bppsa_core.newton``). The
-    compiled kernels take no transposed elements: "triton" and "numba" run as "auto" here.
+    Triton kernels take transposed factored chains (and "auto" picks them on a GPU); the compiled
+    CPU kernels do not: "numba" runs as "auto" here.
     """
-    strategy = "auto" if options.strategy in ("triton", "numba") else options.strategy
+    strategy = "auto" if options.strategy == "numba" else options.strategy
     return scan(chain, v0, c.flip(0), strategy=strategy, chunk=options.chunk, levels=options.levels).flip(0)
 
 
@@ -181,15 +182,13 @@ def _eager(name: str, chain: Chain, x_last: Tensor, offsets: Tensor | None, opti
 
 
 def _kernels_take(chain: Chain) -> bool:
-    """Whether the Triton kernels take this chain: a factored one, not transposed, that
-    ``dispatch.kernels_take`` (or an LSTM's that ``dispatch.lstm_kernels_take``)."""
+    """Whether the Triton kernels take this chain: a factored one (transposed or not) that
+    ``dispatch.kernels_take``, or an LSTM's, not transposed, that ``dispatch.lstm_kernels_take``."""
     dtypes = [t.dtype for t in chain.tensors()]
     if isinstance(chain, LSTMChain):
         return not chain.transposed and dispatch.lstm_kernels_take(chain.weights.shape[-1], *dtypes)
-    return (
-        isinstance(chain, FactoredChain)
-        and not chain.transposed
-        and dispatch.kernels_take(chain.weights.shape[0], chain.hidden, *dtypes)
+    return isinstance(chain, FactoredChain) and dispatch.kernels_take(
+        chain.weights.shape[0], chain.hidden, *dtypes
     )
 
 
@@ -228,6 +227,7 @@ def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | N
         offsets,
         chunk or dispatch.default_chunk(chain.length),
         chain.diagonal,
+        chain.transposed,
     )
 
 

@@ -16,6 +16,13 @@ The kernels read an element's factors in one of four modes (``_element``), each 
 source tensors:
 
 * ``SCALES``: a stored ``FactoredChain`` (``triton_chunked_scan``): ``scales`` and ``diag``;
+  ``SCALES_T`` the same chain transposed (``FactoredChain(transposed=True)``: a tangent's chain, and
+  each Newton iteration's of a forward solved parallel in time, ``bppsa_core.newton``): a vector
+  product is ``sum_j (x @ W_j^T) * s_j + x * e`` (the weights' rows reduced instead of their
+  columns), and a chunk's aggregate, the product of transposed elements, is the transpose of the
+  untransposed elements' product taken in the other order: ``_reduce`` multiplies as in ``SCALES``,
+  from the chunk's first element, and stores its aggregate transposed. So the matrix loop, the one
+  that holds the registers, is the same code in both modes;
 * ``TANH``, ``RELU``: a tanh/relu RNN layer's backward (``rnn_layer_backward``): f'(z_t) read off
   the layer's outputs ``h`` (1 - h_t^2 or [h_t > 0]);
 * ``GRU``: a GRU layer's backward (``gru_layer_backward``): the gates r, z, n recomputed from the
@@ -65,8 +72,15 @@ SCALES = tl.constexpr(0)
 TANH = tl.constexpr(1)
 RELU = tl.constexpr(2)
 GRU = tl.constexpr(3)
+SCALES_T = tl.constexpr(4)
 ACTIVATIONS = {"tanh": TANH, "relu": RELU}
-MODE_NAMES = {SCALES.value: "SCALES", TANH.value: "TANH", RELU.value: "RELU", GRU.value: "GRU"}
+MODE_NAMES = {
+    SCALES.value: "SCALES",
+    TANH.value: "TANH",
+    RELU.value: "RELU",
+    GRU.value: "GRU",
+    SCALES_T.value: "SCALES_T",
+}
 # The source tensors ``_element`` may read; a launch passes the ones of its mode.
 SOURCES = ("scales_ptr", "diag_ptr", "h_ptr", "gi_ptr", "gh_ptr", "h_prev_ptr")
 
@@ -148,7 +162,7 @@ def _element(
         s1 = tl.where(vec, (h_prev - n) * z * (1.0 - z), 0.0)
         s2 = dn * gate_r
         e = tl.where(vec, z, 0.0)
-    elif MODE == SCALES:
+    elif MODE == SCALES or MODE == SCALES_T:  # noqa: SIM109 (constexpr comparisons for Triton)
         row = scales_ptr + (k * stride_k + b * stride_b) * H
         s0 = tl.load(row + r, mask=vec, other=0.0)
         if K > 1:
@@ -165,7 +179,7 @@ def _element(
 
 @triton.jit
 def _mat_step(agg, s0, s1, s2, e, w0, w1, w2, K: tl.constexpr, HAS_DIAG: tl.constexpr):
-    """agg @ M for one element given as its factors."""
+    """agg @ M for one element given as its factors (never transposed: see ``_reduce``)."""
     out = tl.dot(agg * s0[None, :], w0, input_precision="ieee")
     if K > 1:
         out += tl.dot(agg * s1[None, :], w1, input_precision="ieee")
@@ -177,13 +191,20 @@ def _mat_step(agg, s0, s1, s2, e, w0, w1, w2, K: tl.constexpr, HAS_DIAG: tl.cons
 
 
 @triton.jit
-def _vec_step(y, s0, s1, s2, e, w0, w1, w2, K: tl.constexpr, HAS_DIAG: tl.constexpr):
-    """y @ M for one element given as its factors and one row vector y."""
-    out = tl.sum((y * s0)[:, None] * w0, axis=0)
-    if K > 1:
-        out += tl.sum((y * s1)[:, None] * w1, axis=0)
-    if K > 2:
-        out += tl.sum((y * s2)[:, None] * w2, axis=0)
+def _vec_step(y, s0, s1, s2, e, w0, w1, w2, K: tl.constexpr, HAS_DIAG: tl.constexpr, MODE: tl.constexpr):
+    """y @ M for one element given as its factors and one row vector y (SCALES_T: y @ M^T)."""
+    if MODE == SCALES_T:
+        out = tl.sum(w0 * y[None, :], axis=1) * s0
+        if K > 1:
+            out += tl.sum(w1 * y[None, :], axis=1) * s1
+        if K > 2:
+            out += tl.sum(w2 * y[None, :], axis=1) * s2
+    else:
+        out = tl.sum((y * s0)[:, None] * w0, axis=0)
+        if K > 1:
+            out += tl.sum((y * s1)[:, None] * w1, axis=0)
+        if K > 2:
+            out += tl.sum((y * s2)[:, None] * w2, axis=0)
     if HAS_DIAG:
         out += y * e
     return out
@@ -219,7 +240,12 @@ def _reduce(
     SHIFT: tl.constexpr,
     HP: tl.constexpr,
 ):
-    """Chunk q (1..P-2) of sample b folded into one aggregate: agg[q - 1] and agg_offsets[q - 1]."""
+    """Chunk q (1..P-2) of sample b folded into one aggregate: agg[q - 1] and agg_offsets[q - 1].
+
+    The chunk's last element is applied first. SCALES_T: the aggregate of the transposed elements,
+    M_last^T ... M_first^T, is (M_first ... M_last)^T: the untransposed product from the first
+    element, stored transposed; the offsets' vector still goes from the last element.
+    """
     q = tl.program_id(0) + 1
     b = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a (T, B, 6H) GRU delta may pass 2^31
     r = tl.arange(0, HP)
@@ -227,20 +253,31 @@ def _reduce(
     w0, w1, w2 = _load_weights(w_ptr, H, K, HP)
     agg = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     c = tl.zeros([HP], dtype=tl.float32)
-    for i in range(0, C):  # the chunk's last element is applied first
+    for i in range(0, C):
         k = q * C + C - 1 - i
+        k_mat = k
+        if MODE == SCALES_T:
+            k_mat = q * C + i
         s0, s1, s2, e, _ = _element(
-            scales_ptr, diag_ptr, h_ptr, gi_ptr, gh_ptr, h_prev_ptr, k, b, B, H, stride_k, stride_b,
+            scales_ptr, diag_ptr, h_ptr, gi_ptr, gh_ptr, h_prev_ptr, k_mat, b, B, H, stride_k, stride_b,
             K, HAS_DIAG, MODE, HP,
         )  # fmt: skip
         agg = _mat_step(agg, s0, s1, s2, e, w0, w1, w2, K, HAS_DIAG)
         if HAS_B:
-            c = _vec_step(c, s0, s1, s2, e, w0, w1, w2, K, HAS_DIAG)
+            if MODE == SCALES_T:
+                s0, s1, s2, e, _ = _element(
+                    scales_ptr, diag_ptr, h_ptr, gi_ptr, gh_ptr, h_prev_ptr, k, b, B, H, stride_k, stride_b,
+                    K, HAS_DIAG, MODE, HP,
+                )  # fmt: skip
+            c = _vec_step(c, s0, s1, s2, e, w0, w1, w2, K, HAS_DIAG, MODE)
             c += _offset(offsets_ptr, k, b, B, H, r, vec, SHIFT)
     j = q - 1
     # Stored whole, padding included (the scratch is HP wide; ``_spine`` reads it masked): a masked
     # store keeps its mask's predicates alive through the loop, and ptxas spilled them to the stack.
-    tl.store(agg_ptr + ((j * B + b) * HP + r[:, None]) * HP + r[None, :], agg)
+    if MODE == SCALES_T:
+        tl.store(agg_ptr + ((j * B + b) * HP + r[None, :]) * HP + r[:, None], agg)
+    else:
+        tl.store(agg_ptr + ((j * B + b) * HP + r[:, None]) * HP + r[None, :], agg)
     tl.store(agg_offsets_ptr + (j * B + b) * HP + r, c)
 
 
@@ -279,7 +316,7 @@ def _walk_step(
     """
     r = tl.arange(0, HP)
     vec = r < H
-    y_next = _vec_step(y, s0, s1, s2, e, w0, w1, w2, K, HAS_DIAG)
+    y_next = _vec_step(y, s0, s1, s2, e, w0, w1, w2, K, HAS_DIAG, MODE)
     if HAS_B:
         y_next += _offset(offsets_ptr, k, b, B, H, r, vec, SHIFT)
     if FUSED:
@@ -689,7 +726,7 @@ def launch_config(
     """The three kernels of a chunked-scan launch by role (``reduce``, ``spine``, ``expand``), as
     ``_launch`` runs them and ``experiments.bench.kernels`` compiles them.
 
-    ``mode``: ``SCALES``, ``TANH``, ``RELU`` or ``GRU`` (the value); ``terms``: K weights;
+    ``mode``: ``SCALES``, ``SCALES_T``, ``TANH``, ``RELU`` or ``GRU`` (the value); ``terms``: K weights;
     ``has_diag``: a diagonal term (a GRU always has one); ``has_b``: offsets; ``shift``: offsets read
     one step late (the layer modes); ``fused``: only x_0 and the deltas written; ``hp``: ``padded(H)``.
     """
@@ -723,7 +760,7 @@ class KernelConfig(NamedTuple):
     """One kernel in one configuration the modules can launch (``launch_configs``)."""
 
     role: str  # reduce, spine or expand
-    mode: str  # SCALES, TANH, RELU, GRU or LSTM
+    mode: str  # SCALES, SCALES_T, TANH, RELU, GRU or LSTM
     terms: int  # K weight terms (an LSTM: its 4 gates)
     diag: bool  # HAS_DIAG; an LSTM: HAS_HH
     affine: bool  # HAS_B
@@ -745,8 +782,10 @@ def h_variants(largest: int) -> list[tuple[int, ...]]:
 def launch_configs() -> list[KernelConfig]:
     """Every kernel configuration the modules can launch, each once.
 
-    ``triton_chunked_scan``: SCALES with K = 1, 2, 3, with and without a diagonal; the fused layer
-    backwards: TANH, RELU (K = 1) and GRU (K = 3, a diagonal); each with and without offsets, for
+    ``triton_chunked_scan``: SCALES with K = 1, 2, 3, with and without a diagonal, and SCALES_T as
+    the modules' transposed chains have it (an RNN's K = 1 with and without a diagonal, a GRU's K = 3
+    with one: tangents and Newton iterations); the fused layer backwards: TANH, RELU (K = 1) and GRU
+    (K = 3, a diagonal); each with and without offsets, for
     every H the kernels take (``dispatch.MAX_HIDDEN``, grouped by ``h_variants``). ``triton_lstm_scan``:
     with and without the h<-h diagonal and offsets, H <= ``dispatch.MAX_LSTM_HIDDEN``. A configuration
     whose kernel, constexprs and warps another already has (``_reduce`` takes no ``FUSED``) is listed
@@ -755,6 +794,11 @@ def launch_configs() -> list[KernelConfig]:
     from bppsa_core.dispatch import MAX_HIDDEN, MAX_LSTM_HIDDEN
 
     scans = [(SCALES.value, k, diag, False) for k in (1, 2, 3) for diag in (False, True)]
+    scans += [
+        (SCALES_T.value, 1, False, False),
+        (SCALES_T.value, 1, True, False),
+        (SCALES_T.value, 3, True, False),
+    ]
     scans += [(TANH.value, 1, False, True), (RELU.value, 1, False, True), (GRU.value, 3, True, True)]
     found: list[KernelConfig] = []
     for hidden in h_variants(MAX_HIDDEN):
@@ -788,8 +832,10 @@ def triton_chunked_scan(
     offsets: Tensor | None,
     chunk: int,
     diagonal: Tensor | None = None,
+    transposed: bool = False,
 ) -> Tensor:
-    """The chunked scan of ``x_k = sum_j (x_{k+1} * s_kj) @ W_j + x_{k+1} * e_k + b_k``.
+    """The chunked scan of ``x_k = sum_j (x_{k+1} * s_kj) @ W_j + x_{k+1} * e_k + b_k``, or with
+    ``transposed`` of ``x_k = sum_j (x_{k+1} @ W_j^T) * s_kj + x_{k+1} * e_k + b_k``.
 
     scales (n, B or 1, K, H), weights (K, H, H), diagonal (n, B or 1, H) or None, x_last (B, H),
     offsets (n, B, H) or None. Returns x_0..x_n as (n + 1, B, H).
@@ -802,7 +848,8 @@ def triton_chunked_scan(
         sources["diag_ptr"] = diagonal.expand(n, batch, h).contiguous()
     out = x_last.new_empty((n + 1, batch, h))
     rows = {"stride_k": s.stride(0) // h, "stride_b": s.stride(1) // h if s.shape[1] == batch else 0}
-    _launch(sources, weights, x_last, offsets, chunk, out, mode=SCALES, shift=0, strides=rows)
+    mode = SCALES_T if transposed else SCALES
+    _launch(sources, weights, x_last, offsets, chunk, out, mode=mode, shift=0, strides=rows)
     return out
 
 
@@ -863,7 +910,7 @@ def _launch(
     element); the others are never read. ``weights``: the K stacked H x H weights, (K, H, H) or
     (K * H, H) (a GRU's W_hh). ``delta``: where a layer mode writes its deltas (``out`` then gets
     only x_0); None writes every x_k into ``out``. ``strides``: the scales' element and batch
-    strides in rows of H (SCALES mode).
+    strides in rows of H (SCALES and SCALES_T modes).
     """
     first = next(iter(sources.values()))
     n, (batch, h) = first.shape[0], x_last.shape

@@ -34,7 +34,14 @@ ARCHS = (80, 90)
 LOOPS = {"reduce": 1, "spine": 2, "expand": 1}  # the loops each kernel's source has
 KERNELS = {
     mode: {f"_{p}{role}" for role in LOOPS}
-    for mode, p in (("SCALES", ""), ("TANH", ""), ("RELU", ""), ("GRU", ""), ("LSTM", "lstm_"))
+    for mode, p in (
+        ("SCALES", ""),
+        ("SCALES_T", ""),
+        ("TANH", ""),
+        ("RELU", ""),
+        ("GRU", ""),
+        ("LSTM", "lstm_"),
+    )
 }
 
 
@@ -49,6 +56,7 @@ KNOWN_STACK = {
     (90, "_reduce", "SCALES", 3, False, True, False, 32, 32),
     (90, "_reduce", "SCALES", 3, True, True, False, 32, 32),
     (90, "_reduce", "GRU", 3, True, False, True, 64, 48),
+    (90, "_reduce", "SCALES_T", 1, True, True, False, 64, 48),
 }
 
 
@@ -116,6 +124,11 @@ def test_every_kernel_mode_and_listed_h_compiles_for_both_archs_without_spills(l
         for mode, names in KERNELS.items():
             assert {r["kernel"] for r in here if r["mode"] == mode} == names, (arch, mode)
         assert {r["K"] for r in here if r["mode"] == "SCALES"} == {1, 2, 3}
+        assert {(r["K"], r["diag"]) for r in here if r["mode"] == "SCALES_T"} == {
+            (1, False),
+            (1, True),
+            (3, True),
+        }
         for mode in ("SCALES", "TANH", "RELU", "GRU"):
             assert {h for r in here if r["mode"] == mode for h in r["H"]} >= set(kernels.LISTED_H)
             assert {(r["affine"], r["fused"]) for r in here if r["mode"] == mode} >= (

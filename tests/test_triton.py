@@ -29,10 +29,21 @@ def nan_filled_empty_tensors(request):
 CASES, ARGS = CHAIN_CASES, CHAIN_ARGS
 
 
-def run(device: str, n: int, batch: int, hidden: int, chunk: int, affine: bool, terms: int) -> None:
+def run(
+    device: str,
+    n: int,
+    batch: int,
+    hidden: int,
+    chunk: int,
+    affine: bool,
+    terms: int,
+    transposed: bool = False,
+) -> None:
     chain, x, b = chain_case(n, batch, hidden, affine, terms)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    chain = FactoredChain(*(to(t) for t in (chain.scales, chain.weights, chain.diagonal)))
+    chain = FactoredChain(
+        *(to(t) for t in (chain.scales, chain.weights, chain.diagonal)), transposed=transposed
+    )
     twin = chunked_scan(chain, to(x), to(b), chunk=chunk)
     kernel = scan(chain, to(x), to(b), strategy="triton", chunk=chunk)
     assert kernel.shape == (n + 1, batch, hidden)
@@ -59,6 +70,49 @@ def test_kernels_match_the_chunked_twin_on_a_gpu(n, batch, hidden, chunk, affine
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
     run("cuda", n, batch, hidden, chunk, affine, terms)
+
+
+# The transposed chains (SCALES_T: tangents, Newton iterations) at chunk 4, which runs all three kernels.
+TRANSPOSED_CASES = [c for c in CASES if c[3] == 4]
+
+
+@pytest.mark.parametrize(ARGS, TRANSPOSED_CASES)
+def test_kernels_match_the_chunked_twin_on_transposed_chains(n, batch, hidden, chunk, affine, terms) -> None:
+    run("cpu", n, batch, hidden, chunk, affine, terms, transposed=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(ARGS, [*TRANSPOSED_CASES, (1000, 16, 20, 22, True, 1), (1034, 16, 64, 23, True, 3)])
+def test_kernels_match_the_chunked_twin_on_transposed_chains_on_a_gpu(
+    n, batch, hidden, chunk, affine, terms
+) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    run("cuda", n, batch, hidden, chunk, affine, terms, transposed=True)
+
+
+@pytest.mark.parametrize("kind", ["RNN", "GRU"])
+def test_newton_iterations_and_tangents_take_the_transposed_kernels(monkeypatch, kind) -> None:
+    """With strategy="triton", a Newton forward's solves and a tangent are the SCALES_T kernels."""
+    from bppsa_core import triton_scan
+
+    torch.manual_seed(0)
+    ref = getattr(torch.nn, kind)(2, 6)
+    ours = getattr(bnn, kind)(2, 6, strategy="triton", chunk=4, forward_solver="newton")
+    ours.load_state_dict(ref.state_dict())
+    calls = []
+    kernel = triton_scan.triton_chunked_scan
+    monkeypatch.setattr(triton_scan, "triton_chunked_scan", lambda *a: calls.append(a[-1]) or kernel(*a))
+    x = torch.randn(23, 2, 2, generator=torch.Generator().manual_seed(0))
+    assert (ours(x)[0] - ref(x)[0]).abs().max() < 1e-5
+    assert calls and all(calls), calls  # every Newton iteration, transposed
+    calls.clear()
+    dx = torch.randn_like(x)
+    expected = torch.func.jvp(lambda x: ref(x)[0], (x,), (dx,))[1]
+    with torch.no_grad():
+        got = torch.func.jvp(lambda x: ours(x)[0], (x,), (dx,))[1]
+    # the forward's Newton iterations again, then the tangent: all transposed
+    assert calls == [True] * (ours.solver_stats[0].iterations + 1) and rel_err(expected, got) < 1e-4
 
 
 LSTM_CASES = [
@@ -131,7 +185,15 @@ def test_a_recurrent_net_trains_with_the_triton_backward(ref_cls, our_cls) -> No
         (FactoredChain(torch.rand(5, 2, 4, 4), torch.randn(4, 4, 4)), "four terms"),
         (FactoredChain(torch.rand(5, 2, 1, 4).double(), torch.randn(1, 4, 4).double()), "float64"),
         (DenseChain(torch.rand(5, 2, 4, 4)), "a dense chain"),
-        (FactoredChain(torch.rand(5, 2, 1, 4), torch.randn(1, 4, 4), transposed=True), "a transposed chain"),
+        (
+            LSTMChain(
+                *[torch.rand(5, 2, 4, 3)] * 2,
+                torch.randn(4, 3, 3),
+                *[torch.rand(5, 2, 3)] * 2,
+                transposed=True,
+            ),
+            "a transposed LSTM chain",
+        ),
         (
             LSTMChain(*[torch.rand(5, 2, 4, 33)] * 2, torch.randn(4, 33, 33), *[torch.rand(5, 2, 33)] * 2),
             "LSTM H = 33",
