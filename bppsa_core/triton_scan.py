@@ -18,8 +18,8 @@ source tensors:
 * ``SCALES``: a stored ``FactoredChain`` (``triton_chunked_scan``): ``scales`` and ``diag``;
   ``SCALES_T`` the same chain transposed (``FactoredChain(transposed=True)``: a tangent's chain, and
   each Newton iteration's of a forward solved parallel in time, ``bppsa_core.newton``): a vector
-  product is ``sum_j (x @ W_j^T) * s_j + x * e`` (the weights' rows reduced instead of their
-  columns), and a chunk's aggregate, the product of transposed elements, is the transpose of the
+  product is ``sum_j (x @ W_j^T) * s_j + x * e`` (the walks load the weights transposed), and a
+  chunk's aggregate, the product of transposed elements, is the transpose of the
   untransposed elements' product taken in the other order: ``_reduce`` multiplies as in ``SCALES``,
   from the chunk's first element, and stores its aggregate transposed. So the matrix loop, the one
   that holds the registers, is the same code in both modes;
@@ -97,11 +97,14 @@ _BY_DATA = (*_BOUNDS, "N", "B", "stride_k", "stride_b")
 
 
 @triton.jit
-def _load_weights(w_ptr, H, K: tl.constexpr, HP: tl.constexpr):
-    """The K (<= 3) shared H x H weights, padded to HP x HP; unused terms repeat the first."""
+def _load_weights(w_ptr, H, K: tl.constexpr, HP: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """The K (<= 3) shared H x H weights, padded to HP x HP (each transposed with TRANSPOSE: the
+    SCALES_T walks); unused terms repeat the first."""
     r = tl.arange(0, HP)
     mat = (r < H)[:, None] & (r < H)[None, :]
     offs = r[:, None] * H + r[None, :]
+    if TRANSPOSE:
+        offs = r[None, :] * H + r[:, None]
     w0 = tl.load(w_ptr + offs, mask=mat, other=0.0)
     w1 = w0
     w2 = w0
@@ -192,13 +195,14 @@ def _mat_step(agg, s0, s1, s2, e, w0, w1, w2, K: tl.constexpr, HAS_DIAG: tl.cons
 
 @triton.jit
 def _vec_step(y, s0, s1, s2, e, w0, w1, w2, K: tl.constexpr, HAS_DIAG: tl.constexpr, MODE: tl.constexpr):
-    """y @ M for one element given as its factors and one row vector y (SCALES_T: y @ M^T)."""
+    """y @ M for one element given as its factors and one row vector y (SCALES_T: y @ M^T, with the
+    weights loaded transposed)."""
     if MODE == SCALES_T:
-        out = tl.sum(w0 * y[None, :], axis=1) * s0
+        out = tl.sum(y[:, None] * w0, axis=0) * s0
         if K > 1:
-            out += tl.sum(w1 * y[None, :], axis=1) * s1
+            out += tl.sum(y[:, None] * w1, axis=0) * s1
         if K > 2:
-            out += tl.sum(w2 * y[None, :], axis=1) * s2
+            out += tl.sum(y[:, None] * w2, axis=0) * s2
     else:
         out = tl.sum((y * s0)[:, None] * w0, axis=0)
         if K > 1:
@@ -243,14 +247,16 @@ def _reduce(
     """Chunk q (1..P-2) of sample b folded into one aggregate: agg[q - 1] and agg_offsets[q - 1].
 
     The chunk's last element is applied first. SCALES_T: the aggregate of the transposed elements,
-    M_last^T ... M_first^T, is (M_first ... M_last)^T: the untransposed product from the first
-    element, stored transposed; the offsets' vector still goes from the last element.
+    M_last^T ... M_first^T, is (M_first ... M_last)^T: the untransposed product P from the first
+    element, stored transposed. Its offset, sum_k b_k M_{k-1}^T ... M_first^T, is sum_k b_k P_k^T
+    with P_k the product before element k: each step adds P_k b_k^T, a row reduction of the
+    aggregate itself, so no step of this mode reads the weights outside ``tl.dot``.
     """
     q = tl.program_id(0) + 1
     b = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a (T, B, 6H) GRU delta may pass 2^31
     r = tl.arange(0, HP)
     vec = r < H
-    w0, w1, w2 = _load_weights(w_ptr, H, K, HP)
+    w0, w1, w2 = _load_weights(w_ptr, H, K, HP, False)
     agg = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     c = tl.zeros([HP], dtype=tl.float32)
     for i in range(0, C):
@@ -262,13 +268,10 @@ def _reduce(
             scales_ptr, diag_ptr, h_ptr, gi_ptr, gh_ptr, h_prev_ptr, k_mat, b, B, H, stride_k, stride_b,
             K, HAS_DIAG, MODE, HP,
         )  # fmt: skip
+        if HAS_B and MODE == SCALES_T:
+            c += tl.sum(agg * _offset(offsets_ptr, k_mat, b, B, H, r, vec, SHIFT)[None, :], axis=1)
         agg = _mat_step(agg, s0, s1, s2, e, w0, w1, w2, K, HAS_DIAG)
-        if HAS_B:
-            if MODE == SCALES_T:
-                s0, s1, s2, e, _ = _element(
-                    scales_ptr, diag_ptr, h_ptr, gi_ptr, gh_ptr, h_prev_ptr, k, b, B, H, stride_k, stride_b,
-                    K, HAS_DIAG, MODE, HP,
-                )  # fmt: skip
+        if HAS_B and MODE != SCALES_T:
             c = _vec_step(c, s0, s1, s2, e, w0, w1, w2, K, HAS_DIAG, MODE)
             c += _offset(offsets_ptr, k, b, B, H, r, vec, SHIFT)
     j = q - 1
@@ -373,7 +376,7 @@ def _spine(
     r = tl.arange(0, HP)
     vec = r < H
     mat = vec[:, None] & vec[None, :]
-    w0, w1, w2 = _load_weights(w_ptr, H, K, HP)
+    w0, w1, w2 = _load_weights(w_ptr, H, K, HP, MODE == SCALES_T)
     y = tl.load(x_last_ptr + b * H + r, mask=vec, other=0.0)
     if not FUSED:
         tl.store(out_ptr + (N * B + b) * H + r, y, mask=vec)
@@ -426,7 +429,7 @@ def _expand(
     q = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a (T, B, 6H) GRU delta may pass 2^31
     r = tl.arange(0, HP)
-    w0, w1, w2 = _load_weights(w_ptr, H, K, HP)
+    w0, w1, w2 = _load_weights(w_ptr, H, K, HP, MODE == SCALES_T)
     y = tl.load(entry_ptr + (q * B + b) * H + r, mask=r < H, other=0.0)
     for i in range(0, C):
         k = q * C + C - 1 - i

@@ -56,7 +56,6 @@ KNOWN_STACK = {
     (90, "_reduce", "SCALES", 3, False, True, False, 32, 32),
     (90, "_reduce", "SCALES", 3, True, True, False, 32, 32),
     (90, "_reduce", "GRU", 3, True, False, True, 64, 48),
-    (90, "_reduce", "SCALES_T", 1, True, True, False, 64, 48),
 }
 
 
