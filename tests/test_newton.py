@@ -72,10 +72,16 @@ def test_converged_forward_equals_torch_nn_float64(
     assert all(s.converged and 1 <= s.iterations <= steps + 1 for s in stats), stats
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("solver", NEWTON)
-def test_converged_forward_equals_torch_nn_float32(kind: str, solver: str) -> None:
-    stats = check(kind, solver, 300, 8, 3, 20, dtype=torch.float32, num_layers=2)
+@given(
+    kind=st.sampled_from(sorted(KINDS)),
+    solver=st.sampled_from(NEWTON),
+    steps=st.integers(1, 300),
+    batch=st.integers(1, 8),
+    features=st.integers(1, 4),
+    hidden=st.integers(1, 24),
+)
+def test_converged_forward_equals_torch_nn_float32(kind, solver, steps, batch, features, hidden) -> None:
+    stats = check(kind, solver, steps, batch, features, hidden, dtype=torch.float32, num_layers=2)
     assert all(s.converged for s in stats), stats
 
 
