@@ -250,27 +250,3 @@ def test_solve_refuses_the_native_method() -> None:
         x = torch.zeros(3, 1, 1, dtype=F64)
         w = LayerWeights(torch.zeros(1, 1, dtype=F64), torch.zeros(1, 1, dtype=F64))
         solve(RNNCell(), x, torch.zeros(1, 1, dtype=F64), w, None, SolverOptions(), ScanOptions())
-
-
-@pytest.mark.parametrize("fullgraph", [False, True])
-def test_the_newton_forward_compiles(fullgraph: bool) -> None:
-    """Under torch.compile the forward operator (with its stats output) stays one opaque step."""
-
-    class Model(torch.nn.Module):
-        def __init__(self, rnn: torch.nn.Module) -> None:
-            super().__init__()
-            self.rnn = rnn
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.rnn(x)[0]
-
-    ref, ours = pair("gru", 3, 8, forward_solver="newton")
-    x = torch.randn(20, 2, 3, dtype=F64)
-    out = torch.compile(Model(ours), fullgraph=fullgraph, backend="aot_eager")(x)
-    expected = ref(x)[0]
-    assert (out - expected).abs().max() <= 1e-10
-    (stats,) = ours.solver_stats
-    assert stats.converged and stats.iterations >= 2
-    got = torch.autograd.grad(out.sum(), list(ours.parameters()))
-    for a, b in zip(torch.autograd.grad(expected.sum(), list(ref.parameters())), got, strict=True):
-        assert rel_err(a, b) < 1e-10
