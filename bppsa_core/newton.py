@@ -144,7 +144,7 @@ def solve(
             if options.method == "quasi-newton":
                 rate = change / last if last > 0 else 0.0
                 error = max(change, change * rate / (1 - rate)) if rate < 1 else math.inf
-            if error <= tol * max(1.0, _max_abs(s)):
+            if error <= tol or error <= tol * _max_abs(s):  # tol * max(1, max |h|); the pass only when needed
                 return s, SolveStats(k, True, change)
             last = change
     return s, SolveStats(options.max_iters, False, change)
