@@ -73,10 +73,6 @@ class DenseChain:
     def dense(self, idx: Index = slice(None)) -> Tensor:
         return self.elements[idx]
 
-    def diagonals(self) -> Tensor:
-        """Every element's diagonal, (n, B or 1, H)."""
-        return self.elements.diagonal(dim1=-2, dim2=-1)
-
 
 @dataclass(frozen=True)
 class FactoredChain:
