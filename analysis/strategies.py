@@ -1,0 +1,1310 @@
+"""Parallel back-propagation strategies side by side: one α–β cost model, one network, one p.
+
+    python -m analysis.strategies --model vgg11 --p 1 2 4 8 16 32 --alpha 5e-6 --beta 1e-10 --out strategies
+    python -m analysis.strategies --model rnn --T 1000 --batch 16 --p 1 2 4 8 16 32 --out strategies
+
+Predicts the time of one training iteration (B samples) on p processors, with the busiest
+processor's compute, the utilisation, the memory and the bytes sent per processor, for: sequential
+BP; a GPipe pipeline (micro-batches, flush every iteration); PipeDream's 1F1B pipeline (delayed
+gradients, no flush); LayerPipe (a layer's backward split into its activation- and weight-gradient
+tasks, list-scheduled on the p processors); data parallel; model parallel; the best P_r x P_c grid
+of Gholami et al. chosen layer by layer; and BPPSA across p devices (the chain of Jacobians cut in
+p slices, one all-gather or a log-depth tree of exchanges) beside distributed BPTT (the gradient
+going back device by device). Writes ``strategies.csv``, ``strategies.md`` and ``strategies.png``
+/ ``.pdf`` (time per iteration against p; the Gantt charts of the pipeline schedules at one p),
+byte for byte reproducible. docs/STRATEGIES.md states what is modelled and what is measured.
+
+The model, in one place:
+- A processor computes at ``flops`` FLOP/s whatever the size of the work (no efficiency loss for
+  small micro-batches or thin slices).
+- A message of n bytes takes α + β·n; an all-gather of n bytes in total over p processes takes
+  α⌈log2 p⌉ + β(p-1)/p·n and an all-reduce twice that (Gholami et al.); a group of one costs 0.
+  Messages do not contend and do not overlap with compute, except in the pipeline schedules, where a
+  transfer delays only the task that waits for it.
+- A layer keeps its input for the backward; memory counts weights (times the versions a delayed-
+  gradient pipeline stashes) and the kept activations, not the optimizer's state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pandas as pd
+
+from analysis.data import AnalysisError
+from analysis.figures import plt
+
+STRATEGIES = (
+    "sequential",
+    "gpipe",
+    "pipedream",
+    "layerpipe",
+    "data",
+    "model",
+    "grid",
+    "bptt-distributed",
+    "bppsa-allgather",
+    "bppsa-tree",
+)
+LABELS = {
+    "sequential": "sequential BP",
+    "gpipe": "GPipe",
+    "pipedream": "PipeDream 1F1B",
+    "layerpipe": "LayerPipe",
+    "data": "data parallel",
+    "model": "model parallel",
+    "grid": "P_r x P_c grid (Gholami)",
+    "bptt-distributed": "distributed BPTT",
+    "bppsa-allgather": "BPPSA, all-gather",
+    "bppsa-tree": "BPPSA, tree",
+}
+PIPELINES = ("gpipe", "pipedream", "layerpipe")
+
+
+# --- the network ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer's costs per sample: FLOPs of its forward, weight gradient and input gradient (0 for
+    the first layer, whose input is data), its own parameters, and the sizes that the strategies
+    move: elements in and out, output channels (what model parallelism splits), output rows (what
+    domain parallelism splits; 1 for none), the input elements one cut of a row split must trade
+    with a neighbour (``halo``), and how many layers it stands for (``ops``: each has its forward,
+    weight-gradient and input-gradient operation, each charged the machine's ``overhead``)."""
+
+    name: str
+    forward: float
+    weight_grad: float
+    input_grad: float
+    params: int
+    inputs: int
+    outputs: int
+    channels: int
+    rows: int = 1
+    halo: int = 0
+    ops: int = 1
+
+    @property
+    def backward(self) -> float:
+        return self.weight_grad + self.input_grad
+
+    @property
+    def work(self) -> float:
+        return self.forward + self.backward
+
+
+@dataclass(frozen=True)
+class Network:
+    """Layers in order, and the parameters every layer uses (a recurrent cell's weights, unrolled over
+    time), whose gradient is summed over whoever computed the layers."""
+
+    name: str
+    layers: tuple[Layer, ...]
+    shared: int = 0
+
+    @property
+    def params(self) -> int:
+        return self.shared + sum(layer.params for layer in self.layers)
+
+    @property
+    def work(self) -> float:
+        return sum(layer.work for layer in self.layers)
+
+    def coarsen(self, blocks: int) -> Network:
+        """At most ``blocks`` layers, each a run of consecutive layers (costs summed): the pipeline
+        schedules of an RNN unrolled over thousands of steps need no finer grain than that."""
+        n = len(self.layers)
+        if n <= blocks:
+            return self
+        bounds = [round(i * n / blocks) for i in range(blocks + 1)]
+        merged = tuple(_merge(self.layers[a:b]) for a, b in itertools.pairwise(bounds))
+        return replace(self, layers=merged)
+
+
+def _merge(run: Sequence[Layer]) -> Layer:
+    first, last = run[0], run[-1]
+    return Layer(
+        name=first.name if len(run) == 1 else f"{first.name}..{last.name}",
+        forward=sum(x.forward for x in run),
+        weight_grad=sum(x.weight_grad for x in run),
+        input_grad=sum(x.input_grad for x in run),
+        params=sum(x.params for x in run),
+        inputs=first.inputs,
+        outputs=last.outputs,
+        channels=min(x.channels for x in run),
+        rows=min(x.rows for x in run),
+        halo=max(x.halo for x in run),
+        ops=sum(x.ops for x in run),
+    )
+
+
+def profile(model, example_shape: Sequence[int], name: str = "network") -> Network:
+    """A ``torch.nn.Sequential`` of Conv2d / Linear layers with ReLU, Tanh, MaxPool2d, AvgPool2d and
+    Flatten between them, as layers: the shapes are traced on the meta device (nothing is
+    computed), and each parameter-free module joins the weighted layer before it, as the strategies
+    split a network at its weighted layers."""
+    import torch
+    from torch import nn
+
+    weighted = (nn.Conv2d, nn.Linear)
+    free = (nn.ReLU, nn.Tanh, nn.MaxPool2d, nn.AvgPool2d, nn.Flatten)
+    shapes: list[tuple[object, tuple[int, ...], tuple[int, ...]]] = []
+    hooks = []
+    for module in model.modules():
+        if isinstance(module, weighted + free):
+            hooks.append(
+                module.register_forward_hook(
+                    lambda m, args, out: shapes.append((m, tuple(args[0].shape[1:]), tuple(out.shape[1:])))
+                )
+            )
+        elif not list(module.children()):
+            raise ValueError(
+                f"cannot profile a {type(module).__name__}; accepted: Conv2d, Linear, ReLU, Tanh, "
+                "MaxPool2d, AvgPool2d, Flatten"
+            )
+    try:
+        with torch.no_grad():
+            model.to("meta")(torch.empty(1, *example_shape, device="meta"))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    layers: list[Layer] = []
+    for module, shape_in, shape_out in shapes:
+        n_in, n_out = math.prod(shape_in), math.prod(shape_out)
+        if isinstance(module, nn.Conv2d):
+            c_in, _h_in, w_in = shape_in
+            c_out, h_out, _w_out = shape_out
+            kh, kw = module.kernel_size
+            macs = c_in // module.groups * kh * kw * n_out
+            bias = n_out if module.bias is not None else 0
+            layer = Layer(
+                name=f"conv{len(layers) + 1}",
+                forward=2 * macs + bias,
+                weight_grad=2 * macs + bias,
+                input_grad=2 * macs if layers else 0,
+                params=sum(p.numel() for p in module.parameters()),
+                inputs=n_in,
+                outputs=n_out,
+                channels=c_out,
+                rows=h_out,
+                halo=(kh // 2) * w_in * c_in,
+            )
+        elif isinstance(module, nn.Linear):
+            bias = module.out_features if module.bias is not None else 0
+            macs = module.in_features * module.out_features
+            layer = Layer(
+                name=f"fc{len(layers) + 1}",
+                forward=2 * macs + bias,
+                weight_grad=2 * macs + bias,
+                input_grad=2 * macs if layers else 0,
+                params=sum(p.numel() for p in module.parameters()),
+                inputs=n_in,
+                outputs=n_out,
+                channels=module.out_features,
+            )
+        elif not layers:
+            raise ValueError(f"the network must start with a Conv2d or Linear, not a {type(module).__name__}")
+        else:  # parameter-free: one operation per input element, forward and backward
+            last = layers.pop()
+            ops = 0 if isinstance(module, nn.Flatten) else n_in
+            rows = shape_out[1] if len(shape_out) == 3 else 1
+            layer = replace(
+                last,
+                forward=last.forward + ops,
+                input_grad=last.input_grad + ops,
+                outputs=n_out,
+                rows=min(last.rows, rows),
+            )
+        layers.append(layer)
+    return Network(name, tuple(layers))
+
+
+def recurrent(cell: str, steps: int, inputs: int, hidden: int, classes: int) -> Network:
+    """A one-layer tanh RNN or GRU unrolled over ``steps`` time steps (T), one layer per step, and its
+    linear head on h_T: the paper's models. Every step uses the cell's weights (``shared``); a step's input
+    gradient is the one to h_{t-1} (the one to x_t is not needed), and the first step has none."""
+    gates = {"rnn": 1, "gru": 3}[cell]
+    matrices = gates * hidden * (inputs + hidden)
+    # forward: the GEMMs, the biases and one operation per gate element (a GRU's gates also mix);
+    # weight gradient: the same GEMMs; input gradient: the product with W_hh^T and the gates' factors
+    forward = 2 * matrices + 2 * gates * hidden + (gates + 2 * (gates - 1)) * hidden
+    weight_grad = 2 * matrices + 2 * gates * hidden
+    input_grad = 2 * gates * hidden * hidden + (3 * gates - 2) * hidden
+    unrolled = tuple(
+        Layer(
+            name=f"t{t}",
+            forward=forward,
+            weight_grad=weight_grad,
+            input_grad=input_grad if t > 1 else 0,
+            params=0,
+            inputs=hidden,
+            outputs=hidden,
+            channels=hidden,
+        )
+        for t in range(1, steps + 1)
+    )
+    head = Layer(
+        name="head",
+        forward=2 * hidden * classes + classes,
+        weight_grad=2 * hidden * classes + classes,
+        input_grad=2 * hidden * classes,
+        params=hidden * classes + classes,
+        inputs=hidden,
+        outputs=classes,
+        channels=classes,
+    )
+    return Network(f"{cell}-T{steps}-H{hidden}", (*unrolled, head), shared=matrices + 2 * gates * hidden)
+
+
+def vgg11() -> Network:
+    """VGG-11 on CIFAR-10 inputs (3 x 32 x 32), as the pruned VGG-11 study builds it."""
+    from experiments.bench.pruned_vgg import vgg11 as build
+
+    return profile(build(), (3, 32, 32), "vgg11")
+
+
+# --- the interconnect ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Machine:
+    """p identical processors of ``flops`` FLOP/s and ``overhead`` seconds per operation, an α–β
+    interconnect, ``word`` bytes per number."""
+
+    flops: float = 1e12
+    alpha: float = 5e-6
+    beta: float = 1e-10
+    word: int = 4
+    overhead: float = 0.0
+
+    def compute(self, flops: float) -> float:
+        return flops / self.flops
+
+    def run(self, layers: Sequence[Layer], part: str, samples: float) -> float:
+        """The time of ``part`` (forward, weight_grad, input_grad, backward or work) of ``layers`` for
+        ``samples`` samples: its FLOPs at the machine's rate plus ``overhead`` per operation (a
+        kernel launch, a step's latency)."""
+        parts = {"backward": ("weight_grad", "input_grad"), "work": ("forward", "weight_grad", "input_grad")}
+        names = parts.get(part, (part,))
+        flops = sum(getattr(x, q) for x in layers for q in names)
+        ops = sum(x.ops for x in layers for q in names if getattr(x, q) > 0)
+        return self.compute(flops * samples) + self.overhead * ops
+
+    def send(self, elements: float) -> float:
+        """One point-to-point message; an empty one is not sent."""
+        return self.alpha + self.beta * self.word * elements if elements > 0 else 0.0
+
+    def all_gather(self, elements: float, group: int) -> float:
+        """An all-gather that leaves ``elements`` numbers in total on each of ``group`` processes."""
+        if group <= 1 or elements <= 0:
+            return 0.0
+        return (
+            self.alpha * math.ceil(math.log2(group)) + self.beta * (group - 1) / group * self.word * elements
+        )
+
+    def all_reduce(self, elements: float, group: int) -> float:
+        """An all-reduce of ``elements`` numbers: a reduce-scatter and an all-gather."""
+        return 2 * self.all_gather(elements, group)
+
+
+# --- estimates and schedules ---------------------------------------------------------------------
+
+
+@dataclass
+class Task:
+    """One piece of work on one processor: ``kind`` F (forward), B (backward), A (input gradient) or
+    W (weight gradient) of the layers ``first..last`` for one micro-batch of one iteration."""
+
+    kind: str
+    first: int
+    last: int
+    proc: int
+    iteration: int
+    micro: int
+    duration: float
+    deps: list[tuple[int, float]] = field(default_factory=list)  # (task, transfer time before it)
+    start: float = math.nan
+    end: float = math.nan
+
+
+@dataclass
+class Estimate:
+    """A strategy's prediction for one iteration on p processors; ``note`` says why there is none."""
+
+    strategy: str
+    p: int
+    time: float = math.nan
+    compute: float = math.nan
+    utilisation: float = math.nan
+    memory: float = math.nan
+    sent: float = math.nan
+    hops: float = math.nan
+    detail: str = ""
+    note: str = ""
+    tasks: list[Task] | None = None
+
+    def row(self) -> dict:
+        keep = ("strategy", "p", "time", "compute", "utilisation", "memory", "sent", "hops", "detail", "note")
+        return {k: getattr(self, k) for k in keep}
+
+
+def _none(strategy: str, p: int, why: str) -> Estimate:
+    return Estimate(strategy, p, note=why)
+
+
+def _finish(est: Estimate, net: Network, batch: int, machine: Machine) -> Estimate:
+    est.utilisation = machine.compute(net.work * batch) / (est.p * est.time) if est.time > 0 else math.nan
+    return est
+
+
+def sequential(net: Network, batch: int, machine: Machine) -> Estimate:
+    """Plain back-propagation on one processor (of the p): the reference every strategy meets at p = 1."""
+    time = machine.run(net.layers, "work", batch)
+    memory = machine.word * (net.params + batch * sum(x.inputs for x in net.layers))
+    return _finish(
+        Estimate("sequential", 1, time, time, memory=memory, sent=0.0, hops=0), net, batch, machine
+    )
+
+
+def data_parallel(net: Network, batch: int, p: int, machine: Machine) -> Estimate:
+    """Each processor runs the whole network on ⌈B/p⌉ samples; every layer's weight gradient (and the
+    shared weights') is all-reduced once, after the backward."""
+    if p > batch:
+        return _none("data", p, f"p = {p} exceeds the batch {batch}")
+    local = math.ceil(batch / p)
+    compute = machine.run(net.layers, "work", local)
+    comm = sum(machine.all_reduce(x.params, p) for x in net.layers) + machine.all_reduce(net.shared, p)
+    memory = machine.word * (net.params + local * sum(x.inputs for x in net.layers))
+    sent = 2 * (p - 1) / p * machine.word * net.params
+    return _finish(
+        Estimate("data", p, compute + comm, compute, memory=memory, sent=sent), net, batch, machine
+    )
+
+
+def model_parallel(net: Network, batch: int, p: int, machine: Machine) -> Estimate:
+    """Every layer's output channels split over the p processors: each computes its share of the
+    layer for the whole batch, the outputs are all-gathered in the forward and the input gradients
+    all-reduced in the backward; a processor keeps 1/p of the weights."""
+    if p > min(x.channels for x in net.layers):
+        return _none("model", p, f"p = {p} exceeds a layer's {min(x.channels for x in net.layers)} channels")
+    compute = sum(machine.compute(x.work * batch) / p for x in net.layers) + machine.run(
+        net.layers, "work", 0
+    )
+    comm = sum(
+        machine.all_gather(x.outputs * batch, p)
+        + (machine.all_reduce(x.inputs * batch, p) if x.input_grad else 0)
+        for x in net.layers
+    )
+    memory = machine.word * (net.params / p + batch * sum(x.inputs for x in net.layers))
+    sent = (
+        machine.word
+        * batch
+        * sum((p - 1) / p * (x.outputs + (2 * x.inputs if x.input_grad else 0)) for x in net.layers)
+    )
+    return _finish(
+        Estimate("model", p, compute + comm, compute, memory=memory, sent=sent), net, batch, machine
+    )
+
+
+# The grid: a layer runs on P_r x P_c processes, model ("model") or domain ("domain") parallel over
+# P_r, batch parallel over P_c. A layout is (P_r, P_c, how).
+
+
+def _grids(p: int) -> list[tuple[int, int]]:
+    return [(r, p // r) for r in range(1, p + 1) if p % r == 0]
+
+
+def _layer_cost(x: Layer, batch: int, pr: int, pc: int, how: str, machine: Machine) -> float:
+    """One layer's compute and communication on a P_r x P_c grid (Gholami et al.'s α–β terms)."""
+    local = math.ceil(batch / pc)
+    compute = machine.compute(x.work * local) / pr + machine.run([x], "work", 0)
+    if how == "model":
+        return (
+            compute
+            + machine.all_gather(x.outputs * local, pr)
+            + (machine.all_reduce(x.inputs * local, pr) if x.input_grad else 0)
+            + machine.all_reduce(x.params / pr, pc)
+        )
+    # domain: rows split over P_r, neighbours trade halos forward and backward, weights replicated
+    halo = 2 * 2 * machine.send(x.halo * local) if pr > 1 else 0.0
+    return compute + halo + machine.all_reduce(x.params, pr * pc)
+
+
+def _relayout(
+    before: tuple[int, int, str], after: tuple[int, int, str], x: Layer, batch: int, p: int, machine: Machine
+) -> float:
+    """Moving a layer's output from one layout to the next layer's: free when every process already
+    holds what it needs (a model-parallel output is whole on its batch share; a finer batch split
+    of it is a subset), else an all-gather of what each process needs over all p."""
+    if before == after and before[2] == "domain":
+        return 0.0
+    if before[2] == "model" and after[1] % before[1] == 0:
+        return 0.0
+    return machine.all_gather(x.outputs * math.ceil(batch / after[1]), p)
+
+
+def _layouts(x: Layer, batch: int, p: int, grids: Sequence[tuple[int, int]]) -> list[tuple[int, int, str]]:
+    out = []
+    for pr, pc in grids:
+        if pc > batch:
+            continue
+        if pr <= x.channels:
+            out.append((pr, pc, "model"))
+        if 1 < pr <= x.rows:
+            out.append((pr, pc, "domain"))
+    return out
+
+
+def grid(
+    net: Network,
+    batch: int,
+    p: int,
+    machine: Machine,
+    fixed: tuple[int, int] | None = None,
+    hows: Sequence[str] = ("model", "domain"),
+) -> Estimate:
+    """The cheapest layout per layer (Gholami et al.): for each layer a P_r x P_c grid with
+    P_r·P_c = p, model or domain parallel over P_r, batch parallel over P_c, chosen by dynamic
+    programming over the layers with the cost of changing layout between them. Shared weights (an
+    unrolled RNN) keep one grid for every layer. ``fixed`` pins the grid for every layer, ``hows``
+    the ways of splitting over P_r that may be chosen."""
+    grids = [fixed] if fixed else _grids(p)
+    if net.shared and not fixed:
+        best = [grid(net, batch, p, machine, g, hows) for g in grids]
+        best = [e for e in best if not math.isnan(e.time)]
+        if not best:
+            return _none("grid", p, f"no P_r x P_c grid of {p} fits the batch {batch} and the channels")
+        return min(best, key=lambda e: e.time)
+    # cost[layout] = (time so far, the layouts chosen)
+    cost: dict[tuple[int, int, str], tuple[float, list]] = {}
+    for i, x in enumerate(net.layers):
+        options = [o for o in _layouts(x, batch, p, grids) if o[2] in hows]
+        if not options:
+            return _none("grid", p, f"no P_r x P_c grid of {p} fits layer {x.name}")
+        step: dict[tuple[int, int, str], tuple[float, list]] = {}
+        for layout in options:
+            here = _layer_cost(x, batch, *layout, machine)
+            if i == 0:
+                step[layout] = (here, [layout])
+                continue
+            prev = net.layers[i - 1]
+            came, path = min(
+                ((t + _relayout(b, layout, prev, batch, p, machine), pth) for b, (t, pth) in cost.items()),
+                key=lambda c: c[0],
+            )
+            step[layout] = (came + here, [*path, layout])
+        cost = step
+    time, path = min(cost.values(), key=lambda c: c[0])
+    pr_shared, pc_shared = path[-1][:2]
+    time += machine.all_reduce(net.shared / pr_shared, pc_shared)
+    compute = sum(
+        machine.compute(x.work * math.ceil(batch / pc)) / pr
+        for x, (pr, pc, _) in zip(net.layers, path, strict=True)
+    ) + machine.run(net.layers, "work", 0)
+    memory = machine.word * sum(
+        (x.params / pr if how == "model" else x.params)
+        + x.inputs * math.ceil(batch / pc) / (pr if how == "domain" else 1)
+        for x, (pr, pc, how) in zip(net.layers, path, strict=True)
+    )
+    chosen = sorted({f"{pr}x{pc} {how}" for pr, pc, how in path})
+    est = Estimate(
+        "grid", p, time, compute, memory=memory + machine.word * net.shared, detail=", ".join(chosen)
+    )
+    return _finish(est, net, batch, machine)
+
+
+# --- the pipelines: a task graph, list-scheduled ----------------------------------------------------
+
+
+def partition(costs: Sequence[float], p: int) -> list[int]:
+    """The stage (0..p-1) of each item: contiguous stages whose largest sum is the smallest possible
+    (binary search on that sum, greedy fill); fewer stages when there are fewer items."""
+    p = min(p, len(costs))
+    lo, hi = max(costs), sum(costs)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if _stages_needed(costs, mid) <= p:
+            hi = mid
+        else:
+            lo = mid
+    stages, total, stage = [], 0.0, 0
+    for i, c in enumerate(costs):
+        left = len(costs) - i  # items left, this one included; keep one for each stage still empty
+        if stages and (total + c > hi * (1 + 1e-12) or left <= p - 1 - stage) and stage < p - 1:
+            stage, total = stage + 1, 0.0
+        stages.append(stage)
+        total += c
+    return stages
+
+
+def _stages_needed(costs: Sequence[float], cap: float) -> int:
+    stages, total = 1, 0.0
+    for c in costs:
+        if total + c > cap * (1 + 1e-12):
+            stages, total = stages + 1, 0.0
+        total += c
+    return stages
+
+
+def _runs(owner: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs (first, last, proc) of consecutive layers on the same processor."""
+    runs: list[tuple[int, int, int]] = []
+    for i, proc in enumerate(owner):
+        if runs and runs[-1][2] == proc:
+            runs[-1] = (runs[-1][0], i, proc)
+        else:
+            runs.append((i, i, proc))
+    return runs
+
+
+def _assign_layerpipe(net: Network, p: int) -> tuple[list[int], list[int]]:
+    """LayerPipe's assignment: the forward and input-gradient work split into k contiguous balanced
+    stages (the stage boundary is the inter-layer cut), then each layer's weight-gradient task, which
+    no other task of the iteration waits for, placed largest first on the least-loaded of the p
+    processors (intra-layer: it may run beside its layer's input gradient, on another processor).
+    Of k = 1..p, the one whose busiest processor has the least work (the fewest stages on a tie)."""
+    best = None
+    for k in range(1, min(p, len(net.layers)) + 1):
+        owner = partition([x.forward + x.input_grad for x in net.layers], k)
+        load = [0.0] * p
+        for x, proc in zip(net.layers, owner, strict=True):
+            load[proc] += x.forward + x.input_grad
+        weights = list(owner)
+        for i in sorted(range(len(net.layers)), key=lambda i: -net.layers[i].weight_grad):
+            proc = min(range(p), key=lambda q: (load[q], q != owner[i]))
+            weights[i] = proc
+            load[proc] += net.layers[i].weight_grad
+        if best is None or max(load) < best[0] * (1 - 1e-9):
+            best = (max(load), owner, weights)
+    return best[1], best[2]
+
+
+def pipeline_tasks(
+    net: Network, batch: int, p: int, micro: int, kind: str, machine: Machine, iterations: int
+) -> list[Task]:
+    """The task graph of ``iterations`` iterations of ``micro`` micro-batches for a pipeline
+    strategy, with each task's processor and its inputs (a transfer delays a task whose input comes
+    from another processor by α + β·bytes).
+
+    - gpipe: stages balanced by work; per stage and micro-batch a forward and a backward task; every
+      iteration's forwards wait for the weights its stage updated at the end of the last (the flush).
+    - pipedream: the same stages and tasks without the flush (delayed gradients, stashed weights);
+      1F1B: a stage admits micro-batch m only once micro-batch m - (stages after it + 1) has left
+      its backward, so at most that many are in flight.
+    - layerpipe: forward (F), input-gradient (A) and weight-gradient (W) tasks on LayerPipe's
+      assignment, the same admission rule over each forward stage.
+    """
+    size = batch / micro
+    if kind == "layerpipe":
+        owner, weights = _assign_layerpipe(net, p)
+    else:
+        owner = partition([x.work for x in net.layers], p)
+        weights = owner
+    stages = max(owner) + 1
+    forward_runs, backward_runs = _runs(owner), _runs(owner)
+    tasks: list[Task] = []
+    for it in range(iterations):
+        for m in range(micro):
+            f_ids, b_ids, w_ids = {}, {}, {}
+            for first, last, proc in forward_runs:
+                f_ids[first] = len(tasks)
+                tasks.append(
+                    Task(
+                        "F",
+                        first,
+                        last,
+                        proc,
+                        it,
+                        m,
+                        machine.run(net.layers[first : last + 1], "forward", size),
+                    )
+                )
+            for first, last, proc in reversed(backward_runs):
+                part = "input_grad" if kind == "layerpipe" else "backward"
+                b_ids[first] = len(tasks)
+                tasks.append(
+                    Task(
+                        "A" if kind == "layerpipe" else "B",
+                        first,
+                        last,
+                        proc,
+                        it,
+                        m,
+                        machine.run(net.layers[first : last + 1], part, size),
+                    )
+                )
+            if kind == "layerpipe":
+                for first, last, proc in _runs(weights):
+                    w_ids[first] = len(tasks)
+                    duration = machine.run(net.layers[first : last + 1], "weight_grad", size)
+                    tasks.append(Task("W", first, last, proc, it, m, duration))
+            _wire(tasks, net, f_ids, b_ids, w_ids, size, machine)
+    _admit(tasks, kind, owner, stages, micro, iterations)
+    return tasks
+
+
+def _wire(
+    tasks: list[Task], net: Network, f_ids: dict, b_ids: dict, w_ids: dict, size: float, machine: Machine
+) -> None:
+    """Inputs within one micro-batch: a forward waits for the forward below it, a backward (or an
+    input-gradient task) for its own forward and the backward above it, a weight-gradient task for
+    the forward of its layers (their inputs) and the input gradient above them (their outputs')."""
+    by_layer_f = _cover(f_ids, tasks)
+    by_layer_b = _cover(b_ids, tasks)
+
+    def edge(dst: int, src: int, elements: float) -> None:
+        delay = machine.send(elements * size) if tasks[src].proc != tasks[dst].proc else 0.0
+        tasks[dst].deps.append((src, delay))
+
+    for first, tid in f_ids.items():
+        if first > 0:
+            edge(tid, by_layer_f[first - 1], net.layers[first - 1].outputs)
+    top = len(net.layers) - 1
+    for first, tid in b_ids.items():
+        last = tasks[tid].last
+        edge(tid, f_ids[first] if first in f_ids else by_layer_f[first], 0)
+        if last < top:
+            edge(tid, by_layer_b[last + 1], net.layers[last].outputs)
+        else:
+            edge(tid, by_layer_f[top], 0)
+    for first, tid in w_ids.items():
+        last = tasks[tid].last
+        for f in sorted({by_layer_f[i] for i in range(first, last + 1)}):
+            kept = range(max(first, tasks[f].first), min(last, tasks[f].last) + 1)
+            edge(tid, f, sum(net.layers[i].inputs for i in kept))
+        above = by_layer_b[last + 1] if last < top else by_layer_f[top]
+        edge(tid, above, net.layers[last].outputs)
+
+
+def _cover(ids: dict, tasks: list[Task]) -> dict[int, int]:
+    """layer -> the task of this micro-batch that covers it."""
+    return {i: tid for tid in ids.values() for i in range(tasks[tid].first, tasks[tid].last + 1)}
+
+
+def _admit(
+    tasks: list[Task], kind: str, owner: Sequence[int], stages: int, micro: int, iterations: int
+) -> None:
+    """The dependencies between micro-batches and iterations: GPipe's flush, 1F1B's admission."""
+    index = {(t.kind, t.first, t.iteration, t.micro): i for i, t in enumerate(tasks)}
+    back = "A" if kind == "layerpipe" else "B"
+    for t in tasks:
+        if t.kind != "F":
+            continue
+        stage = owner[t.first]
+        if kind == "gpipe":
+            if t.iteration > 0:  # the weights of these layers, updated after the last micro-batch
+                t.deps.append((index[("B", t.first, t.iteration - 1, micro - 1)], 0.0))
+            continue
+        order = t.iteration * micro + t.micro - (stages - stage)
+        if order >= 0:
+            j = index[(back, t.first, order // micro, order % micro)]
+            t.deps.append((j, 0.0))
+
+
+def list_schedule(tasks: list[Task], priority: Callable[[Task], tuple]) -> None:
+    """Non-preemptive list scheduling on fixed processors: whenever a processor is free it starts,
+    of the tasks on it whose inputs have arrived, the one first by ``priority``; it idles only when
+    none has. Events are taken in time order, so no task starts before its inputs exist."""
+    waiting = [len(t.deps) for t in tasks]
+    users: list[list[int]] = [[] for _ in tasks]
+    for i, t in enumerate(tasks):
+        for j, _ in t.deps:
+            users[j].append(i)
+    procs = sorted({t.proc for t in tasks})
+    free = dict.fromkeys(procs, 0.0)
+    pending: dict[int, list] = {q: [] for q in procs}  # (ready time, i)
+    ready: dict[int, list] = {q: [] for q in procs}  # (priority, i)
+    for i, t in enumerate(tasks):
+        if not t.deps:
+            heapq.heappush(pending[t.proc], (0.0, i))
+    done = 0
+    while done < len(tasks):
+        best = None
+        for q in procs:
+            if ready[q]:
+                at = free[q]
+            elif pending[q]:
+                at = max(free[q], pending[q][0][0])
+            else:
+                continue
+            if best is None or at < best[0]:
+                best = (at, q)
+        if best is None:
+            raise AnalysisError("the task graph has a cycle: some tasks can never start")
+        at, q = best
+        while pending[q] and pending[q][0][0] <= at:
+            _, i = heapq.heappop(pending[q])
+            heapq.heappush(ready[q], (priority(tasks[i]), i))
+        _, i = heapq.heappop(ready[q])
+        t = tasks[i]
+        t.start, t.end = at, at + t.duration
+        free[q] = t.end
+        done += 1
+        for u in users[i]:
+            waiting[u] -= 1
+            if not waiting[u]:
+                arrive = max(tasks[j].end + delay for j, delay in tasks[u].deps)
+                heapq.heappush(pending[tasks[u].proc], (arrive, u))
+
+
+def check_schedule(tasks: Sequence[Task]) -> None:
+    """Raises if a task starts before one of its inputs has arrived, or two tasks overlap on one
+    processor."""
+    for i, t in enumerate(tasks):
+        for j, delay in t.deps:
+            if t.start < tasks[j].end + delay - 1e-15:
+                raise AssertionError(f"task {i} ({t.kind} {t.first}) starts before its input {j} has arrived")
+    by_proc: dict[int, list[Task]] = {}
+    for t in tasks:
+        by_proc.setdefault(t.proc, []).append(t)
+    for proc, run in by_proc.items():
+        run.sort(key=lambda t: (t.start, t.end))
+        for a, b in itertools.pairwise(run):
+            if b.start < a.end - 1e-15:
+                raise AssertionError(f"two tasks overlap on processor {proc}")
+
+
+def _priority(kind: str) -> Callable[[Task], tuple]:
+    """GPipe runs forwards first, in micro-batch order; 1F1B and LayerPipe a backward before a
+    forward (the oldest micro-batch first), a weight gradient when no input gradient waits."""
+    if kind == "gpipe":
+        return lambda t: (t.iteration, t.kind != "F", t.micro)
+    rank = {"A": 0, "B": 0, "W": 1, "F": 2}
+    return lambda t: (rank[t.kind], t.iteration, t.micro)
+
+
+def pipeline(
+    net: Network,
+    batch: int,
+    p: int,
+    machine: Machine,
+    kind: str,
+    micro: int | None = None,
+    iterations: int = 4,
+) -> Estimate:
+    """A pipeline strategy's time per iteration in the steady state: the schedule of ``iterations``
+    iterations, the time between the ends of the middle and the last iteration divided by the
+    iterations between them, or the busiest processor's work per iteration where that is longer
+    (deferred weight-gradient tasks blur where an iteration ends; no period beats the busiest
+    processor). ``micro`` micro-batches per iteration (default min(4p, B), GPipe's
+    advice of at least four per stage; one on one processor, where there is nothing to overlap)."""
+    micro = micro or (1 if p == 1 else min(4 * p, batch))
+    if micro > batch:
+        return _none(kind, p, f"{micro} micro-batches exceed the batch {batch}")
+    if p > len(net.layers):
+        return _none(kind, p, f"p = {p} exceeds the {len(net.layers)} layers")
+    tasks = pipeline_tasks(net, batch, p, micro, kind, machine, iterations)
+    list_schedule(tasks, _priority(kind))
+    ends = [max(t.end for t in tasks if t.iteration == it) for it in range(iterations)]
+    half = iterations // 2
+    procs = max(t.proc for t in tasks) + 1
+    per_iter = [sum(t.duration for t in tasks if t.proc == q) / iterations for q in range(procs)]
+    time = max((ends[-1] - ends[half - 1]) / (iterations - half), max(per_iter))
+    time += machine.all_reduce(net.shared, procs)
+    sent = _sent(tasks, net, batch / micro, machine, iterations)
+    memory = max(pipeline_memory(tasks, net, batch / micro, machine, kind).values())
+    est = Estimate(
+        kind, p, time, max(per_iter), memory=memory, sent=sent, detail=f"{micro} micro-batches", tasks=tasks
+    )
+    return _finish(est, net, batch, machine)
+
+
+def _sent(tasks: Sequence[Task], net: Network, size: float, machine: Machine, iterations: int) -> float:
+    """Bytes the busiest processor sends per iteration: activations and gradients between processors,
+    a weight gradient computed away from its weights (once per iteration), the shared weights'
+    all-reduce."""
+    out: dict[int, float] = {}
+    for t in tasks:
+        for j, delay in t.deps:
+            if delay > 0:
+                src = tasks[j]
+                out[src.proc] = out.get(src.proc, 0.0) + (delay - machine.alpha) / machine.beta
+    procs = max(t.proc for t in tasks) + 1
+    owner = {}
+    for t in tasks:
+        if t.kind == "F":
+            for i in range(t.first, t.last + 1):
+                owner[i] = t.proc
+    for t in tasks:
+        if t.kind == "W" and t.iteration == 0 and t.micro == 0:
+            moved = sum(net.layers[i].params for i in range(t.first, t.last + 1) if owner[i] != t.proc)
+            out[t.proc] = out.get(t.proc, 0.0) + machine.word * moved * iterations
+    shared = 2 * (procs - 1) / procs * machine.word * net.shared
+    return max(out.values(), default=0.0) / iterations + shared
+
+
+def pipeline_memory(
+    tasks: Sequence[Task], net: Network, size: float, machine: Machine, kind: str
+) -> dict[int, float]:
+    """Bytes per processor: its weights, once per iteration in flight on it (stashed versions;
+    GPipe keeps one), and the inputs its forwards keep until the last backward task of their
+    micro-batch on those layers has ended."""
+    versions: dict[int, set] = {}
+    events: dict[int, list[tuple[float, float]]] = {}
+    finish: dict[tuple, float] = {}
+    for t in tasks:
+        if t.kind != "F":
+            for i in range(t.first, t.last + 1):
+                key = (i, t.iteration, t.micro)
+                finish[key] = max(finish.get(key, -math.inf), t.end)
+    peak_versions: dict[int, int] = {}
+    for t in tasks:
+        if t.kind != "F":
+            continue
+        kept = machine.word * size * sum(net.layers[i].inputs for i in range(t.first, t.last + 1))
+        released = max(finish[(i, t.iteration, t.micro)] for i in range(t.first, t.last + 1))
+        events.setdefault(t.proc, []).extend([(t.end, kept), (released, -kept)])
+        versions.setdefault(t.proc, set()).add(t.iteration)
+    weights: dict[int, float] = {}
+    for t in tasks:
+        if t.kind == "F" and t.iteration == 0 and t.micro == 0:
+            weights[t.proc] = weights.get(t.proc, 0.0) + machine.word * sum(
+                net.layers[i].params for i in range(t.first, t.last + 1)
+            )
+    peaks = {}
+    for proc, ev in events.items():
+        level, peak = 0.0, 0.0
+        for _, delta in sorted(ev, key=lambda e: (e[0], e[1])):
+            level += delta
+            peak = max(peak, level)
+        peaks[proc] = peak
+        peak_versions[proc] = 1 if kind == "gpipe" else _iterations_in_flight(tasks, proc)
+    shared = machine.word * net.shared
+    return {q: weights.get(q, 0.0) * peak_versions[q] + peaks[q] + shared for q in sorted(peaks)}
+
+
+def _iterations_in_flight(tasks: Sequence[Task], proc: int) -> int:
+    """The most iterations whose forwards on ``proc`` have begun while one before has not ended:
+    the weight versions a delayed-gradient pipeline stashes there."""
+    spans: dict[int, list[float]] = {}
+    for t in tasks:
+        if t.proc == proc:
+            s = spans.setdefault(t.iteration, [math.inf, -math.inf])
+            s[0], s[1] = min(s[0], t.start), max(s[1], t.end)
+    events = sorted(
+        [(a, 1) for a, _ in spans.values()] + [(b, -1) for _, b in spans.values()], key=lambda e: (e[0], e[1])
+    )
+    level = peak = 0
+    for _, d in events:
+        level += d
+        peak = max(peak, level)
+    return peak
+
+
+# --- BPPSA across devices, and BPTT across the same devices --------------------------------------
+
+
+def _slices(net: Network, p: int) -> list[list[Layer]]:
+    owner = partition([x.work for x in net.layers], p)
+    out: list[list[Layer]] = [[] for _ in range(max(owner) + 1)]
+    for x, r in zip(net.layers, owner, strict=True):
+        out[r].append(x)
+    return out
+
+
+def _forward_ends(slices: list[list[Layer]], batch: int, machine: Machine) -> list[float]:
+    """When each device's forward ends: the slices run one after another, each sending its last
+    output to the next."""
+    ends, t = [], 0.0
+    for r, part in enumerate(slices):
+        if r:
+            t += machine.send(slices[r - 1][-1].outputs * batch)
+        t += machine.run(part, "forward", batch)
+        ends.append(t)
+    return ends
+
+
+def distributed_bptt(net: Network, batch: int, p: int, machine: Machine) -> Estimate:
+    """The network cut into p slices of balanced work, one per device (no micro-batches): the forward
+    goes up device by device, then the gradient comes back down the same way, p - 1 dependent hops."""
+    slices = _slices(net, p)
+    t = _forward_ends(slices, batch, machine)[-1]
+    for r in reversed(range(len(slices))):
+        t += machine.run(slices[r], "backward", batch)
+        if r:
+            t += machine.send(slices[r - 1][-1].outputs * batch)
+    q = len(slices)
+    t += machine.all_reduce(net.shared, q)
+    compute = max(machine.run(s, "work", batch) for s in slices)
+    memory = max(machine.word * (sum(x.params + batch * x.inputs for x in s) + net.shared) for s in slices)
+    sent = max(2 * machine.word * batch * s[-1].outputs for s in slices[:-1]) if q > 1 else 0.0
+    est = Estimate("bptt-distributed", p, t, compute, memory=memory, sent=sent, hops=q - 1)
+    return _finish(est, net, batch, machine)
+
+
+def bppsa(net: Network, batch: int, p: int, machine: Machine, exchange: str) -> Estimate:
+    """BPPSA with one device per slice. The top device runs its slice's backward as usual; each
+    middle device, as soon as its forward is done, folds its slice's transposed Jacobians into one
+    aggregate per sample (n_in x n_out: its backward applied to the n_out unit vectors); the
+    aggregates meet by one all-gather (each device then applies the ones above it to the top's
+    gradient) or by a tree (⌈log2 p⌉ rounds up, composing pairs, ⌈log2 p⌉ rounds down, one
+    matrix-vector product each); then every device runs its slice's backward from the gradient it
+    got. The bottom device's aggregate is never needed."""
+    slices = _slices(net, p)
+    q = len(slices)
+    fwd = _forward_ends(slices, batch, machine)
+    back = [machine.run(s, "backward", batch) for s in slices]
+    width_in = [s[0].inputs for s in slices]
+    width_out = [s[-1].outputs for s in slices]
+    middle = range(1, q - 1)
+    fold = [
+        machine.run(slices[r], "input_grad", batch * width_out[r]) if r in middle else 0.0 for r in range(q)
+    ]
+    ready = max([fwd[-1] + back[-1]] + [fwd[r] + fold[r] for r in middle])
+    aggregate = max((width_in[r] * width_out[r] + width_in[r] for r in middle), default=0)
+    if q == 1:
+        exchange_time, hops, sent, local = 0.0, 0, 0.0, 0.0
+    elif exchange == "allgather":
+        exchange_time = machine.all_gather(q * batch * max(aggregate, width_in[-1]), q)
+        hops = math.ceil(math.log2(q))
+        sent = (q - 1) * machine.word * batch * max(aggregate, width_in[-1])
+        local = machine.compute(sum(2 * batch * width_in[r] * width_out[r] for r in middle))
+        local += machine.overhead * len(middle)
+    else:
+        # up: ⌈log2(q-1)⌉ rounds over the devices above the bottom, composing pairs of aggregates;
+        # down: ⌈log2 q⌉ rounds handing gradients (vectors) down, one matrix-vector product each
+        n = max(width_out[:-1])
+        ups, downs = math.ceil(math.log2(q - 1)) if q > 2 else 0, math.ceil(math.log2(q))
+        up = machine.send(batch * (n * n + n)) + machine.compute(2 * batch * n**3) + machine.overhead
+        down = machine.send(batch * n) + machine.compute(2 * batch * n * n) + machine.overhead
+        if q == 2:  # the top device's gradient goes straight to the bottom one
+            down = machine.send(batch * n)
+        exchange_time, hops, local = ups * up + downs * down, ups + downs, 0.0
+        sent = machine.word * batch * (ups * (n * n + n) + downs * n)
+    expand = max(back[:-1], default=0.0)
+    time = ready + exchange_time + local + expand + machine.all_reduce(net.shared, q)
+    compute = max(machine.run(s, "forward", batch) + back[r] + fold[r] for r, s in enumerate(slices))
+    memory = max(
+        machine.word
+        * (sum(x.params + batch * x.inputs for x in s) + net.shared + batch * (width_in[r] * width_out[r]))
+        for r, s in enumerate(slices)
+    )
+    gathered = machine.word * batch * q * aggregate if exchange == "allgather" else 0.0
+    name = f"bppsa-{'allgather' if exchange == 'allgather' else 'tree'}"
+    est = Estimate(name, p, time, compute, memory=memory + gathered, sent=sent, hops=hops)
+    return _finish(est, net, batch, machine)
+
+
+# --- all of them ---------------------------------------------------------------------------------
+
+
+def estimate(
+    strategy: str, net: Network, batch: int, p: int, machine: Machine, micro: int | None = None
+) -> Estimate:
+    """One strategy on p processors."""
+    if strategy == "sequential":
+        est = sequential(net, batch, machine)
+        est.p = p
+        est.utilisation /= p
+        return est
+    if strategy in PIPELINES:
+        return pipeline(net, batch, p, machine, strategy, micro)
+    if strategy == "data":
+        return data_parallel(net, batch, p, machine)
+    if strategy == "model":
+        return model_parallel(net, batch, p, machine)
+    if strategy == "grid":
+        return grid(net, batch, p, machine)
+    if strategy == "bptt-distributed":
+        return distributed_bptt(net, batch, p, machine)
+    if strategy in ("bppsa-allgather", "bppsa-tree"):
+        return bppsa(net, batch, p, machine, strategy.removeprefix("bppsa-"))
+    raise ValueError(f"unknown strategy {strategy!r}; accepted: {', '.join(STRATEGIES)}")
+
+
+# --- the table, the figure, the command ----------------------------------------------------------
+
+COLUMNS = ("strategy", "p", "time", "compute", "utilisation", "memory", "sent", "hops", "detail", "note")
+MODELS = ("vgg11", "rnn", "gru")
+KIND_COLOURS = {"F": "#55A868", "B": "#C44E52", "A": "#C44E52", "W": "#8172B3"}  # the phases' colours
+KIND_LABELS = {"F": "forward", "B": "backward", "A": "input gradient", "W": "weight gradient"}
+
+
+def network(model: str, steps: int = 1000, hidden: int = 20, inputs: int = 1, classes: int = 10) -> Network:
+    """A network by name: ``vgg11`` (CIFAR-10 shapes), ``rnn`` or ``gru`` (unrolled over ``steps``)."""
+    if model == "vgg11":
+        return vgg11()
+    if model in ("rnn", "gru"):
+        return recurrent(model, steps, inputs, hidden, classes)
+    raise ValueError(f"unknown model {model!r}; accepted: {', '.join(MODELS)}")
+
+
+def estimates(
+    net: Network,
+    batch: int,
+    ps: Sequence[int],
+    machine: Machine,
+    strategies: Sequence[str] = STRATEGIES,
+    micro: int | None = None,
+    blocks: int = 256,
+) -> list[Estimate]:
+    """Every strategy at every p; the pipelines schedule the network coarsened to ``blocks`` layers."""
+    out = []
+    for strategy in strategies:
+        for p in ps:
+            used = net.coarsen(blocks) if strategy in PIPELINES else net
+            out.append(estimate(strategy, used, batch, p, machine, micro))
+    return out
+
+
+def table(found: Sequence[Estimate]) -> pd.DataFrame:
+    return pd.DataFrame([e.row() for e in found], columns=list(COLUMNS))
+
+
+def versus(
+    net: Network,
+    batch: int,
+    machine: Machine,
+    ps: Sequence[int] = tuple(range(2, 10)),
+    micro: int | None = None,
+    blocks: int = 256,
+) -> pd.DataFrame:
+    """LayerPipe against PipeDream at each p: both times and LayerPipe's saving, 1 - LayerPipe / PipeDream
+    (the LayerPipe paper reports 25 % on average, upwards of 80 % with 7 to 9 processors)."""
+    rows = []
+    coarse = net.coarsen(blocks)
+    for p in ps:
+        pd_time = pipeline(coarse, batch, p, machine, "pipedream", micro).time
+        lp_time = pipeline(coarse, batch, p, machine, "layerpipe", micro).time
+        rows.append({"p": p, "pipedream": pd_time, "layerpipe": lp_time, "saving": 1 - lp_time / pd_time})
+    return pd.DataFrame(rows)
+
+
+def _ms(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    return f"{value * 1e3:.3g}" if value * 1e3 < 1000 else f"{value * 1e3:,.0f}"
+
+
+def markdown(frame: pd.DataFrame, compare: pd.DataFrame | None, header: str) -> str:
+    """The table of times per iteration (ms), strategies by p, the reasons for the empty cells, and
+    LayerPipe against PipeDream."""
+    ps = sorted(frame["p"].unique())
+    lines = [header, "", "Time per iteration (ms):", ""]
+    lines += ["| strategy | " + " | ".join(f"p = {p}" for p in ps) + " |", "|---|" + "---:|" * len(ps)]
+    for strategy, rows in frame.groupby("strategy", sort=False):
+        cells = [_ms(rows.loc[rows["p"] == p, "time"].iloc[0]) for p in ps]
+        lines.append(f"| {LABELS[strategy]} | " + " | ".join(cells) + " |")
+    notes = frame[frame["note"] != ""]
+    if not notes.empty:
+        lines += ["", "Empty cells:"]
+        for strategy, rows in notes.groupby("strategy", sort=False):
+            lines.append(f"- {LABELS[strategy]}: " + "; ".join(rows["note"]))
+    if compare is not None and not compare.empty:
+        lines += ["", "LayerPipe against PipeDream (1F1B), the same micro-batches:", ""]
+        lines += ["| p | PipeDream (ms) | LayerPipe (ms) | LayerPipe's saving |", "|---:|---:|---:|---:|"]
+        for r in compare.itertuples():
+            lines.append(f"| {r.p} | {_ms(r.pipedream)} | {_ms(r.layerpipe)} | {r.saving:.0%} |")
+        lines.append(f"\nMean saving: {compare['saving'].mean():.0%}.")
+    return "\n".join(lines) + "\n"
+
+
+def load_measured(path: str | Path) -> pd.DataFrame:
+    """Measured iterations to draw beside the model: a CSV with the columns strategy, p and time
+    (seconds per iteration), as ``python -m experiments.bench.strategies`` writes it."""
+    path = Path(path)
+    if not path.is_file():
+        raise AnalysisError(
+            f"no measured table at {str(path)!r}; run python -m experiments.bench.strategies first"
+        )
+    data = pd.read_csv(path)
+    missing = [c for c in ("strategy", "p", "time") if c not in data.columns]
+    if missing:
+        raise AnalysisError(f"{path} lacks the columns {', '.join(missing)}")
+    unknown = sorted(set(data["strategy"]) - set(STRATEGIES))
+    if unknown:
+        raise AnalysisError(
+            f"{path} names unknown strategies {', '.join(unknown)}; accepted: {', '.join(STRATEGIES)}"
+        )
+    return data
+
+
+def gantt(ax, tasks: Sequence[Task] | None, title: str, window: tuple[int, int] = (1, 2)) -> None:
+    """One schedule, processors as rows, the tasks of iterations ``window`` drawn (a lighter shade
+    for the second), time from the first of them."""
+    from analysis.figures import _no_data
+
+    if not tasks:
+        _no_data(ax, title)
+        return
+    shown = [t for t in tasks if window[0] <= t.iteration <= window[1]]
+    origin = min(t.start for t in shown)
+    for t in shown:
+        ax.barh(
+            t.proc,
+            (t.end - t.start) * 1e3,
+            left=(t.start - origin) * 1e3,
+            height=0.8,
+            color=KIND_COLOURS[t.kind],
+            alpha=1.0 if t.iteration == window[0] else 0.5,
+            linewidth=0,
+        )
+    ax.set_yticks(range(max(t.proc for t in shown) + 1))
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_ylabel("processor")
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="y", visible=False)
+
+
+def figure(
+    frame: pd.DataFrame, schedules: Sequence[Estimate], measured: pd.DataFrame | None, title: str
+) -> plt.Figure:
+    """Time per iteration against p, one line per strategy (measured iterations as crosses), and
+    below it the pipelines' ``schedules`` as Gantt charts."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    from analysis.figures import MARKERS, _legend_beside, _log_log
+
+    fig = plt.figure(figsize=(14, 9))
+    grid_spec = fig.add_gridspec(2, 3, height_ratios=[1.5, 1.0])
+    ax = fig.add_subplot(grid_spec[0, :])
+    colours = {s: f"C{i}" for i, s in enumerate(STRATEGIES)}
+    for i, (strategy, rows) in enumerate(frame.groupby("strategy", sort=False)):
+        rows = rows.dropna(subset=["time"])
+        if rows.empty:
+            continue
+        ax.plot(
+            rows["p"],
+            rows["time"],
+            marker=MARKERS[i % len(MARKERS)],
+            color=colours[strategy],
+            linestyle="-" if strategy.startswith("bppsa") else "--",
+            label=LABELS[strategy],
+            markersize=5,
+        )
+    if measured is not None:
+        for strategy, rows in measured.groupby("strategy", sort=True):
+            ax.scatter(
+                rows["p"],
+                rows["time"],
+                marker="X",
+                s=110,
+                color=colours[strategy],
+                edgecolors="black",
+                zorder=5,
+                label=f"measured: {LABELS[strategy]}",
+            )
+    _log_log(ax, xbase=2)
+    ax.set_xlabel("processors p")
+    ax.set_ylabel("time per iteration (s)")
+    ax.set_title(title, fontsize=10)
+    _legend_beside(ax)
+    for col, est in enumerate(schedules[:3]):
+        label = f"{LABELS[est.strategy]}, p = {est.p}: " + (est.note or est.detail)
+        gantt(fig.add_subplot(grid_spec[1, col]), est.tasks, label)
+    handles = [Patch(color=KIND_COLOURS[k], label=KIND_LABELS[k]) for k in ("F", "B", "W")]
+    handles.append(Line2D([], [], color="gray", alpha=0.5, linewidth=6, label="the next iteration"))
+    fig.axes[-1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _positive(kind: type, accepted: str):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; accepted: {accepted}") from None
+        if not value > 0 or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not positive; accepted: {accepted}")
+        return value
+
+    return parse
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; accepted: a number >= 0") from None
+    if not value >= 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is negative; accepted: a number >= 0")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m analysis.strategies",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    count, number = _positive(int, "positive integers"), _positive(float, "a positive number")
+    parser.add_argument("--model", choices=MODELS, default="vgg11", help="the network")
+    parser.add_argument("--batch", type=count, help="samples per iteration (default: 128 for vgg11, 16 else)")
+    parser.add_argument("--T", type=count, default=1000, help="sequence length (rnn, gru)")
+    parser.add_argument("--hidden", type=count, default=20, help="hidden size (rnn, gru)")
+    parser.add_argument("--inputs", type=count, help="input features (default: 1 for rnn, 24 for gru)")
+    parser.add_argument("--classes", type=count, help="classes (default: 10, 11 for gru)")
+    parser.add_argument("--p", type=count, nargs="+", default=[1, 2, 4, 8, 16, 32], help="processor counts")
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--flops", type=number, default=1e12, help="FLOP/s of one processor")
+    parser.add_argument("--alpha", type=_non_negative, default=5e-6, help="seconds per message")
+    parser.add_argument("--beta", type=_non_negative, default=1e-10, help="seconds per byte")
+    parser.add_argument("--overhead", type=_non_negative, default=0.0, help="seconds per layer operation")
+    parser.add_argument("--word", type=count, default=4, help="bytes per number")
+    parser.add_argument(
+        "--micro-batches", type=count, help="per iteration in the pipelines (default: min(4p, B))"
+    )
+    parser.add_argument("--blocks", type=count, default=256, help="layers the pipelines schedule at most")
+    parser.add_argument("--gantt", type=count, default=4, help="p of the Gantt charts")
+    parser.add_argument("--gantt-micro-batches", type=count, help="in the Gantt charts (default: their p)")
+    parser.add_argument("--measured", help="a measured.csv to draw beside the model")
+    parser.add_argument("--out", default="strategies", help="output folder")
+    args = parser.parse_args(argv)
+    batch = args.batch or (128 if args.model == "vgg11" else 16)
+    inputs = args.inputs or (24 if args.model == "gru" else 1)
+    classes = args.classes or (11 if args.model == "gru" else 10)
+    if args.micro_batches and args.micro_batches > batch:
+        parser.error(
+            f"--micro-batches {args.micro_batches} exceeds the batch {batch}; accepted: 1 to {batch}"
+        )
+    try:
+        measured = load_measured(args.measured) if args.measured else None
+    except AnalysisError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    net = network(args.model, args.T, args.hidden, inputs, classes)
+    machine = Machine(args.flops, args.alpha, args.beta, args.word, args.overhead)
+    frame = table(
+        estimates(net, batch, sorted(set(args.p)), machine, args.strategies, args.micro_batches, args.blocks)
+    )
+    gantt_micro = min(args.gantt_micro_batches or args.gantt, batch)
+    schedules = [
+        pipeline(net.coarsen(args.blocks), batch, args.gantt, machine, kind, gantt_micro)
+        for kind in PIPELINES
+        if kind in args.strategies
+    ]
+    compare = None
+    if {"pipedream", "layerpipe"} <= set(args.strategies):
+        compare = versus(net, batch, machine, micro=args.micro_batches, blocks=args.blocks)
+    header = (
+        f"{net.name}, B = {batch}, on p processors of {args.flops:.3g} FLOP/s "
+        f"(overhead {args.overhead:g} s per operation), α = {args.alpha:g} s, β = {args.beta:g} s/byte, "
+        f"{args.word} bytes per number"
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(frame, compare, header)
+    frame.to_csv(out / "strategies.csv", index=False)
+    (out / "strategies.md").write_text(text)
+    from analysis.figures import save
+
+    paths = save(figure(frame, schedules, measured, header), out, "strategies")
+    print(text)
+    for path in [out / "strategies.csv", out / "strategies.md", *paths]:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,326 @@
+"""analysis.strategies: the cost model's invariants, its schedules' validity, and the command."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from analysis import strategies as S
+from analysis.data import AnalysisError
+
+VGG = S.vgg11()
+RNN = S.recurrent("rnn", 40, 1, 20, 10)
+GRU = S.recurrent("gru", 30, 24, 20, 11)
+MACHINES = {
+    "flops": S.Machine(),
+    "latency": S.Machine(flops=1e11, alpha=2e-5, beta=1e-9, overhead=2e-6),
+}
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15)
+
+
+# --- the networks ---------------------------------------------------------------------------------
+
+
+def test_vgg11_is_traced_into_its_weighted_layers_with_their_flops() -> None:
+    from experiments.bench.pruned_vgg import vgg11
+
+    assert [x.name for x in VGG.layers] == [f"conv{i}" for i in range(1, 9)] + ["fc9"]
+    assert VGG.params == sum(p.numel() for p in vgg11().parameters())
+    conv1 = VGG.layers[0]
+    macs = 3 * 9 * 64 * 32 * 32
+    # conv 3 -> 64 at 32 x 32, then ReLU (one op per element) and a 2 x 2 max-pool (one per input)
+    assert conv1.forward == 2 * macs + 64 * 32 * 32 + 64 * 32 * 32
+    assert conv1.weight_grad == 2 * macs
+    assert conv1.input_grad == 2 * 64 * 32 * 32  # no gradient to the image, only through ReLU and pool
+    assert (conv1.inputs, conv1.outputs, conv1.channels, conv1.rows) == (3 * 32 * 32, 64 * 16 * 16, 64, 16)
+    conv2 = VGG.layers[1]
+    assert conv2.input_grad == 2 * 64 * 9 * 128 * 16 * 16 + 2 * 128 * 16 * 16
+    assert VGG.layers[-1].outputs == 10
+
+
+def test_profile_refuses_a_module_it_cannot_cost() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8))
+    with pytest.raises(ValueError, match="cannot profile a BatchNorm2d; accepted: Conv2d, Linear"):
+        S.profile(model, (3, 8, 8))
+    with pytest.raises(ValueError, match="must start with a Conv2d or Linear"):
+        S.profile(nn.Sequential(nn.ReLU(), nn.Linear(4, 2)), (4,))
+
+
+def test_profile_leaves_the_model_on_the_meta_device_without_computing() -> None:
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    net = S.profile(model, (5,))
+    assert [(x.forward, x.input_grad, x.params) for x in net.layers] == [
+        (2 * 35 + 7 + 7, 7, 42),
+        (2 * 21 + 3, 42, 24),
+    ]
+    assert next(model.parameters()).device == torch.device("meta")
+
+
+def test_an_unrolled_rnn_shares_its_weights_and_has_no_gradient_before_its_first_step() -> None:
+    assert len(RNN.layers) == 41 and RNN.layers[-1].name == "head"
+    assert RNN.shared == 20 * 21 + 40 and GRU.shared == 3 * 20 * 44 + 120
+    assert RNN.layers[0].input_grad == 0 and RNN.layers[1].input_grad == 2 * 20 * 20 + 20
+    assert all(x.params == 0 for x in RNN.layers[:-1])
+
+
+@pytest.mark.parametrize("blocks", [1, 7, 40, 41, 100])
+def test_coarsening_keeps_every_cost_and_the_ends(blocks: int) -> None:
+    coarse = RNN.coarsen(blocks)
+    assert len(coarse.layers) == min(blocks, 41)
+    assert close(coarse.work, RNN.work) and coarse.params == RNN.params
+    assert sum(x.ops for x in coarse.layers) == 41
+    assert coarse.layers[0].inputs == RNN.layers[0].inputs and coarse.layers[-1].outputs == 10
+
+
+# --- the machine and the partition ---------------------------------------------------------------
+
+
+def test_collectives_follow_the_alpha_beta_terms() -> None:
+    m = S.Machine(alpha=1e-5, beta=1e-9, word=4)
+    assert m.all_gather(1000, 1) == 0 and m.all_reduce(1000, 1) == 0 and m.send(0) == 0
+    assert close(m.all_gather(1000, 8), 3e-5 + 1e-9 * 7 / 8 * 4000)
+    assert close(m.all_reduce(1000, 5), 2 * (3e-5 + 1e-9 * 4 / 5 * 4000))
+    assert close(m.send(10), 1e-5 + 40e-9)
+
+
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=9), st.integers(1, 6))
+def test_the_partition_is_contiguous_and_its_largest_stage_is_the_least_possible(costs, p) -> None:
+    from itertools import combinations
+
+    stages = S.partition(costs, p)
+    assert stages[0] == 0 and all(b - a in (0, 1) for a, b in itertools.pairwise(stages))
+    assert max(stages) + 1 == min(p, len(costs))
+    best = min(
+        max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs)), strict=True))
+        for k in range(min(p, len(costs)))
+        for cuts in combinations(range(1, len(costs)), k)
+    )
+    worst = max(sum(c for c, s in zip(costs, stages, strict=True) if s == j) for j in set(stages))
+    assert worst == pytest.approx(best)
+
+
+# --- the invariants the issue of every strategy must meet -------------------------------------------
+
+
+@pytest.mark.parametrize("machine", MACHINES.values(), ids=MACHINES.keys())
+@pytest.mark.parametrize("net", [VGG, RNN, GRU], ids=["vgg11", "rnn", "gru"])
+def test_every_strategy_on_one_processor_is_sequential_bp(net, machine) -> None:
+    reference = S.sequential(net, 16, machine).time
+    for strategy in S.STRATEGIES:
+        est = S.estimate(strategy, net, 16, 1, machine)
+        assert close(est.time, reference), strategy
+        assert close(est.utilisation, 1.0) or machine.overhead, strategy
+
+
+@pytest.mark.parametrize("kind", S.PIPELINES)
+@pytest.mark.parametrize("p", [2, 3, 4, 7, 9])
+@pytest.mark.parametrize("machine", MACHINES.values(), ids=MACHINES.keys())
+def test_no_schedule_runs_a_task_before_its_inputs_exist(kind: str, p: int, machine) -> None:
+    for net, batch in ((VGG, 32), (RNN, 16)):
+        est = S.pipeline(net, batch, p, machine, kind)
+        S.check_schedule(est.tasks)
+        assert est.time >= S.sequential(net, batch, machine).time / p * (1 - 1e-9) or machine.overhead
+
+
+def test_the_schedule_check_catches_a_task_started_too_early_and_an_overlap() -> None:
+    est = S.pipeline(VGG, 16, 3, S.Machine(), "pipedream")
+    tasks = est.tasks
+    waits = next(i for i, t in enumerate(tasks) if t.deps and t.kind == "B")
+    early = [S.Task(**{**t.__dict__}) for t in tasks]
+    early[waits].start -= 1.0
+    with pytest.raises(AssertionError, match="before its input"):
+        S.check_schedule(early)
+    overlap = [S.Task(**{**t.__dict__}) for t in tasks]
+    first, second = sorted((t for t in overlap if t.proc == 0), key=lambda t: t.start)[:2]
+    second.start, second.deps = first.start, []
+    with pytest.raises(AssertionError, match="overlap on processor 0"):
+        S.check_schedule(overlap)
+
+
+def test_a_cycle_in_a_task_graph_is_refused() -> None:
+    a = S.Task("F", 0, 0, 0, 0, 0, 1.0, deps=[(1, 0.0)])
+    b = S.Task("F", 1, 1, 0, 0, 0, 1.0, deps=[(0, 0.0)])
+    with pytest.raises(AnalysisError, match="cycle"):
+        S.list_schedule([a, b], lambda t: (t.first,))
+
+
+def test_a_steady_pipeline_runs_at_its_slowest_stage() -> None:
+    """Two equal layers on two processors, no communication: each micro-batch costs one stage's
+    work once the pipeline is full, so an iteration of M micro-batches costs M of them."""
+    layer = S.Layer(
+        "x", forward=1e9, weight_grad=1e9, input_grad=1e9, params=1, inputs=1, outputs=1, channels=1
+    )
+    net = S.Network("two", (layer, layer))
+    machine = S.Machine(flops=1e9, alpha=0, beta=0)
+    for kind in ("pipedream", "layerpipe"):
+        assert S.pipeline(net, 8, 2, machine, kind, micro=8, iterations=6).time == pytest.approx(8 * 3.0)
+    # GPipe flushes: M forwards and M backwards, plus filling and draining one stage each way
+    assert S.pipeline(net, 8, 2, machine, "gpipe", micro=8).time == pytest.approx(8 * 3 + 1 + 2)
+
+
+def test_layerpipe_moves_weight_gradients_off_the_busiest_stage() -> None:
+    """One heavy layer: PipeDream's stage of it carries its whole backward, LayerPipe gives its weight
+    gradient to the processor beside it."""
+    heavy = S.Layer("heavy", 1e9, 4e9, 1e9, params=10, inputs=1, outputs=1, channels=1)
+    light = S.Layer("light", 1e8, 1e8, 1e8, params=10, inputs=1, outputs=1, channels=1)
+    net = S.Network("skewed", (light, heavy))
+    machine = S.Machine(flops=1e9, alpha=0, beta=0)
+    pd_time = S.pipeline(net, 4, 2, machine, "pipedream", micro=4, iterations=6).time
+    lp = S.pipeline(net, 4, 2, machine, "layerpipe", micro=4, iterations=6)
+    S.check_schedule(lp.tasks)
+    assert pd_time == pytest.approx(4 * 6.0)
+    assert lp.time == pytest.approx(4 * 4.0)  # the heavy weight gradient alone on the other processor
+    forward = {t.proc for t in lp.tasks if t.kind == "F" and t.first <= 1 <= t.last}
+    weight = {t.proc for t in lp.tasks if t.kind == "W" and t.first <= 1 <= t.last}
+    assert len(weight) == 1 and weight.isdisjoint(forward)
+
+
+@pytest.mark.parametrize("machine", MACHINES.values(), ids=MACHINES.keys())
+@pytest.mark.parametrize("net", [VGG, RNN, GRU], ids=["vgg11", "rnn", "gru"])
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_the_grid_at_pr_1_is_data_parallel_and_at_pc_1_model_parallel(net, machine, p: int) -> None:
+    batch = 32
+    data, model = S.data_parallel(net, batch, p, machine), S.model_parallel(net, batch, p, machine)
+    assert close(S.grid(net, batch, p, machine, fixed=(1, p)).time, data.time)
+    pinned = S.grid(net, batch, p, machine, fixed=(p, 1), hows=("model",))
+    assert close(pinned.time, model.time) or (math.isnan(pinned.time) and math.isnan(model.time))
+    best = S.grid(net, batch, p, machine).time
+    assert best <= min(data.time, model.time if not math.isnan(model.time) else math.inf) * (1 + 1e-12)
+
+
+def test_the_grid_goes_past_the_batch_where_data_parallelism_stops() -> None:
+    machine = S.Machine()
+    assert math.isnan(S.data_parallel(VGG, 8, 32, machine).time)
+    est = S.grid(VGG, 8, 32, machine)
+    assert est.time < S.sequential(VGG, 8, machine).time
+    assert "domain" in est.detail or "x" in est.detail
+
+
+def test_distributed_bptt_is_gpipe_with_one_micro_batch() -> None:
+    """Two derivations of the same schedule: the closed form of distributed BPTT and the list
+    scheduler running GPipe with a single micro-batch."""
+    for net in (VGG, RNN):
+        for p in (2, 3, 5):
+            for machine in MACHINES.values():
+                bptt = S.distributed_bptt(net, 16, p, machine).time
+                assert close(S.pipeline(net, 16, p, machine, "gpipe", micro=1).time, bptt)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8, 16, 32])
+def test_bppsa_takes_log_p_dependent_exchanges_where_bptt_takes_p(p: int) -> None:
+    net, machine = S.recurrent("rnn", 1000, 1, 20, 10), MACHINES["latency"]
+    assert S.distributed_bptt(net, 16, p, machine).hops == p - 1
+    assert S.bppsa(net, 16, p, machine, "allgather").hops == math.ceil(math.log2(p))
+    tree = math.ceil(math.log2(p - 1)) if p > 2 else 0
+    assert S.bppsa(net, 16, p, machine, "tree").hops == tree + math.ceil(math.log2(p))
+
+
+def test_bppsa_beats_distributed_bptt_on_a_latency_bound_rnn_and_loses_on_vgg11() -> None:
+    """The model's two regimes: a small H × H aggregate against a chain of latency-bound steps, and
+    VGG-11's activations, whose aggregates are dense matrices of thousands squared per sample."""
+    rnn, machine = S.recurrent("rnn", 1000, 1, 20, 10), MACHINES["latency"]
+    for p in (4, 8, 16):
+        assert S.bppsa(rnn, 16, p, machine, "tree").time < 0.8 * S.distributed_bptt(rnn, 16, p, machine).time
+    assert (
+        S.bppsa(VGG, 16, 4, S.Machine(), "allgather").time
+        > 10 * S.distributed_bptt(VGG, 16, 4, S.Machine()).time
+    )
+
+
+def test_infeasible_points_say_why() -> None:
+    machine = S.Machine()
+    assert "exceeds the batch 8" in S.data_parallel(VGG, 8, 16, machine).note
+    assert "exceeds a layer's 10 channels" in S.model_parallel(VGG, 64, 16, machine).note
+    assert "exceeds the 9 layers" in S.pipeline(VGG, 64, 16, machine, "gpipe").note
+    with pytest.raises(ValueError, match="unknown strategy 'ring'; accepted: sequential, gpipe"):
+        S.estimate("ring", VGG, 8, 2, machine)
+
+
+def test_pipeline_memory_counts_stashed_weights_and_activations_in_flight() -> None:
+    """Two equal layers on two processors, four micro-batches of one sample: GPipe keeps all four
+    micro-batches' inputs on the first processor and one weight version; 1F1B admits two there
+    and, never flushing, stashes the weights of two iterations."""
+    layer = S.Layer(
+        "x", forward=1e9, weight_grad=1e9, input_grad=1e9, params=100, inputs=10, outputs=10, channels=1
+    )
+    net = S.Network("two", (layer, layer))
+    machine = S.Machine(flops=1e9, alpha=0, beta=0, word=1)
+    gpipe = S.pipeline(net, 4, 2, machine, "gpipe", micro=4)
+    pipedream = S.pipeline(net, 4, 2, machine, "pipedream", micro=4)
+    assert S.pipeline_memory(gpipe.tasks, net, 1, machine, "gpipe")[0] == 100 + 4 * 10
+    assert S.pipeline_memory(pipedream.tasks, net, 1, machine, "pipedream")[0] == 2 * 100 + 2 * 10
+    assert S.sequential(net, 4, machine).memory == 200 + 4 * 20
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+def test_the_command_writes_the_table_and_a_reproducible_figure(tmp_path: Path, capsys) -> None:
+    measured = tmp_path / "measured.csv"
+    pd.DataFrame({"strategy": ["sequential", "data"], "p": [1, 2], "time": [0.2, 0.11]}).to_csv(
+        measured, index=False
+    )
+    args = [
+        "--model",
+        "rnn",
+        "--T",
+        "60",
+        "--p",
+        "1",
+        "2",
+        "4",
+        "--measured",
+        str(measured),
+        "--overhead",
+        "1e-6",
+    ]
+    assert S.main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert S.main([*args, "--out", str(tmp_path / "b")]) == 0
+    printed = capsys.readouterr().out
+    assert "| BPPSA, tree |" in printed and "LayerPipe's saving" in printed
+    table = pd.read_csv(tmp_path / "a" / "strategies.csv")
+    assert set(table["strategy"]) == set(S.STRATEGIES) and sorted(table["p"].unique()) == [1, 2, 4]
+    for name in ("strategies.csv", "strategies.md", "strategies.png", "strategies.pdf"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--p", "0"], "argument --p: 0 is not positive; accepted: positive integers"),
+        (["--alpha", "-1"], "argument --alpha: -1 is negative; accepted: a number >= 0"),
+        (["--model", "lstm"], "argument --model: invalid choice: 'lstm'"),
+        (["--batch", "4", "--micro-batches", "8"], "--micro-batches 8 exceeds the batch 4; accepted: 1 to 4"),
+        (["--measured", "nowhere.csv"], "no measured table at 'nowhere.csv'"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line_and_nothing_is_written(
+    tmp_path: Path, capsys, args, message
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        raise SystemExit(S.main([*args, "--out", str(tmp_path / "out")]))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_measured_table_must_name_known_strategies(tmp_path: Path) -> None:
+    path = tmp_path / "m.csv"
+    pd.DataFrame({"strategy": ["ring"], "p": [2], "time": [1.0]}).to_csv(path, index=False)
+    with pytest.raises(AnalysisError, match="unknown strategies ring"):
+        S.load_measured(path)
+    pd.DataFrame({"strategy": ["data"], "p": [2]}).to_csv(path, index=False)
+    with pytest.raises(AnalysisError, match="lacks the columns time"):
+        S.load_measured(path)
