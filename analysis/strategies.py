@@ -264,11 +264,12 @@ def recurrent(cell: str, steps: int, inputs: int, hidden: int, classes: int) -> 
     return Network(f"{cell}-T{steps}-H{hidden}", (*unrolled, head), shared=matrices + 2 * gates * hidden)
 
 
-def vgg11() -> Network:
-    """VGG-11 on CIFAR-10 inputs (3 x 32 x 32), as the pruned VGG-11 study builds it."""
+def vgg11(width: float = 1.0) -> Network:
+    """VGG-11 on CIFAR-10 inputs (3 x 32 x 32), as the pruned VGG-11 study builds it (``width``
+    scales its channels)."""
     from experiments.bench.pruned_vgg import vgg11 as build
 
-    return profile(build(), (3, 32, 32), "vgg11")
+    return profile(build(width), (3, 32, 32), "vgg11" if width == 1 else f"vgg11-width{width:g}")
 
 
 # --- the interconnect ----------------------------------------------------------------------------
@@ -656,7 +657,8 @@ def _wire(
 ) -> None:
     """Inputs within one micro-batch: a forward waits for the forward below it, a backward (or an
     input-gradient task) for its own forward and the backward above it, a weight-gradient task for
-    the forward of its layers (their inputs) and the input gradient above them (their outputs')."""
+    the forwards of its layers (their inputs) and the tasks that give its layers' outputs their
+    gradients (the input-gradient tasks of the layers above each, or the top forward)."""
     by_layer_f = _cover(f_ids, tasks)
     by_layer_b = _cover(b_ids, tasks)
 
@@ -670,7 +672,7 @@ def _wire(
     top = len(net.layers) - 1
     for first, tid in b_ids.items():
         last = tasks[tid].last
-        edge(tid, f_ids[first] if first in f_ids else by_layer_f[first], 0)
+        edge(tid, by_layer_f[first], 0)
         if last < top:
             edge(tid, by_layer_b[last + 1], net.layers[last].outputs)
         else:
@@ -680,8 +682,12 @@ def _wire(
         for f in sorted({by_layer_f[i] for i in range(first, last + 1)}):
             kept = range(max(first, tasks[f].first), min(last, tasks[f].last) + 1)
             edge(tid, f, sum(net.layers[i].inputs for i in kept))
-        above = by_layer_b[last + 1] if last < top else by_layer_f[top]
-        edge(tid, above, net.layers[last].outputs)
+        above: dict[int, float] = {}
+        for i in range(first, last + 1):
+            src = by_layer_b[i + 1] if i < top else by_layer_f[top]
+            above[src] = above.get(src, 0.0) + net.layers[i].outputs
+        for src, elements in above.items():
+            edge(tid, src, elements)
 
 
 def _cover(ids: dict, tasks: list[Task]) -> dict[int, int]:
@@ -1028,10 +1034,12 @@ KIND_COLOURS = {"F": "#55A868", "B": "#C44E52", "A": "#C44E52", "W": "#8172B3"} 
 KIND_LABELS = {"F": "forward", "B": "backward", "A": "input gradient", "W": "weight gradient"}
 
 
-def network(model: str, steps: int = 1000, hidden: int = 20, inputs: int = 1, classes: int = 10) -> Network:
+def network(
+    model: str, steps: int = 1000, hidden: int = 20, inputs: int = 1, classes: int = 10, width: float = 1.0
+) -> Network:
     """A network by name: ``vgg11`` (CIFAR-10 shapes), ``rnn`` or ``gru`` (unrolled over ``steps``)."""
     if model == "vgg11":
-        return vgg11()
+        return vgg11(width)
     if model in ("rnn", "gru"):
         return recurrent(model, steps, inputs, hidden, classes)
     raise ValueError(f"unknown model {model!r}; accepted: {', '.join(MODELS)}")
@@ -1245,6 +1253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hidden", type=count, default=20, help="hidden size (rnn, gru)")
     parser.add_argument("--inputs", type=count, help="input features (default: 1 for rnn, 24 for gru)")
     parser.add_argument("--classes", type=count, help="classes (default: 10, 11 for gru)")
+    parser.add_argument("--width", type=number, default=1.0, help="VGG-11's channel multiplier")
     parser.add_argument("--p", type=count, nargs="+", default=[1, 2, 4, 8, 16, 32], help="processor counts")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--flops", type=number, default=1e12, help="FLOP/s of one processor")
@@ -1273,7 +1282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AnalysisError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
-    net = network(args.model, args.T, args.hidden, inputs, classes)
+    net = network(args.model, args.T, args.hidden, inputs, classes, args.width)
     machine = Machine(args.flops, args.alpha, args.beta, args.word, args.overhead)
     frame = table(
         estimates(net, batch, sorted(set(args.p)), machine, args.strategies, args.micro_batches, args.blocks)

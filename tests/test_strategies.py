@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from pathlib import Path
 
@@ -324,3 +325,61 @@ def test_a_measured_table_must_name_known_strategies(tmp_path: Path) -> None:
     pd.DataFrame({"strategy": ["data"], "p": [2]}).to_csv(path, index=False)
     with pytest.raises(AnalysisError, match="lacks the columns time"):
         S.load_measured(path)
+
+
+# --- the measured points --------------------------------------------------------------------------
+
+
+def test_the_benchmark_cuts_vgg11_where_the_model_does() -> None:
+    from experiments.bench.pruned_vgg import vgg11
+    from experiments.bench.strategies import split_at
+
+    stages = S.partition([x.work for x in VGG.layers], 2)
+    first, second = split_at(vgg11(), 4)
+    assert stages.count(0) == 4
+    assert sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in first) == 4
+    assert isinstance(second[0], nn.Conv2d) and second[0].in_channels == 256
+    with pytest.raises(ValueError, match="--split 9 does not cut the network; accepted: 1 to 8"):
+        split_at(vgg11(), 9)
+
+
+def test_the_benchmark_measures_three_strategies_on_two_processes(tmp_path: Path, capsys) -> None:
+    from experiments.bench import strategies as bench
+
+    args = ["--width", "0.125", "--batch", "8", "--micro-batches", "4", "--warmup", "0", "--repeats", "1"]
+    assert bench.main([*args, "--pingpong-mb", "0.25", "--out", str(tmp_path)]) == 0
+    measured = S.load_measured(tmp_path / "measured.csv")
+    assert list(zip(measured["strategy"], measured["p"], strict=True)) == [
+        ("sequential", 1),
+        ("data", 2),
+        ("gpipe", 2),
+    ]
+    assert (measured["time"] > 0).all()
+    calibration = json.loads((tmp_path / "calibration.json").read_text())
+    assert calibration["flops"] > 0 and calibration["alpha"] > 0 and calibration["beta"] >= 0
+    command = capsys.readouterr().out.splitlines()[-1]
+    assert command.startswith(
+        "python -m analysis.strategies --model vgg11 --batch 8 --p 1 2 4 8 --width 0.125"
+    )
+    out = tmp_path / "model"
+    assert S.main([*command.split()[3:-2], "--out", str(out)]) == 0  # the printed command runs
+    assert (out / "strategies.png").is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--batch", "9"], "--batch 9 does not split into 8 micro-batches"),
+        (["--batch", "9", "--micro-batches", "3"], "--batch 9 does not split over 2 processes"),
+        (["--split", "12"], "--split 12 does not cut the network; accepted: 1 to 8"),
+        (["--width", "0"], "--width 0.0 is not positive"),
+    ],
+)
+def test_the_benchmark_refuses_bad_settings_in_one_line(tmp_path: Path, capsys, args, message) -> None:
+    from experiments.bench import strategies as bench
+
+    with pytest.raises(SystemExit) as stop:
+        bench.main([*args, "--out", str(tmp_path / "out")])
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
