@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
+import json
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -77,8 +78,10 @@ class Layer:
     the first layer, whose input is data), its own parameters, and the sizes that the strategies
     move: elements in and out, output channels (what model parallelism splits), output rows (what
     domain parallelism splits; 1 for none), the input elements one cut of a row split must trade
-    with a neighbour (``halo``), and how many layers it stands for (``ops``: each has its forward,
-    weight-gradient and input-gradient operation, each charged the machine's ``overhead``)."""
+    with a neighbour (``halo``), how many layers it stands for (``ops``: each has its forward,
+    weight-gradient and input-gradient operation, each charged the machine's ``overhead``), and the
+    elements per sample it keeps for its backward (``kept``; its inputs unless it stands for several
+    layers, which keep all of theirs; ``input_ops`` likewise counts their input-gradient operations)."""
 
     name: str
     forward: float
@@ -91,6 +94,18 @@ class Layer:
     rows: int = 1
     halo: int = 0
     ops: int = 1
+    kept: int | None = None
+    input_ops: int | None = None
+
+    def operations(self, part: str) -> int:
+        """How many operations ``part`` (forward, weight_grad or input_grad) stands for."""
+        if part == "input_grad" and self.input_ops is not None:
+            return self.input_ops
+        return self.ops if getattr(self, part) > 0 else 0
+
+    @property
+    def keeps(self) -> int:
+        return self.inputs if self.kept is None else self.kept
 
     @property
     def backward(self) -> float:
@@ -143,6 +158,8 @@ def _merge(run: Sequence[Layer]) -> Layer:
         rows=min(x.rows for x in run),
         halo=max(x.halo for x in run),
         ops=sum(x.ops for x in run),
+        kept=sum(x.keeps for x in run),
+        input_ops=sum(x.operations("input_grad") for x in run),
     )
 
 
@@ -296,7 +313,7 @@ class Machine:
         parts = {"backward": ("weight_grad", "input_grad"), "work": ("forward", "weight_grad", "input_grad")}
         names = parts.get(part, (part,))
         flops = sum(getattr(x, q) for x in layers for q in names)
-        ops = sum(x.ops for x in layers for q in names if getattr(x, q) > 0)
+        ops = sum(x.operations(q) for x in layers for q in names)
         return self.compute(flops * samples) + self.overhead * ops
 
     def send(self, elements: float) -> float:
@@ -369,7 +386,7 @@ def _finish(est: Estimate, net: Network, batch: int, machine: Machine) -> Estima
 def sequential(net: Network, batch: int, machine: Machine) -> Estimate:
     """Plain back-propagation on one processor (of the p): the reference every strategy meets at p = 1."""
     time = machine.run(net.layers, "work", batch)
-    memory = machine.word * (net.params + batch * sum(x.inputs for x in net.layers))
+    memory = machine.word * (net.params + batch * sum(x.keeps for x in net.layers))
     return _finish(
         Estimate("sequential", 1, time, time, memory=memory, sent=0.0, hops=0), net, batch, machine
     )
@@ -383,7 +400,7 @@ def data_parallel(net: Network, batch: int, p: int, machine: Machine) -> Estimat
     local = math.ceil(batch / p)
     compute = machine.run(net.layers, "work", local)
     comm = sum(machine.all_reduce(x.params, p) for x in net.layers) + machine.all_reduce(net.shared, p)
-    memory = machine.word * (net.params + local * sum(x.inputs for x in net.layers))
+    memory = machine.word * (net.params + local * sum(x.keeps for x in net.layers))
     sent = 2 * (p - 1) / p * machine.word * net.params
     return _finish(
         Estimate("data", p, compute + comm, compute, memory=memory, sent=sent), net, batch, machine
@@ -404,7 +421,7 @@ def model_parallel(net: Network, batch: int, p: int, machine: Machine) -> Estima
         + (machine.all_reduce(x.inputs * batch, p) if x.input_grad else 0)
         for x in net.layers
     )
-    memory = machine.word * (net.params / p + batch * sum(x.inputs for x in net.layers))
+    memory = machine.word * (net.params / p + batch * sum(x.keeps for x in net.layers))
     sent = (
         machine.word
         * batch
@@ -439,17 +456,25 @@ def _layer_cost(x: Layer, batch: int, pr: int, pc: int, how: str, machine: Machi
     return compute + halo + machine.all_reduce(x.params, pr * pc)
 
 
-def _relayout(
-    before: tuple[int, int, str], after: tuple[int, int, str], x: Layer, batch: int, p: int, machine: Machine
-) -> float:
-    """Moving a layer's output from one layout to the next layer's: free when every process already
-    holds what it needs (a model-parallel output is whole on its batch share; a finer batch split
-    of it is a subset), else an all-gather of what each process needs over all p."""
+def _layer_bytes(x: Layer, batch: int, p: int, pr: int, pc: int, how: str, word: int) -> float:
+    """The bytes one process sends for a layer on a P_r x P_c grid: the terms of ``_layer_cost``."""
+    local = math.ceil(batch / pc)
+    if how == "model":
+        gathered = (pr - 1) / pr * (x.outputs + (2 * x.inputs if x.input_grad else 0)) * local
+        return word * (gathered + 2 * (pc - 1) / pc * x.params / pr)
+    return word * ((4 * x.halo * local if pr > 1 else 0) + 2 * (p - 1) / p * x.params)
+
+
+def _relayout(before: tuple[int, int, str], after: tuple[int, int, str], x: Layer, batch: int) -> float:
+    """The elements each process must gather to move a layer's output from its layout to the next
+    layer's: none when every process already holds what it needs (a model-parallel output is whole
+    on its batch share; a finer batch split of it is a subset), else its share of the next layout
+    (an all-gather over all p)."""
     if before == after and before[2] == "domain":
         return 0.0
     if before[2] == "model" and after[1] % before[1] == 0:
         return 0.0
-    return machine.all_gather(x.outputs * math.ceil(batch / after[1]), p)
+    return x.outputs * math.ceil(batch / after[1])
 
 
 def _layouts(x: Layer, batch: int, p: int, grids: Sequence[tuple[int, int]]) -> list[tuple[int, int, str]]:
@@ -498,7 +523,10 @@ def grid(
                 continue
             prev = net.layers[i - 1]
             came, path = min(
-                ((t + _relayout(b, layout, prev, batch, p, machine), pth) for b, (t, pth) in cost.items()),
+                (
+                    (t + machine.all_gather(_relayout(b, layout, prev, batch), p), pth)
+                    for b, (t, pth) in cost.items()
+                ),
                 key=lambda c: c[0],
             )
             step[layout] = (came + here, [*path, layout])
@@ -512,13 +540,20 @@ def grid(
     ) + machine.run(net.layers, "work", 0)
     memory = machine.word * sum(
         (x.params / pr if how == "model" else x.params)
-        + x.inputs * math.ceil(batch / pc) / (pr if how == "domain" else 1)
+        + x.keeps * math.ceil(batch / pc) / (pr if how == "domain" else 1)
         for x, (pr, pc, how) in zip(net.layers, path, strict=True)
     )
-    chosen = sorted({f"{pr}x{pc} {how}" for pr, pc, how in path})
-    est = Estimate(
-        "grid", p, time, compute, memory=memory + machine.word * net.shared, detail=", ".join(chosen)
+    sent = sum(
+        _layer_bytes(x, batch, p, *layout, machine.word) for x, layout in zip(net.layers, path, strict=True)
     )
+    sent += sum(
+        machine.word * (p - 1) / p * _relayout(a, b, x, batch)
+        for x, a, b in zip(net.layers, path, path[1:], strict=False)
+    )
+    sent += machine.word * 2 * (pc_shared - 1) / pc_shared * net.shared / pr_shared
+    chosen = sorted({f"{pr}x{pc} {how}" for pr, pc, how in path})
+    memory += machine.word * net.shared / (pr_shared if path[-1][2] == "model" else 1)
+    est = Estimate("grid", p, time, compute, memory=memory, sent=sent, detail=", ".join(chosen))
     return _finish(est, net, batch, machine)
 
 
@@ -681,7 +716,7 @@ def _wire(
         last = tasks[tid].last
         for f in sorted({by_layer_f[i] for i in range(first, last + 1)}):
             kept = range(max(first, tasks[f].first), min(last, tasks[f].last) + 1)
-            edge(tid, f, sum(net.layers[i].inputs for i in kept))
+            edge(tid, f, sum(net.layers[i].keeps for i in kept))
         above: dict[int, float] = {}
         for i in range(first, last + 1):
             src = by_layer_b[i + 1] if i < top else by_layer_f[top]
@@ -865,7 +900,7 @@ def pipeline_memory(
     for t in tasks:
         if t.kind != "F":
             continue
-        kept = machine.word * size * sum(net.layers[i].inputs for i in range(t.first, t.last + 1))
+        kept = machine.word * size * sum(net.layers[i].keeps for i in range(t.first, t.last + 1))
         released = max(finish[(i, t.iteration, t.micro)] for i in range(t.first, t.last + 1))
         events.setdefault(t.proc, []).extend([(t.end, kept), (released, -kept)])
         versions.setdefault(t.proc, set()).add(t.iteration)
@@ -940,7 +975,7 @@ def distributed_bptt(net: Network, batch: int, p: int, machine: Machine) -> Esti
     q = len(slices)
     t += machine.all_reduce(net.shared, q)
     compute = max(machine.run(s, "work", batch) for s in slices)
-    memory = max(machine.word * (sum(x.params + batch * x.inputs for x in s) + net.shared) for s in slices)
+    memory = max(machine.word * (sum(x.params + batch * x.keeps for x in s) + net.shared) for s in slices)
     sent = max(2 * machine.word * batch * s[-1].outputs for s in slices[:-1]) if q > 1 else 0.0
     est = Estimate("bptt-distributed", p, t, compute, memory=memory, sent=sent, hops=q - 1)
     return _finish(est, net, batch, machine)
@@ -990,7 +1025,11 @@ def bppsa(net: Network, batch: int, p: int, machine: Machine, exchange: str) -> 
     compute = max(machine.run(s, "forward", batch) + back[r] + fold[r] for r, s in enumerate(slices))
     memory = max(
         machine.word
-        * (sum(x.params + batch * x.inputs for x in s) + net.shared + batch * (width_in[r] * width_out[r]))
+        * (
+            sum(x.params + batch * x.keeps for x in s)
+            + net.shared
+            + (batch * width_in[r] * width_out[r] if r in middle else 0)
+        )
         for r, s in enumerate(slices)
     )
     gathered = machine.word * batch * q * aggregate if exchange == "allgather" else 0.0
@@ -1110,7 +1149,7 @@ def markdown(frame: pd.DataFrame, compare: pd.DataFrame | None, header: str) -> 
         lines += ["", "LayerPipe against PipeDream (1F1B), the same micro-batches:", ""]
         lines += ["| p | PipeDream (ms) | LayerPipe (ms) | LayerPipe's saving |", "|---:|---:|---:|---:|"]
         for r in compare.itertuples():
-            lines.append(f"| {r.p} | {_ms(r.pipedream)} | {_ms(r.layerpipe)} | {r.saving:.0%} |")
+            lines.append(f"| {r.p} | {_ms(r.pipedream)} | {_ms(r.layerpipe)} | {r.saving:.1%} |")
         lines.append(f"\nMean saving: {compare['saving'].mean():.0%}.")
     return "\n".join(lines) + "\n"
 
@@ -1133,6 +1172,24 @@ def load_measured(path: str | Path) -> pd.DataFrame:
             f"{path} names unknown strategies {', '.join(unknown)}; accepted: {', '.join(STRATEGIES)}"
         )
     return data
+
+
+def load_calibration(path: str | Path) -> dict[str, float]:
+    """The FLOP rate, α and β that ``python -m experiments.bench.strategies`` measured."""
+    path = Path(path)
+    try:
+        values = json.loads(path.read_text())
+    except OSError:
+        raise AnalysisError(
+            f"no calibration at {str(path)!r}; run python -m experiments.bench.strategies first"
+        ) from None
+    except ValueError as exc:
+        raise AnalysisError(f"{path} is not JSON: {exc}") from None
+    keys = ("flops", "alpha", "beta")
+    numbers = isinstance(values, dict) and all(isinstance(values.get(k), int | float) for k in keys)
+    if not numbers or not (values["flops"] > 0 and values["alpha"] >= 0 and values["beta"] >= 0):
+        raise AnalysisError(f"{path} needs a positive flops and non-negative alpha and beta; it has {values}")
+    return {k: float(values[k]) for k in keys}
 
 
 def gantt(ax, tasks: Sequence[Task] | None, title: str, window: tuple[int, int] = (1, 2)) -> None:
@@ -1173,21 +1230,26 @@ def figure(
 
     from analysis.figures import MARKERS, _legend_beside, _log_log
 
-    fig = plt.figure(figsize=(14, 9))
-    grid_spec = fig.add_gridspec(2, 3, height_ratios=[1.5, 1.0])
+    fig = plt.figure(figsize=(14, 9 if schedules else 5.4))
+    grid_spec = fig.add_gridspec(2 if schedules else 1, 3, height_ratios=[1.5, 1.0] if schedules else [1.0])
     ax = fig.add_subplot(grid_spec[0, :])
     colours = {s: f"C{i}" for i, s in enumerate(STRATEGIES)}
+    top = _ceiling(frame, measured)
     for i, (strategy, rows) in enumerate(frame.groupby("strategy", sort=False)):
         rows = rows.dropna(subset=["time"])
         if rows.empty:
             continue
+        label = LABELS[strategy]
+        above = rows[rows["time"] > top]
+        if not above.empty:
+            label += f" (off the chart from p = {above['p'].min()}: {_seconds(above['time'].iloc[0])})"
         ax.plot(
             rows["p"],
             rows["time"],
             marker=MARKERS[i % len(MARKERS)],
             color=colours[strategy],
             linestyle="-" if strategy.startswith("bppsa") else "--",
-            label=LABELS[strategy],
+            label=label,
             markersize=5,
         )
     if measured is not None:
@@ -1203,6 +1265,8 @@ def figure(
                 label=f"measured: {LABELS[strategy]}",
             )
     _log_log(ax, xbase=2)
+    if top is not None:
+        ax.set_ylim(top=top)
     ax.set_xlabel("processors p")
     ax.set_ylabel("time per iteration (s)")
     ax.set_title(title, fontsize=10)
@@ -1210,11 +1274,27 @@ def figure(
     for col, est in enumerate(schedules[:3]):
         label = f"{LABELS[est.strategy]}, p = {est.p}: " + (est.note or est.detail)
         gantt(fig.add_subplot(grid_spec[1, col]), est.tasks, label)
-    handles = [Patch(color=KIND_COLOURS[k], label=KIND_LABELS[k]) for k in ("F", "B", "W")]
-    handles.append(Line2D([], [], color="gray", alpha=0.5, linewidth=6, label="the next iteration"))
-    fig.axes[-1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    if schedules:
+        handles = [Patch(color=KIND_COLOURS[k], label=KIND_LABELS[k]) for k in ("F", "B", "W")]
+        handles.append(Line2D([], [], color="gray", alpha=0.5, linewidth=6, label="the next iteration"))
+        fig.axes[-1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _ceiling(frame: pd.DataFrame, measured: pd.DataFrame | None) -> float | None:
+    """The top of the time axis: 20 times sequential BP's time, so that a strategy orders of
+    magnitude slower (BPPSA's dense aggregates of a CNN) leaves the chart, named in the legend,
+    instead of flattening every other line; None when nothing is that slow."""
+    times = pd.concat([frame["time"], measured["time"]] if measured is not None else [frame["time"]]).dropna()
+    sequential = frame.loc[frame["strategy"] == "sequential", "time"].dropna()
+    if sequential.empty or times.max() <= 20 * sequential.max():
+        return None
+    return 20 * float(sequential.max())
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3g} s" if value < 1e4 else f"{value:.2e} s"
 
 
 def _positive(kind: type, accepted: str):
@@ -1256,9 +1336,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--width", type=number, default=1.0, help="VGG-11's channel multiplier")
     parser.add_argument("--p", type=count, nargs="+", default=[1, 2, 4, 8, 16, 32], help="processor counts")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
-    parser.add_argument("--flops", type=number, default=1e12, help="FLOP/s of one processor")
-    parser.add_argument("--alpha", type=_non_negative, default=5e-6, help="seconds per message")
-    parser.add_argument("--beta", type=_non_negative, default=1e-10, help="seconds per byte")
+    parser.add_argument("--flops", type=number, help=f"FLOP/s of one processor (default: {Machine.flops:g})")
+    parser.add_argument(
+        "--alpha", type=_non_negative, help=f"seconds per message (default: {Machine.alpha:g})"
+    )
+    parser.add_argument("--beta", type=_non_negative, help=f"seconds per byte (default: {Machine.beta:g})")
+    parser.add_argument(
+        "--calibration",
+        help="a calibration.json of experiments.bench.strategies: flops, alpha, beta not given",
+    )
     parser.add_argument("--overhead", type=_non_negative, default=0.0, help="seconds per layer operation")
     parser.add_argument("--word", type=count, default=4, help="bytes per number")
     parser.add_argument(
@@ -1279,9 +1365,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     try:
         measured = load_measured(args.measured) if args.measured else None
+        calibrated = load_calibration(args.calibration) if args.calibration else {}
     except AnalysisError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    for key in ("flops", "alpha", "beta"):  # a flag given wins, then the calibration, then the default
+        value = getattr(args, key)
+        setattr(args, key, value if value is not None else calibrated.get(key, getattr(Machine, key)))
     net = network(args.model, args.T, args.hidden, inputs, classes, args.width)
     machine = Machine(args.flops, args.alpha, args.beta, args.word, args.overhead)
     frame = table(

@@ -173,8 +173,8 @@ def measure(args, progress: Callable[[str], None]) -> tuple[list[dict], dict]:
         two = json.loads(Path(out).read_text())
     settings = {"model": "vgg11", "batch": args.batch, "width": args.width, "threads_per_process": 1}
     rows = [
-        {"strategy": "sequential", "p": 1, "time": seq_time, **settings},
-        {"strategy": "data", "p": RANKS, "time": two["data"], **settings},
+        {"strategy": "sequential", "p": 1, "time": seq_time, "micro_batches": 1, **settings},
+        {"strategy": "data", "p": RANKS, "time": two["data"], "micro_batches": 1, **settings},
         {
             "strategy": "gpipe",
             "p": RANKS,
@@ -238,8 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     command = ["python -m analysis.strategies --model vgg11", f"--batch {args.batch}", "--p 1 2 4 8"]
     command += [f"--width {args.width:g}"] if args.width != 1 else []
-    command += [f"--micro-batches {args.micro_batches}", f"--flops {calibration['flops']:.4g}"]
-    command += [f"--alpha {calibration['alpha']:.4g}", f"--beta {calibration['beta']:.4g}"]
+    command += [f"--micro-batches {args.micro_batches}", f"--calibration {out / 'calibration.json'}"]
     command += [f"--measured {out / 'measured.csv'}", f"--out {out}"]
     print("\nthe model beside these points:\n" + " ".join(command))
     return 0

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The tables and figures of docs/STRATEGIES.md, from the committed measurements: the model is
+# deterministic, so the same tables give the same files byte for byte. Takes about a minute.
+#
+#   bash docs/strategies/run.sh                   # redraw
+#   bash docs/strategies/run.sh --measure         # measure this machine first (2 processes, ~30 s)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+python=${PYTHON:-python}
+here=docs/strategies
+if [[ "${1:-}" == "--measure" ]]; then
+    "$python" -m experiments.bench.strategies --out "$here/measured" --repeats 9
+fi
+# VGG-11 on the issue's interconnect: 1 TFLOP/s processors, 5 µs latency, 10 GB/s
+"$python" -m analysis.strategies --model vgg11 --p 1 2 4 8 16 32 --alpha 5e-6 --beta 1e-10 \
+    --out "$here/vgg11" > /dev/null
+# the paper's RNN (T = 1000, H = 20, B = 16), each layer operation costing 2 µs as a kernel launch does
+"$python" -m analysis.strategies --model rnn --T 1000 --p 1 2 4 8 16 32 64 --overhead 2e-6 \
+    --out "$here/rnn" > /dev/null
+# VGG-11 on this machine's measured FLOP rate, α and β, beside the measured iterations
+"$python" -m analysis.strategies --model vgg11 --batch 32 --p 1 2 4 8 --micro-batches 8 \
+    --calibration "$here/measured/calibration.json" --measured "$here/measured/measured.csv" \
+    --out "$here/measured" > /dev/null
+ls "$here"/*/strategies.*
