@@ -551,7 +551,11 @@ def grid(
         for x, a, b in zip(net.layers, path, path[1:], strict=False)
     )
     sent += machine.word * 2 * (pc_shared - 1) / pc_shared * net.shared / pr_shared
-    chosen = sorted({f"{pr}x{pc} {how}" for pr, pc, how in path})
+    chosen = []  # runs of layers with one layout: "conv1..conv3 1x32 model"
+    for layout, run in itertools.groupby(zip(net.layers, path, strict=True), key=lambda pair: pair[1]):
+        names = [x.name for x, _ in run]
+        span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        chosen.append(f"{span} {layout[0]}x{layout[1]} {layout[2]}")
     memory += machine.word * net.shared / (pr_shared if path[-1][2] == "model" else 1)
     est = Estimate("grid", p, time, compute, memory=memory, sent=sent, detail=", ".join(chosen))
     return _finish(est, net, batch, machine)

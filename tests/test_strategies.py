@@ -213,7 +213,21 @@ def test_the_grid_goes_past_the_batch_where_data_parallelism_stops() -> None:
     assert math.isnan(S.data_parallel(VGG, 8, 32, machine).time)
     est = S.grid(VGG, 8, 32, machine)
     assert est.time < S.sequential(VGG, 8, machine).time
-    assert "domain" in est.detail or "x" in est.detail
+    assert est.detail == "conv1..conv4 8x4 model, conv5..conv8 32x1 model, fc9 4x8 model"
+
+
+def test_domain_parallelism_splits_rows_where_channels_and_batch_run_out() -> None:
+    """One sample, four channels, eight processes: only a split of the image's rows fits."""
+    net = S.profile(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()), (3, 64, 64))
+    machine = S.Machine()
+    assert math.isnan(S.data_parallel(net, 1, 8, machine).time)
+    assert math.isnan(S.model_parallel(net, 1, 8, machine).time)
+    est = S.grid(net, 1, 8, machine)
+    assert est.detail == "conv1 8x1 domain"
+    conv = net.layers[0]
+    halo = 4 * machine.send(conv.halo)  # both neighbours, forward and backward
+    expected = machine.compute(conv.work) / 8 + halo + machine.all_reduce(conv.params, 8)
+    assert close(est.time, expected)
 
 
 def test_distributed_bptt_is_gpipe_with_one_micro_batch() -> None:
