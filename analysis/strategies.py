@@ -1196,13 +1196,16 @@ def load_calibration(path: str | Path) -> dict[str, float]:
     return {k: float(values[k]) for k in keys}
 
 
-def gantt(ax, tasks: Sequence[Task] | None, title: str, window: tuple[int, int] = (1, 2)) -> None:
+def gantt(
+    ax, tasks: Sequence[Task] | None, title: str, window: tuple[int, int] = (1, 2), why: str = ""
+) -> None:
     """One schedule, processors as rows, the tasks of iterations ``window`` drawn (a lighter shade
-    for the second), time from the first of them."""
+    for the second), time from the first of them; ``why`` there is none when ``tasks`` is empty."""
     from analysis.figures import _no_data
 
+    ax.set_title(title, fontsize=10)
     if not tasks:
-        _no_data(ax, title)
+        _no_data(ax, why.replace(" exceeds", "\nexceeds"))
         return
     shown = [t for t in tasks if window[0] <= t.iteration <= window[1]]
     origin = min(t.start for t in shown)
@@ -1220,7 +1223,6 @@ def gantt(ax, tasks: Sequence[Task] | None, title: str, window: tuple[int, int] 
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_ylabel("processor")
-    ax.set_title(title, fontsize=10)
     ax.grid(axis="y", visible=False)
 
 
@@ -1276,8 +1278,8 @@ def figure(
     ax.set_title(title, fontsize=10)
     _legend_beside(ax)
     for col, est in enumerate(schedules[:3]):
-        label = f"{LABELS[est.strategy]}, p = {est.p}: " + (est.note or est.detail)
-        gantt(fig.add_subplot(grid_spec[1, col]), est.tasks, label)
+        label = f"{LABELS[est.strategy]}, p = {est.p}" + (f": {est.detail}" if est.detail else "")
+        gantt(fig.add_subplot(grid_spec[1, col]), est.tasks, label, why=est.note)
     if schedules:
         handles = [Patch(color=KIND_COLOURS[k], label=KIND_LABELS[k]) for k in ("F", "B", "W")]
         handles.append(Line2D([], [], color="gray", alpha=0.5, linewidth=6, label="the next iteration"))
