@@ -196,36 +196,27 @@ def profile(model, example_shape: Sequence[int], name: str = "network") -> Netwo
     layers: list[Layer] = []
     for module, shape_in, shape_out in shapes:
         n_in, n_out = math.prod(shape_in), math.prod(shape_out)
-        if isinstance(module, nn.Conv2d):
-            c_in, _h_in, w_in = shape_in
-            c_out, h_out, _w_out = shape_out
-            kh, kw = module.kernel_size
-            macs = c_in // module.groups * kh * kw * n_out
+        if isinstance(module, weighted):
+            if isinstance(module, nn.Conv2d):
+                c_in, _, w_in = shape_in
+                kh, kw = module.kernel_size
+                macs = c_in // module.groups * kh * kw * n_out
+                kind, channels, rows, halo = "conv", shape_out[0], shape_out[1], (kh // 2) * w_in * c_in
+            else:
+                macs = module.in_features * module.out_features
+                kind, channels, rows, halo = "fc", module.out_features, 1, 0
             bias = n_out if module.bias is not None else 0
             layer = Layer(
-                name=f"conv{len(layers) + 1}",
+                name=f"{kind}{len(layers) + 1}",
                 forward=2 * macs + bias,
                 weight_grad=2 * macs + bias,
                 input_grad=2 * macs if layers else 0,
                 params=sum(p.numel() for p in module.parameters()),
                 inputs=n_in,
                 outputs=n_out,
-                channels=c_out,
-                rows=h_out,
-                halo=(kh // 2) * w_in * c_in,
-            )
-        elif isinstance(module, nn.Linear):
-            bias = module.out_features if module.bias is not None else 0
-            macs = module.in_features * module.out_features
-            layer = Layer(
-                name=f"fc{len(layers) + 1}",
-                forward=2 * macs + bias,
-                weight_grad=2 * macs + bias,
-                input_grad=2 * macs if layers else 0,
-                params=sum(p.numel() for p in module.parameters()),
-                inputs=n_in,
-                outputs=n_out,
-                channels=module.out_features,
+                channels=channels,
+                rows=rows,
+                halo=halo,
             )
         elif not layers:
             raise ValueError(f"the network must start with a Conv2d or Linear, not a {type(module).__name__}")
