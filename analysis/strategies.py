@@ -839,6 +839,7 @@ def pipeline(
         return _none(kind, p, f"p = {p} exceeds the {len(net.layers)} layers")
     tasks = pipeline_tasks(net, batch, p, micro, kind, machine, iterations)
     list_schedule(tasks, _priority(kind))
+    check_schedule(tasks)  # every schedule the model reports has been checked
     ends = [max(t.end for t in tasks if t.iteration == it) for it in range(iterations)]
     half = iterations // 2
     procs = max(t.proc for t in tasks) + 1
@@ -1317,11 +1318,16 @@ def _non_negative(text: str) -> float:
     return value
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except where the help says how an unset option is resolved."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m analysis.strategies",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m analysis.strategies", description=__doc__.split("\n\n")[0], formatter_class=_Help
     )
     count, number = _positive(int, "positive integers"), _positive(float, "a positive number")
     parser.add_argument("--model", choices=MODELS, default="vgg11", help="the network")
@@ -1332,7 +1338,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--classes", type=count, help="classes (default: 10, 11 for gru)")
     parser.add_argument("--width", type=number, default=1.0, help="VGG-11's channel multiplier")
     parser.add_argument("--p", type=count, nargs="+", default=[1, 2, 4, 8, 16, 32], help="processor counts")
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=STRATEGIES,
+        metavar="NAME",
+        help=f"which to estimate, of {', '.join(STRATEGIES)} (default: all)",
+    )
     parser.add_argument("--flops", type=number, help=f"FLOP/s of one processor (default: {Machine.flops:g})")
     parser.add_argument(
         "--alpha", type=_non_negative, help=f"seconds per message (default: {Machine.alpha:g})"
@@ -1353,6 +1365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--measured", help="a measured.csv to draw beside the model")
     parser.add_argument("--out", default="strategies", help="output folder")
     args = parser.parse_args(argv)
+    args.strategies = args.strategies or list(STRATEGIES)
     batch = args.batch or (128 if args.model == "vgg11" else 16)
     inputs = args.inputs or (24 if args.model == "gru" else 1)
     classes = args.classes or (11 if args.model == "gru" else 10)
