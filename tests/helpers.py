@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from datasets.irmas import CLASSES, SAMPLE_RATE
+from datasets.irmas import SAMPLE_RATE
+from datasets.synthetic_irmas import stereo_clip, write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -95,22 +95,11 @@ def composed(*overrides: str, hydra: bool = False):
         return compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 
-def stereo_clip(seed: int, seconds: float = 3.0, rate: int = SAMPLE_RATE) -> np.ndarray:
-    """Two distinct tones with a little noise: (samples, 2) float32."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * rate)) / rate
-    tone = np.stack([np.sin(2 * np.pi * (150 + 40 * seed) * t), np.sin(2 * np.pi * 330 * t + seed)], axis=1)
-    return (0.3 * tone + 0.02 * rng.standard_normal(tone.shape)).astype(np.float32)
-
-
 def write_tree(root: Path, per_class: int = 2) -> Path:
     """11 class folders of stereo clips, plus one of each kind of misfit."""
     import soundfile  # not on every machine that runs the GPU tests
 
-    for k, name in enumerate(CLASSES):
-        (root / name).mkdir(parents=True)
-        for i in range(per_class):
-            soundfile.write(root / name / f"{name}{i}.wav", stereo_clip(10 * k + i), SAMPLE_RATE)
+    write_synthetic(root, per_class)
     soundfile.write(root / "cel" / "mono.wav", stereo_clip(99)[:, 0], SAMPLE_RATE)
     soundfile.write(root / "cla" / "rate22k.wav", stereo_clip(98, rate=22_050), 22_050)
     soundfile.write(root / "flu" / "short.wav", stereo_clip(97, seconds=2.0), SAMPLE_RATE)

@@ -277,3 +277,26 @@ def test_killing_the_extraction_ends_its_workers(tmp_path: Path) -> None:
         if Path(f"/proc/{c}/status").exists() and "zombie" not in Path(f"/proc/{c}/status").read_text()
     ]
     assert alive == []
+
+
+def test_the_synthetic_tree_has_irmas_layout_and_classes_apart(tmp_path: Path, capsys) -> None:
+    from datasets import synthetic_irmas
+
+    assert synthetic_irmas.main(["--out", str(tmp_path / "t"), "--per-class", "12"]) == 0
+    assert "11 classes x 12 clips" in capsys.readouterr().out
+    for name in CLASSES:
+        clips = sorted((tmp_path / "t" / name).glob("*.wav"))
+        assert len(clips) == 12
+    audio, rate = soundfile.read(tmp_path / "t" / "voi" / "voi11.wav")
+    assert audio.shape == (3 * RATE, 2) and rate == RATE
+
+    def pitch(name: str) -> float:  # the left channel's strongest frequency
+        left = soundfile.read(tmp_path / "t" / name.rstrip("0123456789") / f"{name}.wav")[0][:, 0]
+        return float(np.argmax(np.abs(np.fft.rfft(left)))) * RATE / len(left)
+
+    # each class is a band of pitches of its own: the last clip of one is below the next class's first
+    assert pitch("cel0") < pitch("cel11") < pitch("cla0") < pitch("voi11")
+    with pytest.raises(SystemExit) as stop:
+        synthetic_irmas.main(["--out", str(tmp_path / "u"), "--per-class", "0"])
+    assert stop.value.code == 2 and "--per-class 0 is not positive" in capsys.readouterr().err
+    assert not (tmp_path / "u").exists()
