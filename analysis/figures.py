@@ -85,10 +85,12 @@ _FINE = (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)
 
 def _log_axis(axis, base: int = 10) -> None:
     """A log axis whose ticks read as plain numbers: powers of ``base``, and for 10 the 2s and 5s
-    between, or finer steps where the axis spans less than a decade."""
+    between (the powers alone where the axis spans more than three decades, so labels do not
+    collide), or finer steps where it spans less than a decade."""
     low, high = sorted(axis.get_view_interval())
     ratio = high / low if low > 0 else float("inf")
     subs = (1.0, 2.0, 5.0) if ratio >= 10 else (1.0, 2.0, 3.0, 5.0, 7.0) if ratio >= 3 else _FINE
+    subs = (1.0,) if ratio > 1e3 else subs
     subs = (1.0,) if base == 2 else subs
     axis.set_major_locator(LogLocator(base=base, subs=subs))
     axis.set_major_formatter(FuncFormatter(_number))

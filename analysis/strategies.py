@@ -1262,9 +1262,10 @@ def figure(
                 zorder=5,
                 label=f"measured: {LABELS[strategy]}",
             )
-    _log_log(ax, xbase=2)
     if top is not None:
-        ax.set_ylim(top=top)
+        ax.set_yscale("log")
+        ax.set_ylim(top=top)  # before the ticks are chosen, which look at the visible range
+    _log_log(ax, xbase=2)
     ax.set_xlabel("processors p")
     ax.set_ylabel("time per iteration (s)")
     ax.set_title(title, fontsize=10)

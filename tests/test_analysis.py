@@ -378,3 +378,13 @@ def test_provenance_is_read_beside_a_records_file(tmp_path: Path) -> None:
         "commits": ["abcdef123456"],
         "versions": ["torch 2.13.0, python 3.11.7"],
     }
+
+
+def test_an_axis_over_more_than_three_decades_shows_only_the_powers_of_ten() -> None:
+    fig, ax = plt.subplots()
+    ax.plot([10, 30000], [1, 2])
+    ax.set_xscale("log")
+    figures._log_axis(ax.xaxis)
+    fig.canvas.draw()
+    assert tick_labels(ax.xaxis) == ["10", "100", "1000", "10000"]
+    plt.close(fig)
