@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Every figure and table of docs/REPRODUCTION.md: the paper's experiments shrunk by overrides a 2-core
+# CPU finishes in well under an hour, their merged result tables copied here, then everything drawn
+# from those tables (equal tables give byte-identical figures).
+#
+#   bash docs/reproduction/run.sh                  # run, copy the tables, draw (CPU)
+#   bash docs/reproduction/run.sh --draw           # only draw, from the committed tables
+#   bash docs/reproduction/run.sh --device cuda    # the same runs on a GPU, into docs/reproduction/cuda/
+#
+# Runs go to results/reproduction[-<device>]/<preset>/; a sweep re-run skips its completed jobs, so
+# an interrupted script continues where it stopped (delete that folder to measure anew).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+py=${PYTHON:-python}
+device=cpu
+draw_only=0
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --draw) draw_only=1 ;;
+        --device) device="$2"; shift ;;
+        *) echo "run.sh: unknown argument $1; accepted: --draw, --device cpu|cuda" >&2; exit 2 ;;
+    esac
+    shift
+done
+here=docs/reproduction
+tables=$here
+work=results/reproduction
+if [[ "$device" != cpu ]]; then
+    tables=$here/$device
+    work=results/reproduction-$device
+fi
+mkdir -p "$tables"
+
+sweep() {  # sweep <preset> <overrides...>: run the preset shrunk, copy its merged table
+    local preset=$1; shift
+    mkdir -p "$work"
+    echo "== $preset (log: $work/$preset.log)"
+    if ! "$py" run.py -m "experiment=$preset" "$@" logger=csv "hardware.device=$device" \
+        "hydra.sweep.dir=$work/$preset" > "$work/$preset.log" 2>&1; then
+        tail -n 5 "$work/$preset.log" >&2
+        echo "run.sh: $preset did not complete; see $work/$preset.log" >&2
+        exit 1
+    fi
+    grep -E "^sweep " "$work/$preset.log"
+    cp "$work/$preset/records.csv" "$tables/$preset.csv"
+}
+
+if [[ $draw_only == 0 ]]; then
+    irmas=$work/irmas-synthetic
+    [[ -d $irmas ]] || "$py" -m datasets.synthetic_irmas --out "$irmas" --per-class 40
+    gru=(dataset.root="$irmas" dataset.cache_dir="$work/irmas-cache" trainer.warmup_iters=2)
+    # fig. 8 a, c, e: T = 10 ... 30,000 at B = 16
+    sweep rnn_seq_len dataset.num_samples=400 trainer.epochs=3
+    # fig. 8 b, d, f: B = 2 ... 256 at T = 1000
+    sweep rnn_batch dataset.num_samples=800 trainer.epochs=3
+    # fig. 7: loss against wall-clock, T = 1000, B = 16
+    sweep rnn_curve dataset.num_samples=2000 trainer.epochs=20
+    # worker scaling: threads 1 and 2 (the machine's cores)
+    sweep workers dataset.num_samples=800 trainer.epochs=3
+    # fig. 9: GRU breakdown, s / m / l x B = 16, 32, 64, on synthetic clips of IRMAS's shape
+    sweep gru_irmas "${gru[@]}" trainer.epochs=3
+    # fig. 13: GRU loss against wall-clock, s / m / l, B = 16
+    sweep gru_curves "${gru[@]}" trainer.epochs=15
+    if [[ "$device" == cpu ]]; then
+        # fig. 10: the pruned VGG-11 study at a quarter of the width; Table 1: CSR against autograd
+        "$py" -m experiments.bench.pruned_vgg --out "$work/pruned_vgg" --width 0.25 --steps 50 > /dev/null
+        cp "$work/pruned_vgg/products.csv" "$here/fig10_products.csv"
+        cp "$work/pruned_vgg/summary.csv" "$here/fig10_summary.csv"
+        "$py" -m experiments.bench.jacobian_table > "$here/table1.md"
+    fi
+fi
+
+"$py" -m analysis.report "$tables"/rnn_*.csv "$tables"/workers.csv "$tables"/gru_*.csv --out "$tables" > /dev/null
+if [[ "$device" == cpu ]]; then
+    "$py" -m analysis.fig10 "$here/fig10_products.csv" --out "$here" > /dev/null
+fi
+ls "$tables"
