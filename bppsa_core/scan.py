@@ -391,6 +391,50 @@ def chunked_scan(
     return out
 
 
+def fold(
+    elements: Tensor | Chain, offsets: Tensor | None = None, *, chunk: int | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """The whole chain as one affine element: ``x_0 = x_n @ A + b`` for any x_n.
+
+    Returns A (B or 1, H, H) and b (B, H), or None without offsets. The chain is cut into chunks of
+    ``chunk`` elements (default about sqrt(n)), all chunks are reduced at once, as the chunked scan's
+    reduce does, then the chunk aggregates are composed: chunk + n / chunk dependent products instead
+    of n. A distributed scan hands this element to the other ranks (``bppsa_core.distributed``).
+    """
+    chain = as_chain(elements)
+    n, hidden = chain.length, chain.hidden
+    c = chunk or max(1, math.isqrt(n))
+    p = n // c  # full chunks [qc, (q+1)c); the remainder [pc, n) is folded first, on its own
+    a = b = None
+
+    def compose(a, b, a_next, b_next):  # (x @ a + b) @ a_next + b_next
+        a_out = a_next if a is None else a @ a_next
+        if b is not None:
+            b = (b.unsqueeze(-2) @ a_next).squeeze(-2)
+        return a_out, (b if b_next is None else b_next if b is None else b + b_next)
+
+    with flush_denormals(chain.tensors()[0].device):
+        for k in range(n - 1, p * c - 1, -1):  # the remainder, one element at a time
+            a, b = compose(a, b, chain.dense(slice(k, k + 1))[0], None if offsets is None else offsets[k])
+        if p:
+            top = slice(c - 1, p * c, c)  # each chunk's last element: applied first
+            agg = chain.dense(top).clone(memory_format=torch.contiguous_format)
+            agg_b = None if offsets is None else offsets[top].clone()
+            for i in range(1, c):
+                idx = slice(c - 1 - i, p * c, c)
+                if agg_b is not None:
+                    agg_b = _vec(chain, agg_b, idx, offsets)
+                agg = chain.rmul(agg, idx)
+            for q in range(p - 1, -1, -1):
+                a, b = compose(a, b, agg[q], None if agg_b is None else agg_b[q])
+    if offsets is not None and b is None:
+        b = torch.zeros_like(offsets[0])
+    if a is None:  # an empty chain is the identity
+        like = chain.tensors()[0]
+        a = torch.eye(hidden, dtype=like.dtype, device=like.device).expand(1, hidden, hidden)
+    return a, b
+
+
 def _terms(chain: Chain) -> int:
     """How many (state x state) matrices one product by an element touches: its weights and the
     scaled copy of the multiplied rows (an LSTM's scaled copy is 2H x 4H, its output 2H x 2H)."""

@@ -1,0 +1,250 @@
+"""Sequence parallelism: one recurrent sequence split in time over the ranks of a process group.
+
+    model = bppsa_core.GRU(24, 20, num_layers=2)
+    parallel = SequenceParallel(model, group)           # group: a torch.distributed process group
+    out, h_n = parallel(x_local)                         # x_local: this rank's time slice (T_r, B, I)
+
+Rank r of p holds the contiguous time slice r of the input; the slices may differ in length (T need
+not divide by p) but each has at least one step. Every rank holds the same weights.
+
+**Forward.** Layer by layer: rank r waits for the state rank r - 1 ends its slice with (rank 0 starts
+from h0), runs PyTorch's fused forward over its slice, and sends its last state to rank r + 1. The
+schedule is one sequence with no micro-batches, so the ranks run one after another: p - 1 dependent
+messages of B·H numbers per layer, and a broadcast of the last rank's final state, so that every
+rank returns the same ``h_n``. (Micro-batches over the batch would let the ranks overlap, as a
+pipeline over time; not done here.)
+
+**Backward, BPPSA** (``backward="bppsa"``), per layer, from the top:
+1. the last rank runs its slice's backward as a single process would (its chain ends at the loss);
+2. every middle rank folds its slice's chain of transposed Jacobians into one affine element per
+   sample (``bppsa_core.scan.fold``: an H x H matrix and an offset) while the last rank works;
+3. one ``all_gather`` of those elements: p·B·H·(H+1) numbers, independent of T;
+4. each rank applies the elements above it to the last rank's gradient: the gradient entering its
+   slice from the right, without waiting for any other rank;
+5. each rank runs its slice's backward from that gradient (the usual scan of ``bppsa_core.layer``).
+The first rank's element is never needed, so it only waits.
+
+**Backward, distributed BPTT** (``backward="bptt"``, the baseline): the gradient travels back rank
+by rank: each rank waits for the gradient of its last state from rank r + 1, runs autograd over its
+slice (PyTorch's own backward of its fused forward) and sends the gradient of its first state to
+rank r - 1: p - 1 dependent messages.
+
+In both, each rank's weight-gradient partial sums are all-reduced, so every rank ends with the
+gradient single-process autograd gives (``tests/test_distributed.py`` checks it to 1e-10 in float64).
+The gradient of ``h_n`` is taken from the last rank (every rank holds the same ``h_n``, so a loss
+computed on it on every rank counts once); the gradient of ``h0`` goes to rank 0.
+
+Taken: RNN (tanh, relu) and GRU modules of ``bppsa_core`` or ``torch.nn``, any number of layers,
+``batch_first``. Refused, each in one line: bidirectional layers (the reverse direction would need
+the whole sequence reversed across the ranks), LSTM, packed sequences, dropout between layers.
+Composing with data parallelism (each data-parallel replica a sequence-parallel group) needs only
+the weight gradients all-reduced over the second group as well; not built here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from bppsa_core.dispatch import ScanOptions
+from bppsa_core.jacobians import LayerWeights
+from bppsa_core.layer import LayerConfig, bppsa_backward, cell_of, native_forward
+from bppsa_core.scan import fold
+
+log = logging.getLogger(__name__)
+
+BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
+MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU")
+
+
+class Traffic:
+    """The bytes this process has handed to the process group since ``reset``: what it sends, its
+    share of every all-gather and all-reduce, and what it broadcasts. The benchmark reads it."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def reset(self) -> None:
+        self.bytes = 0
+
+    def add(self, tensor: Tensor) -> Tensor:
+        self.bytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+traffic = Traffic()
+
+
+class SequenceParallelError(ValueError):
+    """A sequence-parallel call that does not add up; raised on every rank alike."""
+
+
+def _peer(group: dist.ProcessGroup | None, rank: int) -> int:
+    """The global rank of ``rank`` in ``group``."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+class SequenceParallel(nn.Module):
+    """A recurrent module run sequence-parallel over ``group``: see the module's docstring.
+
+    ``forward(x_local, h0=None)`` takes this rank's slice (T_r, B, I), or (B, T_r, I) with
+    ``batch_first``, and the initial states (num_layers, B, H) (read on rank 0), and returns this
+    rank's outputs of the top layer and the final states of every layer, the same on every rank.
+    """
+
+    def __init__(self, module: nn.RNNBase, group: dist.ProcessGroup | None = None, backward: str = "bppsa"):
+        super().__init__()
+        if backward not in BACKWARDS:
+            raise ValueError(f"unknown backward {backward!r}; accepted: {', '.join(BACKWARDS)}")
+        if not isinstance(module, nn.RNNBase) or module.mode not in MODES:
+            what = getattr(module, "mode", type(module).__name__)
+            raise ValueError(
+                f"cannot run {what} sequence-parallel; accepted: RNN (tanh, relu) and GRU modules"
+            )
+        if module.bidirectional:
+            raise ValueError("bidirectional layers cannot run sequence-parallel; accepted: one direction")
+        if module.num_layers > 1 and module.dropout > 0:
+            raise ValueError(
+                f"dropout {module.dropout} between layers is not taken sequence-parallel; accepted: 0"
+            )
+        self.module, self.group, self.backward = module, group, backward
+
+    def forward(self, x: Tensor, h0: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        m = self.module
+        if isinstance(x, nn.utils.rnn.PackedSequence) or x.dim() != 3:
+            raise ValueError("sequence-parallel input must be a 3-D tensor (no packed or unbatched input)")
+        if m.batch_first:
+            x = x.transpose(0, 1)
+        batch = x.shape[1]
+        _check_slices(x.shape[0], batch, self.group)
+        if h0 is None:
+            h0 = x.new_zeros(m.num_layers, batch, m.hidden_size)
+        per_layer = len(m._flat_weights) // m.num_layers
+        inp, states = x, []
+        for i in range(m.num_layers):
+            weights = m._flat_weights[i * per_layer : (i + 1) * per_layer]
+            inp, h = _Layer.apply(inp, h0[i], m.mode, self.backward, self.group, *weights)
+            states.append(h)
+        out = inp.transpose(0, 1) if m.batch_first else inp
+        return out, torch.stack(states)
+
+
+def _check_slices(steps: int, batch: int, group: dist.ProcessGroup | None) -> None:
+    """Every rank's slice has at least one step and the same batch: one clear error on every rank."""
+    mine = torch.tensor([steps, batch], dtype=torch.long)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, traffic.add(mine), group=group)
+    lengths = [int(t[0]) for t in every]
+    batches = {int(t[1]) for t in every}
+    if min(lengths) < 1:
+        raise SequenceParallelError(
+            f"the time slices have {lengths} steps over {len(lengths)} ranks; accepted: at least 1 step "
+            "on every rank (a sequence shorter than the ranks cannot be split)"
+        )
+    if len(batches) > 1:
+        raise SequenceParallelError(f"the ranks hold batches of {sorted(batches)}; accepted: one batch size")
+
+
+class _Layer(torch.autograd.Function):
+    """One layer over the ranks' slices: the forward hands states right, the backward as chosen."""
+
+    @staticmethod
+    def forward(ctx, x, h0, mode, backward, group, *weights):
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        h_in = h0.detach()
+        if rank > 0:
+            h_in = torch.empty_like(h_in)
+            dist.recv(h_in, src=_peer(group, rank - 1), group=group)
+        if backward == "bptt":  # keep this slice's own autograd graph for the backward
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() for t in (x, h_in, *weights)]
+                out, h_last, _ = native_forward(mode, leaves[0], leaves[1], None, leaves[2:], None)
+            ctx.graph = (leaves, out, h_last)
+            out, h_last = out.detach(), h_last.detach()
+        else:
+            with torch.no_grad():
+                out, h_last, _ = native_forward(mode, x, h_in, None, list(weights), None)
+            ctx.save_for_backward(x, h_in, out, *weights)
+        if rank < size - 1:
+            dist.send(traffic.add(h_last.contiguous()), dst=_peer(group, rank + 1), group=group)
+        h_n = traffic.add(h_last.clone()) if rank == size - 1 else torch.empty_like(h_last)
+        dist.broadcast(h_n, src=_peer(group, size - 1), group=group)
+        ctx.mode, ctx.backward, ctx.group = mode, backward, group
+        return out, h_n
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_hn):
+        group = ctx.group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        last = rank == size - 1
+        grad_hn = grad_hn if last else None  # every rank holds h_n; its gradient counts once
+        if ctx.backward == "bptt":
+            dx, g_h0, grads = _bptt(ctx, grad_out, grad_hn, rank, size)
+        else:
+            dx, g_h0, grads = _bppsa(ctx, grad_out, grad_hn, rank, size)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(traffic.add(flat), group=group)
+        grads = [
+            part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)
+        ]
+        return dx, (g_h0 if rank == 0 else None), None, None, None, *grads
+
+
+def _bptt(ctx, grad_out, grad_hn, rank, size):
+    leaves, out, h_last = ctx.graph
+    group = ctx.group
+    v = grad_hn if grad_hn is not None else torch.zeros_like(h_last)
+    if rank < size - 1:
+        dist.recv(v, src=_peer(group, rank + 1), group=group)
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    dx, g_h0, *grads = torch.autograd.grad((out, h_last), leaves, (grad_out, v))
+    if rank > 0:
+        dist.send(traffic.add(g_h0.contiguous()), dst=_peer(group, rank - 1), group=group)
+    del ctx.graph
+    return dx, g_h0, grads
+
+
+def _bppsa(ctx, grad_out, grad_hn, rank, size):
+    x, h_in, out, *weights = ctx.saved_tensors
+    config = LayerConfig(ctx.mode, options=ScanOptions())
+    batch, hidden = h_in.shape
+    # what this rank shares: its slice as an affine element [A | b] of the gradient entering it from
+    # the right (middle ranks), the gradient of its first state (the last rank), nothing (rank 0)
+    share = h_in.new_zeros(batch, hidden, hidden + 1)
+    done = None
+    if rank == size - 1:
+        done = bppsa_backward(config, x, h_in, None, weights, None, out, grad_out, grad_hn, None)
+        share[..., hidden] = done[1]
+    elif rank > 0:
+        a, b = _element(config, x, h_in, out, weights, grad_out)
+        share[..., :hidden], share[..., hidden] = a, b
+    every = [torch.empty_like(share) for _ in range(size)]
+    dist.all_gather(every, traffic.add(share), group=ctx.group)
+    if done is None:
+        v = every[-1][..., hidden]  # the gradient of the last rank's first state
+        for q in range(size - 2, rank, -1):  # through the slices between, right to left
+            v = torch.baddbmm(
+                every[q][..., hidden].unsqueeze(1), v.unsqueeze(1), every[q][..., :hidden]
+            ).squeeze(1)
+        done = bppsa_backward(config, x, h_in, None, weights, None, out, grad_out, v, None)
+    dx, g_h0, _, grads = done
+    return dx, g_h0, grads
+
+
+def _element(config, x, h_in, out, weights, grad_out) -> tuple[Tensor, Tensor]:
+    """This slice's backward as one affine element per sample: the gradient of its first state is
+    v @ A + b for the gradient v that reaches its last state from the right."""
+    cell, w = cell_of(config.mode), LayerWeights(*weights)
+    h_prev = torch.cat((h_in.unsqueeze(0), out[:-1]))
+    chain = cell.chain(cell.factors(x, h_prev, out, w, None, None), w)
+    offsets = None
+    if grad_out is not None:  # as bppsa_backward injects them: u_0 = 0, then u_1 .. u_{T-1}
+        offsets = torch.cat((torch.zeros_like(grad_out[:1]), grad_out[:-1]))
+    a, b = fold(chain, offsets)
+    a = a.expand(h_in.shape[0], -1, -1)
+    if grad_out is not None:  # the last output's own gradient enters where v does
+        b = torch.baddbmm(b.unsqueeze(1), grad_out[-1].unsqueeze(1), a).squeeze(1)
+    return a, (torch.zeros_like(h_in) if b is None else b)

@@ -1,0 +1,124 @@
+"""Sequence parallelism over gloo processes: the gradients single-process autograd gives, for 1 to 4
+ranks, RNN and GRU, two layers, a loss on h_T or on every output; and the fold it exchanges."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from bppsa_core import GRU, RNN
+from bppsa_core.chain import DenseChain
+from bppsa_core.distributed import SequenceParallel, SequenceParallelError
+from bppsa_core.scan import fold, sequential_scan
+
+T, B, F, H = 11, 3, 4, 5  # steps, batch, features, hidden
+
+
+# --- the fold ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "chunk"), [(1, None), (7, None), (16, 4), (17, 4), (30, 7), (9, 1), (5, 9)])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("with_offsets", [False, True])
+def test_the_fold_is_the_whole_chain_as_one_affine_element(n, chunk, shared, with_offsets) -> None:
+    g = torch.Generator().manual_seed(n)
+    elements = torch.randn(n, 1 if shared else B, H, H, generator=g, dtype=torch.float64) / H**0.5
+    offsets = torch.randn(n, B, H, generator=g, dtype=torch.float64) if with_offsets else None
+    a, b = fold(DenseChain(elements), offsets, chunk=chunk)
+    assert a.shape == ((1 if shared else B), H, H) and (b is None) == (not with_offsets)
+    x_n = torch.randn(B, H, generator=g, dtype=torch.float64)
+    expected = sequential_scan(elements, x_n, offsets)[0]
+    got = (x_n.unsqueeze(1) @ a).squeeze(1) + (0 if b is None else b)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+# --- across processes -------------------------------------------------------------------------------
+
+
+def _ranks(size: int, fn, *args) -> None:
+    """Run ``fn(rank, size, *args)`` on ``size`` gloo processes of one thread each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(size, os.path.join(tmp, "store"), fn, args), nprocs=size, join=True)
+
+
+def _entry(rank: int, size: int, store: str, fn, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    try:
+        fn(rank, size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _exact(rank: int, size: int) -> None:
+    slices = torch.tensor_split(torch.arange(T), size)
+    mine = slice(int(slices[rank][0]), int(slices[rank][-1]) + 1)
+    for cls, kwargs in ((RNN, {"nonlinearity": "tanh"}), (RNN, {"nonlinearity": "relu"}), (GRU, {})):
+        for backward in ("bppsa", "bptt"):
+            for every in (False, True):
+                torch.manual_seed(0)
+                model = cls(F, H, num_layers=2, dtype=torch.float64, **kwargs)
+                reference = getattr(nn, cls.__name__)(F, H, num_layers=2, dtype=torch.float64, **kwargs)
+                reference.load_state_dict(model.state_dict())
+                x = torch.randn(T, B, F, dtype=torch.float64)
+                h0 = torch.randn(2, B, H, dtype=torch.float64)
+                c, d = torch.randn(T, B, H, dtype=torch.float64), torch.randn(2, B, H, dtype=torch.float64)
+
+                xr, h0r = x.clone().requires_grad_(), h0.clone().requires_grad_()
+                out, h_n = reference(xr, h0r)
+                ((out * c).sum() * every + (h_n * d).sum()).backward()
+
+                xl, h0l = x[mine].clone().requires_grad_(), h0.clone().requires_grad_()
+                out_l, h_n_l = SequenceParallel(model, backward=backward)(xl, h0l)
+                ((out_l * c[mine]).sum() * every + (h_n_l * d).sum()).backward()
+
+                case = f"{cls.__name__} {kwargs} {backward} every={every} rank {rank}/{size}"
+                close = {"rtol": 1e-10, "atol": 1e-10, "msg": lambda m, case=case: f"{case}: {m}"}
+                torch.testing.assert_close(out_l, out[mine].detach(), **close)
+                torch.testing.assert_close(h_n_l, h_n.detach(), **close)
+                torch.testing.assert_close(xl.grad, xr.grad[mine], **close)
+                for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+                    torch.testing.assert_close(p.grad, q.grad, **{**close, "msg": f"{case}: {name}"})
+                if rank == 0:
+                    torch.testing.assert_close(h0l.grad, h0r.grad, **close)
+                else:
+                    assert h0l.grad is None or not h0l.grad.any()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_gradients_equal_single_process_autograd(size: int) -> None:
+    _ranks(size, _exact)
+
+
+def _refusals(rank: int, size: int) -> None:
+    model = GRU(F, H, dtype=torch.float64)
+    x = torch.randn(1 if rank == 0 else 0, B, F, dtype=torch.float64)  # one step for 2 ranks
+    with pytest.raises(SequenceParallelError, match=r"the time slices have \[1, 0\] steps over 2 ranks"):
+        SequenceParallel(model)(x)
+    x = torch.randn(3, B + rank, F, dtype=torch.float64)
+    with pytest.raises(SequenceParallelError, match=r"the ranks hold batches of \[3, 4\]"):
+        SequenceParallel(model)(x)
+
+
+def test_a_split_that_does_not_add_up_is_refused_on_every_rank() -> None:
+    _ranks(2, _refusals)
+
+
+@pytest.mark.parametrize(
+    ("module", "kwargs", "message"),
+    [
+        (nn.LSTM(F, H), {}, "cannot run LSTM sequence-parallel; accepted: RNN (tanh, relu) and GRU"),
+        (GRU(F, H, bidirectional=True), {}, "bidirectional layers cannot run sequence-parallel"),
+        (GRU(F, H, num_layers=2, dropout=0.5), {}, "dropout 0.5 between layers is not taken"),
+        (GRU(F, H), {"backward": "ring"}, "unknown backward 'ring'; accepted: bppsa, bptt"),
+    ],
+)
+def test_modules_it_cannot_split_are_refused_at_construction(module, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SequenceParallel(module, **kwargs)
