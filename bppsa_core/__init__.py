@@ -6,6 +6,7 @@
 (``bppsa_core.triton_scan``) and a CUDA-graph capture).
 ``bppsa_core.chain``: dense and factored chains of Jacobian elements, as the scans consume them.
 ``bppsa_core.jacobians``: per-step Jacobians of RNN, GRU and LSTM cells and the gradients that follow.
+``bppsa_core.distributed``: one sequence split in time over the ranks of a ``torch.distributed`` group.
 
 A library: it imports nothing beyond torch, and logs instead of printing.
 """

@@ -185,11 +185,11 @@ class _Layer(torch.autograd.Function):
             dx, g_h0, grads = _bptt(ctx, grad_out, grad_hn, rank, size)
         else:
             dx, g_h0, grads = _bppsa(ctx, grad_out, grad_hn, rank, size)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(traffic.add(flat), group=group)
-        grads = [
-            part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)
-        ]
+        if size > 1:  # every rank's partial sums, summed
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(traffic.add(flat), group=group)
+            sizes = [g.numel() for g in grads]
+            grads = [part.view_as(g) for part, g in zip(flat.split(sizes), grads, strict=True)]
         return dx, (g_h0 if rank == 0 else None), None, None, None, *grads
 
 
@@ -221,8 +221,10 @@ def _bppsa(ctx, grad_out, grad_hn, rank, size):
     elif rank > 0:
         a, b = _element(config, x, h_in, out, weights, grad_out)
         share[..., :hidden], share[..., hidden] = a, b
-    every = [torch.empty_like(share) for _ in range(size)]
-    dist.all_gather(every, traffic.add(share), group=ctx.group)
+    every = [share]
+    if size > 1:
+        every = [torch.empty_like(share) for _ in range(size)]
+        dist.all_gather(every, traffic.add(share), group=ctx.group)
     if done is None:
         v = every[-1][..., hidden]  # the gradient of the last rank's first state
         for q in range(size - 2, rank, -1):  # through the slices between, right to left

@@ -122,3 +122,35 @@ def test_a_split_that_does_not_add_up_is_refused_on_every_rank() -> None:
 def test_modules_it_cannot_split_are_refused_at_construction(module, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         SequenceParallel(module, **kwargs)
+
+
+# --- the benchmark --------------------------------------------------------------------------------
+
+
+def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_path, capsys) -> None:
+    import pandas as pd
+
+    from analysis.strategies import load_measured
+    from experiments.bench import distributed as bench
+
+    args = ["--ranks", "1", "2", "--T", "40", "80", "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)]
+    assert bench.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| 80 | 2 | bppsa |" in printed and "vs BPTT, same ranks" in printed
+    rows = pd.read_csv(tmp_path / "measured.csv")
+    assert set(zip(rows["strategy"], rows["p"], strict=True)) == {
+        (s, p) for s in ("bppsa-allgather", "bptt-distributed") for p in (1, 2)
+    }
+    assert (rows["time"] > 0).all() and (rows["backward_s"] > 0).all()
+    two = rows[(rows["p"] == 2) & (rows["backward"] == "bppsa")].set_index("T")["bytes_per_rank"]
+    assert two[40] == two[80] > 0  # one all-gather of B·H·(H+1) numbers, whatever T
+    load_measured(tmp_path / "measured.csv")  # what analysis.strategies draws beside its model
+
+
+def test_the_benchmark_refuses_a_sequence_shorter_than_the_ranks(capsys) -> None:
+    from experiments.bench import distributed as bench
+
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--ranks", "1", "4", "--T", "3"])
+    assert stop.value.code == 2
+    assert "--T 3 is shorter than 4 ranks" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -6,6 +6,10 @@
 * ``pruned_vgg``: the pruned VGG-11 study, the sparse scan's FLOPs (``analysis.fig10`` draws it).
 * ``kernels``: the Triton kernels compiled for sm_80 / sm_90 without a GPU: registers, spills, shared
   memory and a static estimate of their loops.
+* ``strategies``: sequential BP, DDP and GPipe iterations of VGG-11 on two processes, with the FLOP
+  rate, α and β the cost model ``analysis.strategies`` takes.
+* ``distributed``: a sequence split over gloo ranks (``bppsa_core.distributed``), distributed BPPSA
+  against distributed BPTT.
 
 ``scan`` and ``floors`` are the pieces of the backward tool's tables; ``common`` holds what the tools
 share (argument types, the device, Markdown tables, progress lines). The timing itself is

@@ -1,0 +1,195 @@
+"""Sequence parallelism across processes: distributed BPPSA against distributed BPTT.
+
+    python -m experiments.bench.distributed --ranks 1 2 4 --T 10000 100000 --B 16 --H 20
+
+For each T and rank count p, spawns p gloo processes of one thread each. Each holds the contiguous
+time slice of its rank (``bppsa_core.distributed.SequenceParallel``) and runs forward and backward
+of the paper's model, a one-layer RNN (or ``--model gru``) with the loss on h_T. BPPSA and BPTT
+take turns, ``--warmup`` untimed then ``--repeats`` timed iterations each, the processes meeting at
+a barrier around every phase. A phase's time is the slowest rank's.
+
+Prints, per T and p:
+- the median forward and backward times, and the backward speedup over BPTT on the same ranks and
+  over BPPSA on one rank;
+- the bytes each rank hands to the process group per iteration;
+- the peak memory each rank adds over what it held before its first iteration (resident set, so
+  an upper bound that includes the allocator's slack).
+
+``--out`` writes ``measured.csv`` rows (strategy ``bppsa-allgather`` / ``bptt-distributed``, p,
+time per iteration) that ``python -m analysis.strategies --measured`` draws beside its model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from experiments.bench.common import markdown, non_negative_int, parser, positive_int
+
+MODELS = ("rnn", "gru")
+STRATEGY = {"bppsa": "bppsa-allgather", "bptt": "bptt-distributed"}
+
+
+def _rss() -> int:
+    """This process's peak resident set so far, in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
+    from bppsa_core import GRU, RNN
+    from bppsa_core.distributed import SequenceParallel, traffic
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    try:
+        steps, batch, hidden = settings["T"], settings["B"], settings["H"]
+        torch.manual_seed(0)
+        cls = GRU if settings["model"] == "gru" else RNN
+        model = cls(settings["features"], hidden)
+        parts = torch.tensor_split(torch.arange(steps), size)
+        x = torch.randn(len(parts[rank]), batch, settings["features"])
+        runs = {b: SequenceParallel(model, backward=b) for b in ("bppsa", "bptt")}
+        times: dict[str, dict[str, list[float]]] = {b: {"forward": [], "backward": []} for b in runs}
+        sent: dict[str, int] = {}
+        before = _rss()
+        for i in range(settings["warmup"] + settings["repeats"]):
+            for name, run in runs.items():
+                model.zero_grad(set_to_none=True)
+                traffic.reset()
+                dist.barrier()
+                start = time.perf_counter()
+                _, h_n = run(x)
+                dist.barrier()
+                middle = time.perf_counter()
+                h_n.sum().backward()
+                dist.barrier()
+                end = time.perf_counter()
+                if i >= settings["warmup"]:
+                    times[name]["forward"].append(middle - start)
+                    times[name]["backward"].append(end - middle)
+                    sent[name] = traffic.bytes
+        result = {
+            "times": {n: {p: statistics.median(v) for p, v in t.items()} for n, t in times.items()},
+            "sent": sent,
+            "memory": _rss() - before,
+        }
+        every = [None] * size
+        dist.all_gather_object(every, result)
+        if rank == 0:
+            Path(out).write_text(json.dumps(every))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(steps: int, ranks: int, settings: dict) -> list[dict]:
+    """Every rank's medians, bytes and memory for ``ranks`` processes at sequence length ``steps``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
+        mp.spawn(_worker, args=(ranks, store, out, {**settings, "T": steps}), nprocs=ranks, join=True)
+        return json.loads(Path(out).read_text())
+
+
+def rows_of(steps: int, ranks: int, per_rank: list[dict]) -> list[dict]:
+    """One row per backward mode: the slowest rank's phase times, the most bytes and memory of a rank."""
+    rows = []
+    for name in ("bppsa", "bptt"):
+        forward = max(r["times"][name]["forward"] for r in per_rank)
+        backward = max(r["times"][name]["backward"] for r in per_rank)
+        rows.append(
+            {
+                "strategy": STRATEGY[name],
+                "backward": name,
+                "p": ranks,
+                "T": steps,
+                "forward_s": forward,
+                "backward_s": backward,
+                "time": forward + backward,
+                "bytes_per_rank": max(r["sent"][name] for r in per_rank),
+                "memory_per_rank": max(r["memory"] for r in per_rank),
+            }
+        )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The Markdown table: per T and p, both modes, with the speedups measured in the same runs."""
+    one = {(r["T"], r["backward"]): r["backward_s"] for r in rows if r["p"] == 1}
+    bptt = {(r["T"], r["p"]): r["backward_s"] for r in rows if r["backward"] == "bptt"}
+    head = [
+        "T",
+        "ranks",
+        "backward",
+        "forward (ms)",
+        "backward (ms)",
+        "vs BPTT, same ranks",
+        "vs 1 rank",
+        "bytes per rank",
+        "peak memory per rank (MB)",
+    ]
+    body = []
+    for r in rows:
+        ref = one.get((r["T"], r["backward"]))
+        body.append(
+            [
+                str(r["T"]),
+                str(r["p"]),
+                r["backward"],
+                f"{r['forward_s'] * 1e3:.1f}",
+                f"{r['backward_s'] * 1e3:.1f}",
+                f"{bptt[(r['T'], r['p'])] / r['backward_s']:.2f}×",
+                f"{ref / r['backward_s']:.2f}×" if ref else "-",
+                f"{r['bytes_per_rank']:,}",
+                f"{r['memory_per_rank'] / 2**20:.0f}",
+            ]
+        )
+    return markdown(head, body)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser("experiments.bench.distributed", __doc__)
+    p.add_argument("--ranks", type=positive_int, nargs="+", default=[1, 2], help="process counts")
+    p.add_argument("--T", type=positive_int, nargs="+", default=[10_000], help="sequence lengths")
+    p.add_argument("--B", type=positive_int, default=16, help="batch size")
+    p.add_argument("--H", type=positive_int, default=20, help="hidden size")
+    p.add_argument("--model", choices=MODELS, default="rnn", help="the cell")
+    p.add_argument("--features", type=positive_int, default=1, help="input features")
+    p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed iterations per mode")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed iterations per mode (median)")
+    p.add_argument("--out", help="folder for measured.csv")
+    args = p.parse_args(argv)
+    for steps in args.T:
+        if steps < max(args.ranks):
+            p.error(
+                f"--T {steps} is shorter than {max(args.ranks)} ranks; accepted: at least one step per rank"
+            )
+    settings = {k: getattr(args, k) for k in ("B", "H", "model", "features", "warmup", "repeats")}
+    rows = []
+    for steps in args.T:
+        for ranks in args.ranks:
+            print(f"[distributed] T = {steps}, {ranks} rank(s) ...", file=sys.stderr, flush=True)
+            rows += rows_of(steps, ranks, measure(steps, ranks, settings))
+    print(
+        f"{args.model}, B = {args.B}, H = {args.H}, loss on h_T, gloo, one thread per rank; "
+        f"medians of {args.repeats} after {args.warmup} warm-up"
+    )
+    print(table(rows))
+    if args.out:
+        from experiments.records import write_table
+
+        write_table(Path(args.out) / "measured.csv", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
