@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from bppsa_core.dispatch import ScanOptions
 from bppsa_core.jacobians import LayerWeights
-from bppsa_core.layer import LayerConfig, bppsa_backward, cell_of, native_forward
+from bppsa_core.layer import LayerConfig, bppsa_backward, cell_of, injected, native_forward
 from bppsa_core.scan import fold
 
 log = logging.getLogger(__name__)
@@ -242,10 +242,7 @@ def _element(config, x, h_in, out, weights, grad_out) -> tuple[Tensor, Tensor]:
     cell, w = cell_of(config.mode), LayerWeights(*weights)
     h_prev = torch.cat((h_in.unsqueeze(0), out[:-1]))
     chain = cell.chain(cell.factors(x, h_prev, out, w, None, None), w)
-    offsets = None
-    if grad_out is not None:  # as bppsa_backward injects them: u_0 = 0, then u_1 .. u_{T-1}
-        offsets = torch.cat((torch.zeros_like(grad_out[:1]), grad_out[:-1]))
-    a, b = fold(chain, offsets)
+    a, b = fold(chain, injected(grad_out))
     a = a.expand(h_in.shape[0], -1, -1)
     if grad_out is not None:  # the last output's own gradient enters where v does
         b = torch.baddbmm(b.unsqueeze(1), grad_out[-1].unsqueeze(1), a).squeeze(1)

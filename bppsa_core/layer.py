@@ -276,9 +276,7 @@ def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_
         deltas, first = fused
     else:
         factors = cell.factors(x, h_prev, h, w, c0, keep)
-        offsets, start = None, g_last
-        if grad_out is not None:  # u_0 = 0 (nothing reaches h_0 from outside), u_1, ..., u_{T-1}
-            offsets = torch.cat((torch.zeros_like(grad_out[:1]), grad_out[:-1]))
+        offsets, start = injected(grad_out), g_last
         if c0 is not None:  # an LSTM's state is (h, c): c gets gradient only from c_n
             start = torch.cat((g_last, torch.zeros_like(g_last) if grad_cn is None else grad_cn), -1)
             offsets = None if offsets is None else torch.cat((offsets, torch.zeros_like(offsets)), -1)
@@ -296,6 +294,14 @@ def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_
     g_h0 = first()  # a walk made block by block knows g_0 once layer_grads has taken every block
     grads = [t for t in (dw.w_ih, dw.w_hh, dw.b_ih, dw.b_hh) if t is not None]
     return dx, g_h0, g_c0, grads
+
+
+def injected(grad_out: Tensor | None) -> Tensor | None:
+    """The gradients the chain injects along its length, from the outputs' (T, B, H): u_0 = 0
+    (nothing reaches h_0 from outside), then u_1 .. u_{T-1}; u_T is where the scan starts."""
+    if grad_out is None:
+        return None
+    return torch.cat((torch.zeros_like(grad_out[:1]), grad_out[:-1]))
 
 
 def _last_grad(u: Tensor | None, u_last: Tensor | None, h: Tensor) -> Tensor:

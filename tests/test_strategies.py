@@ -111,7 +111,7 @@ def test_the_partition_is_contiguous_and_its_largest_stage_is_the_least_possible
     assert worst == pytest.approx(best)
 
 
-# --- the invariants the issue of every strategy must meet -------------------------------------------
+# --- the invariants every strategy must meet ------------------------------------------------------
 
 
 @pytest.mark.parametrize("machine", MACHINES.values(), ids=MACHINES.keys())
