@@ -31,12 +31,14 @@ rank r - 1: p - 1 dependent messages.
 
 In both, each rank's weight-gradient partial sums are all-reduced, so every rank ends with the
 gradient single-process autograd gives (``tests/test_distributed.py`` checks it to 1e-10 in float64).
-The gradient of ``h_n`` is taken from the last rank (every rank holds the same ``h_n``, so a loss
-computed on it on every rank counts once); the gradient of ``h0`` goes to rank 0.
+The gradient of ``h_n`` (and ``c_n``) is taken from the last rank (every rank holds the same, so a
+loss computed on it on every rank counts once); the gradient of ``h0`` (and ``c0``) goes to rank 0.
 
-Taken: RNN (tanh, relu) and GRU modules of ``bppsa_core`` or ``torch.nn``, any number of layers,
-``batch_first``. Refused, each in one line: bidirectional layers (the reverse direction would need
-the whole sequence reversed across the ranks), LSTM, packed sequences, dropout between layers.
+Taken: RNN (tanh, relu), GRU and LSTM modules of ``bppsa_core`` or ``torch.nn``, any number of
+layers, ``batch_first``; an LSTM's state is (h, c), and both travel together (B, 2H), as do their
+gradients and its affine elements (2H x 2H). Refused, each in one line: bidirectional layers (the
+reverse direction would need the whole sequence reversed across the ranks), an LSTM with
+``proj_size``, packed sequences, dropout between layers.
 Composing with data parallelism (each data-parallel replica a sequence-parallel group) needs only
 the weight gradients all-reduced over the second group as well; not built here.
 """
@@ -57,7 +59,7 @@ from bppsa_core.scan import fold
 log = logging.getLogger(__name__)
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
-MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU")
+MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 
 
 class Traffic:
@@ -102,7 +104,11 @@ class SequenceParallel(nn.Module):
         if not isinstance(module, nn.RNNBase) or module.mode not in MODES:
             what = getattr(module, "mode", type(module).__name__)
             raise ValueError(
-                f"cannot run {what} sequence-parallel; accepted: RNN (tanh, relu) and GRU modules"
+                f"cannot run {what} sequence-parallel; accepted: RNN (tanh, relu), GRU and LSTM modules"
+            )
+        if getattr(module, "proj_size", 0):
+            raise ValueError(
+                f"an LSTM with proj_size {module.proj_size} cannot run sequence-parallel; accepted: 0"
             )
         if module.bidirectional:
             raise ValueError("bidirectional layers cannot run sequence-parallel; accepted: one direction")
@@ -112,7 +118,7 @@ class SequenceParallel(nn.Module):
             )
         self.module, self.group, self.backward = module, group, backward
 
-    def forward(self, x: Tensor, h0: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, hx: Tensor | tuple[Tensor, Tensor] | None = None):
         m = self.module
         if isinstance(x, nn.utils.rnn.PackedSequence) or x.dim() != 3:
             raise ValueError("sequence-parallel input must be a 3-D tensor (no packed or unbatched input)")
@@ -120,16 +126,21 @@ class SequenceParallel(nn.Module):
             x = x.transpose(0, 1)
         batch = x.shape[1]
         _check_slices(x.shape[0], batch, self.group)
-        if h0 is None:
-            h0 = x.new_zeros(m.num_layers, batch, m.hidden_size)
+        lstm = m.mode == "LSTM"
+        if hx is None:
+            zeros = x.new_zeros(m.num_layers, batch, m.hidden_size)
+            hx = (zeros, zeros) if lstm else zeros
+        h0, c0 = hx if lstm else (hx, None)
         per_layer = len(m._flat_weights) // m.num_layers
-        inp, states = x, []
+        inp, hs, cs = x, [], []
         for i in range(m.num_layers):
             weights = m._flat_weights[i * per_layer : (i + 1) * per_layer]
-            inp, h = _Layer.apply(inp, h0[i], m.mode, self.backward, self.group, *weights)
-            states.append(h)
+            c0_i = None if c0 is None else c0[i]
+            inp, h, c = _Layer.apply(inp, h0[i], c0_i, m.mode, self.backward, self.group, *weights)
+            hs.append(h)
+            cs.append(c)
         out = inp.transpose(0, 1) if m.batch_first else inp
-        return out, torch.stack(states)
+        return out, ((torch.stack(hs), torch.stack(cs)) if lstm else torch.stack(hs))
 
 
 def _check_slices(steps: int, batch: int, group: dist.ProcessGroup | None) -> None:
@@ -149,101 +160,127 @@ def _check_slices(steps: int, batch: int, group: dist.ProcessGroup | None) -> No
 
 
 class _Layer(torch.autograd.Function):
-    """One layer over the ranks' slices: the forward hands states right, the backward as chosen."""
+    """One layer over the ranks' slices: the forward hands states right, the backward as chosen.
+    A state is h, or an LSTM's h and c side by side (B, 2H): what travels between ranks."""
 
     @staticmethod
-    def forward(ctx, x, h0, mode, backward, group, *weights):
+    def forward(ctx, x, h0, c0, mode, backward, group, *weights):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        h_in = h0.detach()
+        lstm = c0 is not None
+        state = (torch.cat((h0, c0), -1) if lstm else h0).detach()
         if rank > 0:
-            h_in = torch.empty_like(h_in)
-            dist.recv(h_in, src=_peer(group, rank - 1), group=group)
+            state = torch.empty_like(state)
+            dist.recv(state, src=_peer(group, rank - 1), group=group)
+        h_in, c_in = _split(state, lstm)
         if backward == "bptt":  # keep this slice's own autograd graph for the backward
             with torch.enable_grad():
-                leaves = [t.detach().requires_grad_() for t in (x, h_in, *weights)]
-                out, h_last, _ = native_forward(mode, leaves[0], leaves[1], None, leaves[2:], None)
-            ctx.graph = (leaves, out, h_last)
+                leaves = [t.detach().requires_grad_() for t in (x, h_in, c_in, *weights) if t is not None]
+                c_leaf = leaves[2] if lstm else None
+                out, h_last, c_last = native_forward(
+                    mode, leaves[0], leaves[1], c_leaf, leaves[2 + lstm :], None
+                )
+            ctx.graph = (leaves, out, h_last, c_last)
             out, h_last = out.detach(), h_last.detach()
+            c_last = None if c_last is None else c_last.detach()
         else:
             with torch.no_grad():
-                out, h_last, _ = native_forward(mode, x, h_in, None, list(weights), None)
-            ctx.save_for_backward(x, h_in, out, *weights)
+                out, h_last, c_last = native_forward(mode, x, h_in, c_in, list(weights), None)
+            ctx.save_for_backward(x, h_in, out, *([c_in] if lstm else []), *weights)
+        last = torch.cat((h_last, c_last), -1) if lstm else h_last
         if rank < size - 1:
-            dist.send(traffic.add(h_last.contiguous()), dst=_peer(group, rank + 1), group=group)
-        h_n = traffic.add(h_last.clone()) if rank == size - 1 else torch.empty_like(h_last)
-        dist.broadcast(h_n, src=_peer(group, size - 1), group=group)
-        ctx.mode, ctx.backward, ctx.group = mode, backward, group
-        return out, h_n
+            dist.send(traffic.add(last.contiguous()), dst=_peer(group, rank + 1), group=group)
+        final = traffic.add(last.clone()) if rank == size - 1 else torch.empty_like(last)
+        dist.broadcast(final, src=_peer(group, size - 1), group=group)
+        h_n, c_n = _split(final, lstm)
+        ctx.mode, ctx.backward, ctx.group, ctx.lstm = mode, backward, group, lstm
+        return out, h_n, (c_n if lstm else h_n.new_zeros(0))
 
     @staticmethod
-    def backward(ctx, grad_out, grad_hn):
+    def backward(ctx, grad_out, grad_hn, grad_cn):
         group = ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        last = rank == size - 1
-        grad_hn = grad_hn if last else None  # every rank holds h_n; its gradient counts once
+        if rank < size - 1:  # every rank holds h_n (and c_n); their gradients count once, here
+            grad_hn = grad_cn = None
+        grad_cn = grad_cn if ctx.lstm else None
         if ctx.backward == "bptt":
-            dx, g_h0, grads = _bptt(ctx, grad_out, grad_hn, rank, size)
+            dx, g_h0, g_c0, grads = _bptt(ctx, grad_out, grad_hn, grad_cn, rank, size)
         else:
-            dx, g_h0, grads = _bppsa(ctx, grad_out, grad_hn, rank, size)
+            dx, g_h0, g_c0, grads = _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size)
         if size > 1:  # every rank's partial sums, summed
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(traffic.add(flat), group=group)
             sizes = [g.numel() for g in grads]
             grads = [part.view_as(g) for part, g in zip(flat.split(sizes), grads, strict=True)]
-        return dx, (g_h0 if rank == 0 else None), None, None, None, *grads
+        first = rank == 0
+        return dx, (g_h0 if first else None), (g_c0 if first else None), None, None, None, *grads
 
 
-def _bptt(ctx, grad_out, grad_hn, rank, size):
-    leaves, out, h_last = ctx.graph
-    group = ctx.group
-    v = grad_hn if grad_hn is not None else torch.zeros_like(h_last)
+def _split(state: Tensor, lstm: bool) -> tuple[Tensor, Tensor | None]:
+    """h, and an LSTM's c, from a state (B, H) or (B, 2H)."""
+    return state.chunk(2, -1) if lstm else (state, None)
+
+
+def _bptt(ctx, grad_out, grad_hn, grad_cn, rank, size):
+    leaves, out, h_last, c_last = ctx.graph
+    group, lstm = ctx.group, ctx.lstm
+    ends = (h_last, c_last) if lstm else (h_last,)
+    given = (grad_hn, grad_cn)[: len(ends)]
+    v = torch.cat([torch.zeros_like(e) if g is None else g for g, e in zip(given, ends, strict=True)], -1)
     if rank < size - 1:
         dist.recv(v, src=_peer(group, rank + 1), group=group)
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-    dx, g_h0, *grads = torch.autograd.grad((out, h_last), leaves, (grad_out, v))
+    got = torch.autograd.grad((out, *ends), leaves, (grad_out, *_split(v, lstm)[: len(ends)]))
+    dx, g_h0, g_c0 = got[0], got[1], (got[2] if lstm else None)
     if rank > 0:
-        dist.send(traffic.add(g_h0.contiguous()), dst=_peer(group, rank - 1), group=group)
+        first = torch.cat((g_h0, g_c0), -1) if lstm else g_h0
+        dist.send(traffic.add(first.contiguous()), dst=_peer(group, rank - 1), group=group)
     del ctx.graph
-    return dx, g_h0, grads
+    return dx, g_h0, g_c0, list(got[2 + lstm :])
 
 
-def _bppsa(ctx, grad_out, grad_hn, rank, size):
-    x, h_in, out, *weights = ctx.saved_tensors
+def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
+    lstm = ctx.lstm
+    x, h_in, out, *rest = ctx.saved_tensors
+    c_in, weights = (rest[0], rest[1:]) if lstm else (None, rest)
     config = LayerConfig(ctx.mode, options=ScanOptions())
-    batch, hidden = h_in.shape
+    batch, state = h_in.shape[0], h_in.shape[1] * (1 + lstm)
     # what this rank shares: its slice as an affine element [A | b] of the gradient entering it from
     # the right (middle ranks), the gradient of its first state (the last rank), nothing (rank 0)
-    share = h_in.new_zeros(batch, hidden, hidden + 1)
+    share = h_in.new_zeros(batch, state, state + 1)
     done = None
     if rank == size - 1:
-        done = bppsa_backward(config, x, h_in, None, weights, None, out, grad_out, grad_hn, None)
-        share[..., hidden] = done[1]
+        done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, grad_hn, grad_cn)
+        share[..., state] = torch.cat((done[1], done[2]), -1) if lstm else done[1]
     elif rank > 0:
-        a, b = _element(config, x, h_in, out, weights, grad_out)
-        share[..., :hidden], share[..., hidden] = a, b
+        share[..., :state], share[..., state] = _element(config, x, h_in, c_in, out, weights, grad_out)
     every = [share]
     if size > 1:
         every = [torch.empty_like(share) for _ in range(size)]
         dist.all_gather(every, traffic.add(share), group=ctx.group)
     if done is None:
-        v = every[-1][..., hidden]  # the gradient of the last rank's first state
+        v = every[-1][..., state]  # the gradient of the last rank's first state
         for q in range(size - 2, rank, -1):  # through the slices between, right to left
             v = torch.baddbmm(
-                every[q][..., hidden].unsqueeze(1), v.unsqueeze(1), every[q][..., :hidden]
+                every[q][..., state].unsqueeze(1), v.unsqueeze(1), every[q][..., :state]
             ).squeeze(1)
-        done = bppsa_backward(config, x, h_in, None, weights, None, out, grad_out, v, None)
-    dx, g_h0, _, grads = done
-    return dx, g_h0, grads
+        v_h, v_c = _split(v, lstm)
+        done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, v_h, v_c)
+    dx, g_h0, g_c0, grads = done
+    return dx, g_h0, g_c0, grads
 
 
-def _element(config, x, h_in, out, weights, grad_out) -> tuple[Tensor, Tensor]:
+def _element(config, x, h_in, c_in, out, weights, grad_out) -> tuple[Tensor, Tensor]:
     """This slice's backward as one affine element per sample: the gradient of its first state is
     v @ A + b for the gradient v that reaches its last state from the right."""
     cell, w = cell_of(config.mode), LayerWeights(*weights)
     h_prev = torch.cat((h_in.unsqueeze(0), out[:-1]))
-    chain = cell.chain(cell.factors(x, h_prev, out, w, None, None), w)
-    a, b = fold(chain, injected(grad_out))
+    chain = cell.chain(cell.factors(x, h_prev, out, w, c_in, None), w)
+    offsets, u_last = injected(grad_out), (None if grad_out is None else grad_out[-1])
+    if c_in is not None and offsets is not None:  # an LSTM's c gets gradient only through the chain
+        offsets = torch.cat((offsets, torch.zeros_like(offsets)), -1)
+        u_last = torch.cat((u_last, torch.zeros_like(u_last)), -1)
+    a, b = fold(chain, offsets)
     a = a.expand(h_in.shape[0], -1, -1)
-    if grad_out is not None:  # the last output's own gradient enters where v does
-        b = torch.baddbmm(b.unsqueeze(1), grad_out[-1].unsqueeze(1), a).squeeze(1)
-    return a, (torch.zeros_like(h_in) if b is None else b)
+    if u_last is not None:  # the last output's own gradient enters where v does
+        b = torch.baddbmm(b.unsqueeze(1), u_last.unsqueeze(1), a).squeeze(1)
+    return a, (h_in.new_zeros(a.shape[0], a.shape[-1]) if b is None else b)

@@ -1,5 +1,5 @@
 """Sequence parallelism over gloo processes: the gradients single-process autograd gives, for 1 to 4
-ranks, RNN and GRU, two layers, a loss on h_T or on every output; and the fold it exchanges."""
+ranks, RNN, GRU and LSTM, two layers, a loss on h_T or on every output; and the fold it exchanges."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from bppsa_core import GRU, RNN
+from bppsa_core import GRU, LSTM, RNN
 from bppsa_core.chain import DenseChain
 from bppsa_core.distributed import SequenceParallel, SequenceParallelError
 from bppsa_core.scan import fold, sequential_scan
@@ -59,24 +59,36 @@ def _entry(rank: int, size: int, store: str, fn, args) -> None:
 def _exact(rank: int, size: int) -> None:
     slices = torch.tensor_split(torch.arange(T), size)
     mine = slice(int(slices[rank][0]), int(slices[rank][-1]) + 1)
-    for cls, kwargs in ((RNN, {"nonlinearity": "tanh"}), (RNN, {"nonlinearity": "relu"}), (GRU, {})):
+    cases = ((RNN, {"nonlinearity": "tanh"}), (RNN, {"nonlinearity": "relu"}), (GRU, {}), (LSTM, {}))
+    for cls, kwargs in cases:
         for backward in ("bppsa", "bptt"):
             for every in (False, True):
                 torch.manual_seed(0)
                 model = cls(F, H, num_layers=2, dtype=torch.float64, **kwargs)
                 reference = getattr(nn, cls.__name__)(F, H, num_layers=2, dtype=torch.float64, **kwargs)
                 reference.load_state_dict(model.state_dict())
+                lstm = cls is LSTM
                 x = torch.randn(T, B, F, dtype=torch.float64)
-                h0 = torch.randn(2, B, H, dtype=torch.float64)
-                c, d = torch.randn(T, B, H, dtype=torch.float64), torch.randn(2, B, H, dtype=torch.float64)
+                h0 = torch.randn(2 + 2 * lstm, B, H, dtype=torch.float64)  # an LSTM's (h0, c0) stacked
+                c, d = (
+                    torch.randn(T, B, H, dtype=torch.float64),
+                    torch.randn(2 + 2 * lstm, B, H, dtype=torch.float64),
+                )
+
+                def state(h, lstm=lstm):  # what the modules take and give: h, or (h, c)
+                    return (h[:2], h[2:]) if lstm else h
+
+                def final(s, lstm=lstm):
+                    return torch.cat(s) if lstm else s
 
                 xr, h0r = x.clone().requires_grad_(), h0.clone().requires_grad_()
-                out, h_n = reference(xr, h0r)
-                ((out * c).sum() * every + (h_n * d).sum()).backward()
+                out, h_n = reference(xr, state(h0r))
+                ((out * c).sum() * every + (final(h_n) * d).sum()).backward()
 
                 xl, h0l = x[mine].clone().requires_grad_(), h0.clone().requires_grad_()
-                out_l, h_n_l = SequenceParallel(model, backward=backward)(xl, h0l)
-                ((out_l * c[mine]).sum() * every + (h_n_l * d).sum()).backward()
+                out_l, h_n_l = SequenceParallel(model, backward=backward)(xl, state(h0l))
+                ((out_l * c[mine]).sum() * every + (final(h_n_l) * d).sum()).backward()
+                h_n, h_n_l = final(h_n), final(h_n_l)
 
                 case = f"{cls.__name__} {kwargs} {backward} every={every} rank {rank}/{size}"
                 close = {"rtol": 1e-10, "atol": 1e-10, "msg": lambda m, case=case: f"{case}: {m}"}
@@ -113,7 +125,12 @@ def test_a_split_that_does_not_add_up_is_refused_on_every_rank() -> None:
 @pytest.mark.parametrize(
     ("module", "kwargs", "message"),
     [
-        (nn.LSTM(F, H), {}, "cannot run LSTM sequence-parallel; accepted: RNN (tanh, relu) and GRU"),
+        (nn.LSTM(F, H, proj_size=2), {}, "an LSTM with proj_size 2 cannot run sequence-parallel"),
+        (
+            nn.Linear(F, H),
+            {},
+            "cannot run Linear sequence-parallel; accepted: RNN (tanh, relu), GRU and LSTM",
+        ),
         (GRU(F, H, bidirectional=True), {}, "bidirectional layers cannot run sequence-parallel"),
         (GRU(F, H, num_layers=2, dropout=0.5), {}, "dropout 0.5 between layers is not taken"),
         (GRU(F, H), {"backward": "ring"}, "unknown backward 'ring'; accepted: bppsa, bptt"),
