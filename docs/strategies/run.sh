@@ -3,13 +3,14 @@
 # deterministic, so the same tables give the same files byte for byte. Takes about a minute.
 #
 #   bash docs/strategies/run.sh                   # redraw
-#   bash docs/strategies/run.sh --measure         # measure this machine first (2 processes, ~30 s)
+#   bash docs/strategies/run.sh --measure         # measure this machine first (2 processes, ~1.5 min)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 python=${PYTHON:-python}
 here=docs/strategies
 if [[ "${1:-}" == "--measure" ]]; then
     "$python" -m experiments.bench.strategies --out "$here/measured" --repeats 9
+    "$python" -m experiments.bench.distributed --ranks 1 2 --T 100000 --repeats 3 --out "$here/distributed"
 fi
 # VGG-11 on the issue's interconnect: 1 TFLOP/s processors, 5 µs latency, 10 GB/s
 "$python" -m analysis.strategies --model vgg11 --p 1 2 4 8 16 32 --alpha 5e-6 --beta 1e-10 \
@@ -17,6 +18,13 @@ fi
 # the paper's RNN (T = 1000, H = 20, B = 16), each layer operation costing 2 µs as a kernel launch does
 "$python" -m analysis.strategies --model rnn --T 1000 --p 1 2 4 8 16 32 64 --overhead 2e-6 \
     --out "$here/rnn" > /dev/null
+# the paper's RNN at T = 100,000 split over 1 to 1024 devices: BPPSA (all-gather, tree) against
+# distributed BPTT, the overhead per operation calibrated on this machine's BPTT, beside the measured
+# 1- and 2-rank iterations of experiments.bench.distributed
+"$python" -m analysis.strategies --model rnn --T 100000 --batch 16 --p 1 2 4 8 16 32 64 128 256 512 1024 \
+    --strategies sequential bptt-distributed bppsa-allgather bppsa-tree --overhead 1.55e-5 \
+    --calibration "$here/measured/calibration.json" --measured "$here/distributed/measured.csv" \
+    --out "$here/distributed" > /dev/null
 # VGG-11 on this machine's measured FLOP rate, α and β, beside the measured iterations
 "$python" -m analysis.strategies --model vgg11 --batch 32 --p 1 2 4 8 --micro-batches 8 \
     --calibration "$here/measured/calibration.json" --measured "$here/measured/measured.csv" \
