@@ -92,9 +92,10 @@ def _peer(group: dist.ProcessGroup | None, rank: int) -> int:
 class SequenceParallel(nn.Module):
     """A recurrent module run sequence-parallel over ``group``: see the module's docstring.
 
-    ``forward(x_local, h0=None)`` takes this rank's slice (T_r, B, I), or (B, T_r, I) with
-    ``batch_first``, and the initial states (num_layers, B, H) (read on rank 0), and returns this
-    rank's outputs of the top layer and the final states of every layer, the same on every rank.
+    ``forward(x_local, hx=None)`` takes this rank's slice (T_r, B, I), or (B, T_r, I) with
+    ``batch_first``, and the initial states as torch.nn takes them (h0, or an LSTM's (h0, c0), each
+    (num_layers, B, H); read on rank 0), and returns this rank's outputs of the top layer and the
+    final states of every layer, the same on every rank.
     """
 
     def __init__(self, module: nn.RNNBase, group: dist.ProcessGroup | None = None, backward: str = "bppsa"):
@@ -118,14 +119,16 @@ class SequenceParallel(nn.Module):
             )
         self.module, self.group, self.backward = module, group, backward
 
-    def forward(self, x: Tensor, hx: Tensor | tuple[Tensor, Tensor] | None = None):
+    def forward(
+        self, x: Tensor, hx: Tensor | tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor]]:
         m = self.module
         if isinstance(x, nn.utils.rnn.PackedSequence) or x.dim() != 3:
             raise ValueError("sequence-parallel input must be a 3-D tensor (no packed or unbatched input)")
         if m.batch_first:
             x = x.transpose(0, 1)
         batch = x.shape[1]
-        _check_slices(x.shape[0], batch, self.group)
+        _check_slices(x.shape[0], batch, self.group, x.device)
         lstm = m.mode == "LSTM"
         if hx is None:
             zeros = x.new_zeros(m.num_layers, batch, m.hidden_size)
@@ -143,9 +146,10 @@ class SequenceParallel(nn.Module):
         return out, ((torch.stack(hs), torch.stack(cs)) if lstm else torch.stack(hs))
 
 
-def _check_slices(steps: int, batch: int, group: dist.ProcessGroup | None) -> None:
-    """Every rank's slice has at least one step and the same batch: one clear error on every rank."""
-    mine = torch.tensor([steps, batch], dtype=torch.long)
+def _check_slices(steps: int, batch: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Every rank's slice has at least one step and the same batch: one clear error on every rank.
+    (On the input's device: NCCL exchanges GPU tensors only.)"""
+    mine = torch.tensor([steps, batch], dtype=torch.long, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, traffic.add(mine), group=group)
     lengths = [int(t[0]) for t in every]
