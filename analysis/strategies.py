@@ -340,6 +340,7 @@ class Task:
     micro: int
     duration: float
     deps: list[tuple[int, float]] = field(default_factory=list)  # (task, transfer time before it)
+    inbound: list[tuple[int, float]] = field(default_factory=list)  # (task, bytes it sends here)
     start: float = math.nan
     end: float = math.nan
 
@@ -693,8 +694,10 @@ def _wire(
     by_layer_b = _cover(b_ids, tasks)
 
     def edge(dst: int, src: int, elements: float) -> None:
-        delay = machine.send(elements * size) if tasks[src].proc != tasks[dst].proc else 0.0
-        tasks[dst].deps.append((src, delay))
+        moves = tasks[src].proc != tasks[dst].proc and elements > 0
+        tasks[dst].deps.append((src, machine.send(elements * size) if moves else 0.0))
+        if moves:
+            tasks[dst].inbound.append((src, machine.word * elements * size))
 
     for first, tid in f_ids.items():
         if first > 0:
@@ -860,10 +863,8 @@ def _sent(tasks: Sequence[Task], net: Network, size: float, machine: Machine, it
     all-reduce."""
     out: dict[int, float] = {}
     for t in tasks:
-        for j, delay in t.deps:
-            if delay > 0:
-                src = tasks[j]
-                out[src.proc] = out.get(src.proc, 0.0) + (delay - machine.alpha) / machine.beta
+        for j, moved in t.inbound:
+            out[tasks[j].proc] = out.get(tasks[j].proc, 0.0) + moved
     procs = max(t.proc for t in tasks) + 1
     owner = {}
     for t in tasks:

@@ -436,3 +436,13 @@ def test_the_benchmark_refuses_bad_settings_in_one_line(tmp_path: Path, capsys, 
     assert stop.value.code == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", S.PIPELINES)
+def test_bytes_sent_do_not_depend_on_the_interconnects_speed(kind: str) -> None:
+    """The bytes a schedule moves are what it moves, whatever α and β are (0 included)."""
+    sent = {
+        (alpha, beta): S.pipeline(VGG, 32, 4, S.Machine(alpha=alpha, beta=beta), kind).sent
+        for alpha, beta in ((5e-6, 1e-10), (5e-6, 0.0), (0.0, 0.0), (1e-3, 1e-8))
+    }
+    assert len(set(sent.values())) == 1 and next(iter(sent.values())) > 0
