@@ -45,8 +45,6 @@ the weight gradients all-reduced over the second group as well; not built here.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -55,8 +53,6 @@ from bppsa_core.dispatch import ScanOptions
 from bppsa_core.jacobians import LayerWeights
 from bppsa_core.layer import LayerConfig, bppsa_backward, cell_of, injected, native_forward
 from bppsa_core.scan import fold
-
-log = logging.getLogger(__name__)
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
