@@ -99,36 +99,52 @@ def native_forward(
     """PyTorch's fused forward of one layer: x (T, B, I), h0 and c0 (an LSTM's) (B, H).
 
     Returns the outputs h_1..h_T (T, B, H), 0 past each sequence's end, and the last state (h, c).
-    Runs in segments of at most ``segment`` steps. Differentiable (PyTorch's own autograd).
+    Runs in segments of at most ``segment`` steps, each written into the outputs as it is made (the
+    outputs exist once, not once more as a list of segments). Differentiable (PyTorch's own
+    autograd).
     """
     steps, batch = x.shape[:2]
     if steps == 0:  # PyTorch's kernel refuses it, in its own words
         return _native_call(mode, x, None, h0, c0, weights)
-    outs, h, c = [], h0, c0
+    if steps <= segment:
+        return _segment(mode, x, h0, c0, weights, lengths)
+    h, c, outs = h0, c0, None
     for s in range(0, steps, segment):
         e = min(steps, s + segment)
-        if lengths is None:
-            out, h, c = _native_call(mode, x[s:e], None, h, c, weights)
-            outs.append(out)
-            continue
-        seg = (lengths - s).clamp(0, e - s)
-        active = int((seg > 0).sum())
-        if active == 0:  # every sequence has ended
-            outs.append(x.new_zeros((steps - s, batch, h.shape[-1])))
+        seg = None if lengths is None else (lengths - s).clamp(0, e - s)
+        if seg is not None and not seg.any():  # every sequence has ended: the rest outputs 0
+            if outs is None:
+                return x.new_zeros((steps, batch, h.shape[-1])), h, c
+            outs[s:] = 0
             break
-        packed = pack_padded_sequence(x[s:e, :active], seg[:active])
-        data, h_a, c_a = _native_call(
-            mode, packed.data, packed.batch_sizes, h[:active], _head(c, active), weights
-        )
-        out = pad_packed_sequence(PackedSequence(data, packed.batch_sizes), total_length=e - s)[0]
-        if active < batch:  # the sequences that have ended keep their state, and output 0
-            out = torch.cat((out, out.new_zeros((e - s, batch - active, out.shape[-1]))), 1)
-            h = torch.cat((h_a, h[active:]))
-            c = None if c is None else torch.cat((c_a, c[active:]))
-        else:
-            h, c = h_a, c_a
-        outs.append(out)
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)), h, c
+        out, h, c = _segment(mode, x[s:e], h, c, weights, seg)
+        if outs is None:  # the kernel's dtype (autocast's, say), not necessarily x's
+            outs = out.new_empty((steps, batch, out.shape[-1]))
+        outs[s:e] = out
+    return outs, h, c
+
+
+def _segment(
+    mode: str, x: Tensor, h: Tensor, c: Tensor | None, weights: list[Tensor], lengths: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One call of PyTorch's fused kernel over x (T, B, I) from (h, c), the sequences of ``lengths``
+    (sorted longest first, 0 for one that has ended) packed."""
+    if lengths is None:
+        return _native_call(mode, x, None, h, c, weights)
+    steps, batch = x.shape[:2]
+    active = int((lengths > 0).sum())
+    if active == 0:
+        return x.new_zeros((steps, batch, h.shape[-1])), h, c
+    packed = pack_padded_sequence(x[:, :active], lengths[:active])
+    data, h_a, c_a = _native_call(
+        mode, packed.data, packed.batch_sizes, h[:active], _head(c, active), weights
+    )
+    out = pad_packed_sequence(PackedSequence(data, packed.batch_sizes), total_length=steps)[0]
+    if active == batch:
+        return out, h_a, c_a
+    # the sequences that have ended keep their state, and output 0
+    out = torch.cat((out, out.new_zeros((steps, batch - active, out.shape[-1]))), 1)
+    return out, torch.cat((h_a, h[active:])), (None if c is None else torch.cat((c_a, c[active:])))
 
 
 def solved_forward(

@@ -1,7 +1,8 @@
-"""Peak memory of the backward: the layers never hold a dense (T, B, H, H) Jacobian chain.
+"""Peak memory of the backward: the layers never hold a dense (T, B, H, H) Jacobian chain; and of the
+forward in segments, which holds its outputs once.
 
-Measured in a child process (``conftest.run_child``): the peak resident set during the backward less
-the resident set before it, on a chain whose dense form would be 250 MiB.
+Measured in a child process (``helpers.run_child``): the peak resident set during the backward (or
+forward) less the resident set before it; the dense chain would be 250 MiB.
 """
 
 from __future__ import annotations
@@ -71,3 +72,24 @@ def test_a_million_steps_back_propagate_in_memory_linear_in_the_states(kind: str
     steps = 1_000_000
     unit = steps * 1 * 20 * 4
     assert int(run_child(LONG, kind, str(steps))) < bound * unit
+
+
+SEGMENTS = """
+import torch
+from bppsa_core.layer import native_forward
+torch.manual_seed(0)
+rnn = torch.nn.RNN(1, 20)
+x, h0 = torch.randn(200_000, 4, 1), torch.zeros(4, 20)
+weights = [p.detach() for p in rnn._flat_weights]
+before = rss_bytes()
+reset_peak()
+with torch.no_grad():
+    out, _, _ = native_forward("RNN_TANH", x, h0, None, weights, None, segment=10_000)
+print((peak_bytes() - before) / out.nbytes)
+"""
+
+
+def test_a_forward_in_segments_holds_its_outputs_once() -> None:
+    """Each segment's outputs go into the whole sequence's as they are made. Measured: 1.4 times
+    the outputs (2.3 when the segments were kept until the end and then joined)."""
+    assert float(run_child(SEGMENTS)) < 1.8
