@@ -12,6 +12,7 @@ import torch
 
 from datasets.irmas import SAMPLE_RATE
 from datasets.synthetic_irmas import stereo_clip, write_synthetic
+from experiments.bench import memory
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -25,29 +26,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / a.norm().clamp_min(1e-300)).item()
 
 
-# Peak-memory probes for child processes. getrusage's ru_maxrss is no use there: Linux carries
-# the parent's high-water mark across fork and exec, so a child of a large pytest process starts
-# with pytest's. /proc/self/status's VmHWM belongs to the child's own address space, and writing 5
-# to /proc/self/clear_refs resets it to the current resident set.
-MEMORY_PROBES = """
-import re
-def rss_bytes():
-    return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
-def peak_bytes():
-    return int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-"""
+# Peak-memory probes for child processes (experiments.bench.memory says why these and not ru_maxrss).
+MEMORY_PROBES = "from experiments.bench.memory import peak_bytes, reset_peak, rss_bytes\n"
 
 
 def run_child(code: str, *args: str) -> str:
     """Run ``MEMORY_PROBES + code`` in a fresh interpreter at the repository root; its stdout.
 
     malloc there returns every block of 64 KiB or more to the system when freed
-    (MALLOC_MMAP_THRESHOLD_), so the resident set follows the live tensors.
+    (``memory.MALLOC``), so the resident set follows the live tensors.
     """
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **memory.MALLOC, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-c", MEMORY_PROBES + code, *args],
         capture_output=True,
