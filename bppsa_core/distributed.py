@@ -11,23 +11,35 @@ not divide by p) but each has at least one step. Every rank holds the same weigh
 from h0), runs PyTorch's fused forward over its slice, and sends its last state to rank r + 1. The
 schedule is one sequence with no micro-batches, so the ranks run one after another: p - 1 dependent
 messages of B·H numbers per layer, and a broadcast of the last rank's final state, so that every
-rank returns the same ``h_n``. (Micro-batches over the batch would let the ranks overlap, as a
-pipeline over time; not done here.)
+rank returns the same ``h_n``. The forward is not cut into micro-batches: on a CPU a step of the
+fused forward costs nearly the same for 2 samples as for 16, so a pipeline of m groups would run
+m times the steps to overlap at most half of them.
 
-**Backward, BPPSA** (``backward="bppsa"``), per layer, from the top:
+**Backward, BPPSA** (``backward="bppsa"``), per layer, from the top, for each group of samples
+in turn (below):
 1. the last rank runs its slice's backward as a single process would (its chain ends at the loss);
 2. every middle rank folds its slice's chain of transposed Jacobians into one affine element per
    sample (``bppsa_core.scan.fold``: an H x H matrix and an offset) while the last rank works;
-3. one ``all_gather`` of those elements: p·B·H·(H+1) numbers, independent of T;
+3. one ``all_gather`` of those elements: p·B·H·(H+1) numbers over all groups, independent of T;
 4. each rank applies the elements above it to the last rank's gradient: the gradient entering its
    slice from the right, without waiting for any other rank;
 5. each rank runs its slice's backward from that gradient (the usual scan of ``bppsa_core.layer``).
-The first rank's element is never needed, so it only waits.
+The first rank's element is never needed, so it has nothing to do until step 4.
+
+**Micro-batches in the backward.** Samples are independent, so the batch is cut into
+``micro_batches`` contiguous groups (default ``MICRO_BATCHES``, at most one per sample), and the
+steps above run group after group: while the other ranks finish group j (steps 4-5), the last
+rank and the middle ranks already work on group j + 1 (steps 1-2). That is a pipeline over the
+groups: the backward takes about (m + 1) / m of one rank's share of the work for m groups, instead
+of twice it with two ranks, where the first rank would wait for the last rank's whole backward.
+Bytes exchanged are the same; the dependent steps are m all-gathers instead of one. On one rank
+there is nothing to overlap and the batch stays whole.
 
 **Backward, distributed BPTT** (``backward="bptt"``, the baseline): the gradient travels back rank
 by rank: each rank waits for the gradient of its last state from rank r + 1, runs autograd over its
 slice (PyTorch's own backward of its fused forward) and sends the gradient of its first state to
-rank r - 1: p - 1 dependent messages.
+rank r - 1: p - 1 dependent messages, with the whole batch (autograd's graph of the fused forward
+is one, so it is not cut into micro-batches).
 
 In both, each rank's weight-gradient partial sums are all-reduced, so every rank ends with the
 gradient single-process autograd gives (``tests/test_distributed.py`` checks it to 1e-10 in float64).
@@ -56,6 +68,10 @@ from bppsa_core.scan import fold
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
+# The backward's sample groups on more than one rank. The pipeline's fill is 1/m of a slice's
+# backward; each group adds an all-gather and its own calls. On two one-thread CPU ranks (RNN,
+# B = 16, H = 20, T = 100,000) 4 and 8 groups were fastest and alike, 2 and 16 about 10 % slower.
+MICRO_BATCHES = 8
 
 
 class Traffic:
@@ -91,13 +107,22 @@ class SequenceParallel(nn.Module):
     ``forward(x_local, hx=None)`` takes this rank's slice (T_r, B, I), or (B, T_r, I) with
     ``batch_first``, and the initial states as torch.nn takes them (h0, or an LSTM's (h0, c0), each
     (num_layers, B, H); read on rank 0), and returns this rank's outputs of the top layer and the
-    final states of every layer, the same on every rank.
+    final states of every layer, the same on every rank. ``micro_batches``: how many groups of
+    samples the BPPSA backward pipelines over the ranks (module docstring).
     """
 
-    def __init__(self, module: nn.RNNBase, group: dist.ProcessGroup | None = None, backward: str = "bppsa"):
+    def __init__(
+        self,
+        module: nn.RNNBase,
+        group: dist.ProcessGroup | None = None,
+        backward: str = "bppsa",
+        micro_batches: int = MICRO_BATCHES,
+    ):
         super().__init__()
         if backward not in BACKWARDS:
             raise ValueError(f"unknown backward {backward!r}; accepted: {', '.join(BACKWARDS)}")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches {micro_batches!r} is not taken; accepted: a positive integer")
         if not isinstance(module, nn.RNNBase) or module.mode not in MODES:
             what = getattr(module, "mode", type(module).__name__)
             raise ValueError(
@@ -114,6 +139,7 @@ class SequenceParallel(nn.Module):
                 f"dropout {module.dropout} between layers is not taken sequence-parallel; accepted: 0"
             )
         self.module, self.group, self.backward = module, group, backward
+        self.micro_batches = micro_batches
 
     def forward(
         self, x: Tensor, hx: Tensor | tuple[Tensor, Tensor] | None = None
@@ -135,7 +161,9 @@ class SequenceParallel(nn.Module):
         for i in range(m.num_layers):
             weights = m._flat_weights[i * per_layer : (i + 1) * per_layer]
             c0_i = None if c0 is None else c0[i]
-            inp, h, c = _Layer.apply(inp, h0[i], c0_i, m.mode, self.backward, self.group, *weights)
+            inp, h, c = _Layer.apply(
+                inp, h0[i], c0_i, m.mode, self.backward, self.micro_batches, self.group, *weights
+            )
             hs.append(h)
             cs.append(c)
         out = inp.transpose(0, 1) if m.batch_first else inp
@@ -164,7 +192,7 @@ class _Layer(torch.autograd.Function):
     A state is h, or an LSTM's h and c side by side (B, 2H): what travels between ranks."""
 
     @staticmethod
-    def forward(ctx, x, h0, c0, mode, backward, group, *weights):
+    def forward(ctx, x, h0, c0, mode, backward, micro_batches, group, *weights):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         lstm = c0 is not None
         state = (torch.cat((h0, c0), -1) if lstm else h0).detach()
@@ -193,6 +221,8 @@ class _Layer(torch.autograd.Function):
         dist.broadcast(final, src=_peer(group, size - 1), group=group)
         h_n, c_n = _split(final, lstm)
         ctx.mode, ctx.backward, ctx.group, ctx.lstm = mode, backward, group, lstm
+        ctx.micro_batches = micro_batches
+        ctx.set_materialize_grads(False)  # an output the loss does not reach gets None, not zeros
         return out, h_n, (c_n if lstm else h_n.new_zeros(0))
 
     @staticmethod
@@ -212,7 +242,7 @@ class _Layer(torch.autograd.Function):
             sizes = [g.numel() for g in grads]
             grads = [part.view_as(g) for part, g in zip(flat.split(sizes), grads, strict=True)]
         first = rank == 0
-        return dx, (g_h0 if first else None), (g_c0 if first else None), None, None, None, *grads
+        return dx, (g_h0 if first else None), (g_c0 if first else None), None, None, None, None, *grads
 
 
 def _split(state: Tensor, lstm: bool) -> tuple[Tensor, Tensor | None]:
@@ -228,8 +258,11 @@ def _bptt(ctx, grad_out, grad_hn, grad_cn, rank, size):
     v = torch.cat([torch.zeros_like(e) if g is None else g for g, e in zip(given, ends, strict=True)], -1)
     if rank < size - 1:
         dist.recv(v, src=_peer(group, rank + 1), group=group)
-    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-    got = torch.autograd.grad((out, *ends), leaves, (grad_out, *_split(v, lstm)[: len(ends)]))
+    outputs, grads = list(ends), list(_split(v, lstm)[: len(ends)])
+    if grad_out is not None:
+        outputs.append(out)
+        grads.append(grad_out)
+    got = torch.autograd.grad(outputs, leaves, grads)
     dx, g_h0, g_c0 = got[0], got[1], (got[2] if lstm else None)
     if rank > 0:
         first = torch.cat((g_h0, g_c0), -1) if lstm else g_h0
@@ -239,9 +272,25 @@ def _bptt(ctx, grad_out, grad_hn, grad_cn, rank, size):
 
 
 def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
-    lstm = ctx.lstm
+    """The BPPSA backward of the micro-batches one after another (module docstring), joined."""
     x, h_in, out, *rest = ctx.saved_tensors
-    c_in, weights = (rest[0], rest[1:]) if lstm else (None, rest)
+    c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
+    batch = h_in.shape[0]
+    parts = []
+    for samples in torch.arange(batch).tensor_split(min(batch, ctx.micro_batches) if size > 1 else 1):
+        s = slice(int(samples[0]), int(samples[-1]) + 1)
+        # the group's steps side by side: its walk and its GEMMs then read memory in order
+        per_step = [None if t is None else t[:, s].contiguous() for t in (x, out, grad_out)]
+        per_sample = [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn)]
+        parts.append(_bppsa_group(ctx, rank, size, weights, *per_step, *per_sample))
+    dx, g_h0, g_c0, grads = zip(*parts, strict=True)
+    g_c0 = torch.cat(g_c0) if ctx.lstm else None
+    return torch.cat(dx, 1), torch.cat(g_h0), g_c0, [sum(g[1:], g[0]) for g in zip(*grads, strict=True)]
+
+
+def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn, grad_cn):
+    """Steps 1-5 of the BPPSA backward (module docstring) for one group of samples."""
+    lstm = ctx.lstm
     config = LayerConfig(ctx.mode, options=ScanOptions())
     batch, state = h_in.shape[0], h_in.shape[1] * (1 + lstm)
     # what this rank shares: its slice as an affine element [A | b] of the gradient entering it from

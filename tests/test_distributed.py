@@ -14,7 +14,7 @@ from torch import nn
 
 from bppsa_core import GRU, LSTM, RNN
 from bppsa_core.chain import DenseChain
-from bppsa_core.distributed import SequenceParallel, SequenceParallelError
+from bppsa_core.distributed import MICRO_BATCHES, SequenceParallel, SequenceParallelError
 from bppsa_core.scan import fold, sequential_scan
 
 T, B, F, H = 11, 3, 4, 5  # steps, batch, features, hidden
@@ -60,8 +60,11 @@ def _exact(rank: int, size: int) -> None:
     slices = torch.tensor_split(torch.arange(T), size)
     mine = slice(int(slices[rank][0]), int(slices[rank][-1]) + 1)
     cases = ((RNN, {"nonlinearity": "tanh"}), (RNN, {"nonlinearity": "relu"}), (GRU, {}), (LSTM, {}))
+    # BPPSA with the batch whole, in groups of 2 + 1 samples, and one sample a group (the default)
+    runs = (("bppsa", 1), ("bppsa", 2), ("bppsa", MICRO_BATCHES), ("bptt", MICRO_BATCHES))
+    assert MICRO_BATCHES >= B
     for cls, kwargs in cases:
-        for backward in ("bppsa", "bptt"):
+        for backward, groups in runs:
             for every in (False, True):
                 torch.manual_seed(0)
                 model = cls(F, H, num_layers=2, dtype=torch.float64, **kwargs)
@@ -86,11 +89,12 @@ def _exact(rank: int, size: int) -> None:
                 ((out * c).sum() * every + (final(h_n) * d).sum()).backward()
 
                 xl, h0l = x[mine].clone().requires_grad_(), h0.clone().requires_grad_()
-                out_l, h_n_l = SequenceParallel(model, backward=backward)(xl, state(h0l))
+                parallel = SequenceParallel(model, backward=backward, micro_batches=groups)
+                out_l, h_n_l = parallel(xl, state(h0l))
                 ((out_l * c[mine]).sum() * every + (final(h_n_l) * d).sum()).backward()
                 h_n, h_n_l = final(h_n), final(h_n_l)
 
-                case = f"{cls.__name__} {kwargs} {backward} every={every} rank {rank}/{size}"
+                case = f"{cls.__name__} {kwargs} {backward} ({groups}) every={every} rank {rank}/{size}"
                 close = {"rtol": 1e-10, "atol": 1e-10, "msg": lambda m, case=case: f"{case}: {m}"}
                 torch.testing.assert_close(out_l, out[mine].detach(), **close)
                 torch.testing.assert_close(h_n_l, h_n.detach(), **close)
@@ -134,6 +138,8 @@ def test_a_split_that_does_not_add_up_is_refused_on_every_rank() -> None:
         (GRU(F, H, bidirectional=True), {}, "bidirectional layers cannot run sequence-parallel"),
         (GRU(F, H, num_layers=2, dropout=0.5), {}, "dropout 0.5 between layers is not taken"),
         (GRU(F, H), {"backward": "ring"}, "unknown backward 'ring'; accepted: bppsa, bptt"),
+        (GRU(F, H), {"micro_batches": 0}, "micro_batches 0 is not taken; accepted: a positive integer"),
+        (GRU(F, H), {"micro_batches": 2.5}, "micro_batches 2.5 is not taken; accepted: a positive integer"),
     ],
 )
 def test_modules_it_cannot_split_are_refused_at_construction(module, kwargs, message) -> None:
@@ -159,6 +165,8 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
         (s, p) for s in ("bppsa-allgather", "bptt-distributed") for p in (1, 2)
     }
     assert (rows["time"] > 0).all() and (rows["backward_s"] > 0).all()
+    assert (rows["memory_per_rank"] > 0).all()  # the forward keeps its states for the backward
+    assert "| memory vs 1 rank |" in printed
     two = rows[(rows["p"] == 2) & (rows["backward"] == "bppsa")].set_index("T")["bytes_per_rank"]
     assert two[40] == two[80] > 0  # one all-gather of B·H·(H+1) numbers, whatever T
     load_measured(tmp_path / "measured.csv")  # what analysis.strategies draws beside its model

@@ -12,8 +12,10 @@ Prints, per T and p:
 - the median forward and backward times, and the backward speedup over BPTT on the same ranks and
   over BPPSA on one rank;
 - the bytes each rank hands to the process group per iteration;
-- the peak memory each rank adds over what it held before its first iteration (resident set, so
-  an upper bound that includes the allocator's slack).
+- the peak memory per rank: the most any rank's resident set rose, within one more iteration of
+  the mode after the timed ones, above what it held when that iteration began (the ranks run with
+  malloc returning freed blocks to the system, ``experiments.bench.memory``, so that this follows
+  the live tensors: what the forward keeps for the backward and the backward's working memory).
 
 ``--out`` writes ``measured.csv`` rows (strategy ``bppsa-allgather`` / ``bptt-distributed``, p,
 time per iteration) that ``python -m analysis.strategies --measured`` draws beside its model.
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -35,15 +36,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bppsa_core.distributed import MICRO_BATCHES
+from experiments.bench import memory
 from experiments.bench.common import markdown, non_negative_int, parser, positive_int
 
 MODELS = ("rnn", "gru")
 STRATEGY = {"bppsa": "bppsa-allgather", "bptt": "bptt-distributed"}
-
-
-def _rss() -> int:
-    """This process's peak resident set so far, in bytes."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
@@ -59,30 +57,41 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
         model = cls(settings["features"], hidden)
         parts = torch.tensor_split(torch.arange(steps), size)
         x = torch.randn(len(parts[rank]), batch, settings["features"])
-        runs = {b: SequenceParallel(model, backward=b) for b in ("bppsa", "bptt")}
+        groups = settings["micro_batches"]
+        runs = {b: SequenceParallel(model, backward=b, micro_batches=groups) for b in ("bppsa", "bptt")}
         times: dict[str, dict[str, list[float]]] = {b: {"forward": [], "backward": []} for b in runs}
         sent: dict[str, int] = {}
-        before = _rss()
         for i in range(settings["warmup"] + settings["repeats"]):
             for name, run in runs.items():
                 model.zero_grad(set_to_none=True)
                 traffic.reset()
                 dist.barrier()
                 start = time.perf_counter()
-                _, h_n = run(x)
+                top, h_n = run(x)
                 dist.barrier()
                 middle = time.perf_counter()
                 h_n.sum().backward()
+                del top, h_n  # nothing of this iteration outlives it
                 dist.barrier()
                 end = time.perf_counter()
                 if i >= settings["warmup"]:
                     times[name]["forward"].append(middle - start)
                     times[name]["backward"].append(end - middle)
                     sent[name] = traffic.bytes
+        # memory: one more iteration per mode, untimed (giving malloc's free pages back costs time)
+        peak: dict[str, int | None] = {}
+        for name, run in runs.items():
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            before = memory.rss_bytes() if memory.reset_peak() else None
+            top, h_n = run(x)
+            h_n.sum().backward()
+            peak[name] = None if before is None else memory.peak_bytes() - before
+            del top, h_n
         result = {
             "times": {n: {p: statistics.median(v) for p, v in t.items()} for n, t in times.items()},
             "sent": sent,
-            "memory": _rss() - before,
+            "memory": peak,
         }
         every = [None] * size
         dist.all_gather_object(every, result)
@@ -96,7 +105,16 @@ def measure(steps: int, ranks: int, settings: dict) -> list[dict]:
     """Every rank's medians, bytes and memory for ``ranks`` processes at sequence length ``steps``."""
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
-        mp.spawn(_worker, args=(ranks, store, out, {**settings, "T": steps}), nprocs=ranks, join=True)
+        saved = {k: os.environ.get(k) for k in memory.MALLOC}
+        os.environ.update(memory.MALLOC)  # read by malloc as each spawned interpreter starts
+        try:
+            mp.spawn(_worker, args=(ranks, store, out, {**settings, "T": steps}), nprocs=ranks, join=True)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
         return json.loads(Path(out).read_text())
 
 
@@ -116,15 +134,21 @@ def rows_of(steps: int, ranks: int, per_rank: list[dict]) -> list[dict]:
                 "backward_s": backward,
                 "time": forward + backward,
                 "bytes_per_rank": max(r["sent"][name] for r in per_rank),
-                "memory_per_rank": max(r["memory"] for r in per_rank),
+                "memory_per_rank": _most(r["memory"][name] for r in per_rank),
             }
         )
     return rows
 
 
+def _most(values) -> int | None:
+    """The largest, or None where a rank could not measure (no /proc/self/clear_refs)."""
+    values = list(values)
+    return None if None in values else max(values)
+
+
 def table(rows: list[dict]) -> str:
     """The Markdown table: per T and p, both modes, with the speedups measured in the same runs."""
-    one = {(r["T"], r["backward"]): r["backward_s"] for r in rows if r["p"] == 1}
+    one = {(r["T"], r["backward"]): r for r in rows if r["p"] == 1}
     bptt = {(r["T"], r["p"]): r["backward_s"] for r in rows if r["backward"] == "bptt"}
     head = [
         "T",
@@ -136,10 +160,12 @@ def table(rows: list[dict]) -> str:
         "vs 1 rank",
         "bytes per rank",
         "peak memory per rank (MB)",
+        "memory vs 1 rank",
     ]
     body = []
     for r in rows:
         ref = one.get((r["T"], r["backward"]))
+        mem, ref_mem = r["memory_per_rank"], ref and ref["memory_per_rank"]
         body.append(
             [
                 str(r["T"]),
@@ -148,9 +174,10 @@ def table(rows: list[dict]) -> str:
                 f"{r['forward_s'] * 1e3:.1f}",
                 f"{r['backward_s'] * 1e3:.1f}",
                 f"{bptt[(r['T'], r['p'])] / r['backward_s']:.2f}×",
-                f"{ref / r['backward_s']:.2f}×" if ref else "-",
+                f"{ref['backward_s'] / r['backward_s']:.2f}×" if ref else "-",
                 f"{r['bytes_per_rank']:,}",
-                f"{r['memory_per_rank'] / 2**20:.0f}",
+                "-" if mem is None else f"{mem / 2**20:.0f}",
+                f"{mem / ref_mem:.2f}×" if mem is not None and ref_mem else "-",
             ]
         )
     return markdown(head, body)
@@ -164,6 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--H", type=positive_int, default=20, help="hidden size")
     p.add_argument("--model", choices=MODELS, default="rnn", help="the cell")
     p.add_argument("--features", type=positive_int, default=1, help="input features")
+    p.add_argument(
+        "--micro-batches",
+        type=positive_int,
+        default=MICRO_BATCHES,
+        help=f"sample groups the BPPSA backward pipelines over the ranks (default {MICRO_BATCHES})",
+    )
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed iterations per mode")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed iterations per mode (median)")
     p.add_argument("--out", help="folder for measured.csv")
@@ -173,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(
                 f"--T {steps} is shorter than {max(args.ranks)} ranks; accepted: at least one step per rank"
             )
-    settings = {k: getattr(args, k) for k in ("B", "H", "model", "features", "warmup", "repeats")}
+    keys = ("B", "H", "model", "features", "micro_batches", "warmup", "repeats")
+    settings = {k: getattr(args, k) for k in keys}
     rows = []
     for steps in args.T:
         for ranks in args.ranks:
