@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -105,16 +106,8 @@ def measure(steps: int, ranks: int, settings: dict) -> list[dict]:
     """Every rank's medians, bytes and memory for ``ranks`` processes at sequence length ``steps``."""
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
-        saved = {k: os.environ.get(k) for k in memory.MALLOC}
-        os.environ.update(memory.MALLOC)  # read by malloc as each spawned interpreter starts
-        try:
+        with mock.patch.dict(os.environ, memory.MALLOC):  # read by malloc as each spawned interpreter starts
             mp.spawn(_worker, args=(ranks, store, out, {**settings, "T": steps}), nprocs=ranks, join=True)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k)
-                else:
-                    os.environ[k] = v
         return json.loads(Path(out).read_text())
 
 
