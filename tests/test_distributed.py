@@ -112,6 +112,33 @@ def test_gradients_equal_single_process_autograd(size: int) -> None:
     _ranks(size, _exact)
 
 
+def _data_and_sequence(rank: int, size: int) -> None:
+    """Four ranks: two replicas of DistributedDataParallel, each a sequence split over two ranks."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    replica, part = divmod(rank, 2)
+    sequence_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    data_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    torch.manual_seed(0)
+    model = GRU(F, H, num_layers=2, dtype=torch.float64)
+    reference = nn.GRU(F, H, num_layers=2, dtype=torch.float64)
+    reference.load_state_dict(model.state_dict())
+    xs = torch.randn(2, T, B, F, dtype=torch.float64)  # one batch per replica
+    for x in xs:  # DDP averages the replicas' gradients
+        (reference(x)[1].pow(2).sum() / 2).backward()
+    parallel = DistributedDataParallel(
+        SequenceParallel(model, sequence_groups[replica]), process_group=data_groups[part]
+    )
+    mine = torch.tensor_split(xs[replica], 2)[part]
+    parallel(mine)[1].pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10, msg=f"rank {rank}: {name}")
+
+
+def test_sequence_parallel_composes_with_distributed_data_parallel() -> None:
+    _ranks(4, _data_and_sequence)
+
+
 def _refusals(rank: int, size: int) -> None:
     model = GRU(F, H, dtype=torch.float64)
     x = torch.randn(1 if rank == 0 else 0, B, F, dtype=torch.float64)  # one step for 2 ranks
