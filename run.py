@@ -22,9 +22,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from experiments import records, schema  # noqa: F401  (schema: registers what the config files use)
+from experiments import ranks, records, schema  # noqa: F401  (schema: registers what the config files use)
 from experiments.config import refusing_in_one_line
-from experiments.runner import run_job
+from experiments.runner import follow, run_job, say_follower
 from experiments.summary import print_summary
 
 CONF = Path(__file__).resolve().parent / "conf"
@@ -34,9 +34,18 @@ CONF = Path(__file__).resolve().parent / "conf"
 def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    outcome = run_job(cfg, run_dir)
-    line = f"{outcome.status}{': ' + outcome.error if outcome.error else ''}"
     sweeping = hc.mode == RunMode.MULTIRUN
+    launch = ranks.launched()  # torchrun's or SLURM's processes, if they started this one
+    if launch is not None and not launch.leader:  # a follower: the leader decides, writes and reports
+        outcome = follow(launch)
+        say_follower(outcome, launch)
+        if outcome.status == "interrupted":
+            sys.exit(130)
+        if not outcome.lockstep or (outcome.status in ("failed", "busy") and not sweeping):
+            sys.exit(2 if outcome.bad_input else 1)
+        return
+    outcome = run_job(cfg, run_dir, launch)
+    line = f"{outcome.status}{': ' + outcome.error if outcome.error else ''}"
     if sweeping:  # the sweep goes on; its merge reports at the end
         sweep_id = os.environ.get(records.SWEEP_ID_VARIABLE, "unknown")
         records.report_job(Path(hc.sweep.dir), sweep_id, run_dir.name, outcome.status, outcome.error)
@@ -44,6 +53,9 @@ def main(cfg: DictConfig) -> None:
     if outcome.status == "interrupted":
         print(f"run.py: {outcome.error}; {continuation(hc, run_dir, sweeping)}", file=sys.stderr)
         sys.exit(130)
+    if not outcome.lockstep:  # the ranks parted at different places: the launch is over
+        print(f"run.py: error: {outcome.error}", file=sys.stderr)
+        sys.exit(1)
     if sweeping:
         return
     if outcome.status in ("failed", "busy"):
@@ -65,7 +77,30 @@ def continuation(hc, run_dir: Path, sweeping: bool) -> str:
     return f"kept in {run_dir}: {', '.join(kept) or 'nothing yet'}; to continue: {command}"
 
 
+def follower_arguments(argv: list[str]) -> list[str]:
+    """A follower rank of torchrun writes and logs nothing: Hydra's folders go to a temporary
+    folder, removed at exit, and its logging is off (the leader logs; a follower's failure is its
+    one line on stderr)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    scratch = tempfile.mkdtemp(prefix="bppsa-follower-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    ours = ("hydra.run.dir=", "hydra.sweep.dir=", "hydra/job_logging=", "hydra/hydra_logging=")
+    kept = [a for a in argv if not a.startswith(ours)]
+    return [
+        *kept,
+        f"hydra.run.dir={scratch}/run",
+        f"hydra.sweep.dir={scratch}/sweep",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+    ]
+
+
 if __name__ == "__main__":
     os.environ[records.SWEEP_ID_VARIABLE] = uuid.uuid4().hex[:12]  # every job of a sweep reports to it
+    if ranks.launched_follower():
+        sys.argv = follower_arguments(sys.argv)
     with refusing_in_one_line("run.py", CONF):
         main()

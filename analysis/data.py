@@ -56,6 +56,7 @@ CONFIG_KEYS = (
     "batch_size",
     "hidden_size",
     "workers_used",
+    "ranks",
     "device_name",
 )
 PHASES = ("forward", "backward", "step")
@@ -157,6 +158,7 @@ def load_results(paths: Sequence[str | Path], keep_contended: bool = False) -> p
             )
     data.attrs["contended_epochs"] = dropped
     data["workers_used"] = _workers_used(data)
+    data["ranks"] = data["ranks"].fillna(1) if "ranks" in data.columns else 1  # older records: one process
     for col in CONFIG_KEYS:
         if col not in data.columns:
             data[col] = np.nan
@@ -187,7 +189,7 @@ def _bootstrap(a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> tuple[
 def comparison_columns(data: pd.DataFrame) -> list[str]:
     """The columns that must agree for a BPTT and a BPPSA run to be compared."""
     if "comparison_key" in data.columns and data["comparison_key"].notna().all():
-        return ["comparison_key", "device_name", "workers_used"]
+        return ["comparison_key", "device_name", "workers_used", "ranks"]
     skip = set(MEASUREMENTS) | set(BACKWARD_COLUMNS) | {"comparison_key"}
     return [c for c in data.columns if c not in skip]
 

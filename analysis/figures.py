@@ -4,7 +4,8 @@
 
 Figures: 7 (RNN loss vs wall-clock), 8a-f (BPPSA backward runtime, backward speedup and runtime
 breakdown against T and against B), 9 (GRU runtime breakdown, s/m/l x batch), 13 (GRU loss vs
-wall-clock for s/m/l), and the scaling figure (backward runtime against workers, per device). Each
+wall-clock for s/m/l), and the scaling figures (backward runtime against the workers of a process,
+and against ranks, the processes a sequence is split over; per device). Each
 is drawn from whatever data is present; a panel without data says so. Runtimes are medians over
 epochs of the per-iteration phase times.
 
@@ -40,7 +41,7 @@ sns.set_theme(style="whitegrid")  # every figure of the suite, fig. 10 included,
 plt.rcParams.update({"svg.hashsalt": "bppsa", "pdf.compression": 6})
 
 PHASE_COLUMNS = {p: f"{p}_per_iter_s" for p in PHASES}  # the columns load_results adds
-FIGURES = ("fig7", "fig8", "fig9", "fig13", "scaling")
+FIGURES = ("fig7", "fig8", "fig9", "fig13", "scaling", "ranks")
 METHODS = ("bptt", "bppsa")
 METHOD_LABELS = {"bptt": "BPTT", "bppsa": "BPPSA"}
 METHOD_COLOURS = {"bptt": "#4C72B0", "bppsa": "#DD8452"}
@@ -333,27 +334,56 @@ def fig13(data: pd.DataFrame) -> plt.Figure:
 
 
 def scaling(data: pd.DataFrame) -> plt.Figure:
-    """BPTT and BPPSA backward per iteration against the number of workers, per device."""
+    """BPTT and BPPSA backward per iteration against the number of workers of one process, per device."""
     rows = _pick(data, "workers").dropna(subset=["workers_used"])
+    return _backward_against(
+        rows[rows["ranks"] == 1],
+        "workers_used",
+        "workers p (CPU threads or GPU SMs)",
+        "Scaling with workers",
+        "runs at 2+ worker counts (experiment=workers)",
+    )
+
+
+def ranks(data: pd.DataFrame) -> plt.Figure:
+    """BPTT and BPPSA backward per iteration against the number of ranks (processes, each holding
+    a time slice of the sequence: the paper's p devices), per device and workers per rank."""
+    return _backward_against(
+        _pick(data, "workers"),
+        "ranks",
+        "ranks p (processes, one time slice each)",
+        "Scaling with ranks",
+        "runs at 2+ rank counts (experiment=workers hardware.ranks=1,2)",
+        per_rank=True,
+    )
+
+
+def _backward_against(
+    rows: pd.DataFrame, x: str, xlabel: str, title: str, missing: str, per_rank: bool = False
+) -> plt.Figure:
+    """Backward per iteration against ``x``: one line per method and device (and workers per rank)."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    title = "Scaling with workers"
-    if rows["workers_used"].nunique() < 2:
-        _no_data(ax, "runs at 2+ worker counts (experiment=workers)")
+    if rows[x].nunique() < 2:
+        _no_data(ax, missing)
     else:
-        med = _medians(rows, ["workers_used", "backward", "device_name"]).sort_values("workers_used")
-        for k, ((method, device), part) in enumerate(med.groupby(["backward", "device_name"], sort=True)):
+        lines = ["backward", "device_name", *(["workers_used"] if per_rank else [])]
+        med = _medians(rows, [x, *lines]).sort_values(x)
+        for k, (key, part) in enumerate(med.groupby(lines, sort=True)):
+            method, device = key[0], key[1]
+            label = f"{METHOD_LABELS.get(method, method)}, {device}"
+            label += f", {key[2]:g} per rank" if per_rank else ""
             ax.plot(
-                part["workers_used"],
+                part[x],
                 part["backward_per_iter_s"],
                 color=METHOD_COLOURS.get(method, "gray"),
                 linestyle=METHOD_STYLES.get(method, "-"),
                 marker=MARKERS[k % len(MARKERS)],
-                label=f"{METHOD_LABELS.get(method, method)}, {device}",
+                label=label,
             )
         _log_log(ax, 2)
-        ax.set_xlabel("workers p (CPU threads or GPU SMs)")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("backward per iteration (s)")
-        _legend_beside(ax, title="method, device")
+        _legend_beside(ax, title="method, device" + (", workers" if per_rank else ""))
         held = _fixed(rows, ("seq_len", "T"), ("batch_size", "B"))
         title += f" ({held})" if held else ""
     ax.set_title(title, fontsize=10)

@@ -11,6 +11,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from experiments.ranks import launched_follower
 from experiments.records import JOBS, RECORDS, SWEEP_ID_VARIABLE, ledger, merge_sweep
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,8 @@ class MergeResults(Callback):
     """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if launched_follower():  # the leader's sweep is the one that writes
+            return
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_id = os.environ.get(SWEEP_ID_VARIABLE, "")
         jobs = ledger(sweep_dir, sweep_id) if sweep_dir.is_dir() else []

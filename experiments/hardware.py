@@ -31,14 +31,23 @@ class HardwareError(ValueError):
     """A device or worker setting this machine cannot honour, said in one line."""
 
 
-def resolve_device(name: str, what: str = "hardware.device") -> torch.device:
+def resolve_device(name: str, what: str = "hardware.device", local_rank: int | None = None) -> torch.device:
     """``auto`` is cuda where available, else cpu; anything else must exist here.
 
     ``what`` names the setting in the messages (``hardware.device`` of a run, a tool's ``--device``).
+    ``local_rank``: this process's place among the ranks of a run on this machine, which each take
+    a GPU of their own (``cuda``: GPU ``local_rank``); None for a run of one process.
     """
     accepted = "auto, cpu, cuda, cuda:N"
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if local_rank is not None and name.startswith("cuda"):
+        if name != "cuda":
+            raise HardwareError(
+                f"{what} {name!r} would put every rank on one GPU; accepted with several ranks: cuda "
+                "(each rank its own GPU), auto or cpu"
+            )
+        name = f"cuda:{local_rank}"
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -95,14 +104,19 @@ class LoadMeter:
         own = sum(os.times()[:2])
         return time.perf_counter(), busy, own
 
-    def other_cores(self) -> float | None:
-        """Cores other work used on average since the meter started; None where unknown, or where
-        less than ``MIN_SECONDS`` passed (the counters tick in hundredths of a second)."""
+    def own_seconds(self) -> float:
+        """CPU seconds this process used since the meter started."""
+        return sum(os.times()[:2]) - (self._start[2] if self._start else 0.0)
+
+    def other_cores(self, ours: float = 0.0) -> float | None:
+        """Cores other work used on average since the meter started, less ``ours``, the CPU
+        seconds of this run's other processes on this machine; None where unknown, or where less
+        than ``MIN_SECONDS`` passed (the counters tick in hundredths of a second)."""
         end = self._sample()
         if self._start is None or end is None or end[0] - self._start[0] < self.MIN_SECONDS:
             return None
         wall, busy, own = (b - a for a, b in zip(self._start, end, strict=True))
-        return max(0.0, (busy - own) / wall)
+        return max(0.0, (busy - own - ours) / wall)
 
 
 def contended(other_cores: float | None, threads: int, cores: int) -> bool:

@@ -18,6 +18,7 @@ a refusal that names the keys that differ and leaves the folder as it was.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import sys
@@ -29,6 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from datasets.common import DataError, WriteError
 from experiments import records
@@ -43,6 +45,7 @@ from experiments.hardware import (
     resolve_device,
 )
 from experiments.loggers import LocalLogger, LoggerError
+from experiments.ranks import RankError, Ranks, TimeSliced, left_the_run, one_line, started
 from experiments.train import (
     PHASES,
     CheckpointError,
@@ -68,6 +71,7 @@ class Outcome:
     status: str  # completed | skipped | failed | interrupted | busy (another process works in the folder)
     error: str | None = None
     bad_input: bool = False  # refused before it trained: exit status 2
+    lockstep: bool = True  # every rank ended the job at the same place (else its process group is done)
 
 
 def backward_options(cfg: DictConfig) -> dict:
@@ -77,14 +81,20 @@ def backward_options(cfg: DictConfig) -> dict:
 
 
 def identity_columns(
-    cfg: DictConfig, config: dict, model: Classifier, data: object, x: torch.Tensor, device: dict
+    cfg: DictConfig,
+    config: dict,
+    model: Classifier,
+    data: object,
+    x: torch.Tensor,
+    device: dict,
+    ranks: int = 1,
 ) -> dict:
     """What every record row says about its run: its identity, the swept keys and the machine."""
     return {
         "name": cfg.name,
         "config_hash": records.config_hash(config),
         "comparison_key": records.comparison_key(config),
-        "model": type(model.rnn).__name__.lower(),
+        "model": type(getattr(model.rnn, "layer", model.rnn)).__name__.lower(),
         "hidden_size": cfg.model.hidden_size,
         "num_layers": cfg.model.num_layers,
         "dataset": data.name,
@@ -99,6 +109,7 @@ def identity_columns(
         "levels": cfg.backward.get("levels"),
         "lr": cfg.optimizer.lr,
         "workers": cfg.hardware.workers,
+        "ranks": ranks,
         **{
             k: device.get(k)
             for k in ("device_name", "device_type", "sm_total", "sm_used", "cpu_cores", "threads_used")
@@ -117,28 +128,33 @@ class Job:
     device: torch.device
     trainer: DictConfig
     run_dir: Path
-    logger: LocalLogger
+    logger: LocalLogger | None  # None on a follower rank, which writes nothing
     columns: dict
     progress: bool
+    ranks: Ranks
 
 
-def run_job(cfg: DictConfig, run_dir: Path) -> Outcome:
+def run_job(cfg: DictConfig, run_dir: Path, launch: Ranks | None = None) -> Outcome:
     """Run one configuration into ``run_dir``; never raises for the job's own failures.
 
     A job refused for bad input leaves the folder as it found it (a folder Hydra made for it alone
-    is removed).
+    is removed). ``launch``: the ranks torchrun or SLURM started, this process leading them
+    (``experiments.ranks``); without one, ``hardware.ranks`` > 1 starts the followers here.
     """
     run_dir = Path(run_dir)
     try:
         with records.folder_lock(run_dir):
             records.remove_stale_temporaries(run_dir)
             had_results = _holds_results(run_dir)
-            outcome = _run(cfg, run_dir)
+            outcome = _run(cfg, run_dir, launch)
             if outcome.bad_input and not had_results:
                 _remove_if_only_hydra(run_dir)
             return outcome
     except records.FolderBusyError as exc:
-        return Outcome("busy", str(exc), bad_input=True)
+        outcome = Outcome("busy", str(exc), bad_input=True)
+        if launch is not None:  # the followers wait for the leader's decision
+            launch.broadcast({"outcome": vars(outcome)})
+        return outcome
 
 
 def _holds_results(run_dir: Path) -> bool:
@@ -183,88 +199,178 @@ def _plan(cfg: DictConfig, config: dict, previous: dict | None, run_dir: Path) -
     )
 
 
-def _run(cfg: DictConfig, run_dir: Path) -> Outcome:
-    """The job, inside its folder's lock."""
+def _run(cfg: DictConfig, run_dir: Path, launch: Ranks | None) -> Outcome:
+    """The leader's job, inside its folder's lock: decide, tell the other ranks, and work."""
     previous = records.read_json(run_dir / records.SUMMARY)
+    outcome: Outcome | None = None
     try:
         check(cfg)
         config = OmegaConf.to_container(cfg, resolve=True)
+        size = rank_count(cfg, launch)
+        config["hardware"]["ranks"] = size if size > 1 else None  # one process: null, as ever
         plan = _plan(cfg, config, previous, run_dir)
     except OmegaConfBaseException as exc:  # an interpolation that does not resolve
         where = f"{exc.full_key}: " if getattr(exc, "full_key", None) else ""
-        return Outcome("failed", f"{where}{str(exc).strip().splitlines()[0]}", bad_input=True)
-    except ConfigError as exc:
-        return Outcome("failed", str(exc), bad_input=True)
-    if plan == "skip":
-        log.info("skipping %s: already completed with the same configuration", run_dir)
-        return Outcome("skipped")
+        outcome = Outcome("failed", f"{where}{str(exc).strip().splitlines()[0]}", bad_input=True)
+    except (ConfigError, HardwareError) as exc:
+        outcome = Outcome("failed", str(exc), bad_input=True)
+    else:
+        if plan == "skip":
+            log.info("skipping %s: already completed with the same configuration", run_dir)
+            outcome = Outcome("skipped")
+    if outcome is not None:
+        if launch is not None:  # the followers learn that there is nothing to do
+            launch.broadcast({"outcome": vars(outcome)})
+        return outcome
+    if launch is not None:
+        joined = contextlib.nullcontext(launch)
+    elif size > 1:  # the followers start here, one process each
+        joined = started(size, follow_started)
+    else:
+        joined = contextlib.nullcontext(Ranks())
+    with joined as ranks:
+        ranks.broadcast({"config": config})
+        return _work(cfg, config, plan, run_dir, ranks)
 
+
+def follow(ranks: Ranks) -> Outcome:
+    """A follower rank's share of a job (``experiments.ranks``): the leader's decision and
+    configuration, then the same work in lockstep, writing nothing."""
+    verdict = ranks.broadcast()
+    if "outcome" in verdict:
+        return Outcome(**verdict["outcome"])
+    return _work(OmegaConf.create(verdict["config"]), verdict["config"], None, None, ranks)
+
+
+def follow_started(ranks: Ranks) -> None:
+    """A follower process that ``run_job`` started: its share of the job, and its failure in one line."""
+    say_follower(follow(ranks), ranks)
+
+
+def say_follower(outcome: Outcome, ranks: Ranks) -> None:
+    """A follower's failure, in one line on stderr (the leader says its own)."""
+    if outcome.status in ("failed", "busy"):
+        print(f"run.py (rank {ranks.rank} of {ranks.size}): error: {outcome.error}", file=sys.stderr)
+
+
+def rank_count(cfg: DictConfig, launch: Ranks | None) -> int:
+    """How many ranks the job runs on: the launch's, or ``hardware.ranks``; refused, in one line,
+    where they disagree or where the configuration cannot be split over ranks."""
+    asked = cfg.hardware.get("ranks")
+    if launch is not None and asked not in (None, launch.size):
+        raise HardwareError(
+            f"hardware.ranks={asked}, but this run was launched on {launch.size} processes; accepted: "
+            f"{launch.size} or null"
+        )
+    size = launch.size if launch is not None else asked or 1
+    if size > 1:
+        options = {k: v for k, v in cfg.backward.items() if k != "mode"}
+        fixed = {k: v for k, v in options.items() if v not in (None, "auto")}
+        if fixed:
+            key, value = next(iter(fixed.items()))
+            raise ConfigError(
+                f"backward.{key}={value} is not taken on {size} ranks (each rank runs the backward of "
+                f"its slice as bppsa_core.distributed chooses); accepted: backward.{key}="
+                f"{'auto' if key == 'strategy' else 'null'}, or hardware.ranks=1"
+            )
+        solver = cfg.model.get("forward_solver", "native")
+        if solver != "native":
+            raise ConfigError(
+                f"model.forward_solver={solver} is not taken on {size} ranks (each rank runs the native "
+                "forward of its slice); accepted: model.forward_solver=native, or hardware.ranks=1"
+            )
+    return size
+
+
+def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None, ranks: Ranks) -> Outcome:
+    """Build, train and record one job on every rank; only the leader (``run_dir``) writes.
+    Never raises for the job's own failures."""
+    lead = ranks.leader
     summary = {
         "config": config,
         "config_hash": records.config_hash(config),
-        "git": records.git_info(REPO),
+        "git": records.git_info(REPO) if lead else None,
         "versions": records.versions(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "status": "running",
         "error": None,
     }
     logger: LocalLogger | None = None
-    started = False
+    started_run = False
     outcome = Outcome("failed")
     state = TrainState()
     try:
-        device = resolve_device(cfg.hardware.device)
+        device = resolve_device(cfg.hardware.device, local_rank=ranks.local_rank if ranks.size > 1 else None)
         check_strategy(cfg.backward.mode, cfg.backward.get("strategy", "auto"), device)
         torch.manual_seed(cfg.trainer.seed)
         with limit_workers(device, cfg.hardware.workers) as used:
             summary["device"] = info = describe(device, used)
-            data = build(cfg.dataset)
+            data = ranks.together((lambda: build(cfg.dataset)) if lead else None, BAD_INPUT)
+            if ranks.size > 1:  # the followers build theirs after the leader, from any cache it wrote
+                data = ranks.together(None if lead else (lambda: build(cfg.dataset)), BAD_INPUT) or data
             train, test = data.loaders(cfg.trainer.batch_size, cfg.hardware.data_workers)
             x0, _ = next(iter(test if len(test.dataset) else train))
             layer = build(cfg.model, input_size=x0.shape[-1], batch_first=True, **backward_options(cfg))
+            if ranks.size > 1:
+                layer = _sliced(layer, x0.shape[1], cfg.backward.mode, ranks)
             model = Classifier(layer, data.classes).to(device)
             optimizer = build(cfg.optimizer, params=model.parameters())
             rows: list[dict] = []
-            if plan == "resume":
-                state, rows = load_checkpoint(run_dir / records.CHECKPOINT, model, optimizer)
-                if state.epoch > cfg.trainer.epochs:
-                    raise ConfigError(
-                        f"trainer.epochs={cfg.trainer.epochs} is below the {state.epoch} epochs the run in "
-                        f"{run_dir} already finished; accepted: {state.epoch} or more"
-                    )
-                log.info("resuming %s after epoch %d", run_dir, state.epoch)
-                records.write_table(
-                    run_dir / records.RECORDS, rows
-                )  # what it holds, should the table be lost
-            columns = identity_columns(cfg, config, model, data, x0, info)
-            logger = build(cfg.logger, run_dir=run_dir, group=cfg.name, name=run_dir.name, config=config)
-            started = True
-            records.write_json(run_dir / records.SUMMARY, summary)
+            resumed = ranks.together(
+                (lambda: _resume(cfg, run_dir, model, optimizer)) if plan == "resume" else None, BAD_INPUT
+            )
+            if resumed:
+                state, rows = resumed
+            if ranks.size > 1:  # every rank starts from the leader's weights, optimizer and counters
+                shared = ranks.broadcast(
+                    {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "state": vars(state)}
+                    if lead
+                    else None
+                )
+                if not lead:
+                    model.load_state_dict(shared["model"])
+                    optimizer.load_state_dict(shared["optimizer"])
+                    state = TrainState(**shared["state"])
+            columns = identity_columns(cfg, config, model, data, x0, info, ranks.size)
+            logger = ranks.together(
+                (lambda: _begin(cfg, config, run_dir, summary)) if lead else None, BAD_INPUT
+            )
+            started_run = True
             progress = sys.stderr.isatty() if cfg.hardware.progress == "auto" else bool(cfg.hardware.progress)
-            job = Job(model, optimizer, train, test, device, cfg.trainer, run_dir, logger, columns, progress)
+            progress = progress and lead
+            job = Job(
+                model, optimizer, train, test, device, cfg.trainer, run_dir, logger, columns, progress, ranks
+            )
             _train(job, state, rows)
         summary.update(status="completed", totals=_totals(rows))
         outcome = Outcome("completed")
     except BAD_INPUT as exc:
         summary.update(status="failed", error=str(exc))
-        outcome = Outcome("failed", str(exc), bad_input=not started)
+        outcome = Outcome("failed", str(exc), bad_input=not started_run)
+    except RankError as exc:  # agreed by every rank
+        summary.update(status="failed", error=str(exc))
+        outcome = Outcome("failed", str(exc), bad_input=exc.bad_input and not started_run)
     except KeyboardInterrupt:  # Ctrl-C: the finished epochs are kept, and the caller says how to go on
         summary.update(status="interrupted")
         outcome = Outcome("interrupted", f"interrupted after epoch {state.epoch} of {cfg.trainer.epochs}")
     except Exception as exc:  # record any failure; the sweep goes on
-        if not isinstance(exc, NonFiniteLossError | WriteError):
+        left = left_the_run(exc, ranks)
+        if not isinstance(exc, NonFiniteLossError | WriteError) and left is None:
             log.exception("run failed")
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        summary.update(
-            status="failed",
-            error=message if isinstance(exc, WriteError) else f"{type(exc).__name__}: {message}",
-        )
-        outcome = Outcome("failed", summary["error"])
+        message = one_line(exc)
+        if left is not None:
+            message = str(left)
+        elif not isinstance(exc, WriteError):
+            message = f"{type(exc).__name__}: {message}"
+        summary.update(status="failed", error=message)
+        # a loss that is not finite is the same on every rank; after any other failure the ranks
+        # may be at different places, so the process group is done with
+        outcome = Outcome("failed", message, lockstep=ranks.size == 1 or isinstance(exc, NonFiniteLossError))
     finally:
         summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         if logger is not None:
             logger.finish(failed=summary["status"] != "completed")
-        if started:
+        if started_run and lead:
             try:
                 records.write_json(run_dir / records.SUMMARY, summary)
             except WriteError as exc:
@@ -272,10 +378,38 @@ def _run(cfg: DictConfig, run_dir: Path) -> Outcome:
     return outcome
 
 
+def _sliced(layer: torch.nn.RNNBase, steps: int, backward: str, ranks: Ranks) -> TimeSliced:
+    """The layer run sequence-parallel; a sequence shorter than the ranks is refused."""
+    if steps < ranks.size:
+        raise ConfigError(
+            f"a sequence of {steps} steps cannot be split over {ranks.size} ranks; accepted: "
+            f"hardware.ranks of at most {steps}, or longer sequences"
+        )
+    return TimeSliced(layer, ranks, backward)
+
+
+def _resume(cfg: DictConfig, run_dir: Path, model: Classifier, optimizer) -> tuple[TrainState, list[dict]]:
+    """The state and records of the run in ``run_dir``, loaded into the model and optimizer."""
+    state, rows = load_checkpoint(run_dir / records.CHECKPOINT, model, optimizer)
+    if state.epoch > cfg.trainer.epochs:
+        raise ConfigError(
+            f"trainer.epochs={cfg.trainer.epochs} is below the {state.epoch} epochs the run in "
+            f"{run_dir} already finished; accepted: {state.epoch} or more"
+        )
+    log.info("resuming %s after epoch %d", run_dir, state.epoch)
+    records.write_table(run_dir / records.RECORDS, rows)  # what it holds, should the table be lost
+    return state, rows
+
+
+def _begin(cfg: DictConfig, config: dict, run_dir: Path, summary: dict) -> LocalLogger:
+    """The run's logger, and its summary written as running."""
+    logger = build(cfg.logger, run_dir=run_dir, group=cfg.name, name=run_dir.name, config=config)
+    records.write_json(run_dir / records.SUMMARY, summary)
+    return logger
+
+
 def _train(job: Job, state: TrainState, rows: list[dict]) -> None:
     """The epoch loop: train, evaluate, then record and checkpoint the epoch; one line per epoch."""
-    from tqdm import tqdm
-
     trainer = job.trainer
     if state.epoch == 0 and state.initial_loss is None:  # the loss curves' t = 0 (not timed)
         job.train.generator.manual_seed(trainer.seed * 1_000_003)
@@ -286,7 +420,9 @@ def _train(job: Job, state: TrainState, rows: list[dict]) -> None:
             trainer.warmup_iters,
             len(job.train),
         )
-    threads, cores = job.columns.get("threads_used"), job.columns.get("cpu_cores")
+    # the other ranks on this machine are this run's work, not other work
+    threads = (job.columns.get("threads_used") or 0) * job.ranks.local_size
+    cores = job.columns.get("cpu_cores")
     for epoch in tqdm(
         range(state.epoch, trainer.epochs), desc="epochs", disable=not job.progress, file=sys.stderr
     ):
@@ -295,26 +431,32 @@ def _train(job: Job, state: TrainState, rows: list[dict]) -> None:
         row = train_epoch(
             job.model, job.optimizer, job.train, job.device, state, trainer.warmup_iters, job.progress
         )
-        row["other_load"] = meter.other_cores()
+        row["other_load"] = meter.other_cores(job.ranks.siblings_seconds(meter.own_seconds()))
         row["contended"] = bool(threads and cores and contended(row["other_load"], threads, cores))
         row["initial_loss"] = state.initial_loss
         if trainer.eval and len(job.test.dataset):
             row["test_loss"], row["test_accuracy"] = evaluate(job.model, job.test, job.device)
         state.epoch = epoch + 1
         rows.append({**job.columns, **row})
-        records.write_table(job.run_dir / records.RECORDS, rows)
-        save_checkpoint(job.run_dir / records.CHECKPOINT, job.model, job.optimizer, state, rows)
-        job.logger.log(row)
-        tqdm.write(epoch_line(row, trainer.epochs, trainer.warmup_iters), file=sys.stdout)
-        if row["contended"]:
-            log.warning(
-                "epoch %d: other work kept %.1f of the %d cores busy while this run used %d threads; "
-                "its timings are suspect (analysis leaves such epochs out)",
-                row["epoch"],
-                row["other_load"],
-                cores,
-                threads,
-            )
+        job.ranks.together((lambda: _record(job, state, rows)) if job.ranks.leader else None)
+
+
+def _record(job: Job, state: TrainState, rows: list[dict]) -> None:
+    """The leader's work after an epoch: its records, checkpoint, log and line."""
+    row = rows[-1]
+    records.write_table(job.run_dir / records.RECORDS, rows)
+    save_checkpoint(job.run_dir / records.CHECKPOINT, job.model, job.optimizer, state, rows)
+    job.logger.log(row)
+    tqdm.write(epoch_line(row, job.trainer.epochs, job.trainer.warmup_iters), file=sys.stdout)
+    if row["contended"]:
+        log.warning(
+            "epoch %d: other work kept %.1f of the %d cores busy while this run's ranks used %d threads; "
+            "its timings are suspect (analysis leaves such epochs out)",
+            row["epoch"],
+            row["other_load"],
+            job.columns.get("cpu_cores"),
+            job.columns.get("threads_used") * job.ranks.local_size,
+        )
 
 
 def epoch_line(row: dict, epochs: int, warmup_iters: int) -> str:

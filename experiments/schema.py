@@ -200,6 +200,7 @@ class LocalLogger:
 class Hardware:
     device: str = checked(Rule(NON_EMPTY.ok, "auto, cpu, cuda or cuda:N"))
     workers: int | None = checked(or_null(POSITIVE_INT))
+    ranks: int | None = checked(or_null(POSITIVE_INT))
     data_workers: int = checked(NON_NEGATIVE_INT)
     progress: Any = checked(one_of("auto", True, False))
 

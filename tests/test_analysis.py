@@ -164,6 +164,31 @@ def test_scaling_figure_plots_backward_time_against_workers(tmp_path: Path) -> N
     plt.close(fig)
 
 
+def test_the_ranks_figure_plots_backward_time_against_ranks_and_the_workers_figure_one_rank(
+    tmp_path: Path,
+) -> None:
+    table = []
+    for ranks in (1, 2):
+        for mode, t in (("bptt", 1.0), ("bppsa", 0.6 / ranks)):
+            table += [
+                {**r, "threads_used": 1, "ranks": ranks, "run": f"{mode}-{ranks}"}
+                for r in rows(mode, 1000, 16, "CPU", 1.0, t)
+            ]
+    data = load_results_from(table, tmp_path)
+    fig = figures.ranks(data)
+    ax = fig.axes[0]
+    assert ax.get_xlabel().startswith("ranks p") and tick_labels(ax.xaxis) == ["1", "2"]
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    assert sorted(lines) == ["BPPSA, CPU, 1 per rank", "BPTT, CPU, 1 per rank"]
+    one, two = lines["BPPSA, CPU, 1 per rank"]
+    assert one / two == pytest.approx(2) and one < lines["BPTT, CPU, 1 per rank"][0]
+    assert ax.get_title() == "Scaling with ranks (T = 1000, B = 16)"
+    plt.close(fig)
+    fig = figures.scaling(data)  # every run has one worker per rank: no workers curve
+    assert "runs at 2+ worker counts" in fig.axes[0].texts[0].get_text()
+    plt.close(fig)
+
+
 @pytest.mark.parametrize(
     ("setup", "message"),
     [
