@@ -337,7 +337,7 @@ def scaling(data: pd.DataFrame) -> plt.Figure:
     """BPTT and BPPSA backward per iteration against the number of workers of one process, per device."""
     rows = _pick(data, "workers").dropna(subset=["workers_used"])
     return _backward_against(
-        rows[rows["ranks"] == 1],
+        _sweep(rows[rows["ranks"] == 1], "workers_used", "seq_len"),
         "workers_used",
         "workers p (CPU threads or GPU SMs)",
         "Scaling with workers",
@@ -349,7 +349,7 @@ def ranks(data: pd.DataFrame) -> plt.Figure:
     """BPTT and BPPSA backward per iteration against the number of ranks (processes, each holding
     a time slice of the sequence: the paper's p devices), per device and workers per rank."""
     return _backward_against(
-        _pick(data, "workers"),
+        _sweep(_pick(data, "workers"), "ranks", "seq_len"),
         "ranks",
         "ranks p (processes, one time slice each)",
         "Scaling with ranks",

@@ -24,8 +24,8 @@ def speedup_markdown(table: pd.DataFrame) -> str:
     """The speedup table as Markdown: one row per configuration and device."""
     if table.empty:
         return "_No configuration has both a BPTT and a BPPSA run yet._"
-    head = ["model", "dataset", "frames", "T", "B", "device", "BPPSA", "overall speedup", "backward speedup"]
-    head.append("epochs")
+    head = ["model", "dataset", "frames", "T", "B", "device (ranks)", "BPPSA"]
+    head += ["overall speedup", "backward speedup", "epochs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table.itertuples():
         frames = r.frames if isinstance(r.frames, str) else "-"
@@ -35,7 +35,7 @@ def speedup_markdown(table: pd.DataFrame) -> str:
             frames,
             str(int(r.seq_len)),
             str(int(r.batch_size)),
-            str(r.device_name),
+            str(r.device_name) + (f", {int(r.ranks)} ranks" if getattr(r, "ranks", 1) > 1 else ""),
             _variant(r),
             _speedup_cell(r, "overall"),
             _speedup_cell(r, "backward"),

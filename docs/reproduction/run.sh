@@ -7,7 +7,7 @@
 #   bash docs/reproduction/run.sh --draw           # only draw, from the committed tables
 #   bash docs/reproduction/run.sh --device cuda    # the same runs on a GPU, into docs/reproduction/cuda/
 #
-# Runs go to results/reproduction[-<device>]/<preset>/; a sweep re-run skips its completed jobs, so
+# Runs go to results/reproduction[-<device>]/<table>/; a sweep re-run skips its completed jobs, so
 # an interrupted script continues where it stopped (delete that folder to measure anew).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -31,18 +31,18 @@ if [[ "$device" != cpu ]]; then
 fi
 mkdir -p "$tables"
 
-sweep() {  # sweep <preset> <overrides...>: run the preset shrunk, copy its merged table
-    local preset=$1; shift
+sweep() {  # sweep <table> <preset> <overrides...>: run the preset shrunk, copy its merged table
+    local table=$1 preset=$2; shift 2
     mkdir -p "$work"
-    echo "== $preset (log: $work/$preset.log)"
+    echo "== $table (log: $work/$table.log)"
     if ! "$py" run.py -m "experiment=$preset" "$@" logger=csv "hardware.device=$device" \
-        "hydra.sweep.dir=$work/$preset" > "$work/$preset.log" 2>&1; then
-        tail -n 5 "$work/$preset.log" >&2
-        echo "run.sh: $preset did not complete; see $work/$preset.log" >&2
+        "hydra.sweep.dir=$work/$table" > "$work/$table.log" 2>&1; then
+        tail -n 5 "$work/$table.log" >&2
+        echo "run.sh: $table did not complete; see $work/$table.log" >&2
         exit 1
     fi
-    grep -E "^sweep " "$work/$preset.log"
-    cp "$work/$preset/records.csv" "$tables/$preset.csv"
+    grep -E "^sweep " "$work/$table.log"
+    cp "$work/$table/records.csv" "$tables/$table.csv"
 }
 
 if [[ $draw_only == 0 ]]; then
@@ -50,17 +50,20 @@ if [[ $draw_only == 0 ]]; then
     [[ -d $irmas ]] || "$py" -m datasets.synthetic_irmas --out "$irmas" --per-class 40
     gru=(dataset.root="$irmas" dataset.cache_dir="$work/irmas-cache" trainer.warmup_iters=2)
     # fig. 8 a, c, e: T = 10 ... 30,000 at B = 16
-    sweep rnn_seq_len dataset.num_samples=400 trainer.epochs=3
+    sweep rnn_seq_len rnn_seq_len dataset.num_samples=400 trainer.epochs=3
     # fig. 8 b, d, f: B = 2 ... 256 at T = 1000
-    sweep rnn_batch dataset.num_samples=800 trainer.epochs=3
+    sweep rnn_batch rnn_batch dataset.num_samples=800 trainer.epochs=3
     # fig. 7: loss against wall-clock, T = 1000, B = 16
-    sweep rnn_curve dataset.num_samples=2000 trainer.epochs=20
+    sweep rnn_curve rnn_curve dataset.num_samples=2000 trainer.epochs=20
     # worker scaling: threads 1 and 2 (the machine's cores)
-    sweep workers dataset.num_samples=800 trainer.epochs=3
+    sweep workers workers dataset.num_samples=800 trainer.epochs=3
+    # the paper's p devices: the sequence split over 1 and 2 processes of one thread, T = 100,000
+    sweep ranks workers hardware.ranks=1,2 hardware.workers=1 dataset.seq_len=100000 \
+        dataset.num_samples=100 trainer.epochs=3 trainer.warmup_iters=1
     # fig. 9: GRU breakdown, s / m / l x B = 16, 32, 64, on synthetic clips of IRMAS's shape
-    sweep gru_irmas "${gru[@]}" trainer.epochs=3
+    sweep gru_irmas gru_irmas "${gru[@]}" trainer.epochs=3
     # fig. 13: GRU loss against wall-clock, s / m / l, B = 16
-    sweep gru_curves "${gru[@]}" trainer.epochs=15
+    sweep gru_curves gru_curves "${gru[@]}" trainer.epochs=15
     if [[ "$device" == cpu ]]; then
         # fig. 10: the pruned VGG-11 study at a quarter of the width; Table 1: CSR against autograd
         "$py" -m experiments.bench.pruned_vgg --out "$work/pruned_vgg" --width 0.25 --steps 50 > /dev/null
@@ -70,7 +73,7 @@ if [[ $draw_only == 0 ]]; then
     fi
 fi
 
-"$py" -m analysis.report "$tables"/rnn_*.csv "$tables"/workers.csv "$tables"/gru_*.csv --out "$tables" > /dev/null
+"$py" -m analysis.report "$tables"/rnn_*.csv "$tables"/workers.csv "$tables"/ranks.csv "$tables"/gru_*.csv --out "$tables" > /dev/null
 if [[ "$device" == cpu ]]; then
     "$py" -m analysis.fig10 "$here/fig10_products.csv" --out "$here" > /dev/null
 fi
