@@ -32,8 +32,10 @@ steps above run group after group: while the other ranks finish group j (steps 4
 rank and the middle ranks already work on group j + 1 (steps 1-2). That is a pipeline over the
 groups: the backward takes about (m + 1) / m of one rank's share of the work for m groups, instead
 of twice it with two ranks, where the first rank would wait for the last rank's whole backward.
-Bytes exchanged are the same; the dependent steps are m all-gathers instead of one. On one rank
-there is nothing to overlap and the batch stays whole.
+Bytes exchanged are the same; the dependent steps are m all-gathers instead of one. The last rank
+needs nothing back from the all-gathers, so it starts them without waiting (``async_op``) and runs
+its groups back to back; a slower group on another rank does not hold it up. On one rank there is
+nothing to overlap and the batch stays whole.
 
 **Backward, distributed BPTT** (``backward="bptt"``, the baseline): the gradient travels back rank
 by rank: each rank waits for the gradient of its last state from rank r + 1, runs autograd over its
@@ -278,20 +280,24 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     x, h_in, out, *rest = ctx.saved_tensors
     c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
     batch = h_in.shape[0]
-    parts = []
+    parts, pending = [], []
     for samples in torch.arange(batch).tensor_split(min(batch, ctx.micro_batches) if size > 1 else 1):
         s = slice(int(samples[0]), int(samples[-1]) + 1)
         # the group's steps side by side: its walk and its GEMMs then read memory in order
         per_step = [None if t is None else t[:, s].contiguous() for t in (x, out, grad_out)]
         per_sample = [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn)]
-        parts.append(_bppsa_group(ctx, rank, size, weights, *per_step, *per_sample))
+        parts.append(_bppsa_group(ctx, rank, size, weights, *per_step, *per_sample, pending))
+    for work, _buffers in pending:
+        work.wait()
     dx, g_h0, g_c0, grads = zip(*parts, strict=True)
     g_c0 = torch.cat(g_c0) if ctx.lstm else None
     return torch.cat(dx, 1), torch.cat(g_h0), g_c0, [sum(g[1:], g[0]) for g in zip(*grads, strict=True)]
 
 
-def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn, grad_cn):
-    """Steps 1-5 of the BPPSA backward (module docstring) for one group of samples."""
+def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn, grad_cn, pending):
+    """Steps 1-5 of the BPPSA backward (module docstring) for one group of samples. The last rank
+    needs nothing back from the all-gather, so it does not wait for it: it goes on to the next
+    group, and its all-gathers (``pending``) complete while it works."""
     lstm = ctx.lstm
     config = LayerConfig(ctx.mode, options=ScanOptions())
     batch, state = h_in.shape[0], h_in.shape[1] * (1 + lstm)
@@ -307,7 +313,9 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
     every = [share]
     if size > 1:
         every = [torch.empty_like(share) for _ in range(size)]
-        dist.all_gather(every, traffic.add(share), group=ctx.group)
+        work = dist.all_gather(every, traffic.add(share), group=ctx.group, async_op=done is not None)
+        if done is not None:
+            pending.append((work, every))  # the buffers live until the all-gather completes
     if done is None:
         v = every[-1][..., state]  # the gradient of the last rank's first state
         for q in range(size - 2, rank, -1):  # through the slices between, right to left
