@@ -17,7 +17,7 @@ Everything ``torch.nn`` takes is taken: stacked layers, ``bidirectional=True`` (
 is the same layer run over each sequence reversed within its length), dropout between layers in
 training (read from ``self.dropout`` at every call), ``PackedSequence`` input (steps past a
 sequence's end are identity elements of the chain), unbatched input, any sequence length (the
-forward runs in segments of at most ``segment`` steps; cuDNN refuses more than 65,535), double
+forward runs in segments of at most ``segment`` steps, default ``layer.SEGMENT``), double
 backward, forward-mode AD, ``torch.func`` transforms, ``torch.compile`` and ``torch.jit.trace``.
 
 ``forward_solver="newton"`` (or ``"quasi-newton"``) solves each layer's forward parallel in time by
@@ -37,7 +37,7 @@ from torch.nn.functional import dropout
 from torch.nn.utils.rnn import PackedSequence
 
 from bppsa_core.dispatch import ScanOptions
-from bppsa_core.layer import MAX_SEGMENT, LayerConfig, layer
+from bppsa_core.layer import SEGMENT, LayerConfig, layer
 from bppsa_core.newton import DEFAULT_MAX_ITERS, SolverOptions, SolveStats
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
@@ -59,7 +59,7 @@ class _BPPSAMixin:
         strategy: str = "auto",
         chunk: int | None = None,
         levels: int | None = None,
-        segment: int = MAX_SEGMENT,
+        segment: int = SEGMENT,
         forward_solver: str = "native",
         newton_tol: float | None = None,
         newton_iters: int = DEFAULT_MAX_ITERS,
@@ -216,7 +216,7 @@ class _BPPSAMixin:
         s = super().extra_repr() + f", backward={self.backward_mode!r}"
         if self.backward_mode == "bppsa":
             s += f", strategy={self.strategy!r}, chunk={self.chunk}, levels={self.levels}"
-            if self.segment != MAX_SEGMENT:
+            if self.segment != SEGMENT:
                 s += f", segment={self.segment}"
             if self.forward_solver != "native":
                 s += f", forward_solver={self.forward_solver!r}"

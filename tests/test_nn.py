@@ -246,7 +246,7 @@ def test_the_forward_in_segments_gives_the_same_results(kind: str, segment: int)
         check(kind, 9, 3, 2, 4, lengths=lengths, num_layers=2, bidirectional=True, segment=segment)
 
 
-def test_a_sequence_longer_than_cudnn_takes_runs_in_segments(monkeypatch) -> None:
+def test_a_sequence_longer_than_a_segment_runs_in_segments(monkeypatch) -> None:
     from bppsa_core import layer
 
     calls = []
@@ -258,5 +258,5 @@ def test_a_sequence_longer_than_cudnn_takes_runs_in_segments(monkeypatch) -> Non
 
     monkeypatch.setattr(layer, "_native_call", counted)
     rnn = bnn.GRU(1, 2)
-    out, _ = rnn(torch.randn(layer.MAX_SEGMENT + 5, 1, 1))
-    assert calls == [layer.MAX_SEGMENT, 5] and out.shape == (layer.MAX_SEGMENT + 5, 1, 2)
+    out, _ = rnn(torch.randn(2 * layer.SEGMENT + 5, 1, 1))
+    assert calls == [layer.SEGMENT, layer.SEGMENT, 5] and out.shape == (2 * layer.SEGMENT + 5, 1, 2)

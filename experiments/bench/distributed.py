@@ -12,8 +12,9 @@ Prints, per T and p:
 - the median forward and backward times, and the backward speedup over BPTT on the same ranks and
   over BPPSA on one rank;
 - the bytes each rank hands to the process group per iteration;
-- the peak memory per rank: the most any rank's resident set rose, within one more iteration of
-  the mode after the timed ones, above what it held when that iteration began (the ranks run with
+- the peak memory per rank: the most any rank's resident set rose, within one untimed iteration
+  of the mode before the timed ones (BPPSA's first, each after one iteration of its own), above
+  what it held when that iteration began (the ranks run with
   malloc returning freed blocks to the system, ``experiments.bench.memory``, so that this follows
   the live tensors: what the forward keeps for the backward and the backward's working memory).
 
@@ -60,6 +61,20 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
         x = torch.randn(len(parts[rank]), batch, settings["features"])
         groups = settings["micro_batches"]
         runs = {b: SequenceParallel(model, backward=b, micro_batches=groups) for b in ("bppsa", "bptt")}
+        # memory first, each mode after one iteration of its own: BPTT's many small tensors leave
+        # the heap in a state that makes a later BPPSA iteration's resident set grow by more than
+        # it allocates (two ranks: 105 MB measured first, 150-185 MB after a BPTT iteration)
+        peak: dict[str, int | None] = {}
+        for name, run in runs.items():
+            for measured in (False, True):
+                model.zero_grad(set_to_none=True)
+                dist.barrier()
+                before = memory.rss_bytes() if measured and memory.reset_peak() else None
+                top, h_n = run(x)
+                h_n.sum().backward()
+                if measured:
+                    peak[name] = None if before is None else memory.peak_bytes() - before
+                del top, h_n
         times: dict[str, dict[str, list[float]]] = {b: {"forward": [], "backward": []} for b in runs}
         sent: dict[str, int] = {}
         for i in range(settings["warmup"] + settings["repeats"]):
@@ -79,16 +94,6 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
                     times[name]["forward"].append(middle - start)
                     times[name]["backward"].append(end - middle)
                     sent[name] = traffic.bytes
-        # memory: one more iteration per mode, untimed (giving malloc's free pages back costs time)
-        peak: dict[str, int | None] = {}
-        for name, run in runs.items():
-            model.zero_grad(set_to_none=True)
-            dist.barrier()
-            before = memory.rss_bytes() if memory.reset_peak() else None
-            top, h_n = run(x)
-            h_n.sum().backward()
-            peak[name] = None if before is None else memory.peak_bytes() - before
-            del top, h_n
         result = {
             "times": {n: {p: statistics.median(v) for p, v in t.items()} for n, t in times.items()},
             "sent": sent,
