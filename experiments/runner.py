@@ -307,7 +307,8 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
             summary["device"] = info = describe(device, used)
             data = ranks.together((lambda: build(cfg.dataset)) if lead else None, BAD_INPUT)
             if ranks.size > 1:  # the followers build theirs after the leader, from any cache it wrote
-                data = ranks.together(None if lead else (lambda: build(cfg.dataset)), BAD_INPUT) or data
+                built = ranks.together(None if lead else (lambda: build(cfg.dataset)), BAD_INPUT)
+                data = data if lead else built
             train, test = data.loaders(cfg.trainer.batch_size, cfg.hardware.data_workers)
             x0, _ = next(iter(test if len(test.dataset) else train))
             layer = build(cfg.model, input_size=x0.shape[-1], batch_first=True, **backward_options(cfg))
