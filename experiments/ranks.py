@@ -16,8 +16,8 @@ and write nothing. Where one rank alone may fail (the leader's decision, buildin
 an epoch's records), the ranks agree (``Ranks.together``), so the failure ends the job on every rank
 in one line. A rank that dies makes the others' next collective fail, which each reports in one line.
 
-Every rank loads whole batches (B, T, I) and keeps its own time slice (``TimeSliced``): simple, and
-the data of the paper's models is small beside the forward's saved states.
+Every rank loads whole batches (B, T, I) and keeps its own time slice (``experiments.train.Classifier``):
+simple, and the data of the paper's models is small beside the forward's saved states.
 """
 
 from __future__ import annotations
@@ -34,9 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import Tensor, nn
-
-from bppsa_core.distributed import SequenceParallel
 
 # How long a rank waits in a collective for the others (building IRMAS's features on the leader
 # while the others wait takes minutes on the first run).
@@ -206,28 +203,3 @@ def _follow(follower: Callable[[Ranks], Any], ranks: Ranks, store: str) -> None:
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-
-
-class TimeSliced(nn.Module):
-    """A recurrent layer run sequence-parallel over the ranks, taking whole batches.
-
-    ``forward(x)`` takes (B, T, I), keeps this rank's contiguous time slice (``torch.tensor_split``'s
-    split of T) and returns that slice's outputs and the final states, which are the same on every
-    rank: so a loss on ``h_n`` is the same on every rank, and counted once in the gradients.
-    """
-
-    def __init__(self, layer: nn.RNNBase, ranks: Ranks, backward: str) -> None:
-        super().__init__()
-        if not layer.batch_first:
-            raise ValueError("TimeSliced takes batch-first layers (B, T, I)")
-        self.parallel = SequenceParallel(layer, backward=backward)
-        self.ranks = ranks
-        self.hidden_size = layer.hidden_size
-        self.solver_stats: list = []  # the native forward runs no Newton solves
-
-    @property
-    def layer(self) -> nn.RNNBase:
-        return self.parallel.module
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Any]:
-        return self.parallel(torch.tensor_split(x, self.ranks.size, dim=1)[self.ranks.rank])

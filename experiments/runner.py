@@ -45,7 +45,7 @@ from experiments.hardware import (
     resolve_device,
 )
 from experiments.loggers import LocalLogger, LoggerError
-from experiments.ranks import RankError, Ranks, TimeSliced, left_the_run, one_line, started
+from experiments.ranks import RankError, Ranks, left_the_run, one_line, started
 from experiments.train import (
     PHASES,
     CheckpointError,
@@ -94,7 +94,7 @@ def identity_columns(
         "name": cfg.name,
         "config_hash": records.config_hash(config),
         "comparison_key": records.comparison_key(config),
-        "model": type(getattr(model.rnn, "layer", model.rnn)).__name__.lower(),
+        "model": type(model.rnn).__name__.lower(),
         "hidden_size": cfg.model.hidden_size,
         "num_layers": cfg.model.num_layers,
         "dataset": data.name,
@@ -312,9 +312,13 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
             train, test = data.loaders(cfg.trainer.batch_size, cfg.hardware.data_workers)
             x0, _ = next(iter(test if len(test.dataset) else train))
             layer = build(cfg.model, input_size=x0.shape[-1], batch_first=True, **backward_options(cfg))
-            if ranks.size > 1:
-                layer = _sliced(layer, x0.shape[1], cfg.backward.mode, ranks)
-            model = Classifier(layer, data.classes).to(device)
+            if x0.shape[1] < ranks.size:
+                raise ConfigError(
+                    f"a sequence of {x0.shape[1]} steps cannot be split over {ranks.size} ranks; accepted: "
+                    f"hardware.ranks of at most {x0.shape[1]}, or longer sequences"
+                )
+            split = (ranks.rank, ranks.size) if ranks.size > 1 else None
+            model = Classifier(layer, data.classes, split).to(device)
             optimizer = build(cfg.optimizer, params=model.parameters())
             rows: list[dict] = []
             resumed = ranks.together(
@@ -377,16 +381,6 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
             except WriteError as exc:
                 outcome = Outcome("failed", str(exc))
     return outcome
-
-
-def _sliced(layer: torch.nn.RNNBase, steps: int, backward: str, ranks: Ranks) -> TimeSliced:
-    """The layer run sequence-parallel; a sequence shorter than the ranks is refused."""
-    if steps < ranks.size:
-        raise ConfigError(
-            f"a sequence of {steps} steps cannot be split over {ranks.size} ranks; accepted: "
-            f"hardware.ranks of at most {steps}, or longer sequences"
-        )
-    return TimeSliced(layer, ranks, backward)
 
 
 def _resume(cfg: DictConfig, run_dir: Path, model: Classifier, optimizer) -> tuple[TrainState, list[dict]]:

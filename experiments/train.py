@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from bppsa_core.distributed import SequenceParallel
 from datasets.common import write_atomic
 from experiments.timing import Interval
 
@@ -33,15 +34,30 @@ class NonFiniteLossError(RuntimeError):
 
 
 class Classifier(nn.Module):
-    """A recurrent layer and a linear head on its last state: the paper's models."""
+    """A recurrent layer and a linear head on its last state: the paper's models.
 
-    def __init__(self, rnn: nn.RNNBase, classes: int) -> None:
+    ``ranks=(rank, size)``: the layer runs sequence-parallel over the default process group
+    (``bppsa_core.distributed.SequenceParallel``, its backward the layer's ``backward_mode``). Each
+    rank takes whole batches (B, T, I), keeps its time slice (``torch.tensor_split``'s) and gets the
+    final state every rank holds, so the loss is the same on every rank. The parameters and their
+    names are those of one process: a checkpoint loads whatever the rank count.
+    """
+
+    def __init__(self, rnn: nn.RNNBase, classes: int, ranks: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.rnn = rnn
         self.head = nn.Linear(rnn.hidden_size, classes)
+        self.ranks = ranks
+        # the same layer run across the ranks; set past nn.Module, so it adds no parameter names
+        parallel = None if ranks is None else SequenceParallel(rnn, backward=rnn.backward_mode)
+        object.__setattr__(self, "parallel", parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _, state = self.rnn(x)
+        if self.parallel is not None:
+            rank, size = self.ranks
+            _, state = self.parallel(torch.tensor_split(x, size, dim=1)[rank])
+        else:
+            _, state = self.rnn(x)
         h_n = state[0] if isinstance(state, tuple) else state  # an LSTM's state is (h_n, c_n)
         return self.head(h_n[-1])
 

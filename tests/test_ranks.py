@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import ROOT, TINY, run_py
@@ -53,6 +54,13 @@ def test_a_ranks_sweep_trains_as_one_process_does_and_resumes(tmp_path: Path) ->
         "run.log",
         "summary.json",
     ]
+
+    # the same parameter names whatever the rank count: a checkpoint loads in either
+    checkpoints = {
+        "ranks=2" in p.parent.name: torch.load(p, weights_only=False)["model"]
+        for p in sweep.glob("*/checkpoint.pt")
+    }
+    assert list(checkpoints[True]) == list(checkpoints[False]) and "rnn.weight_hh_l0" in checkpoints[True]
 
     # one epoch on two ranks, resumed to two: the followers start from the leader's checkpoint
     run_dir = tmp_path / "resumed"
