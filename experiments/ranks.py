@@ -26,6 +26,7 @@ import contextlib
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -94,7 +95,7 @@ class Ranks:
         except Exception as exc:  # every rank must reach the exchange below
             error = exc
         if self.size > 1:
-            said = self.gather(None if error is None else (one_line(error), isinstance(error, bad_input)))
+            said = self.gather(None if error is None else (first_line(error), isinstance(error, bad_input)))
             if error is None:
                 for rank, failure in enumerate(said):
                     if failure is not None:
@@ -104,7 +105,8 @@ class Ranks:
         return result
 
 
-def one_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of what an exception says (its type where it says nothing)."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
@@ -118,7 +120,7 @@ def left_the_run(exc: BaseException, ranks: Ranks) -> RankError | None:
     )
     if ranks.size == 1 or not lost:
         return None
-    why = one_line(exc).split("] ", 1)[-1].split(". ")[0][:160]  # gloo's words after its source line
+    why = first_line(exc).split("] ", 1)[-1].split(". ")[0][:160]  # gloo's words after its source line
     return RankError(f"a rank left the run (rank {ranks.rank} of {ranks.size} saw: {why})")
 
 
@@ -192,8 +194,6 @@ def started(size: int, follower: Callable[[Ranks], Any]) -> Iterator[Ranks]:
 
 def _follow(follower: Callable[[Ranks], Any], ranks: Ranks, store: str) -> None:
     """A started follower process: join, follow one job, part. Its failure line is its own output."""
-    import sys
-
     torch.set_num_threads(1)
     _join(store, ranks)
     try:

@@ -45,7 +45,7 @@ from experiments.hardware import (
     resolve_device,
 )
 from experiments.loggers import LocalLogger, LoggerError
-from experiments.ranks import RankError, Ranks, left_the_run, one_line, started
+from experiments.ranks import RankError, Ranks, first_line, left_the_run, started
 from experiments.train import (
     PHASES,
     CheckpointError,
@@ -362,7 +362,7 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
         left = left_the_run(exc, ranks)
         if not isinstance(exc, NonFiniteLossError | WriteError) and left is None:
             log.exception("run failed")
-        message = one_line(exc)
+        message = first_line(exc)
         if left is not None:
             message = str(left)
         elif not isinstance(exc, WriteError):
