@@ -81,7 +81,9 @@ class Layer:
     with a neighbour (``halo``), how many layers it stands for (``ops``: each has its forward,
     weight-gradient and input-gradient operation, each charged the machine's ``overhead``), and the
     elements per sample it keeps for its backward (``kept``; its inputs unless it stands for several
-    layers, which keep all of theirs; ``input_ops`` likewise counts their input-gradient operations)."""
+    layers, which keep all of theirs; ``input_ops`` likewise counts their input-gradient operations),
+    and whether it is a time step of a recurrent cell (``step``: a machine with compiled costs,
+    ``Machine.walk``, charges it those instead of its operations)."""
 
     name: str
     forward: float
@@ -96,6 +98,7 @@ class Layer:
     ops: int = 1
     kept: int | None = None
     input_ops: int | None = None
+    step: bool = False
 
     def operations(self, part: str) -> int:
         """How many operations ``part`` (forward, weight_grad or input_grad) stands for."""
@@ -256,6 +259,7 @@ def recurrent(cell: str, steps: int, inputs: int, hidden: int, classes: int) -> 
             inputs=hidden,
             outputs=hidden,
             channels=hidden,
+            step=True,
         )
         for t in range(1, steps + 1)
     )
@@ -286,13 +290,25 @@ def vgg11(width: float = 1.0) -> Network:
 @dataclass(frozen=True)
 class Machine:
     """p identical processors of ``flops`` FLOP/s and ``overhead`` seconds per operation, an α–β
-    interconnect, ``word`` bytes per number."""
+    interconnect, ``word`` bytes per number.
+
+    A device that runs ``bppsa_core.distributed`` on its slice of a recurrent network's steps does not
+    pay per operation: its forward is PyTorch's fused one, ``forward_step`` seconds per step whatever
+    the batch, and BPPSA's backward of the slice from a given gradient is a compiled scan, ``walk``
+    seconds per step and sample; a middle device folds its slice into one affine element per sample,
+    ``fold`` seconds per step and sample (``python -m experiments.bench.distributed`` measures all
+    three on one rank). Each 0 (unset) charges the steps' operations instead. These costs are those of
+    the strategies ``bppsa_core.distributed`` runs (sequential BP, distributed BPTT and BPPSA); the
+    others schedule operations."""
 
     flops: float = 1e12
     alpha: float = 5e-6
     beta: float = 1e-10
     word: int = 4
     overhead: float = 0.0
+    forward_step: float = 0.0
+    walk: float = 0.0
+    fold: float = 0.0
 
     def compute(self, flops: float) -> float:
         return flops / self.flops
@@ -306,6 +322,13 @@ class Machine:
         flops = sum(getattr(x, q) for x in layers for q in names)
         ops = sum(x.operations(q) for x in layers for q in names)
         return self.compute(flops * samples) + self.overhead * ops
+
+    def forward(self, layers: Sequence[Layer], samples: float) -> float:
+        """The forward of ``layers`` for ``samples`` samples: ``forward_step`` per recurrent step where
+        it is set, operations for the rest."""
+        fused = [x for x in layers if x.step] if self.forward_step > 0 else []
+        rest = [x for x in layers if not (x.step and self.forward_step > 0)]
+        return self.forward_step * len(fused) + self.run(rest, "forward", samples)
 
     def send(self, elements: float) -> float:
         """One point-to-point message; an empty one is not sent."""
@@ -376,8 +399,9 @@ def _finish(est: Estimate, net: Network, batch: int, machine: Machine) -> Estima
 
 
 def sequential(net: Network, batch: int, machine: Machine) -> Estimate:
-    """Plain back-propagation on one processor (of the p): the reference every strategy meets at p = 1."""
-    time = machine.run(net.layers, "work", batch)
+    """Plain back-propagation on one processor (of the p): the reference every strategy meets at p = 1
+    (but BPPSA on a machine with compiled costs, whose backward is its own scan)."""
+    time = machine.forward(net.layers, batch) + machine.run(net.layers, "backward", batch)
     memory = machine.word * (net.params + batch * sum(x.keeps for x in net.layers))
     return _finish(
         Estimate("sequential", 1, time, time, memory=memory, sent=0.0, hops=0), net, batch, machine
@@ -955,7 +979,7 @@ def _forward_ends(slices: list[list[Layer]], batch: int, machine: Machine) -> li
     for r, part in enumerate(slices):
         if r:
             t += machine.send(slices[r - 1][-1].outputs * batch)
-        t += machine.run(part, "forward", batch)
+        t += machine.forward(part, batch)
         ends.append(t)
     return ends
 
@@ -971,55 +995,106 @@ def distributed_bptt(net: Network, batch: int, p: int, machine: Machine) -> Esti
             t += machine.send(slices[r - 1][-1].outputs * batch)
     q = len(slices)
     t += machine.all_reduce(net.shared, q)
-    compute = max(machine.run(s, "work", batch) for s in slices)
+    compute = max(machine.forward(s, batch) + machine.run(s, "backward", batch) for s in slices)
     memory = max(machine.word * (sum(x.params + batch * x.keeps for x in s) + net.shared) for s in slices)
     sent = max(2 * machine.word * batch * s[-1].outputs for s in slices[:-1]) if q > 1 else 0.0
     est = Estimate("bptt-distributed", p, t, compute, memory=memory, sent=sent, hops=q - 1)
     return _finish(est, net, batch, machine)
 
 
-def bppsa(net: Network, batch: int, p: int, machine: Machine, exchange: str) -> Estimate:
-    """BPPSA with one device per slice. The top device runs its slice's backward as usual; each
-    middle device, as soon as its forward is done, folds its slice's transposed Jacobians into one
-    aggregate per sample (n_in x n_out: its backward applied to the n_out unit vectors); the
-    aggregates meet by one all-gather (each device then applies the ones above it to the top's
-    gradient) or by a tree (⌈log2 p⌉ rounds up, composing pairs, ⌈log2 p⌉ rounds down, one
-    matrix-vector product each); then every device runs its slice's backward from the gradient it
-    got. The bottom device's aggregate is never needed."""
+def _walk(layers: Sequence[Layer], samples: float, machine: Machine) -> float:
+    """BPPSA's backward of a device's slice from the gradient that reaches its end: ``walk`` per step and
+    sample where it is set (the compiled scan, weight gradients included), operations for the rest."""
+    steps = [x for x in layers if x.step] if machine.walk > 0 else []
+    rest = [x for x in layers if not (x.step and machine.walk > 0)]
+    return machine.walk * len(steps) * samples + machine.run(rest, "backward", samples)
+
+
+def _fold(layers: Sequence[Layer], samples: float, machine: Machine) -> float:
+    """A middle device's slice folded into one aggregate per sample: ``fold`` per step and sample where
+    it is set, else the slice's backward applied to its n_out unit vectors (input gradients only)."""
+    if machine.fold > 0 and all(x.step for x in layers):
+        return machine.fold * len(layers) * samples
+    return machine.run(layers, "input_grad", samples * layers[-1].outputs)
+
+
+def _groups(batch: int, groups: int) -> list[int]:
+    """The sizes of ``groups`` contiguous sample groups of a batch, as ``torch.tensor_split`` cuts it."""
+    m = min(groups, batch)
+    return [batch // m + (1 if g < batch % m else 0) for g in range(m)]
+
+
+def bppsa(net: Network, batch: int, p: int, machine: Machine, exchange: str, groups: int = 1) -> Estimate:
+    """BPPSA with one device per slice, as ``bppsa_core.distributed`` runs it. The top device runs its
+    slice's backward as usual; each middle device, as soon as its forward is done, folds its slice's
+    transposed Jacobians into one aggregate per sample (n_in x n_out); the aggregates meet by one
+    all-gather (each device then applies the ones above it to the top's gradient) or by a tree
+    (⌈log2 p⌉ rounds up, composing pairs, ⌈log2 p⌉ rounds down, one matrix-vector product each); then
+    every device runs its slice's backward from the gradient it got. The bottom device's aggregate is
+    never needed.
+
+    With ``groups`` > 1 (on more than one device) the batch is cut into that many groups of samples
+    and the steps above run group after group: the top device goes straight on to the next group (it
+    needs nothing back), while each device below folds (middle), exchanges, applies and walks one group
+    before it takes the next. So devices overlap, a pipeline over the groups, at the cost of one
+    exchange per group."""
     slices = _slices(net, p)
-    q = len(slices)
+    q, top = len(slices), len(slices) - 1
     fwd = _forward_ends(slices, batch, machine)
-    back = [machine.run(s, "backward", batch) for s in slices]
     width_in = [s[0].inputs for s in slices]
     width_out = [s[-1].outputs for s in slices]
-    middle = range(1, q - 1)
-    fold = [
-        machine.run(slices[r], "input_grad", batch * width_out[r]) if r in middle else 0.0 for r in range(q)
-    ]
-    ready = max([fwd[-1] + back[-1]] + [fwd[r] + fold[r] for r in middle])
+    middle = range(1, top)
     aggregate = max((width_in[r] * width_out[r] + width_in[r] for r in middle), default=0)
+    sizes = _groups(batch, groups) if q > 1 else [batch]
+    # per group of n samples: the exchange, and what each device below the top applies after it
     if q == 1:
-        exchange_time, hops, sent, local = 0.0, 0, 0.0, 0.0
+        hops, sent = 0, 0.0
+
+        def exchanged(n: int) -> tuple[float, list[float]]:
+            return 0.0, []
+
     elif exchange == "allgather":
-        exchange_time = machine.all_gather(q * batch * max(aggregate, width_in[-1]), q)
         hops = math.ceil(math.log2(q))
         sent = (q - 1) * machine.word * batch * max(aggregate, width_in[-1])
-        local = machine.compute(sum(2 * batch * width_in[r] * width_out[r] for r in middle))
-        local += machine.overhead * len(middle)
+
+        def exchanged(n: int) -> tuple[float, list[float]]:
+            local = [  # device r applies the aggregates of the middle devices above it
+                machine.compute(sum(2 * n * width_in[j] * width_out[j] for j in range(r + 1, top)))
+                + machine.overhead * len(range(r + 1, top))
+                for r in range(top)
+            ]
+            return machine.all_gather(q * n * max(aggregate, width_in[-1]), q), local
+
     else:
         # up: ⌈log2(q-1)⌉ rounds over the devices above the bottom, composing pairs of aggregates;
         # down: ⌈log2 q⌉ rounds handing gradients (vectors) down, one matrix-vector product each
-        n = max(width_out[:-1])
+        w = max(width_out[:-1])
         ups, downs = math.ceil(math.log2(q - 1)) if q > 2 else 0, math.ceil(math.log2(q))
-        up = machine.send(batch * (n * n + n)) + machine.compute(2 * batch * n**3) + machine.overhead
-        down = machine.send(batch * n) + machine.compute(2 * batch * n * n) + machine.overhead
-        if q == 2:  # the top device's gradient goes straight to the bottom one
-            down = machine.send(batch * n)
-        exchange_time, hops, local = ups * up + downs * down, ups + downs, 0.0
-        sent = machine.word * batch * (ups * (n * n + n) + downs * n)
-    expand = max(back[:-1], default=0.0)
-    time = ready + exchange_time + local + expand + machine.all_reduce(net.shared, q)
-    compute = max(machine.run(s, "forward", batch) + back[r] + fold[r] for r, s in enumerate(slices))
+        hops, sent = ups + downs, machine.word * batch * (ups * (w * w + w) + downs * w)
+
+        def exchanged(n: int) -> tuple[float, list[float]]:
+            up = machine.send(n * (w * w + w)) + machine.compute(2 * n * w**3) + machine.overhead
+            down = machine.send(n * w) + machine.compute(2 * n * w * w) + machine.overhead
+            if q == 2:  # the top device's gradient goes straight to the bottom one
+                down = machine.send(n * w)
+            return ups * up + downs * down, [0.0] * top
+
+    top_done, free = fwd[top], fwd[:top]  # the top device's progress; when each device below is free
+    for n in sizes:
+        top_done += _walk(slices[top], n, machine)
+        ready = [top_done] + [
+            free[r] + (_fold(slices[r], n, machine) if r in middle else 0.0) for r in range(top)
+        ]
+        cost, local = exchanged(n)
+        got = max(ready) + cost
+        free = [got + local[r] + _walk(slices[r], n, machine) for r in range(top)]
+    time = max([top_done, *free]) + machine.all_reduce(net.shared, q)
+    compute = max(
+        machine.forward(s, batch)
+        + _walk(s, batch, machine)
+        + (_fold(s, batch, machine) if r in middle else 0.0)
+        for r, s in enumerate(slices)
+    )
     memory = max(
         machine.word
         * (
@@ -1031,7 +1106,8 @@ def bppsa(net: Network, batch: int, p: int, machine: Machine, exchange: str) -> 
     )
     gathered = machine.word * batch * q * aggregate if exchange == "allgather" else 0.0
     name = f"bppsa-{'allgather' if exchange == 'allgather' else 'tree'}"
-    est = Estimate(name, p, time, compute, memory=memory + gathered, sent=sent, hops=hops)
+    detail = f"{len(sizes)} sample groups" if len(sizes) > 1 else ""
+    est = Estimate(name, p, time, compute, memory=memory + gathered, sent=sent, hops=hops, detail=detail)
     return _finish(est, net, batch, machine)
 
 
@@ -1039,9 +1115,16 @@ def bppsa(net: Network, batch: int, p: int, machine: Machine, exchange: str) -> 
 
 
 def estimate(
-    strategy: str, net: Network, batch: int, p: int, machine: Machine, micro: int | None = None
+    strategy: str,
+    net: Network,
+    batch: int,
+    p: int,
+    machine: Machine,
+    micro: int | None = None,
+    groups: int = 1,
 ) -> Estimate:
-    """One strategy on p processors."""
+    """One strategy on p processors: ``micro`` micro-batches in a pipeline, ``groups`` sample groups
+    in BPPSA's backward."""
     if strategy == "sequential":
         est = sequential(net, batch, machine)
         est.p = p
@@ -1058,7 +1141,7 @@ def estimate(
     if strategy == "bptt-distributed":
         return distributed_bptt(net, batch, p, machine)
     if strategy in ("bppsa-allgather", "bppsa-tree"):
-        return bppsa(net, batch, p, machine, strategy.removeprefix("bppsa-"))
+        return bppsa(net, batch, p, machine, strategy.removeprefix("bppsa-"), groups)
     raise ValueError(f"unknown strategy {strategy!r}; accepted: {', '.join(STRATEGIES)}")
 
 
@@ -1089,13 +1172,14 @@ def estimates(
     strategies: Sequence[str] = STRATEGIES,
     micro: int | None = None,
     blocks: int = 256,
+    groups: int = 1,
 ) -> list[Estimate]:
     """Every strategy at every p; the pipelines schedule the network coarsened to ``blocks`` layers."""
     out = []
     for strategy in strategies:
         for p in ps:
             used = net.coarsen(blocks) if strategy in PIPELINES else net
-            out.append(estimate(strategy, used, batch, p, machine, micro))
+            out.append(estimate(strategy, used, batch, p, machine, micro, groups))
     return out
 
 
@@ -1171,22 +1255,49 @@ def load_measured(path: str | Path) -> pd.DataFrame:
     return data
 
 
+# What a calibration.json may set: experiments.bench.strategies writes the FLOP rate, α and β;
+# experiments.bench.distributed a device's compiled costs, BPTT's overhead and BPPSA's sample groups.
+CALIBRATION = {
+    "flops": "a positive number",
+    "alpha": "a number >= 0",
+    "beta": "a number >= 0",
+    "overhead": "a number >= 0",
+    "forward_step": "a number >= 0",
+    "walk": "a number >= 0",
+    "fold": "a number >= 0",
+    "groups": "a positive integer",
+}
+
+
+def _calibrated(key: str, value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    if key == "groups":
+        return isinstance(value, int) and value >= 1
+    return value > 0 if key == "flops" else value >= 0
+
+
 def load_calibration(path: str | Path) -> dict[str, float]:
-    """The FLOP rate, α and β that ``python -m experiments.bench.strategies`` measured."""
+    """The settings a measured ``calibration.json`` holds (``CALIBRATION``: the FLOP rate, α and β of
+    ``python -m experiments.bench.strategies``, the costs of ``python -m experiments.bench.distributed``);
+    other keys are ignored."""
     path = Path(path)
     try:
         values = json.loads(path.read_text())
     except OSError:
         raise AnalysisError(
-            f"no calibration at {str(path)!r}; run python -m experiments.bench.strategies first"
+            f"no calibration at {str(path)!r}; run python -m experiments.bench.strategies "
+            "or python -m experiments.bench.distributed first"
         ) from None
     except ValueError as exc:
         raise AnalysisError(f"{path} is not JSON: {exc}") from None
-    keys = ("flops", "alpha", "beta")
-    numbers = isinstance(values, dict) and all(isinstance(values.get(k), int | float) for k in keys)
-    if not numbers or not (values["flops"] > 0 and values["alpha"] >= 0 and values["beta"] >= 0):
-        raise AnalysisError(f"{path} needs a positive flops and non-negative alpha and beta; it has {values}")
-    return {k: float(values[k]) for k in keys}
+    found = {k: v for k, v in values.items() if k in CALIBRATION} if isinstance(values, dict) else {}
+    if not found:
+        raise AnalysisError(f"{path} sets none of {', '.join(CALIBRATION)}")
+    for key, value in found.items():
+        if not _calibrated(key, value):
+            raise AnalysisError(f"{path}: {key} is {value!r}; accepted: {CALIBRATION[key]}")
+    return {k: (int(v) if k == "groups" else float(v)) for k, v in found.items()}
 
 
 def gantt(
@@ -1354,9 +1465,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--beta", type=_non_negative, help=f"seconds per byte (default: {Machine.beta:g})")
     parser.add_argument(
         "--calibration",
-        help="a calibration.json of experiments.bench.strategies: flops, alpha, beta not given",
+        nargs="+",
+        help="calibration.json files of experiments.bench.strategies (flops, alpha, beta) or "
+        "experiments.bench.distributed (overhead, forward-step, walk, fold, groups): they set what the "
+        "flags leave unset, a later file winning",
     )
-    parser.add_argument("--overhead", type=_non_negative, default=0.0, help="seconds per layer operation")
+    parser.add_argument("--overhead", type=_non_negative, help="seconds per layer operation (default: 0)")
+    for flag, what in (
+        ("--forward-step", "seconds per step of a device's fused forward, whatever the batch"),
+        ("--walk", "seconds per step and sample of a device's compiled BPPSA backward of its slice"),
+        ("--fold", "seconds per step and sample of a middle device's fold of its slice"),
+    ):
+        parser.add_argument(flag, type=_non_negative, help=f"{what} (default: 0, its operations)")
+    parser.add_argument(
+        "--groups", type=count, help="sample groups BPPSA's backward pipelines over the devices (default: 1)"
+    )
     parser.add_argument("--word", type=count, default=4, help="bytes per number")
     parser.add_argument(
         "--micro-batches", type=count, help="per iteration in the pipelines (default: min(4p, B))"
@@ -1371,23 +1494,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch = args.batch or (128 if args.model == "vgg11" else 16)
     inputs = args.inputs or (24 if args.model == "gru" else 1)
     classes = args.classes or (11 if args.model == "gru" else 10)
-    if args.micro_batches and args.micro_batches > batch:
-        parser.error(
-            f"--micro-batches {args.micro_batches} exceeds the batch {batch}; accepted: 1 to {batch}"
-        )
+    for flag in ("micro_batches", "groups"):
+        if getattr(args, flag) and getattr(args, flag) > batch:
+            name = "--" + flag.replace("_", "-")
+            parser.error(f"{name} {getattr(args, flag)} exceeds the batch {batch}; accepted: 1 to {batch}")
     try:
         measured = load_measured(args.measured) if args.measured else None
-        calibrated = load_calibration(args.calibration) if args.calibration else {}
+        calibrated = {k: v for path in args.calibration or [] for k, v in load_calibration(path).items()}
     except AnalysisError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
-    for key in ("flops", "alpha", "beta"):  # a flag given wins, then the calibration, then the default
+    defaults = {"groups": min(calibrated.get("groups", 1), batch)}
+    for key in CALIBRATION:  # a flag given wins, then the calibration, then the default
         value = getattr(args, key)
-        setattr(args, key, value if value is not None else calibrated.get(key, getattr(Machine, key)))
+        fallback = defaults.get(key, getattr(Machine, key, None))
+        setattr(args, key, value if value is not None else calibrated.get(key, fallback))
     net = network(args.model, args.T, args.hidden, inputs, classes, args.width)
-    machine = Machine(args.flops, args.alpha, args.beta, args.word, args.overhead)
+    machine = Machine(
+        args.flops, args.alpha, args.beta, args.word, args.overhead, args.forward_step, args.walk, args.fold
+    )
     frame = table(
-        estimates(net, batch, sorted(set(args.p)), machine, args.strategies, args.micro_batches, args.blocks)
+        estimates(
+            net,
+            batch,
+            sorted(set(args.p)),
+            machine,
+            args.strategies,
+            args.micro_batches,
+            args.blocks,
+            args.groups,
+        )
     )
     gantt_micro = min(args.gantt_micro_batches or args.gantt, batch)
     schedules = [
@@ -1403,6 +1539,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(overhead {args.overhead:g} s per operation), α = {args.alpha:g} s, β = {args.beta:g} s/byte, "
         f"{args.word} bytes per number"
     )
+    if args.forward_step or args.walk or args.fold:
+        header += (
+            f"; a device's compiled steps: forward {args.forward_step:.3g} s per step, walk "
+            f"{args.walk:.3g} s and fold {args.fold:.3g} s per step and sample"
+        )
+    if args.groups > 1:
+        header += f"; BPPSA in {args.groups} sample groups"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(frame, compare, header)

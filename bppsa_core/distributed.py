@@ -309,7 +309,7 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
         done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, grad_hn, grad_cn)
         share[..., state] = torch.cat((done[1], done[2]), -1) if lstm else done[1]
     elif rank > 0:
-        share[..., :state], share[..., state] = _element(config, x, h_in, c_in, out, weights, grad_out)
+        share[..., :state], share[..., state] = slice_element(config, x, h_in, c_in, out, weights, grad_out)
     every = [share]
     if size > 1:
         every = [torch.empty_like(share) for _ in range(size)]
@@ -328,9 +328,22 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
     return dx, g_h0, g_c0, grads
 
 
-def _element(config, x, h_in, c_in, out, weights, grad_out) -> tuple[Tensor, Tensor]:
-    """This slice's backward as one affine element per sample: the gradient of its first state is
-    v @ A + b for the gradient v that reaches its last state from the right."""
+def slice_element(
+    config: LayerConfig,
+    x: Tensor,
+    h_in: Tensor,
+    c_in: Tensor | None,
+    out: Tensor,
+    weights: list[Tensor],
+    grad_out: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """A slice's backward as one affine element per sample (a middle rank's step 2): the gradient of
+    its first state is v @ A + b for the gradient v that reaches its last state from the right.
+
+    x (T_r, B, I) the slice's inputs, h_in (B, H) and c_in (B, H) or None the state it starts from,
+    out (T_r, B, H) its outputs, ``weights`` the layer's, ``grad_out`` the gradient reaching its
+    outputs from outside or None. Returns A (B, S, S) and b (B, S), S the state's width (an LSTM's 2H).
+    ``experiments.bench.distributed`` times it as the model's fold cost."""
     cell, w = cell_of(config.mode), LayerWeights(*weights)
     h_prev = torch.cat((h_in.unsqueeze(0), out[:-1]))
     chain = cell.chain(cell.factors(x, h_prev, out, w, c_in, None), w)

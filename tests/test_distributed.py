@@ -180,7 +180,7 @@ def test_modules_it_cannot_split_are_refused_at_construction(module, kwargs, mes
 def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_path, capsys) -> None:
     import pandas as pd
 
-    from analysis.strategies import load_measured
+    from analysis.strategies import load_calibration, load_measured
     from experiments.bench import distributed as bench
 
     args = ["--ranks", "1", "2", "--T", "40", "80", "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)]
@@ -197,6 +197,14 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     two = rows[(rows["p"] == 2) & (rows["backward"] == "bppsa")].set_index("T")["bytes_per_rank"]
     assert two[40] == two[80] > 0  # one all-gather of B·H·(H+1) numbers, whatever T
     load_measured(tmp_path / "measured.csv")  # what analysis.strategies draws beside its model
+    # one rank's costs at the largest T, as the model charges a device (analysis.strategies)
+    costs = load_calibration(tmp_path / "calibration.json")
+    assert set(costs) == {"forward_step", "walk", "fold", "overhead", "groups"} and costs["groups"] == 8
+    one = rows[(rows["p"] == 1) & (rows["T"] == 80)].set_index("backward")
+    assert costs["forward_step"] == pytest.approx(one.loc["bppsa", "forward_s"] / 80)
+    assert costs["walk"] == pytest.approx(one.loc["bppsa", "backward_s"] / (80 * 16))
+    assert costs["overhead"] == pytest.approx(one.loc["bptt", "backward_s"] / 159)
+    assert costs["fold"] > 0 and "one rank at T = 80: forward" in printed
 
 
 def test_the_benchmark_refuses_a_sequence_shorter_than_the_ranks(capsys) -> None:

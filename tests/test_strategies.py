@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -261,6 +262,65 @@ def test_bppsa_beats_distributed_bptt_on_a_latency_bound_rnn_and_loses_on_vgg11(
     )
 
 
+# A device running bppsa_core.distributed: a fused forward per step, a compiled walk and fold per step
+# and sample; a network of steps alone (no head), a free interconnect, and no cost per operation.
+STEP = S.Layer(
+    "t", forward=1.0, weight_grad=1.0, input_grad=1.0, params=0, inputs=20, outputs=20, channels=20, step=True
+)
+STEPS = S.Network("steps", (STEP,) * 600, shared=0)
+COMPILED = S.Machine(flops=1e30, alpha=0, beta=0, forward_step=1e-5, walk=1e-7, fold=2e-6)
+
+
+def test_a_device_with_compiled_costs_pays_its_forward_per_step_and_its_scan_per_step_and_sample() -> None:
+    """One device: the fused forward (a step costs the same for any batch), then BPPSA's compiled
+    backward; the head of the paper's RNN is charged its operations as before; the other strategies
+    run the same forward and schedule the backward's operations."""
+    machine = replace(COMPILED, overhead=1e-6, flops=1e9)
+    net = S.recurrent("rnn", 500, 1, 20, 10)
+    head = [net.layers[-1]]
+    for batch in (2, 16):
+        est = S.bppsa(net, batch, 1, machine, "allgather", groups=8)
+        forward = 500 * 1e-5 + machine.run(head, "forward", batch)
+        assert close(est.time, forward + 500 * batch * 1e-7 + machine.run(head, "backward", batch))
+        assert est.detail == ""  # one device keeps the batch whole
+        reference = forward + machine.run(net.layers, "backward", batch)
+        assert close(S.sequential(net, batch, machine).time, reference)
+        assert close(S.distributed_bptt(net, batch, 1, machine).time, reference)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3, 8, 16])
+def test_sample_groups_pipeline_two_devices(groups: int) -> None:
+    """Two equal slices: the bottom device walks group g as soon as the top has walked it, so the
+    backward takes (m + 1) / m of one slice's walk for m groups; one group takes two slices' worth,
+    no better than one device."""
+    est = S.bppsa(STEPS, 16, 2, COMPILED, "allgather", groups)
+    slice_walk = 300 * 16 * 1e-7
+    # groups of 16 samples that do not divide evenly: the largest group sets the pipeline's fill
+    largest = max(S._groups(16, groups))
+    assert close(est.time, 600 * 1e-5 + slice_walk + 300 * largest * 1e-7)
+    if 16 % groups == 0:
+        assert close(est.time - 600 * 1e-5, slice_walk * (groups + 1) / groups)
+    assert est.detail == ("" if groups == 1 else f"{groups} sample groups")
+    assert S.bppsa(STEPS, 16, 1, COMPILED, "allgather", groups).time == pytest.approx(
+        600 * 1e-5 + 2 * slice_walk
+    )
+    assert S._groups(16, groups) == [len(g) for g in torch.arange(16).tensor_split(groups)]
+
+
+def test_a_middle_devices_fold_can_outlast_the_top_devices_forward_and_walk() -> None:
+    """Three equal slices, one group: the exchange waits for the top's walk and the middle's fold
+    (started after its forward), then the two lower devices walk their slices side by side."""
+    est = S.bppsa(STEPS, 16, 3, COMPILED, "allgather")
+    top = 600 * 1e-5 + 200 * 16 * 1e-7
+    middle = 400 * 1e-5 + 200 * 16 * 2e-6
+    assert middle > top and close(est.time, middle + 200 * 16 * 1e-7)
+    cheap = replace(COMPILED, fold=1e-7)
+    assert close(S.bppsa(STEPS, 16, 3, cheap, "allgather").time, top + 200 * 16 * 1e-7)
+    # without compiled costs the fold is the slice's input gradients applied to its 20 unit vectors
+    plain = S.Machine(flops=1e6, alpha=0, beta=0)
+    assert close(S._fold(STEPS.layers[:200], 16, plain), 200 * 16 * 20 / 1e6)
+
+
 def test_infeasible_points_say_why() -> None:
     machine = S.Machine()
     assert "exceeds the batch 8" in S.data_parallel(VGG, 8, 16, machine).note
@@ -325,6 +385,8 @@ def test_the_command_writes_the_table_and_a_reproducible_figure(tmp_path: Path, 
         (["--alpha", "-1"], "argument --alpha: -1 is negative; accepted: a number >= 0"),
         (["--model", "lstm"], "argument --model: invalid choice: 'lstm'"),
         (["--batch", "4", "--micro-batches", "8"], "--micro-batches 8 exceeds the batch 4; accepted: 1 to 4"),
+        (["--batch", "4", "--groups", "5"], "--groups 5 exceeds the batch 4; accepted: 1 to 4"),
+        (["--walk", "-1"], "argument --walk: -1 is negative; accepted: a number >= 0"),
         (["--measured", "nowhere.csv"], "no measured table at 'nowhere.csv'"),
         (["--calibration", "nowhere.json"], "no calibration at 'nowhere.json'"),
     ],
@@ -361,13 +423,49 @@ def test_a_calibration_sets_what_the_flags_leave_unset(tmp_path: Path) -> None:
     assert S.main([*args, "--out", str(tmp_path / "out")]) == 0
     header = (tmp_path / "out" / "strategies.md").read_text().splitlines()[0]
     assert "2e+11 FLOP/s" in header and "α = 3e-05 s" in header and "β = 0 s/byte" in header
-    for bad in ({"flops": 0, "alpha": 0, "beta": 0}, {"flops": 1e9, "alpha": "fast", "beta": 0}, [1, 2]):
+    for bad, message in (
+        ({"flops": 0, "alpha": 0, "beta": 0}, "flops is 0; accepted: a positive number"),
+        ({"flops": 1e9, "alpha": "fast", "beta": 0}, "alpha is 'fast'; accepted: a number >= 0"),
+        ({"walk": -1e-7}, "walk is -1e-07; accepted: a number >= 0"),
+        ({"groups": 2.5}, "groups is 2.5; accepted: a positive integer"),
+        ({"groups": True}, "groups is True; accepted: a positive integer"),
+        ([1, 2], "sets none of flops, alpha, beta, overhead"),
+        ({"T": 100}, "sets none of flops"),
+    ):
         path.write_text(json.dumps(bad))
-        with pytest.raises(AnalysisError, match="needs a positive flops and non-negative alpha and beta"):
+        with pytest.raises(AnalysisError, match=message):
             S.load_calibration(path)
     path.write_text("{")
     with pytest.raises(AnalysisError, match="is not JSON"):
         S.load_calibration(path)
+
+
+def test_calibrations_of_both_benchmarks_combine_and_set_the_devices_compiled_costs(tmp_path: Path) -> None:
+    """The strategies benchmark's FLOP rate, α and β and the distributed benchmark's device costs and
+    groups, from two files (a later one winning, a flag over both): the table follows them."""
+    first, second = tmp_path / "strategies.json", tmp_path / "distributed.json"
+    first.write_text(json.dumps({"flops": 2e11, "alpha": 3e-5, "beta": 4e-10, "overhead": 1.0}))
+    costs = {"forward_step": 5e-6, "walk": 2e-7, "fold": 1.5e-6, "overhead": 9e-6, "groups": 8, "T": 2000}
+    second.write_text(json.dumps(costs))
+    assert S.load_calibration(second) == {k: v for k, v in costs.items() if k != "T"}
+    args = ["--model", "rnn", "--T", "400", "--p", "1", "2", "--strategies", "sequential", "bppsa-allgather"]
+    args += ["--calibration", str(first), str(second), "--beta", "0", "--out", str(tmp_path / "out")]
+    assert S.main(args) == 0
+    header = (tmp_path / "out" / "strategies.md").read_text().splitlines()[0]
+    assert "2e+11 FLOP/s" in header and "overhead 9e-06 s" in header and "β = 0 s/byte" in header
+    assert (
+        "forward 5e-06 s per step, walk 2e-07 s and fold 1.5e-06 s" in header and "8 sample groups" in header
+    )
+    frame = pd.read_csv(tmp_path / "out" / "strategies.csv").set_index(["strategy", "p"])
+    machine = S.Machine(2e11, 3e-5, 0.0, 4, 9e-6, 5e-6, 2e-7, 1.5e-6)
+    net = S.recurrent("rnn", 400, 1, 20, 10)
+    assert frame.loc[("bppsa-allgather", 2), "time"] == pytest.approx(
+        S.bppsa(net, 16, 2, machine, "allgather", 8).time
+    )
+    assert frame.loc[("bppsa-allgather", 2), "detail"] == "8 sample groups"
+    assert S.main([*args[:-2], "--groups", "1", "--out", str(tmp_path / "one")]) == 0
+    one = pd.read_csv(tmp_path / "one" / "strategies.csv").set_index(["strategy", "p"])
+    assert one.loc[("bppsa-allgather", 2), "time"] > frame.loc[("bppsa-allgather", 2), "time"]
 
 
 def test_a_measured_table_must_name_known_strategies(tmp_path: Path) -> None:

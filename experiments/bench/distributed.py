@@ -19,7 +19,15 @@ Prints, per T and p:
   the live tensors: what the forward keeps for the backward and the backward's working memory).
 
 ``--out`` writes ``measured.csv`` rows (strategy ``bppsa-allgather`` / ``bptt-distributed``, p,
-time per iteration) that ``python -m analysis.strategies --measured`` draws beside its model.
+time per iteration) that ``python -m analysis.strategies --measured`` draws beside its model, and,
+when ``--ranks`` has 1, ``calibration.json``: what one rank's kernels cost at the largest T, the
+costs the model charges a device that runs ``bppsa_core.distributed`` (``--calibration``):
+- ``forward_step``: seconds per step of the fused forward (the whole batch at once);
+- ``walk``: seconds per step and sample of BPPSA's backward of a slice from a given gradient;
+- ``fold``: seconds per step and sample of a middle rank's fold of its slice into one affine element
+  per sample (``slice_element``, timed group by group as the ranks run it);
+- ``overhead``: seconds per operation of BPTT's backward (autograd's, 2T - 1 operations);
+- ``groups``: the BPPSA backward's sample groups (``--micro-batches``).
 """
 
 from __future__ import annotations
@@ -99,12 +107,54 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
             "sent": sent,
             "memory": peak,
         }
+        if size == 1:
+            result["fold"] = _fold_seconds(model, x, groups, settings["warmup"], settings["repeats"])
         every = [None] * size
         dist.all_gather_object(every, result)
         if rank == 0:
             Path(out).write_text(json.dumps(every))
     finally:
         dist.destroy_process_group()
+
+
+def _fold_seconds(model: torch.nn.RNNBase, x: torch.Tensor, groups: int, warmup: int, repeats: int) -> float:
+    """The median time of a middle rank's fold of the slice ``x`` (``slice_element``), group after
+    group as ``SequenceParallel``'s backward runs it on more than one rank."""
+    from bppsa_core.dispatch import ScanOptions
+    from bppsa_core.distributed import slice_element
+    from bppsa_core.layer import LayerConfig
+
+    config, weights = LayerConfig(model.mode, options=ScanOptions()), list(model._flat_weights)
+    with torch.no_grad():
+        out, _ = model(x)
+    h0 = x.new_zeros(x.shape[1], model.hidden_size)
+    spans = [
+        (int(s[0]), int(s[-1]) + 1) for s in torch.arange(x.shape[1]).tensor_split(min(x.shape[1], groups))
+    ]
+    times = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        for a, b in spans:
+            slice_element(
+                config, x[:, a:b].contiguous(), h0[a:b], None, out[:, a:b].contiguous(), weights, None
+            )
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def calibration(steps: int, batch: int, groups: int, rows: list[dict], fold_s: float) -> dict:
+    """The model's costs of a device (module docstring) from one rank's rows at ``steps``."""
+    one = {r["backward"]: r for r in rows if r["p"] == 1 and r["T"] == steps}
+    return {
+        "forward_step": one["bppsa"]["forward_s"] / steps,
+        "walk": one["bppsa"]["backward_s"] / (steps * batch),
+        "fold": fold_s / (steps * batch),
+        "overhead": one["bptt"]["backward_s"] / (2 * steps - 1),
+        "groups": groups,
+        "T": steps,
+        "B": batch,
+    }
 
 
 def measure(steps: int, ranks: int, settings: dict) -> list[dict]:
@@ -206,20 +256,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     keys = ("B", "H", "model", "features", "micro_batches", "warmup", "repeats")
     settings = {k: getattr(args, k) for k in keys}
-    rows = []
+    rows, folds = [], {}
     for steps in args.T:
         for ranks in args.ranks:
             print(f"[distributed] T = {steps}, {ranks} rank(s) ...", file=sys.stderr, flush=True)
-            rows += rows_of(steps, ranks, measure(steps, ranks, settings))
+            per_rank = measure(steps, ranks, settings)
+            rows += rows_of(steps, ranks, per_rank)
+            if ranks == 1:
+                folds[steps] = per_rank[0]["fold"]
     print(
         f"{args.model}, B = {args.B}, H = {args.H}, loss on h_T, gloo, one thread per rank; "
         f"medians of {args.repeats} after {args.warmup} warm-up"
     )
     print(table(rows))
+    costs = None
+    if folds:
+        steps = max(folds)
+        groups = min(args.B, args.micro_batches)
+        costs = calibration(steps, args.B, groups, rows, folds[steps])
+        print(
+            f"\none rank at T = {steps}: forward {costs['forward_step']:.3g} s per step, BPPSA walk "
+            f"{costs['walk']:.3g} s and fold {costs['fold']:.3g} s per step and sample, BPTT "
+            f"{costs['overhead']:.3g} s per backward operation"
+        )
     if args.out:
-        from experiments.records import write_table
+        from experiments.records import write_json, write_table
 
         write_table(Path(args.out) / "measured.csv", rows)
+        if costs:
+            write_json(Path(args.out) / "calibration.json", costs)
     return 0
 
 
