@@ -33,6 +33,7 @@ import itertools
 import json
 import math
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -1380,7 +1381,7 @@ def figure(
     _log_log(ax, xbase=2)
     ax.set_xlabel("processors p")
     ax.set_ylabel("time per iteration (s)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, 130), fontsize=10)
     _legend_beside(ax)
     for col, est in enumerate(schedules[:3]):
         label = f"{LABELS[est.strategy]}, p = {est.p}" + (f": {est.detail}" if est.detail else "")

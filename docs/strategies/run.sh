@@ -19,12 +19,14 @@ fi
 "$python" -m analysis.strategies --model rnn --T 1000 --p 1 2 4 8 16 32 64 --overhead 2e-6 \
     --out "$here/rnn" > /dev/null
 # the paper's RNN at T = 100,000 split over 1 to 1024 devices: BPPSA (all-gather, tree) against
-# distributed BPTT, the overhead per operation calibrated on this machine's BPTT, beside the measured
-# 1- and 2-rank iterations of experiments.bench.distributed
-"$python" -m analysis.strategies --model rnn --T 100000 --batch 16 --p 1 2 4 8 16 32 64 128 256 512 1024 \
-    --strategies sequential bptt-distributed bppsa-allgather bppsa-tree --overhead 1.55e-5 \
-    --calibration "$here/measured/calibration.json" --measured "$here/distributed/measured.csv" \
-    --out "$here/distributed" > /dev/null
+# distributed BPTT, each device costed as one rank of experiments.bench.distributed measured (fused
+# forward, compiled walk and fold, BPTT's cost per operation, 8 sample groups), beside the measured
+# 1- and 2-rank iterations
+"$python" -m analysis.strategies --model rnn --T 100000 --batch 16 \
+    --p 1 2 3 4 6 8 16 32 64 128 256 512 1024 \
+    --strategies sequential bptt-distributed bppsa-allgather bppsa-tree \
+    --calibration "$here/measured/calibration.json" "$here/distributed/calibration.json" \
+    --measured "$here/distributed/measured.csv" --out "$here/distributed" > /dev/null
 # VGG-11 on this machine's measured FLOP rate, α and β, beside the measured iterations
 "$python" -m analysis.strategies --model vgg11 --batch 32 --p 1 2 4 8 --micro-batches 8 \
     --calibration "$here/measured/calibration.json" --measured "$here/measured/measured.csv" \
