@@ -205,6 +205,11 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     assert costs["walk"] == pytest.approx(one.loc["bppsa", "backward_s"] / (80 * 16))
     assert costs["overhead"] == pytest.approx(one.loc["bptt", "backward_s"] / 159)
     assert costs["fold"] > 0 and "one rank at T = 80: forward" in printed
+    # without one rank there are no costs to calibrate, and the earlier ones do not stay beside new rows
+    assert bench.main(["--ranks", "2", *args[3:]]) == 0
+    assert not (tmp_path / "calibration.json").exists() and set(
+        pd.read_csv(tmp_path / "measured.csv")["p"]
+    ) == {2}
 
 
 def test_the_benchmark_refuses_a_sequence_shorter_than_the_ranks(capsys) -> None:

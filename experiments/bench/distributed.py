@@ -20,7 +20,8 @@ Prints, per T and p:
 
 ``--out`` writes ``measured.csv`` rows (strategy ``bppsa-allgather`` / ``bptt-distributed``, p,
 time per iteration) that ``python -m analysis.strategies --measured`` draws beside its model, and,
-when ``--ranks`` has 1, ``calibration.json``: what one rank's kernels cost at the largest T, the
+when ``--ranks`` has 1, ``calibration.json`` (else an earlier one there is removed): what one
+rank's kernels cost at the largest T, the
 costs the model charges a device that runs ``bppsa_core.distributed`` (``--calibration``):
 - ``forward_step``: seconds per step of the fused forward (the whole batch at once);
 - ``walk``: seconds per step and sample of BPPSA's backward of a slice from a given gradient;
@@ -285,6 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_table(Path(args.out) / "measured.csv", rows)
         if costs:
             write_json(Path(args.out) / "calibration.json", costs)
+        else:  # an earlier run's calibration does not belong beside these rows
+            (Path(args.out) / "calibration.json").unlink(missing_ok=True)
     return 0
 
 
