@@ -1036,9 +1036,9 @@ def bppsa(net: Network, batch: int, p: int, machine: Machine, exchange: str, gro
 
     With ``groups`` > 1 (on more than one device) the batch is cut into that many groups of samples
     and the steps above run group after group: the top device goes straight on to the next group (it
-    needs nothing back), while each device below folds (middle), exchanges, applies and walks one group
-    before it takes the next. So devices overlap, a pipeline over the groups, at the cost of one
-    exchange per group."""
+    needs nothing back); each middle device folds every group as soon as its forward is done; then
+    each device below the top exchanges, applies and walks one group before it takes the next. So
+    devices overlap, a pipeline over the groups, at the cost of one exchange per group."""
     slices = _slices(net, p)
     q, top = len(slices), len(slices) - 1
     fwd = _forward_ends(slices, batch, machine)
@@ -1080,12 +1080,14 @@ def bppsa(net: Network, batch: int, p: int, machine: Machine, exchange: str, gro
                 down = machine.send(n * w)
             return ups * up + downs * down, [0.0] * top
 
-    top_done, free = fwd[top], fwd[:top]  # the top device's progress; when each device below is free
+    top_done = fwd[top]  # the top device's progress; when each device below is free, its folds done
+    free = [
+        fwd[r] + (sum(_fold(slices[r], n, machine) for n in sizes) if r in middle else 0.0)
+        for r in range(top)
+    ]
     for n in sizes:
         top_done += _walk(slices[top], n, machine)
-        ready = [top_done] + [
-            free[r] + (_fold(slices[r], n, machine) if r in middle else 0.0) for r in range(top)
-        ]
+        ready = [top_done, *free]
         cost, local = exchanged(n)
         got = max(ready) + cost
         free = [got + local[r] + _walk(slices[r], n, machine) for r in range(top)]

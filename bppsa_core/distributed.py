@@ -34,8 +34,11 @@ groups: the backward takes about (m + 1) / m of one rank's share of the work for
 of twice it with two ranks, where the first rank would wait for the last rank's whole backward.
 Bytes exchanged are the same; the dependent steps are m all-gathers instead of one. The last rank
 needs nothing back from the all-gathers, so it starts them without waiting (``async_op``) and runs
-its groups back to back; a slower group on another rank does not hold it up. On one rank there is
-nothing to overlap and the batch stays whole.
+its groups back to back; a slower group on another rank does not hold it up. A middle rank folds
+every group (step 2) as soon as its forward is done, before its first all-gather: it would
+otherwise wait idle for the last rank's first group, then fold each later group between two walks,
+where the folds lengthen the pipeline. On one rank there is nothing to overlap and the batch stays
+whole.
 
 **Backward, distributed BPTT** (``backward="bptt"``, the baseline): the gradient travels back rank
 by rank: each rank waits for the gradient of its last state from rank r + 1, runs autograd over its
@@ -280,13 +283,23 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     x, h_in, out, *rest = ctx.saved_tensors
     c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
     batch = h_in.shape[0]
-    parts, pending = [], []
-    for samples in torch.arange(batch).tensor_split(min(batch, ctx.micro_batches) if size > 1 else 1):
-        s = slice(int(samples[0]), int(samples[-1]) + 1)
+    groups = torch.arange(batch).tensor_split(min(batch, ctx.micro_batches) if size > 1 else 1)
+    spans = [slice(int(samples[0]), int(samples[-1]) + 1) for samples in groups]
+
+    def group(s: slice) -> list[Tensor | None]:
         # the group's steps side by side: its walk and its GEMMs then read memory in order
         per_step = [None if t is None else t[:, s].contiguous() for t in (x, out, grad_out)]
-        per_sample = [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn)]
-        parts.append(_bppsa_group(ctx, rank, size, weights, *per_step, *per_sample, pending))
+        return [*per_step, *(None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn))]
+
+    folded = [None] * len(spans)  # a middle rank's elements, all folded first (module docstring)
+    if 0 < rank < size - 1:
+        config = LayerConfig(ctx.mode, options=ScanOptions())
+        for i, s in enumerate(spans):
+            xs, outs, grads, h_s, c_s, _, _ = group(s)
+            folded[i] = slice_element(config, xs, h_s, c_s, outs, weights, grads)
+    parts, pending = [], []
+    for s, element in zip(spans, folded, strict=True):
+        parts.append(_bppsa_group(ctx, rank, size, weights, *group(s), element, pending))
     for work, _buffers in pending:
         work.wait()
     dx, g_h0, g_c0, grads = zip(*parts, strict=True)
@@ -294,10 +307,11 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     return torch.cat(dx, 1), torch.cat(g_h0), g_c0, [sum(g[1:], g[0]) for g in zip(*grads, strict=True)]
 
 
-def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn, grad_cn, pending):
-    """Steps 1-5 of the BPPSA backward (module docstring) for one group of samples. The last rank
-    needs nothing back from the all-gather, so it does not wait for it: it goes on to the next
-    group, and its all-gathers (``pending``) complete while it works."""
+def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn, grad_cn, element, pending):
+    """Steps 1-5 of the BPPSA backward (module docstring) for one group of samples; a middle rank's
+    ``element`` (step 2) is already folded. The last rank needs nothing back from the all-gather, so
+    it does not wait for it: it goes on to the next group, and its all-gathers (``pending``)
+    complete while it works."""
     lstm = ctx.lstm
     config = LayerConfig(ctx.mode, options=ScanOptions())
     batch, state = h_in.shape[0], h_in.shape[1] * (1 + lstm)
@@ -309,7 +323,7 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
         done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, grad_hn, grad_cn)
         share[..., state] = torch.cat((done[1], done[2]), -1) if lstm else done[1]
     elif rank > 0:
-        share[..., :state], share[..., state] = slice_element(config, x, h_in, c_in, out, weights, grad_out)
+        share[..., :state], share[..., state] = element
     every = [share]
     if size > 1:
         every = [torch.empty_like(share) for _ in range(size)]

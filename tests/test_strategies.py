@@ -321,6 +321,19 @@ def test_a_middle_devices_fold_can_outlast_the_top_devices_forward_and_walk() ->
     assert close(S._fold(STEPS.layers[:200], 16, plain), 200 * 16 * 20 / 1e6)
 
 
+def test_a_middle_device_folds_every_group_before_its_first_exchange() -> None:
+    """Three equal slices, 8 groups, a fold far dearer than a walk: the middle device folds all 16
+    samples as soon as its forward is done, then walks the groups as their exchanges come; folding
+    each group between walks (idle until the top's first group, then fold, walk, fold ...) would
+    take longer."""
+    est = S.bppsa(STEPS, 16, 3, COMPILED, "allgather", groups=8)
+    folds, walks = 200 * 16 * 2e-6, 200 * 16 * 1e-7
+    assert close(est.time, 400 * 1e-5 + folds + walks)
+    top_first_group = 600 * 1e-5 + walks / 8
+    interleaved = top_first_group + walks + folds * 7 / 8
+    assert est.time < interleaved
+
+
 def test_infeasible_points_say_why() -> None:
     machine = S.Machine()
     assert "exceeds the batch 8" in S.data_parallel(VGG, 8, 16, machine).note
