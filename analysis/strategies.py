@@ -285,6 +285,14 @@ def vgg11(width: float = 1.0) -> Network:
     return profile(build(width), (3, 32, 32), "vgg11" if width == 1 else f"vgg11-width{width:g}")
 
 
+def _compiled(layers: Sequence[Layer], cost: float) -> tuple[int, list[Layer]]:
+    """How many of ``layers`` are recurrent steps that a compiled ``cost`` (when set) covers, and the
+    layers left to charge by their operations."""
+    if cost <= 0:
+        return 0, list(layers)
+    return sum(x.step for x in layers), [x for x in layers if not x.step]
+
+
 # --- the interconnect ----------------------------------------------------------------------------
 
 
@@ -327,9 +335,8 @@ class Machine:
     def forward(self, layers: Sequence[Layer], samples: float) -> float:
         """The forward of ``layers`` for ``samples`` samples: ``forward_step`` per recurrent step where
         it is set, operations for the rest."""
-        fused = [x for x in layers if x.step] if self.forward_step > 0 else []
-        rest = [x for x in layers if not (x.step and self.forward_step > 0)]
-        return self.forward_step * len(fused) + self.run(rest, "forward", samples)
+        steps, rest = _compiled(layers, self.forward_step)
+        return self.forward_step * steps + self.run(rest, "forward", samples)
 
     def send(self, elements: float) -> float:
         """One point-to-point message; an empty one is not sent."""
@@ -1006,9 +1013,8 @@ def distributed_bptt(net: Network, batch: int, p: int, machine: Machine) -> Esti
 def _walk(layers: Sequence[Layer], samples: float, machine: Machine) -> float:
     """BPPSA's backward of a device's slice from the gradient that reaches its end: ``walk`` per step and
     sample where it is set (the compiled scan, weight gradients included), operations for the rest."""
-    steps = [x for x in layers if x.step] if machine.walk > 0 else []
-    rest = [x for x in layers if not (x.step and machine.walk > 0)]
-    return machine.walk * len(steps) * samples + machine.run(rest, "backward", samples)
+    steps, rest = _compiled(layers, machine.walk)
+    return machine.walk * steps * samples + machine.run(rest, "backward", samples)
 
 
 def _fold(layers: Sequence[Layer], samples: float, machine: Machine) -> float:
@@ -1470,7 +1476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--calibration",
         nargs="+",
         help="calibration.json files of experiments.bench.strategies (flops, alpha, beta) or "
-        "experiments.bench.distributed (overhead, forward-step, walk, fold, groups): they set what the "
+        "experiments.bench.distributed (overhead, forward_step, walk, fold, groups): they set what the "
         "flags leave unset, a later file winning",
     )
     parser.add_argument("--overhead", type=_non_negative, help="seconds per layer operation (default: 0)")
