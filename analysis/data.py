@@ -235,9 +235,18 @@ def speedups(data: pd.DataFrame) -> pd.DataFrame:
     return table.sort_values(order, na_position="first", kind="stable").reset_index(drop=True)
 
 
-def provenance(paths: Iterable[str | Path]) -> dict:
-    """Git commits, dirty flags and versions named by the summaries under ``paths``."""
+def provenance(paths: Iterable[str | Path], data: pd.DataFrame | None = None) -> dict:
+    """Git commits, dirty flags and versions named by the summaries under ``paths`` and by the rows of
+    ``data`` (``load_results``'s frame: each row carries its run's ``commit``, ``dirty``, ``torch``
+    and ``python``, which a merged table copied away from its run folders keeps)."""
     commits, versions = set(), set()
+
+    def add(commit, dirty, torch_version, python) -> None:
+        if isinstance(commit, str) and commit:
+            commits.add(commit[:12] + (" (dirty)" if dirty in (True, "True") else ""))
+        if isinstance(torch_version, str) and torch_version:
+            versions.add(f"torch {torch_version}, python {python}")
+
     for raw in paths:
         path = Path(raw)
         folder = path if path.is_dir() else path.parent  # a records.csv: its folder's summaries
@@ -247,10 +256,11 @@ def provenance(paths: Iterable[str | Path]) -> dict:
                 summary = json.loads(summary_path.read_text())
             except (OSError, ValueError):
                 continue
-            git = summary.get("git") or {}
-            if git.get("commit"):
-                commits.add(git["commit"][:12] + (" (dirty)" if git.get("dirty") else ""))
-            v = summary.get("versions") or {}
-            if v.get("torch"):
-                versions.add(f"torch {v['torch']}, python {v.get('python')}")
+            git, v = summary.get("git") or {}, summary.get("versions") or {}
+            add(git.get("commit"), git.get("dirty"), v.get("torch"), v.get("python"))
+    if data is not None:
+        keys = ("commit", "dirty", "torch", "python")
+        rows = data.reindex(columns=list(keys)).astype(object).where(lambda f: f.notna(), None)
+        for commit, dirty, torch_version, python in rows.drop_duplicates().itertuples(index=False):
+            add(commit, dirty, torch_version, python)
     return {"commits": sorted(commits), "versions": sorted(versions)}

@@ -86,7 +86,7 @@ def write_report(paths: Sequence[str | Path], out: Path, keep_contended: bool = 
     out.mkdir(parents=True, exist_ok=True)
     make_figures(data, out)
     table = speedups(data)
-    origin = provenance(paths)
+    origin = provenance(paths, data)
     parts = [
         "# BPPSA results",
         "Sources: " + ", ".join(f"`{p}`" for p in paths),

@@ -88,8 +88,11 @@ def identity_columns(
     x: torch.Tensor,
     device: dict,
     ranks: int = 1,
+    origin: dict | None = None,
 ) -> dict:
-    """What every record row says about its run: its identity, the swept keys and the machine."""
+    """What every record row says about its run: its identity, the swept keys, the machine, and the
+    code that made it (``origin``: the summary's ``git`` and ``versions``), so that a table copied
+    away from its run folders still names its commit (``analysis.data.provenance``)."""
     return {
         "name": cfg.name,
         "config_hash": records.config_hash(config),
@@ -114,6 +117,10 @@ def identity_columns(
             k: device.get(k)
             for k in ("device_name", "device_type", "sm_total", "sm_used", "cpu_cores", "threads_used")
         },
+        "commit": ((origin or {}).get("git") or {}).get("commit"),
+        "dirty": ((origin or {}).get("git") or {}).get("dirty"),
+        "torch": ((origin or {}).get("versions") or {}).get("torch"),
+        "python": ((origin or {}).get("versions") or {}).get("python"),
     }
 
 
@@ -336,7 +343,7 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
                     model.load_state_dict(shared["model"])
                     optimizer.load_state_dict(shared["optimizer"])
                     state = TrainState(**shared["state"])
-            columns = identity_columns(cfg, config, model, data, x0, info, ranks.size)
+            columns = identity_columns(cfg, config, model, data, x0, info, ranks.size, summary)
             logger = ranks.together(
                 (lambda: _begin(cfg, config, run_dir, summary)) if lead else None, BAD_INPUT
             )

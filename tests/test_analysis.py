@@ -405,6 +405,30 @@ def test_provenance_is_read_beside_a_records_file(tmp_path: Path) -> None:
     }
 
 
+def test_a_table_copied_away_from_its_runs_still_names_their_commits(tmp_path: Path) -> None:
+    """A merged records.csv copied on its own (as docs/reproduction keeps its tables) has no summary
+    beside it: the report reads the commits and versions its rows carry."""
+    table = [
+        {**r, "commit": "0123456789abcdef" if r["backward"] == "bppsa" else "fedcba9876543210",
+         "dirty": r["epoch"] == 2, "torch": "2.13.0+cpu", "python": "3.11.7"}
+        for r in t_sweep()
+    ]  # fmt: skip
+    copied = tmp_path / "copied.csv"
+    pd.DataFrame(table).to_csv(copied, index=False)
+    data = load_results([copied])
+    from analysis.data import provenance
+
+    origin = provenance([copied], data)
+    assert origin == {
+        "commits": ["0123456789ab", "0123456789ab (dirty)", "fedcba987654", "fedcba987654 (dirty)"],
+        "versions": ["torch 2.13.0+cpu, python 3.11.7"],
+    }
+    text = report.write_report([copied], tmp_path / "report").read_text()
+    assert "Commits: 0123456789ab, 0123456789ab (dirty), fedcba987654" in text
+    assert "Versions: torch 2.13.0+cpu, python 3.11.7" in text
+    assert provenance([copied]) == {"commits": [], "versions": []}  # without the rows: nothing beside it
+
+
 def test_an_axis_over_more_than_three_decades_shows_only_the_powers_of_ten() -> None:
     fig, ax = plt.subplots()
     ax.plot([10, 30000], [1, 2])

@@ -162,6 +162,9 @@ def test_the_default_job_runs_and_records(tmp_path: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["config"]["dataset"]["seq_len"] == 8
     assert {"commit", "dirty"} <= set(summary["git"]) and summary["versions"]["torch"] == torch.__version__
+    # every row names the code that made it, as the summary does (a merged table keeps it)
+    assert records["commit"].tolist() == [summary["git"]["commit"]] * 2
+    assert records["torch"].tolist() == [torch.__version__] * 2
     assert summary["device"]["device_type"] == "cpu" and summary["totals"]["epochs"] == 2
     assert not (ROOT / "outputs").exists() or not any((ROOT / "outputs").rglob(run_dir.name))
 
