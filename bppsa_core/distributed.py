@@ -252,6 +252,12 @@ class _Layer(torch.autograd.Function):
         return dx, (g_h0 if first else None), (g_c0 if first else None), None, None, None, None, *grads
 
 
+def sample_groups(batch: int, groups: int) -> list[slice]:
+    """The contiguous groups of samples the BPPSA backward runs in turn (module docstring): ``groups``
+    of them, at most one per sample, cut as ``torch.tensor_split`` cuts the batch."""
+    return [slice(int(g[0]), int(g[-1]) + 1) for g in torch.arange(batch).tensor_split(min(batch, groups))]
+
+
 def _split(state: Tensor, lstm: bool) -> tuple[Tensor, Tensor | None]:
     """h, and an LSTM's c, from a state (B, H) or (B, 2H)."""
     return state.chunk(2, -1) if lstm else (state, None)
@@ -282,24 +288,19 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     """The BPPSA backward of the micro-batches one after another (module docstring), joined."""
     x, h_in, out, *rest = ctx.saved_tensors
     c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
-    batch = h_in.shape[0]
-    groups = torch.arange(batch).tensor_split(min(batch, ctx.micro_batches) if size > 1 else 1)
-    spans = [slice(int(samples[0]), int(samples[-1]) + 1) for samples in groups]
-
-    def group(s: slice) -> list[Tensor | None]:
-        # the group's steps side by side: its walk and its GEMMs then read memory in order
-        per_step = [None if t is None else t[:, s].contiguous() for t in (x, out, grad_out)]
-        return [*per_step, *(None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn))]
-
+    spans = sample_groups(h_in.shape[0], ctx.micro_batches if size > 1 else 1)
     folded = [None] * len(spans)  # a middle rank's elements, all folded first (module docstring)
     if 0 < rank < size - 1:
         config = LayerConfig(ctx.mode, options=ScanOptions())
-        for i, s in enumerate(spans):
-            xs, outs, grads, h_s, c_s, _, _ = group(s)
-            folded[i] = slice_element(config, xs, h_s, c_s, outs, weights, grads)
+        for i, s in enumerate(spans):  # from views: the fold builds its factors anew, a copy would only cost
+            c_s, grads = (None if c_in is None else c_in[s]), (None if grad_out is None else grad_out[:, s])
+            folded[i] = slice_element(config, x[:, s], h_in[s], c_s, out[:, s], weights, grads)
     parts, pending = [], []
     for s, element in zip(spans, folded, strict=True):
-        parts.append(_bppsa_group(ctx, rank, size, weights, *group(s), element, pending))
+        # the group's steps side by side: its walk and its GEMMs then read memory in order
+        per_step = [None if t is None else t[:, s].contiguous() for t in (x, out, grad_out)]
+        per_sample = [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn)]
+        parts.append(_bppsa_group(ctx, rank, size, weights, *per_step, *per_sample, element, pending))
     for work, _buffers in pending:
         work.wait()
     dx, g_h0, g_c0, grads = zip(*parts, strict=True)

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bppsa_core.distributed import MICRO_BATCHES
+from bppsa_core.distributed import MICRO_BATCHES, sample_groups
 from experiments.bench import memory
 from experiments.bench.common import markdown, non_negative_int, parser, positive_int
 
@@ -129,16 +129,11 @@ def _fold_seconds(model: torch.nn.RNNBase, x: torch.Tensor, groups: int, warmup:
     with torch.no_grad():
         out, _ = model(x)
     h0 = x.new_zeros(x.shape[1], model.hidden_size)
-    spans = [
-        (int(s[0]), int(s[-1]) + 1) for s in torch.arange(x.shape[1]).tensor_split(min(x.shape[1], groups))
-    ]
     times = []
     for i in range(warmup + repeats):
         start = time.perf_counter()
-        for a, b in spans:
-            slice_element(
-                config, x[:, a:b].contiguous(), h0[a:b], None, out[:, a:b].contiguous(), weights, None
-            )
+        for s in sample_groups(x.shape[1], groups):
+            slice_element(config, x[:, s], h0[s], None, out[:, s], weights, None)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -273,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     costs = None
     if folds:
         steps = max(folds)
-        groups = min(args.B, args.micro_batches)
+        groups = len(sample_groups(args.B, args.micro_batches))
         costs = calibration(steps, args.B, groups, rows, folds[steps])
         print(
             f"\none rank at T = {steps}: forward {costs['forward_step']:.3g} s per step, BPPSA walk "
