@@ -93,6 +93,7 @@ def identity_columns(
     """What every record row says about its run: its identity, the swept keys, the machine, and the
     code that made it (``origin``: the summary's ``git`` and ``versions``), so that a table copied
     away from its run folders still names its commit (``analysis.data.provenance``)."""
+    git, versions = (origin or {}).get("git") or {}, (origin or {}).get("versions") or {}
     return {
         "name": cfg.name,
         "config_hash": records.config_hash(config),
@@ -117,10 +118,10 @@ def identity_columns(
             k: device.get(k)
             for k in ("device_name", "device_type", "sm_total", "sm_used", "cpu_cores", "threads_used")
         },
-        "commit": ((origin or {}).get("git") or {}).get("commit"),
-        "dirty": ((origin or {}).get("git") or {}).get("dirty"),
-        "torch": ((origin or {}).get("versions") or {}).get("torch"),
-        "python": ((origin or {}).get("versions") or {}).get("python"),
+        "commit": git.get("commit"),
+        "dirty": git.get("dirty"),
+        "torch": versions.get("torch"),
+        "python": versions.get("python"),
     }
 
 
