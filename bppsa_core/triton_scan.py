@@ -53,9 +53,10 @@ Loop bounds (chunk size, remainder, aggregate count) are run-time arguments, and
 changes with the data (length, chunk size, batch, the scales' strides) is specialized on, so a GPU
 compiles each configuration once, whatever the sequence length; under Triton's interpreter the
 launches hand the bounds in as ``tl.constexpr`` objects (``_BOUNDS``; docs/DESIGN.md, "Loop bounds").
-The constexprs and warps of every launch come from ``launch_config`` and ``lstm_launch_config``;
-``launch_configs`` lists every configuration the modules can launch, and ``experiments.bench.kernels``
-(with ``tests/test_compile.py``) compiles them all for sm_80 and sm_90 without a GPU.
+The constexprs, warps and compile settings of every launch come from ``launch_config`` and
+``lstm_launch_config``; ``launch_configs`` lists every configuration the modules can launch, and
+``experiments.bench.kernels`` (with ``tests/test_compile.py``) compiles them all for sm_80 and sm_90
+without a GPU.
 """
 
 from __future__ import annotations
@@ -709,18 +710,25 @@ def lstm_num_warps(hp: int) -> int:
 
 
 class Launch(NamedTuple):
-    """How one kernel of a launch is compiled: its constexprs and warps. Everything else it is given
-    (pointers, sizes, the loop bounds) is a run-time argument."""
+    """How one kernel of a launch is compiled: its constexprs, warps and compile settings. Everything
+    else it is given (pointers, sizes, the loop bounds) is a run-time argument."""
 
     kernel: Any  # a ``triton.jit`` kernel (``JITFunction``, or ``InterpretedFunction`` under the interpreter)
     constexprs: dict[str, int | bool]
     num_warps: int
+    num_stages: int | None = None  # None: Triton's default, loads software-pipelined over 3 stages
+    maxnreg: int | None = None  # None: ptxas picks the registers per thread
+
+    def options(self) -> dict[str, int]:
+        """The compile options Triton is given: the warps, and the stages and register cap where set."""
+        settings = {"num_stages": self.num_stages, "maxnreg": self.maxnreg}
+        return {"num_warps": self.num_warps, **{k: v for k, v in settings.items() if v is not None}}
 
     def run(self, grid: tuple[int, ...], **args: Any) -> None:
         """The kernel on ``grid`` with the run-time ``args`` (by name) and these settings."""
         if not isinstance(self.kernel, triton.JITFunction):  # Triton's interpreter: see ``_BOUNDS``
             args = {k: tl.constexpr(v) if k in _BOUNDS else v for k, v in args.items()}
-        self.kernel[grid](**args, **self.constexprs, num_warps=self.num_warps)
+        self.kernel[grid](**args, **self.constexprs, **self.options())
 
 
 def launch_config(
@@ -743,11 +751,17 @@ def launch_config(
     }
     walks = {**chain, "FUSED": fused}  # the kernels that walk elements and write x_k or deltas
     warps = num_warps(terms, hp)
-    return {
-        "reduce": Launch(_reduce, chain, warps),
-        "spine": Launch(_spine, walks, warps),
-        "expand": Launch(_expand, walks, warps),
-    }
+    gru = mode == GRU.value
+    # Compile settings under which no configuration keeps a value in a stack slot (tests/test_compile.py;
+    # docs/PERFORMANCE.md, "Compiled kernels", says what each one clears): a reduce loop is not
+    # software-pipelined (a step loads a few vectors against an HP x HP product), except the GRU's
+    # below HP = 64 or with offsets, where unpipelined compiles took a slot; the GRU's reduce at
+    # HP = 64 and its expand at HP = 16, both without offsets, get a register cap above the count at
+    # which ptxas parked a value.
+    unpipelined = not gru or (hp == 64 and not has_b)
+    reduce = Launch(_reduce, chain, warps, 1 if unpipelined else None, 128 if gru and unpipelined else None)
+    expand = Launch(_expand, walks, warps, maxnreg=64 if gru and hp == 16 and not has_b else None)
+    return {"reduce": reduce, "spine": Launch(_spine, walks, warps), "expand": expand}
 
 
 def lstm_launch_config(has_hh: bool, has_b: bool, hp: int) -> dict[str, Launch]:
@@ -755,8 +769,11 @@ def lstm_launch_config(has_hh: bool, has_b: bool, hp: int) -> dict[str, Launch]:
     h<-h diagonal (sequences of different lengths); ``has_b``, offsets; ``hp``, ``padded(H)``."""
     settings = {"HAS_HH": has_hh, "HAS_B": has_b, "HP": hp}
     warps = lstm_num_warps(hp)
-    kernels = {"reduce": _lstm_reduce, "spine": _lstm_spine, "expand": _lstm_expand}
-    return {role: Launch(kernel, settings, warps) for role, kernel in kernels.items()}
+    return {
+        "reduce": Launch(_lstm_reduce, settings, warps, num_stages=1),  # as ``launch_config``'s reduce
+        "spine": Launch(_lstm_spine, settings, warps),
+        "expand": Launch(_lstm_expand, settings, warps),
+    }
 
 
 class KernelConfig(NamedTuple):
@@ -791,8 +808,8 @@ def launch_configs() -> list[KernelConfig]:
     (K = 3, a diagonal); each with and without offsets, for
     every H the kernels take (``dispatch.MAX_HIDDEN``, grouped by ``h_variants``). ``triton_lstm_scan``:
     with and without the h<-h diagonal and offsets, H <= ``dispatch.MAX_LSTM_HIDDEN``. A configuration
-    whose kernel, constexprs and warps another already has (``_reduce`` takes no ``FUSED``) is listed
-    once.
+    whose kernel, constexprs and compile options another already has (``_reduce`` takes no ``FUSED``)
+    is listed once.
     """
     from bppsa_core.dispatch import MAX_HIDDEN, MAX_LSTM_HIDDEN
 
@@ -823,7 +840,12 @@ def launch_configs() -> list[KernelConfig]:
     unique: dict[tuple, KernelConfig] = {}
     for config in found:
         launch = config.launch
-        key = (launch.kernel, tuple(sorted(launch.constexprs.items())), launch.num_warps, config.hidden)
+        key = (
+            launch.kernel,
+            tuple(sorted(launch.constexprs.items())),
+            tuple(launch.options().items()),
+            config.hidden,
+        )
         unique.setdefault(key, config)
     return list(unique.values())
 

@@ -155,7 +155,7 @@ def jit_inputs(launch: Launch, args: dict[str, Any], arch: int) -> Inputs:
     kwargs = {
         **args,
         **launch.constexprs,
-        "num_warps": launch.num_warps,
+        **launch.options(),
         "debug": False,
         "instrumentation_mode": triton.knobs.compilation.instrumentation_mode,
     }
@@ -183,9 +183,7 @@ def compile_config(config: KernelConfig, arch: int) -> Any:
 
     signature, constexprs, attrs = compile_inputs(config, arch)
     source = ASTSource(fn=config.launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(
-        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": config.launch.num_warps}
-    )
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=config.launch.options())
 
 
 def cuobjdump(cubin: bytes) -> str:
