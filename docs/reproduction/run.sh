@@ -31,7 +31,8 @@ if [[ "$device" != cpu ]]; then
 fi
 mkdir -p "$tables"
 
-sweep() {  # sweep <table> <preset> <overrides...>: run the preset shrunk, copy its merged table
+swept=()
+sweep() {  # sweep <table> <preset> <overrides...>: run the preset shrunk
     local table=$1 preset=$2; shift 2
     mkdir -p "$work"
     echo "== $table (log: $work/$table.log)"
@@ -42,7 +43,7 @@ sweep() {  # sweep <table> <preset> <overrides...>: run the preset shrunk, copy 
         exit 1
     fi
     grep -E "^sweep " "$work/$table.log"
-    cp "$work/$table/records.csv" "$tables/$table.csv"
+    swept+=("$table")
 }
 
 if [[ $draw_only == 0 ]]; then
@@ -64,6 +65,9 @@ if [[ $draw_only == 0 ]]; then
     sweep gru_irmas gru_irmas "${gru[@]}" trainer.epochs=3
     # fig. 13: GRU loss against wall-clock, s / m / l, B = 16
     sweep gru_curves gru_curves "${gru[@]}" trainer.epochs=15
+    # the merged tables are copied only now: a table copied into the checkout earlier would mark
+    # every later run's records as made from a modified tree (their `dirty` column)
+    for table in "${swept[@]}"; do cp "$work/$table/records.csv" "$tables/$table.csv"; done
     if [[ "$device" == cpu ]]; then
         # fig. 10: the pruned VGG-11 study at a quarter of the width; Table 1: CSR against autograd
         "$py" -m experiments.bench.pruned_vgg --out "$work/pruned_vgg" --width 0.25 --steps 50 > /dev/null
