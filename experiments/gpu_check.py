@@ -17,7 +17,11 @@ section of the report with its command, its time and its output (or why it faile
    sequential forward, T = 100 ... 100,000, at initialization and trained (``experiments.bench.forward``);
 8. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
    kernels at H = 1, 20, 32 and 64, for this GPU's architecture, to set beside the measured times
-   of steps 2 and 5.
+   of steps 2 and 5;
+9. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
+   of one thread per core (``experiments.bench.distributed`` at T = 100,000): the measured 3- and
+   4-rank points of docs/STRATEGIES.md, which a 2-core machine cannot give. Its ``measured.csv``
+   and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report.
 
 ``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
 GPU: what needs CUDA (the tests, the graph and Triton strategies, green contexts) is reported as
@@ -45,7 +49,7 @@ from datasets.common import write_atomic
 from experiments.bench.common import Progress, markdown, version
 from experiments.timing import time_ms
 
-STEPS = ("tests", "backward", "epoch", "scan", "chunk", "workers", "forward", "kernels")
+STEPS = ("tests", "backward", "epoch", "scan", "chunk", "workers", "forward", "kernels", "ranks")
 CHUNKS = (8, 16, 32, 64, 128)
 GPU_TEST_FILES = ("tests/test_triton.py", "tests/test_sparse.py")
 TITLES = {
@@ -57,7 +61,10 @@ TITLES = {
     "workers": "Backward against SMs (green contexts)",
     "forward": "Newton forward against cuDNN's",
     "kernels": "Compiled kernels: resources and static estimate",
+    "ranks": "Sequence parallel over CPU ranks (gloo)",
 }
+RANKS_T = 100_000  # the sequence-parallel benchmark's length (docs/STRATEGIES.md)
+RANKS_REPEATS = 3  # BPTT takes seconds an iteration there
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -76,8 +83,10 @@ def _bench(*args: str) -> list[str]:
     return [sys.executable, "-m", "experiments.bench.backward", *args]
 
 
-def plan(dry: bool, repeats: int, warmup: int) -> dict[str, list[list[str]] | str]:
-    """Each step's commands (argv lists), or the reason it is skipped."""
+def plan(
+    dry: bool, repeats: int, warmup: int, out: Path = Path("gpu_report.md")
+) -> dict[str, list[list[str]] | str]:
+    """Each step's commands (argv lists), or the reason it is skipped; ``out``: the report's path."""
     device = ["--device", "cpu" if dry else "cuda", "--repeats", str(repeats), "--warmup", str(warmup)]
     suite = ["--suite", "paper", *(["--quick"] if dry else [])]
     gpu_only = "needs a CUDA device"
@@ -107,7 +116,35 @@ def plan(dry: bool, repeats: int, warmup: int) -> dict[str, list[list[str]] | st
                 *architectures(dry),
             ]
         ],
+        "ranks": [
+            [
+                sys.executable,
+                "-m",
+                "experiments.bench.distributed",
+                "--ranks",
+                *map(str, rank_counts(dry)),
+                "--T",
+                "2000" if dry else str(RANKS_T),
+                "--repeats",
+                str(min(repeats, RANKS_REPEATS)),
+                "--warmup",
+                str(min(warmup, 1)),
+                "--out",
+                str(ranks_folder(out)),
+            ]
+        ],
     }
+
+
+def rank_counts(dry: bool) -> list[int]:
+    """The process counts of the ``ranks`` step: 1 to 4, one core each (ranks sharing a core would
+    measure the sharing); dry, 1 and 2."""
+    return [1, 2] if dry else list(range(1, min(4, os.cpu_count() or 1) + 1))
+
+
+def ranks_folder(out: Path) -> Path:
+    """Where the ``ranks`` step writes ``measured.csv`` and ``calibration.json``: beside the report."""
+    return out.with_name(f"{out.stem}-ranks")
 
 
 def architectures(dry: bool) -> list[str]:
@@ -230,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     progress = Progress("gpu_check")
-    steps = plan(args.dry, args.repeats, args.warmup)
+    steps = plan(args.dry, args.repeats, args.warmup, args.out)
     sections: dict[str, Section] = {}
     for name in args.steps:
         section = sections[name] = Section(TITLES[name])

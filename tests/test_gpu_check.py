@@ -25,6 +25,19 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     assert forward[forward.index("--device") + 1] == "cuda"
     assert [a[a.index("--chunk") + 1] for a in steps["chunk"]] == [str(c) for c in gpu_check.CHUNKS]
     assert all("triton" in a for a in steps["chunk"])
+    (ranks,) = steps["ranks"]
+    assert ranks[1:3] == ["-m", "experiments.bench.distributed"]
+    assert ranks[ranks.index("--T") + 1] == "100000" and ranks[ranks.index("--repeats") + 1] == "3"
+    assert ranks[ranks.index("--out") + 1] == "gpu_report-ranks"  # beside the report
+
+
+def test_the_ranks_step_takes_one_core_per_rank_up_to_four(monkeypatch) -> None:
+    for cores, counts in ((16, [1, 2, 3, 4]), (3, [1, 2, 3]), (2, [1, 2]), (None, [1])):
+        monkeypatch.setattr(gpu_check.os, "cpu_count", lambda n=cores: n)
+        (ranks,) = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
+        start = ranks.index("--ranks") + 1
+        assert ranks[start : start + len(counts) + 1] == [*map(str, counts), "--T"], cores
+    assert gpu_check.rank_counts(dry=True) == [1, 2]
 
 
 def test_the_dry_plan_skips_what_needs_cuda_and_shrinks_the_rest() -> None:
@@ -36,6 +49,8 @@ def test_the_dry_plan_skips_what_needs_cuda_and_shrinks_the_rest() -> None:
             assert "--quick" in argv or "--T" in argv
     assert steps["kernels"][0][-2:] == ["80", "90"] and "representative" in steps["kernels"][0]
     assert "--quick" in steps["forward"][0] and "cpu" in steps["forward"][0]
+    (ranks,) = steps["ranks"]
+    assert ranks[ranks.index("--ranks") + 1 : ranks.index("--T") + 2] == ["1", "2", "--T", "2000"]
 
 
 def test_without_a_gpu_the_command_says_how_to_check_it(tmp_path) -> None:
@@ -78,3 +93,7 @@ def test_the_dry_run_goes_end_to_end(tmp_path) -> None:
         assert f"Step `{name}`: " + ("skipped" if name == "tests" else "ok") in text
     assert len(markdown_tables(text)) >= 10
     assert "| kernel | mode |" in text and "estimate" in text  # the compiled kernels' table
+    assert "| T | ranks | backward |" in text  # the sequence-parallel table
+    measured = (tmp_path / "report-ranks" / "measured.csv").read_text().splitlines()
+    assert len(measured) == 1 + 4  # 1 and 2 ranks, BPPSA and BPTT
+    assert (tmp_path / "report-ranks" / "calibration.json").is_file()
