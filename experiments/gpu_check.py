@@ -143,8 +143,9 @@ def rank_counts(dry: bool) -> list[int]:
 
 
 def ranks_folder(out: Path) -> Path:
-    """Where the ``ranks`` step writes ``measured.csv`` and ``calibration.json``: beside the report."""
-    return out.with_name(f"{out.stem}-ranks")
+    """Where the ``ranks`` step writes ``measured.csv`` and ``calibration.json``: beside the report
+    (an absolute path: the steps run from the repository's root, the report is written from here)."""
+    return out.resolve().with_name(f"{out.stem}-ranks")
 
 
 def architectures(dry: bool) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from helpers import ROOT, markdown_tables, run_module
 
@@ -28,7 +29,7 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     (ranks,) = steps["ranks"]
     assert ranks[1:3] == ["-m", "experiments.bench.distributed"]
     assert ranks[ranks.index("--T") + 1] == "100000" and ranks[ranks.index("--repeats") + 1] == "3"
-    assert ranks[ranks.index("--out") + 1] == "gpu_report-ranks"  # beside the report
+    assert ranks[ranks.index("--out") + 1] == str(Path.cwd() / "gpu_report-ranks")  # beside the report
 
 
 def test_the_ranks_step_takes_one_core_per_rank_up_to_four(monkeypatch) -> None:
