@@ -1026,9 +1026,10 @@ def _fold(layers: Sequence[Layer], samples: float, machine: Machine) -> float:
 
 
 def _groups(batch: int, groups: int) -> list[int]:
-    """The sizes of ``groups`` contiguous sample groups of a batch, as ``torch.tensor_split`` cuts it."""
-    m = min(groups, batch)
-    return [batch // m + (1 if g < batch % m else 0) for g in range(m)]
+    """The sizes of the sample groups ``bppsa_core.distributed`` cuts a batch into (``sample_groups``)."""
+    from bppsa_core.distributed import sample_groups
+
+    return [s.stop - s.start for s in sample_groups(batch, groups)]
 
 
 def bppsa(net: Network, batch: int, p: int, machine: Machine, exchange: str, groups: int = 1) -> Estimate:
