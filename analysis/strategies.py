@@ -1034,18 +1034,18 @@ def _groups(batch: int, groups: int) -> list[int]:
 
 def bppsa(net: Network, batch: int, p: int, machine: Machine, exchange: str, groups: int = 1) -> Estimate:
     """BPPSA with one device per slice, as ``bppsa_core.distributed`` runs it. The top device runs its
-    slice's backward as usual; each middle device, as soon as its forward is done, folds its slice's
-    transposed Jacobians into one aggregate per sample (n_in x n_out); the aggregates meet by one
-    all-gather (each device then applies the ones above it to the top's gradient) or by a tree
-    (⌈log2 p⌉ rounds up, composing pairs, ⌈log2 p⌉ rounds down, one matrix-vector product each); then
-    every device runs its slice's backward from the gradient it got. The bottom device's aggregate is
-    never needed.
+    slice's backward as usual; each middle device, as soon as its own forward is done (while the
+    devices above run theirs), folds its slice's transposed Jacobians into one aggregate per sample
+    (n_in x n_out); the aggregates meet by one all-gather (each device then applies the ones above it
+    to the top's gradient) or by a tree (⌈log2 p⌉ rounds up, composing pairs, ⌈log2 p⌉ rounds down,
+    one matrix-vector product each); then every device runs its slice's backward from the gradient it
+    got. The bottom device's aggregate is never needed.
 
     With ``groups`` > 1 (on more than one device) the batch is cut into that many groups of samples
-    and the steps above run group after group: the top device goes straight on to the next group (it
-    needs nothing back); each middle device folds every group as soon as its forward is done; then
-    each device below the top exchanges, applies and walks one group before it takes the next. So
-    devices overlap, a pipeline over the groups, at the cost of one exchange per group."""
+    and the exchange and walks run group after group: the top device goes straight on to the next
+    group (it needs nothing back); each device below, its fold done, exchanges, applies and walks one
+    group before it takes the next. So devices overlap, a pipeline over the groups, at the cost of
+    one exchange per group."""
     slices = _slices(net, p)
     q, top = len(slices), len(slices) - 1
     fwd = _forward_ends(slices, batch, machine)

@@ -18,27 +18,35 @@ m times the steps to overlap at most half of them.
 **Backward, BPPSA** (``backward="bppsa"``), per layer, from the top, for each group of samples
 in turn (below):
 1. the last rank runs its slice's backward as a single process would (its chain ends at the loss);
-2. every middle rank folds its slice's chain of transposed Jacobians into one affine element per
-   sample (``bppsa_core.scan.fold``: an H x H matrix and an offset) while the last rank works;
+2. every middle rank shares its slice as one affine element per sample, v -> v @ A + b for the
+   gradient v reaching its last state. A (H x H, ``slice_fold``: ``bppsa_core.scan.fold`` of the
+   slice's chain of transposed Jacobians) depends on the forward alone, so the rank folds it in the
+   forward, right after it hands its last state on, while the ranks above run their forwards. b is
+   what the slice's own outputs send back: zero when the loss reaches them through the last state
+   only, else the slice's backward walked from nothing at its end (the backward is linear, so step
+   5 then walks from v alone and the two walks' gradients add up);
 3. one ``all_gather`` of those elements: p·B·H·(H+1) numbers over all groups, independent of T;
 4. each rank applies the elements above it to the last rank's gradient: the gradient entering its
    slice from the right, without waiting for any other rank;
 5. each rank runs its slice's backward from that gradient (the usual scan of ``bppsa_core.layer``).
 The first rank's element is never needed, so it has nothing to do until step 4.
 
+Folding in the forward takes a middle rank's most costly work (3 walks of its slice on a CPU rank)
+off the backward's path: it overlaps the forwards of the ranks above, and only what exceeds them
+delays this rank (and, with several layers, the next layer's forward above it). A forward under
+``torch.no_grad()`` or with nothing requiring a gradient does not fold; one whose outputs never
+reach a backward has folded for nothing.
+
 **Micro-batches in the backward.** Samples are independent, so the batch is cut into
 ``micro_batches`` contiguous groups (default ``MICRO_BATCHES``, at most one per sample), and the
 steps above run group after group: while the other ranks finish group j (steps 4-5), the last
-rank and the middle ranks already work on group j + 1 (steps 1-2). That is a pipeline over the
-groups: the backward takes about (m + 1) / m of one rank's share of the work for m groups, instead
-of twice it with two ranks, where the first rank would wait for the last rank's whole backward.
-Bytes exchanged are the same; the dependent steps are m all-gathers instead of one. The last rank
-needs nothing back from the all-gathers, so it starts them without waiting (``async_op``) and runs
-its groups back to back; a slower group on another rank does not hold it up. A middle rank folds
-every group (step 2) as soon as its forward is done, before its first all-gather: it would
-otherwise wait idle for the last rank's first group, then fold each later group between two walks,
-where the folds lengthen the pipeline. On one rank there is nothing to overlap and the batch stays
-whole.
+rank already works on group j + 1 (step 1). That is a pipeline over the groups: the backward takes
+about (m + 1) / m of one rank's share of the work for m groups, instead of twice it with two ranks,
+where the first rank would wait for the last rank's whole backward. Bytes exchanged are the same;
+the dependent steps are m all-gathers instead of one. The last rank needs nothing back from the
+all-gathers, so it starts them without waiting (``async_op``) and runs its groups back to back; a
+slower group on another rank does not hold it up. On one rank there is nothing to overlap and the
+batch stays whole.
 
 **Backward, distributed BPTT** (``backward="bptt"``, the baseline): the gradient travels back rank
 by rank: each rank waits for the gradient of its last state from rank r + 1, runs autograd over its
@@ -70,7 +78,7 @@ from torch import Tensor, nn
 
 from bppsa_core.dispatch import ScanOptions
 from bppsa_core.jacobians import LayerWeights
-from bppsa_core.layer import LayerConfig, bppsa_backward, cell_of, injected, native_forward
+from bppsa_core.layer import LayerConfig, bppsa_backward, cell_of, native_forward
 from bppsa_core.scan import fold
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
@@ -164,12 +172,13 @@ class SequenceParallel(nn.Module):
             hx = (zeros, zeros) if lstm else zeros
         h0, c0 = hx if lstm else (hx, None)
         per_layer = len(m._flat_weights) // m.num_layers
+        grad = torch.is_grad_enabled()  # a middle rank folds its slices only for a backward to come
         inp, hs, cs = x, [], []
         for i in range(m.num_layers):
             weights = m._flat_weights[i * per_layer : (i + 1) * per_layer]
             c0_i = None if c0 is None else c0[i]
             inp, h, c = _Layer.apply(
-                inp, h0[i], c0_i, m.mode, self.backward, self.micro_batches, self.group, *weights
+                inp, h0[i], c0_i, m.mode, self.backward, self.micro_batches, grad, self.group, *weights
             )
             hs.append(h)
             cs.append(c)
@@ -199,7 +208,7 @@ class _Layer(torch.autograd.Function):
     A state is h, or an LSTM's h and c side by side (B, 2H): what travels between ranks."""
 
     @staticmethod
-    def forward(ctx, x, h0, c0, mode, backward, micro_batches, group, *weights):
+    def forward(ctx, x, h0, c0, mode, backward, micro_batches, grad, group, *weights):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         lstm = c0 is not None
         state = (torch.cat((h0, c0), -1) if lstm else h0).detach()
@@ -224,6 +233,11 @@ class _Layer(torch.autograd.Function):
         last = torch.cat((h_last, c_last), -1) if lstm else h_last
         if rank < size - 1:
             dist.send(traffic.add(last.contiguous()), dst=_peer(group, rank + 1), group=group)
+        ctx.folded = None
+        if backward == "bppsa" and grad and any(ctx.needs_input_grad) and 0 < rank < size - 1:
+            # a middle rank folds its slice while the ranks above run their forwards (module docstring)
+            config = LayerConfig(mode, options=ScanOptions())
+            ctx.folded = slice_fold(config, x, h_in, c_in, out, list(weights))
         final = traffic.add(last.clone()) if rank == size - 1 else torch.empty_like(last)
         dist.broadcast(final, src=_peer(group, size - 1), group=group)
         h_n, c_n = _split(final, lstm)
@@ -249,7 +263,7 @@ class _Layer(torch.autograd.Function):
             sizes = [g.numel() for g in grads]
             grads = [part.view_as(g) for part, g in zip(flat.split(sizes), grads, strict=True)]
         first = rank == 0
-        return dx, (g_h0 if first else None), (g_c0 if first else None), None, None, None, None, *grads
+        return dx, (g_h0 if first else None), (g_c0 if first else None), None, None, None, None, None, *grads
 
 
 def sample_groups(batch: int, groups: int) -> list[slice]:
@@ -289,18 +303,13 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     x, h_in, out, *rest = ctx.saved_tensors
     c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
     spans = sample_groups(h_in.shape[0], ctx.micro_batches if size > 1 else 1)
-    folded = [None] * len(spans)  # a middle rank's elements, all folded first (module docstring)
-    if 0 < rank < size - 1:
-        config = LayerConfig(ctx.mode, options=ScanOptions())
-        for i, s in enumerate(spans):  # from views: the fold builds its factors anew, a copy would only cost
-            c_s, grads = (None if c_in is None else c_in[s]), (None if grad_out is None else grad_out[:, s])
-            folded[i] = slice_element(config, x[:, s], h_in[s], c_s, out[:, s], weights, grads)
+    folded, ctx.folded = ctx.folded, None  # a middle rank's A, folded in the forward
     parts, pending = [], []
-    for s, element in zip(spans, folded, strict=True):
+    for s in spans:
         # the group's steps side by side: its walk and its GEMMs then read memory in order
         per_step = [None if t is None else t[:, s].contiguous() for t in (x, out, grad_out)]
-        per_sample = [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn)]
-        parts.append(_bppsa_group(ctx, rank, size, weights, *per_step, *per_sample, element, pending))
+        per_sample = [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn, folded)]
+        parts.append(_bppsa_group(ctx, rank, size, weights, *per_step, *per_sample, pending))
     for work, _buffers in pending:
         work.wait()
     dx, g_h0, g_c0, grads = zip(*parts, strict=True)
@@ -308,9 +317,9 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     return torch.cat(dx, 1), torch.cat(g_h0), g_c0, [sum(g[1:], g[0]) for g in zip(*grads, strict=True)]
 
 
-def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn, grad_cn, element, pending):
+def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn, grad_cn, folded, pending):
     """Steps 1-5 of the BPPSA backward (module docstring) for one group of samples; a middle rank's
-    ``element`` (step 2) is already folded. The last rank needs nothing back from the all-gather, so
+    A (``folded``) comes from the forward. The last rank needs nothing back from the all-gather, so
     it does not wait for it: it goes on to the next group, and its all-gathers (``pending``)
     complete while it works."""
     lstm = ctx.lstm
@@ -319,12 +328,16 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
     # what this rank shares: its slice as an affine element [A | b] of the gradient entering it from
     # the right (middle ranks), the gradient of its first state (the last rank), nothing (rank 0)
     share = h_in.new_zeros(batch, state, state + 1)
-    done = None
+    done = own = None
     if rank == size - 1:
         done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, grad_hn, grad_cn)
         share[..., state] = torch.cat((done[1], done[2]), -1) if lstm else done[1]
     elif rank > 0:
-        share[..., :state], share[..., state] = element
+        share[..., :state] = folded
+        if grad_out is not None:  # b: what the slice's own outputs send back, walked from nothing at its end
+            own = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, None, None)
+            share[..., state] = torch.cat((own[1], own[2]), -1) if lstm else own[1]
+            grad_out = None  # the walk from the right's gradient below adds the rest (both are linear)
     every = [share]
     if size > 1:
         every = [torch.empty_like(share) for _ in range(size)]
@@ -339,35 +352,23 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
             ).squeeze(1)
         v_h, v_c = _split(v, lstm)
         done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, v_h, v_c)
-    dx, g_h0, g_c0, grads = done
-    return dx, g_h0, g_c0, grads
+    if own is not None:  # the two walks' gradients, summed
+        dx, g_h0, g_c0, grads = done
+        g_c0 = None if g_c0 is None else g_c0 + own[2]
+        done = dx + own[0], g_h0 + own[1], g_c0, [g + o for g, o in zip(grads, own[3], strict=True)]
+    return done
 
 
-def slice_element(
-    config: LayerConfig,
-    x: Tensor,
-    h_in: Tensor,
-    c_in: Tensor | None,
-    out: Tensor,
-    weights: list[Tensor],
-    grad_out: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """A slice's backward as one affine element per sample (a middle rank's step 2): the gradient of
-    its first state is v @ A + b for the gradient v that reaches its last state from the right.
+def slice_fold(
+    config: LayerConfig, x: Tensor, h_in: Tensor, c_in: Tensor | None, out: Tensor, weights: list[Tensor]
+) -> Tensor:
+    """A slice's chain of transposed Jacobians as one matrix per sample (a middle rank's fold): the
+    gradient v that reaches its last state from the right reaches its first state as v @ A.
 
     x (T_r, B, I) the slice's inputs, h_in (B, H) and c_in (B, H) or None the state it starts from,
-    out (T_r, B, H) its outputs, ``weights`` the layer's, ``grad_out`` the gradient reaching its
-    outputs from outside or None. Returns A (B, S, S) and b (B, S), S the state's width (an LSTM's 2H).
-    ``experiments.bench.distributed`` times it as the model's fold cost."""
+    out (T_r, B, H) its outputs, ``weights`` the layer's. Returns A (B, S, S), S the state's width (an
+    LSTM's 2H). ``experiments.bench.distributed`` times it as the model's fold cost."""
     cell, w = cell_of(config.mode), LayerWeights(*weights)
     h_prev = torch.cat((h_in.unsqueeze(0), out[:-1]))
-    chain = cell.chain(cell.factors(x, h_prev, out, w, c_in, None), w)
-    offsets, u_last = injected(grad_out), (None if grad_out is None else grad_out[-1])
-    if c_in is not None and offsets is not None:  # an LSTM's c gets gradient only through the chain
-        offsets = torch.cat((offsets, torch.zeros_like(offsets)), -1)
-        u_last = torch.cat((u_last, torch.zeros_like(u_last)), -1)
-    a, b = fold(chain, offsets)
-    a = a.expand(h_in.shape[0], -1, -1)
-    if u_last is not None:  # the last output's own gradient enters where v does
-        b = torch.baddbmm(b.unsqueeze(1), u_last.unsqueeze(1), a).squeeze(1)
-    return a, (h_in.new_zeros(a.shape[0], a.shape[-1]) if b is None else b)
+    a, _ = fold(cell.chain(cell.factors(x, h_prev, out, w, c_in, None), w))
+    return a.expand(h_in.shape[0], -1, -1)

@@ -112,6 +112,34 @@ def test_gradients_equal_single_process_autograd(size: int) -> None:
     _ranks(size, _exact)
 
 
+def _folds_in_the_forward(rank: int, size: int) -> None:
+    """Each middle rank folds each layer's slice once, in the forward, and only when a backward can
+    follow; the first and last ranks never fold."""
+    from unittest import mock
+
+    import bppsa_core.distributed as sp
+
+    model = GRU(F, H, num_layers=2, dtype=torch.float64)
+    x = torch.randn(T, B, F, dtype=torch.float64)
+    mine = torch.tensor_split(x, size)[rank]
+    middle = 0 < rank < size - 1
+    with mock.patch.object(sp, "slice_fold", wraps=sp.slice_fold) as folds:
+        parallel = SequenceParallel(model)
+        with torch.no_grad():
+            parallel(mine)
+        assert folds.call_count == 0, f"rank {rank}: folded without a backward to come"
+        out, h_n = parallel(mine)
+        assert folds.call_count == 2 * middle, f"rank {rank}: {folds.call_count} folds in the forward"
+        (out.sum() + h_n.sum()).backward()
+        assert folds.call_count == 2 * middle, f"rank {rank}: folded again in the backward"
+        SequenceParallel(model, backward="bptt")(mine)[1].sum().backward()
+        assert folds.call_count == 2 * middle, f"rank {rank}: distributed BPTT folded"
+
+
+def test_a_middle_rank_folds_in_the_forward_only() -> None:
+    _ranks(4, _folds_in_the_forward)
+
+
 def _data_and_sequence(rank: int, size: int) -> None:
     """Four ranks: two replicas of DistributedDataParallel, each a sequence split over two ranks."""
     from torch.nn.parallel import DistributedDataParallel

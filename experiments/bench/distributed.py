@@ -25,8 +25,8 @@ rank's kernels cost at the largest T, the
 costs the model charges a device that runs ``bppsa_core.distributed`` (``--calibration``):
 - ``forward_step``: seconds per step of the fused forward (the whole batch at once);
 - ``walk``: seconds per step and sample of BPPSA's backward of a slice from a given gradient;
-- ``fold``: seconds per step and sample of a middle rank's fold of its slice into one affine element
-  per sample (``slice_element``, timed group by group as the ranks run it);
+- ``fold``: seconds per step and sample of a middle rank's fold of its slice into one matrix per
+  sample (``slice_fold``, the whole batch at once, as a middle rank runs it in its forward);
 - ``overhead``: seconds per operation of BPTT's backward (autograd's, 2T - 1 operations);
 - ``groups``: the BPPSA backward's sample groups (``--micro-batches``).
 """
@@ -109,7 +109,7 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
             "memory": peak,
         }
         if size == 1:
-            result["fold"] = _fold_seconds(model, x, groups, settings["warmup"], settings["repeats"])
+            result["fold"] = _fold_seconds(model, x, settings["warmup"], settings["repeats"])
         every = [None] * size
         dist.all_gather_object(every, result)
         if rank == 0:
@@ -118,11 +118,11 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
         dist.destroy_process_group()
 
 
-def _fold_seconds(model: torch.nn.RNNBase, x: torch.Tensor, groups: int, warmup: int, repeats: int) -> float:
-    """The median time of a middle rank's fold of the slice ``x`` (``slice_element``), group after
-    group as ``SequenceParallel``'s backward runs it on more than one rank."""
+def _fold_seconds(model: torch.nn.RNNBase, x: torch.Tensor, warmup: int, repeats: int) -> float:
+    """The median time of a middle rank's fold of the slice ``x`` (``slice_fold``), the whole batch at
+    once as ``SequenceParallel``'s forward runs it on a middle rank."""
     from bppsa_core.dispatch import ScanOptions
-    from bppsa_core.distributed import slice_element
+    from bppsa_core.distributed import slice_fold
     from bppsa_core.layer import LayerConfig
 
     config, weights = LayerConfig(model.mode, options=ScanOptions()), list(model._flat_weights)
@@ -132,8 +132,7 @@ def _fold_seconds(model: torch.nn.RNNBase, x: torch.Tensor, groups: int, warmup:
     times = []
     for i in range(warmup + repeats):
         start = time.perf_counter()
-        for s in sample_groups(x.shape[1], groups):
-            slice_element(config, x[:, s], h0[s], None, out[:, s], weights, None)
+        slice_fold(config, x, h0, None, out, weights)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
