@@ -109,12 +109,7 @@ def scan(
     options = ScanOptions(strategy, chunk, levels)
     chain = as_chain(elements)
     _check(chain, x_last, offsets)
-    inputs = (*chain.tensors(), x_last) + (() if offsets is None else (offsets,))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        raise ValueError(
-            "scan() builds no autograd graph; pass tensors that do not require grad "
-            "(detach them, or call it under torch.no_grad())"
-        )
+    _no_graph("scan", (*chain.tensors(), x_last, offsets))
     device = x_last.device
     chosen = dispatch.resolve(
         strategy,
@@ -391,6 +386,16 @@ def chunked_scan(
     return out
 
 
+def _no_graph(name: str, inputs: tuple[Tensor | None, ...]) -> None:
+    """Refuse inputs that would need an autograd graph: a scan or fold is itself a backward pass, and
+    it reuses buffers in place."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        raise ValueError(
+            f"{name}() builds no autograd graph; pass tensors that do not require grad "
+            "(detach them, or call it under torch.no_grad())"
+        )
+
+
 def fold(
     elements: Tensor | Chain, offsets: Tensor | None = None, *, chunk: int | None = None
 ) -> tuple[Tensor, Tensor | None]:
@@ -400,8 +405,11 @@ def fold(
     ``chunk`` elements (default about sqrt(n)), all chunks are reduced at once, as the chunked scan's
     reduce does, then the chunk aggregates are composed: chunk + n / chunk dependent products instead
     of n. A distributed scan hands this element to the other ranks (``bppsa_core.distributed``).
+    Like ``scan``, it builds no autograd graph: inputs that require grad, with grad mode on, are
+    refused.
     """
     chain = as_chain(elements)
+    _no_graph("fold", (*chain.tensors(), offsets))
     n, hidden = chain.length, chain.hidden
     c = chunk or max(1, math.isqrt(n))
     p = n // c  # full chunks [qc, (q+1)c); the remainder [pc, n) is folded first, on its own
@@ -419,12 +427,16 @@ def fold(
         if p:
             top = slice(c - 1, p * c, c)  # each chunk's last element: applied first
             agg = chain.dense(top).clone(memory_format=torch.contiguous_format)
+            spare, work = (
+                torch.empty_like(agg),
+                agg.new_empty(chain.work_shape(agg)),
+            )  # reused: no allocations
             agg_b = None if offsets is None else offsets[top].clone()
             for i in range(1, c):
                 idx = slice(c - 1 - i, p * c, c)
                 if agg_b is not None:
                     agg_b = _vec(chain, agg_b, idx, offsets)
-                agg = chain.rmul(agg, idx)
+                agg, spare = chain.rmul(agg, idx, out=spare, work=work), agg
             for q in range(p - 1, -1, -1):
                 a, b = compose(a, b, agg[q], None if agg_b is None else agg_b[q])
     if offsets is not None and b is None:

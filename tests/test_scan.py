@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bppsa_core.chain import DenseChain, FactoredChain, LSTMChain
-from bppsa_core.scan import blelloch_scan, chunked_scan, elementwise_recurrence, scan, sequential_scan
+from bppsa_core.scan import blelloch_scan, chunked_scan, elementwise_recurrence, fold, scan, sequential_scan
 
 F64 = torch.float64
 
@@ -217,12 +217,15 @@ def test_float32_scans_stay_close_to_float64() -> None:
         assert rel_err(ref, scan(m.float(), x.float(), strategy=strategy).double()) < 1e-4
 
 
-def test_scan_refuses_inputs_that_require_grad() -> None:
+def test_scan_and_fold_refuse_inputs_that_require_grad() -> None:
     m = random_chain(5, 2, 3, False, 0).requires_grad_()
     with pytest.raises(ValueError, match="scan\\(\\) builds no autograd graph"):
         scan(m, torch.zeros(2, 3, dtype=F64))
+    with pytest.raises(ValueError, match="fold\\(\\) builds no autograd graph"):
+        fold(m)
     with torch.no_grad():
         assert scan(m, torch.zeros(2, 3, dtype=F64)).shape == (6, 2, 3)
+        assert fold(m)[0].shape == (2, 3, 3)
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ costs the model charges a device that runs ``bppsa_core.distributed`` (``--calib
 - ``forward_step``: seconds per step of the fused forward (the whole batch at once);
 - ``walk``: seconds per step and sample of BPPSA's backward of a slice from a given gradient;
 - ``fold``: seconds per step and sample of a middle rank's fold of its slice into one matrix per
-  sample (``slice_fold``, the whole batch at once, as a middle rank runs it in its forward);
+  sample (``slice_fold``, as a middle rank runs it in its forward);
 - ``overhead``: seconds per operation of BPTT's backward (autograd's, 2T - 1 operations);
 - ``groups``: the BPPSA backward's sample groups (``--micro-batches``).
 """
@@ -119,8 +119,8 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
 
 
 def _fold_seconds(model: torch.nn.RNNBase, x: torch.Tensor, warmup: int, repeats: int) -> float:
-    """The median time of a middle rank's fold of the slice ``x`` (``slice_fold``), the whole batch at
-    once as ``SequenceParallel``'s forward runs it on a middle rank."""
+    """The median time of a middle rank's fold of the slice ``x`` (``slice_fold``), as
+    ``SequenceParallel``'s forward runs it on a middle rank."""
     from bppsa_core.dispatch import ScanOptions
     from bppsa_core.distributed import slice_fold
     from bppsa_core.layer import LayerConfig
@@ -132,7 +132,8 @@ def _fold_seconds(model: torch.nn.RNNBase, x: torch.Tensor, warmup: int, repeats
     times = []
     for i in range(warmup + repeats):
         start = time.perf_counter()
-        slice_fold(config, x, h0, None, out, weights)
+        with torch.no_grad():  # as in the forward of the ranks (the weights require grad)
+            slice_fold(config, x, h0, None, out, weights)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
