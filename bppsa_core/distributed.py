@@ -309,7 +309,7 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     x, h_in, out, *rest = ctx.saved_tensors
     c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
     spans = sample_groups(h_in.shape[0], ctx.micro_batches if size > 1 else 1)
-    folded, ctx.folded = ctx.folded, None  # a middle rank's A, folded in the forward
+    folded = ctx.folded  # a middle rank's A, folded in the forward (kept for a retained graph)
     parts, pending = [], []
     for s in spans:
         # the group's steps side by side: its walk and its GEMMs then read memory in order

@@ -114,7 +114,7 @@ def test_gradients_equal_single_process_autograd(size: int) -> None:
 
 def _folds_in_the_forward(rank: int, size: int) -> None:
     """Each middle rank folds each layer's slice once, in the forward, and only when a backward can
-    follow; the first and last ranks never fold."""
+    follow; the first and last ranks never fold. A retained graph goes back twice from one fold."""
     from unittest import mock
 
     import bppsa_core.distributed as sp
@@ -130,7 +130,12 @@ def _folds_in_the_forward(rank: int, size: int) -> None:
         assert folds.call_count == 0, f"rank {rank}: folded without a backward to come"
         out, h_n = parallel(mine)
         assert folds.call_count == 2 * middle, f"rank {rank}: {folds.call_count} folds in the forward"
-        (out.sum() + h_n.sum()).backward()
+        loss = out.sum() + h_n.sum()
+        loss.backward(retain_graph=True)
+        once = [p.grad.clone() for p in model.parameters()]
+        loss.backward()  # a retained graph goes back again from what the forward folded
+        for p, g in zip(model.parameters(), once, strict=True):
+            torch.testing.assert_close(p.grad, 2 * g, rtol=1e-12, atol=1e-12)
         assert folds.call_count == 2 * middle, f"rank {rank}: folded again in the backward"
         SequenceParallel(model, backward="bptt")(mine)[1].sum().backward()
         assert folds.call_count == 2 * middle, f"rank {rank}: distributed BPTT folded"
