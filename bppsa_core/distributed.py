@@ -31,7 +31,7 @@ in turn (below):
 5. each rank runs its slice's backward from that gradient (the usual scan of ``bppsa_core.layer``).
 The first rank's element is never needed, so it has nothing to do until step 4.
 
-Folding in the forward takes a middle rank's most costly work (3 walks of its slice on a CPU rank)
+Folding in the forward takes a middle rank's most costly work (2.5 walks of its slice on a CPU rank)
 off the backward's path: it overlaps the forwards of the ranks above, and only what exceeds them
 delays this rank (and, with several layers, the next layer's forward above it). A forward under
 ``torch.no_grad()`` or with nothing requiring a gradient does not fold; one whose outputs never
