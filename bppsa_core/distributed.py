@@ -72,6 +72,8 @@ process_group=data_group)``; ``tests/test_distributed.py`` checks 2 x 2 ranks ag
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -177,18 +179,22 @@ class SequenceParallel(nn.Module):
             hx = (zeros, zeros) if lstm else zeros
         h0, c0 = hx if lstm else (hx, None)
         per_layer = len(m._flat_weights) // m.num_layers
-        grad = torch.is_grad_enabled()  # a middle rank folds its slices only for a backward to come
-        inp, hs, cs = x, [], []
+        # a middle rank's folds, run once its forward is done, and only for a backward to come
+        folds: list | None = [] if torch.is_grad_enabled() else None
+        inp, lasts = x, []
         for i in range(m.num_layers):
             weights = m._flat_weights[i * per_layer : (i + 1) * per_layer]
             c0_i = None if c0 is None else c0[i]
-            inp, h, c = _Layer.apply(
-                inp, h0[i], c0_i, m.mode, self.backward, self.micro_batches, grad, self.group, *weights
+            inp, last = _Layer.apply(
+                inp, h0[i], c0_i, m.mode, self.backward, self.micro_batches, folds, self.group, *weights
             )
-            hs.append(h)
-            cs.append(c)
+            lasts.append(last)
+        with torch.no_grad():  # a fold is part of the backward: no graph of its own
+            for run in reversed(folds or []):  # the top layer's first: its backward comes first
+                run()
+        h_n, c_n = _split(_Final.apply(self.group, *lasts), lstm)
         out = inp.transpose(0, 1) if m.batch_first else inp
-        return out, ((torch.stack(hs), torch.stack(cs)) if lstm else torch.stack(hs))
+        return out, ((h_n, c_n) if lstm else h_n)
 
 
 def _check_slices(steps: int, batch: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
@@ -213,7 +219,7 @@ class _Layer(torch.autograd.Function):
     A state is h, or an LSTM's h and c side by side (B, 2H): what travels between ranks."""
 
     @staticmethod
-    def forward(ctx, x, h0, c0, mode, backward, micro_batches, grad, group, *weights):
+    def forward(ctx, x, h0, c0, mode, backward, micro_batches, folds, group, *weights):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         lstm = c0 is not None
         state = (torch.cat((h0, c0), -1) if lstm else h0).detach()
@@ -239,26 +245,19 @@ class _Layer(torch.autograd.Function):
         if rank < size - 1:
             dist.send(traffic.add(last.contiguous()), dst=_peer(group, rank + 1), group=group)
         ctx.folded = None
-        if backward == "bppsa" and grad and any(ctx.needs_input_grad) and 0 < rank < size - 1:
-            # a middle rank folds its slice while the ranks above run their forwards (module docstring)
-            ctx.folded = slice_fold(
-                LayerConfig(mode, options=ScanOptions()), x, h_in, c_in, out, list(weights)
-            )
-        final = traffic.add(last.clone()) if rank == size - 1 else torch.empty_like(last)
-        dist.broadcast(final, src=_peer(group, size - 1), group=group)
-        h_n, c_n = _split(final, lstm)
+        if backward == "bppsa" and folds is not None and any(ctx.needs_input_grad) and 0 < rank < size - 1:
+            folds.append(functools.partial(_fold_into, ctx, mode, x, h_in, c_in, out, list(weights)))
         ctx.mode, ctx.backward, ctx.group, ctx.lstm = mode, backward, group, lstm
         ctx.micro_batches = micro_batches
         ctx.set_materialize_grads(False)  # an output the loss does not reach gets None, not zeros
-        return out, h_n, (c_n if lstm else h_n.new_zeros(0))
+        return out, last
 
     @staticmethod
-    def backward(ctx, grad_out, grad_hn, grad_cn):
+    def backward(ctx, grad_out, grad_last):
         group = ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        if rank < size - 1:  # every rank holds h_n (and c_n); their gradients count once, here
-            grad_hn = grad_cn = None
-        grad_cn = grad_cn if ctx.lstm else None
+        # the last state's gradient: from h_n (and c_n) on the last rank (``_Final``), else none
+        grad_hn, grad_cn = (None, None) if grad_last is None else _split(grad_last, ctx.lstm)
         if ctx.backward == "bptt":
             dx, g_h0, g_c0, grads = _bptt(ctx, grad_out, grad_hn, grad_cn, rank, size)
         else:
@@ -272,10 +271,35 @@ class _Layer(torch.autograd.Function):
         return dx, (g_h0 if first else None), (g_c0 if first else None), None, None, None, None, None, *grads
 
 
+class _Final(torch.autograd.Function):
+    """Every layer's final state (h, or an LSTM's h and c side by side), from the last rank to every
+    rank in one broadcast after the forward: each rank returns the same h_n. Its gradient counts
+    once, on the last rank; the other ranks' last states reach nothing."""
+
+    @staticmethod
+    def forward(ctx, group, *lasts):
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        ctx.top = rank == size - 1
+        final = traffic.add(torch.stack(lasts)) if ctx.top else torch.empty_like(torch.stack(lasts))
+        dist.broadcast(final, src=_peer(group, size - 1), group=group)
+        ctx.set_materialize_grads(False)
+        return final
+
+    @staticmethod
+    def backward(ctx, grad):
+        given = ctx.top and grad is not None
+        return None, *(grad.unbind(0) if given else [None] * len(ctx.needs_input_grad[1:]))
+
+
 def sample_groups(batch: int, groups: int) -> list[slice]:
     """The contiguous groups of samples the BPPSA backward runs in turn (module docstring): ``groups``
     of them, at most one per sample, cut as ``torch.tensor_split`` cuts the batch."""
     return [slice(int(g[0]), int(g[-1]) + 1) for g in torch.arange(batch).tensor_split(min(batch, groups))]
+
+
+def _fold_into(ctx, mode: str, x, h_in, c_in, out, weights) -> None:
+    """A middle rank's fold of one layer's slice, kept for that layer's backward."""
+    ctx.folded = slice_fold(LayerConfig(mode, options=ScanOptions()), x, h_in, c_in, out, weights)
 
 
 def _split(state: Tensor, lstm: bool) -> tuple[Tensor, Tensor | None]:

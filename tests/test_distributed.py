@@ -252,3 +252,21 @@ def test_the_benchmark_refuses_a_sequence_shorter_than_the_ranks(capsys) -> None
         bench.main(["--ranks", "1", "4", "--T", "3"])
     assert stop.value.code == 2
     assert "--T 3 is shorter than 4 ranks" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_benchmark_stacks_layers_but_writes_only_what_the_one_layer_model_prices(
+    tmp_path, capsys
+) -> None:
+    from experiments.bench import distributed as bench
+
+    assert (
+        bench.main(["--ranks", "1", "3", "--T", "30", "--layers", "2", "--warmup", "0", "--repeats", "1"])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "rnn, 2 layer(s)" in printed and "| 30 | 3 | bppsa |" in printed
+    assert "one rank at T" not in printed  # a one-layer calibration is not taken from two layers
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--layers", "2", "--out", str(tmp_path)])
+    assert stop.value.code == 2 and not any(tmp_path.iterdir())
+    assert "--layers 2 with --out" in capsys.readouterr().err.strip().splitlines()[-1]

@@ -4,7 +4,8 @@
 
 For each T and rank count p, spawns p gloo processes of one thread each. Each holds the contiguous
 time slice of its rank (``bppsa_core.distributed.SequenceParallel``) and runs forward and backward
-of the paper's model, a one-layer RNN (or ``--model gru``) with the loss on h_T. BPPSA and BPTT
+of the paper's model, a one-layer RNN (or ``--model gru``, ``--layers`` stacked) with the loss on
+h_T (of the top layer: ``h_n[-1]``). BPPSA and BPTT
 take turns, ``--warmup`` untimed then ``--repeats`` timed iterations each, the processes meeting at
 a barrier around every phase. A phase's time is the slowest rank's.
 
@@ -20,7 +21,8 @@ Prints, per T and p:
 
 ``--out`` writes ``measured.csv`` rows (strategy ``bppsa-allgather`` / ``bptt-distributed``, p,
 time per iteration) that ``python -m analysis.strategies --measured`` draws beside its model, and,
-when ``--ranks`` has 1, ``calibration.json`` (else an earlier one there is removed): what one
+when ``--ranks`` has 1, ``calibration.json`` (else an earlier one there is removed; ``--out`` takes
+one layer, as the model does): what one
 rank's kernels cost at the largest T, the
 costs the model charges a device that runs ``bppsa_core.distributed`` (``--calibration``):
 - ``forward_step``: seconds per step of the fused forward (the whole batch at once);
@@ -65,7 +67,7 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
         steps, batch, hidden = settings["T"], settings["B"], settings["H"]
         torch.manual_seed(0)
         cls = GRU if settings["model"] == "gru" else RNN
-        model = cls(settings["features"], hidden)
+        model = cls(settings["features"], hidden, num_layers=settings["layers"])
         parts = torch.tensor_split(torch.arange(steps), size)
         x = torch.randn(len(parts[rank]), batch, settings["features"])
         groups = settings["micro_batches"]
@@ -80,7 +82,7 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
                 dist.barrier()
                 before = memory.rss_bytes() if measured and memory.reset_peak() else None
                 top, h_n = run(x)
-                h_n.sum().backward()
+                h_n[-1].sum().backward()
                 if measured:
                     peak[name] = None if before is None else memory.peak_bytes() - before
                 del top, h_n
@@ -95,7 +97,7 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
                 top, h_n = run(x)
                 dist.barrier()
                 middle = time.perf_counter()
-                h_n.sum().backward()
+                h_n[-1].sum().backward()
                 del top, h_n  # nothing of this iteration outlives it
                 dist.barrier()
                 end = time.perf_counter()
@@ -108,7 +110,7 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
             "sent": sent,
             "memory": peak,
         }
-        if size == 1:
+        if size == 1 and settings["layers"] == 1:
             result["fold"] = _fold_seconds(model, x, settings["warmup"], settings["repeats"])
         every = [None] * size
         dist.all_gather_object(every, result)
@@ -235,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--H", type=positive_int, default=20, help="hidden size")
     p.add_argument("--model", choices=MODELS, default="rnn", help="the cell")
     p.add_argument("--features", type=positive_int, default=1, help="input features")
+    p.add_argument("--layers", type=positive_int, default=1, help="stacked recurrent layers")
     p.add_argument(
         "--micro-batches",
         type=positive_int,
@@ -250,7 +253,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(
                 f"--T {steps} is shorter than {max(args.ranks)} ranks; accepted: at least one step per rank"
             )
-    keys = ("B", "H", "model", "features", "micro_batches", "warmup", "repeats")
+    if args.out and args.layers > 1:
+        p.error(
+            f"--layers {args.layers} with --out: the cost model (analysis.strategies) prices one recurrent "
+            "layer; accepted: --layers 1 with --out"
+        )
+    keys = ("B", "H", "model", "features", "layers", "micro_batches", "warmup", "repeats")
     settings = {k: getattr(args, k) for k in keys}
     rows, folds = [], {}
     for steps in args.T:
@@ -258,11 +266,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[distributed] T = {steps}, {ranks} rank(s) ...", file=sys.stderr, flush=True)
             per_rank = measure(steps, ranks, settings)
             rows += rows_of(steps, ranks, per_rank)
-            if ranks == 1:
+            if ranks == 1 and args.layers == 1:
                 folds[steps] = per_rank[0]["fold"]
     print(
-        f"{args.model}, B = {args.B}, H = {args.H}, loss on h_T, gloo, one thread per rank; "
-        f"medians of {args.repeats} after {args.warmup} warm-up"
+        f"{args.model}, {args.layers} layer(s), B = {args.B}, H = {args.H}, loss on h_T, gloo, one thread "
+        f"per rank; medians of {args.repeats} after {args.warmup} warm-up"
     )
     print(table(rows))
     costs = None
