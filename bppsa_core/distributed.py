@@ -7,13 +7,15 @@
 Rank r of p holds the contiguous time slice r of the input; the slices may differ in length (T need
 not divide by p) but each has at least one step. Every rank holds the same weights.
 
-**Forward.** Layer by layer: rank r waits for the state rank r - 1 ends its slice with (rank 0 starts
-from h0), runs PyTorch's fused forward over its slice, and sends its last state to rank r + 1. The
-schedule is one sequence with no micro-batches, so the ranks run one after another: p - 1 dependent
-messages of B·H numbers per layer, and a broadcast of the last rank's final state, so that every
-rank returns the same ``h_n``. The forward is not cut into micro-batches: on a CPU a step of the
-fused forward costs nearly the same for 2 samples as for 16, so a pipeline of m groups would run
-m times the steps to overlap at most half of them.
+**Forward.** Rank r runs each layer over its slice with PyTorch's fused forward, from the state rank
+r - 1 ends its slice with (rank 0 starts from h0), and sends its own last state to rank r + 1:
+p - 1 dependent messages of B·H numbers per layer. The layers run as a wavefront: rank r goes on to
+layer i + 1 as soon as it has sent layer i's state, so layer i + 1 on rank r overlaps layer i on
+rank r + 1, and L layers over p ranks take about p + L - 1 slices' forwards instead of L·p. One
+broadcast at the end hands every layer's final state from the last rank to all, so that every rank
+returns the same ``h_n``. The forward is not cut into micro-batches: on a CPU a step of the fused
+forward costs nearly the same for 2 samples as for 16, so a pipeline of m groups would run m times
+the steps to overlap at most half of them.
 
 **Backward, BPPSA** (``backward="bppsa"``), per layer, from the top, for each group of samples
 in turn (below):
@@ -21,10 +23,11 @@ in turn (below):
 2. every middle rank shares its slice as one affine element per sample, v -> v @ A + b for the
    gradient v reaching its last state. A (H x H, ``slice_fold``: ``bppsa_core.scan.fold`` of the
    slice's chain of transposed Jacobians) depends on the forward alone, so the rank folds it in the
-   forward, right after it hands its last state on, while the ranks above run their forwards. b is
-   what the slice's own outputs send back: zero when the loss reaches them through the last state
-   only, else the slice's backward walked from nothing at its end (the backward is linear, so step
-   5 then walks from v alone and the two walks' gradients add up);
+   forward, once it has handed its last layer's state on (the top layer first), while the ranks
+   above finish their forwards. b is what the slice's own outputs send back: zero when the loss
+   reaches them through the last state only, else the slice's backward walked from nothing at its
+   end (the backward is linear, so step 5 then walks from v alone and the two walks' gradients add
+   up);
 3. one ``all_gather`` of those elements: p·B·H·(H+1) numbers over all groups, independent of T;
 4. each rank applies the elements above it to the last rank's gradient: the gradient entering its
    slice from the right, without waiting for any other rank;
@@ -33,9 +36,9 @@ The first rank's element is never needed, so it has nothing to do until step 4.
 
 Folding in the forward takes a middle rank's most costly work (2.5 walks of its slice on a CPU rank)
 off the backward's path: it overlaps the forwards of the ranks above, and only what exceeds them
-delays this rank (and, with several layers, the next layer's forward above it). A forward under
-``torch.no_grad()`` or with nothing requiring a gradient does not fold; one whose outputs never
-reach a backward has folded for nothing.
+delays this rank. Folding after its last layer, not after each, keeps the folds out of the
+wavefront. A forward under ``torch.no_grad()`` or with nothing requiring a gradient does not fold;
+one whose outputs never reach a backward has folded for nothing.
 
 **Micro-batches in the backward.** Samples are independent, so the batch is cut into
 ``micro_batches`` contiguous groups (default ``MICRO_BATCHES``, at most one per sample), and the
