@@ -283,7 +283,9 @@ class _Final(torch.autograd.Function):
     def forward(ctx, group, *lasts):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         ctx.top = rank == size - 1
-        final = traffic.add(torch.stack(lasts)) if ctx.top else torch.empty_like(torch.stack(lasts))
+        final = (
+            traffic.add(torch.stack(lasts)) if ctx.top else lasts[0].new_empty((len(lasts), *lasts[0].shape))
+        )
         dist.broadcast(final, src=_peer(group, size - 1), group=group)
         ctx.set_materialize_grads(False)
         return final

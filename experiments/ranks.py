@@ -22,6 +22,7 @@ simple, and the data of the paper's models is small beside the forward's saved s
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -147,7 +148,15 @@ def launched() -> Ranks | None:
     )
     if not dist.is_initialized():
         _join("env://", ranks)
+        # part before the interpreter does: a process group left to its destructor at exit may abort
+        # the process ("terminate called without an active exception") after a run that succeeded
+        atexit.register(_part)
     return ranks
+
+
+def _part() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _join(init_method: str, ranks: Ranks) -> None:
