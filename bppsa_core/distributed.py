@@ -225,7 +225,7 @@ class _Layer(torch.autograd.Function):
     def forward(ctx, x, h0, c0, mode, backward, micro_batches, folds, group, *weights):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         lstm = c0 is not None
-        state = (torch.cat((h0, c0), -1) if lstm else h0).detach()
+        state = _join(h0, c0).detach()
         if rank > 0:
             state = torch.empty_like(state)
             dist.recv(state, src=_peer(group, rank - 1), group=group)
@@ -244,7 +244,7 @@ class _Layer(torch.autograd.Function):
             with torch.no_grad():
                 out, h_last, c_last = native_forward(mode, x, h_in, c_in, list(weights), None)
             ctx.save_for_backward(x, h_in, out, *([c_in] if lstm else []), *weights)
-        last = torch.cat((h_last, c_last), -1) if lstm else h_last
+        last = _join(h_last, c_last)
         if rank < size - 1:
             dist.send(traffic.add(last.contiguous()), dst=_peer(group, rank + 1), group=group)
         ctx.folded = None
@@ -312,6 +312,11 @@ def _split(state: Tensor, lstm: bool) -> tuple[Tensor, Tensor | None]:
     return state.chunk(2, -1) if lstm else (state, None)
 
 
+def _join(h: Tensor, c: Tensor | None) -> Tensor:
+    """A state from h and an LSTM's c (None otherwise): ``_split``'s inverse."""
+    return h if c is None else torch.cat((h, c), -1)
+
+
 def _bptt(ctx, grad_out, grad_hn, grad_cn, rank, size):
     leaves, out, h_last, c_last = ctx.graph
     group, lstm = ctx.group, ctx.lstm
@@ -327,7 +332,7 @@ def _bptt(ctx, grad_out, grad_hn, grad_cn, rank, size):
     got = torch.autograd.grad(outputs, leaves, grads)
     dx, g_h0, g_c0 = got[0], got[1], (got[2] if lstm else None)
     if rank > 0:
-        first = torch.cat((g_h0, g_c0), -1) if lstm else g_h0
+        first = _join(g_h0, g_c0)
         dist.send(traffic.add(first.contiguous()), dst=_peer(group, rank - 1), group=group)
     del ctx.graph
     return dx, g_h0, g_c0, list(got[2 + lstm :])
@@ -366,12 +371,12 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
     done = own = None
     if rank == size - 1:
         done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, grad_hn, grad_cn)
-        share[..., state] = torch.cat((done[1], done[2]), -1) if lstm else done[1]
+        share[..., state] = _join(done[1], done[2])
     elif rank > 0:
         share[..., :state] = folded
         if grad_out is not None:  # b: what the slice's own outputs send back, walked from nothing at its end
             own = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, None, None)
-            share[..., state] = torch.cat((own[1], own[2]), -1) if lstm else own[1]
+            share[..., state] = _join(own[1], own[2])
             grad_out = None  # the walk from the right's gradient below adds the rest (both are linear)
     every = [share]
     if size > 1:

@@ -427,10 +427,8 @@ def fold(
         if p:
             top = slice(c - 1, p * c, c)  # each chunk's last element: applied first
             agg = chain.dense(top).clone(memory_format=torch.contiguous_format)
-            spare, work = (
-                torch.empty_like(agg),
-                agg.new_empty(chain.work_shape(agg)),
-            )  # reused: no allocations
+            # the loop's buffers, reused as the chunked scan's are: no allocation per product
+            spare, work = torch.empty_like(agg), agg.new_empty(chain.work_shape(agg))
             agg_b = None if offsets is None else offsets[top].clone()
             for i in range(1, c):
                 idx = slice(c - 1 - i, p * c, c)

@@ -155,6 +155,7 @@ def launched() -> Ranks | None:
 
 
 def _part() -> None:
+    """Leave the process group, if this process is in one."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -192,8 +193,7 @@ def started(size: int, follower: Callable[[Ranks], Any]) -> Iterator[Ranks]:
         _join(store, ranks)
         yield ranks
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _part()
         for process in ranks.processes:
             process.join(timeout=60)
             if process.is_alive():
@@ -211,4 +211,4 @@ def _follow(follower: Callable[[Ranks], Any], ranks: Ranks, store: str) -> None:
         sys.exit(130)
     finally:
         with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+            _part()

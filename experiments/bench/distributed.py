@@ -5,9 +5,9 @@
 For each T and rank count p, spawns p gloo processes of one thread each. Each holds the contiguous
 time slice of its rank (``bppsa_core.distributed.SequenceParallel``) and runs forward and backward
 of the paper's model, a one-layer RNN (or ``--model gru``, ``--layers`` stacked) with the loss on
-h_T (of the top layer: ``h_n[-1]``). BPPSA and BPTT
-take turns, ``--warmup`` untimed then ``--repeats`` timed iterations each, the processes meeting at
-a barrier around every phase. A phase's time is the slowest rank's.
+h_T (of the top layer: ``h_n[-1]``). BPPSA and BPTT take turns, ``--warmup`` untimed then
+``--repeats`` timed iterations each, the processes meeting at a barrier around every phase. A
+phase's time is the slowest rank's.
 
 Prints, per T and p:
 - the median forward and backward times, and the backward speedup over BPTT on the same ranks and
@@ -22,9 +22,8 @@ Prints, per T and p:
 ``--out`` writes ``measured.csv`` rows (strategy ``bppsa-allgather`` / ``bptt-distributed``, p,
 time per iteration) that ``python -m analysis.strategies --measured`` draws beside its model, and,
 when ``--ranks`` has 1, ``calibration.json`` (else an earlier one there is removed; ``--out`` takes
-one layer, as the model does): what one
-rank's kernels cost at the largest T, the
-costs the model charges a device that runs ``bppsa_core.distributed`` (``--calibration``):
+one layer, as the model does): what one rank's kernels cost at the largest T, the costs the model
+charges a device that runs ``bppsa_core.distributed`` (``--calibration``):
 - ``forward_step``: seconds per step of the fused forward (the whole batch at once);
 - ``walk``: seconds per step and sample of BPPSA's backward of a slice from a given gradient;
 - ``fold``: seconds per step and sample of a middle rank's fold of its slice into one matrix per
@@ -266,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[distributed] T = {steps}, {ranks} rank(s) ...", file=sys.stderr, flush=True)
             per_rank = measure(steps, ranks, settings)
             rows += rows_of(steps, ranks, per_rank)
-            if ranks == 1 and args.layers == 1:
+            if "fold" in per_rank[0]:  # one rank of one layer: what the model's device costs
                 folds[steps] = per_rank[0]["fold"]
     print(
         f"{args.model}, {args.layers} layer(s), B = {args.B}, H = {args.H}, loss on h_T, gloo, one thread "
