@@ -92,10 +92,11 @@ MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # backward; each group adds an all-gather and its own calls. On two one-thread CPU ranks (RNN,
 # B = 16, H = 20, T = 100,000) 4 and 8 groups were fastest and alike, 2 and 16 10-20 % slower.
 MICRO_BATCHES = 8
-# Samples a middle rank folds at once (``slice_fold``). On one CPU thread (H = 20, T = 100,000,
-# B = 16) the RNN's fold takes 0.40, 0.36, 0.34 and 0.49 µs per step and sample folding 1, 2, 4 and
-# 16 samples at once, the GRU's 1.86, 1.92, 1.94 and 2.16: beyond a few samples its products leave
-# the cache.
+# Samples a middle rank folds at once on a CPU (``slice_fold``). On one CPU thread (H = 20,
+# T = 100,000, B = 16) the RNN's fold takes 0.40, 0.36, 0.34 and 0.49 µs per step and sample folding
+# 1, 2, 4 and 16 samples at once, the GRU's 1.86, 1.92, 1.94 and 2.16: beyond a few samples its
+# products leave the cache. On a GPU each product is a kernel launch, whatever the samples, so the
+# batch is folded whole there.
 FOLD_SAMPLES = 2
 
 
@@ -407,11 +408,13 @@ def slice_fold(
 
     x (T_r, B, I) the slice's inputs, h_in (B, H) and c_in (B, H) or None the state it starts from,
     out (T_r, B, H) its outputs, ``weights`` the layer's. Returns A (B, S, S), S the state's width (an
-    LSTM's 2H). The samples are folded ``FOLD_SAMPLES`` at a time, so that the fold's products stay
-    in cache. ``experiments.bench.distributed`` times it as the model's fold cost."""
+    LSTM's 2H). On a CPU the samples are folded ``FOLD_SAMPLES`` at a time, so that the fold's
+    products stay in cache; elsewhere all at once, one launch per product for the whole batch.
+    ``experiments.bench.distributed`` times it as the model's fold cost."""
     cell, w = cell_of(config.mode), LayerWeights(*weights)
+    batch = h_in.shape[0]
     parts = []
-    for s in sample_groups(h_in.shape[0], -(-h_in.shape[0] // FOLD_SAMPLES)):
+    for s in sample_groups(batch, -(-batch // FOLD_SAMPLES) if x.device.type == "cpu" else 1):
         c_s = None if c_in is None else c_in[s]
         h_prev = torch.cat((h_in[s].unsqueeze(0), out[:-1, s]))
         a, _ = fold(cell.chain(cell.factors(x[:, s], h_prev, out[:, s], w, c_s, None), w))

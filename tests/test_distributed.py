@@ -15,6 +15,7 @@ from torch import nn
 from bppsa_core import GRU, LSTM, RNN
 from bppsa_core.chain import DenseChain
 from bppsa_core.distributed import MICRO_BATCHES, SequenceParallel, SequenceParallelError
+from bppsa_core.layer import LayerConfig
 from bppsa_core.scan import fold, sequential_scan
 
 T, B, F, H = 11, 3, 4, 5  # steps, batch, features, hidden
@@ -36,6 +37,25 @@ def test_the_fold_is_the_whole_chain_as_one_affine_element(n, chunk, shared, wit
     expected = sequential_scan(elements, x_n, offsets)[0]
     got = (x_n.unsqueeze(1) @ a).squeeze(1) + (0 if b is None else b)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("device", "folds"), [("cpu", 3), ("meta", 1)])
+def test_a_slice_is_folded_a_few_samples_at_a_time_on_a_cpu_only(device: str, folds: int) -> None:
+    """On a CPU the fold takes ``FOLD_SAMPLES`` samples at a time (cache); on any other device (here
+    ``meta``, which runs no arithmetic, standing for a GPU) the batch whole: one launch per product."""
+    from unittest import mock
+
+    import bppsa_core.distributed as sp
+
+    batch = 2 * sp.FOLD_SAMPLES + 1
+    x, out = torch.randn(T, batch, F, device=device), torch.randn(T, batch, H, device=device)
+    model = nn.RNN(F, H, device=device)
+    with mock.patch.object(sp, "fold", wraps=sp.fold) as calls:
+        a = sp.slice_fold(
+            LayerConfig("RNN_TANH"), x, out[0], None, out, [w.detach() for w in model.parameters()]
+        )
+    assert a.shape == (batch, H, H) and a.device.type == device
+    assert calls.call_count == folds
 
 
 # --- across processes -------------------------------------------------------------------------------
