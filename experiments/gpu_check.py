@@ -21,7 +21,8 @@ section of the report with its command, its time and its output (or why it faile
 9. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
    of one thread per core (``experiments.bench.distributed`` at T = 100,000): the measured 3- and
    4-rank points of docs/STRATEGIES.md, which a 2-core machine cannot give. Its ``measured.csv``
-   and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report.
+   and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report. Then the same
+   over NCCL ranks of one GPU each, 1 to 4 as there are GPUs (one GPU: the NCCL path on one rank).
 
 ``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
 GPU: what needs CUDA (the tests, the graph and Triton strategies, green contexts) is reported as
@@ -61,7 +62,7 @@ TITLES = {
     "workers": "Backward against SMs (green contexts)",
     "forward": "Newton forward against cuDNN's",
     "kernels": "Compiled kernels: resources and static estimate",
-    "ranks": "Sequence parallel over CPU ranks (gloo)",
+    "ranks": "Sequence parallel over ranks (gloo on CPU cores, NCCL on GPUs)",
 }
 RANKS_T = 100_000  # the sequence-parallel benchmark's length (docs/STRATEGIES.md)
 RANKS_REPEATS = 3  # BPTT takes seconds an iteration there
@@ -131,9 +132,31 @@ def plan(
                 str(min(warmup, 1)),
                 "--out",
                 str(ranks_folder(out)),
-            ]
+            ],
+            *([] if dry else [_ranks_on_gpus(repeats, warmup)]),
         ],
     }
+
+
+def _ranks_on_gpus(repeats: int, warmup: int) -> list[str]:
+    """The ``ranks`` step's NCCL run: one rank per GPU, up to 4 (its table only: the cost model's
+    points are the CPU ranks')."""
+    ranks = range(1, min(4, max(1, torch.cuda.device_count())) + 1)
+    return [
+        sys.executable,
+        "-m",
+        "experiments.bench.distributed",
+        "--device",
+        "cuda",
+        "--ranks",
+        *map(str, ranks),
+        "--T",
+        str(RANKS_T),
+        "--repeats",
+        str(min(repeats, RANKS_REPEATS)),
+        "--warmup",
+        str(min(warmup, 1)),
+    ]
 
 
 def rank_counts(dry: bool) -> list[int]:

@@ -274,6 +274,23 @@ def test_the_benchmark_refuses_a_sequence_shorter_than_the_ranks(capsys) -> None
     assert "--T 3 is shorter than 4 ranks" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize(
+    ("gpus", "message"),
+    [
+        (0, "--device cuda: no CUDA GPU is visible; accepted: --device cpu"),
+        (1, "--ranks 2 with --device cuda needs a GPU per rank and 1 are visible; accepted: at most 1"),
+    ],
+)
+def test_the_benchmark_refuses_more_gpu_ranks_than_gpus(gpus, message, tmp_path, monkeypatch, capsys) -> None:
+    from experiments.bench import distributed as bench
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--device", "cuda", "--ranks", "1", "2", "--T", "30", "--out", str(tmp_path / "out")])
+    assert stop.value.code == 2 and not (tmp_path / "out").exists()
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_the_benchmark_stacks_layers_but_writes_only_what_the_one_layer_model_prices(
     tmp_path, capsys
 ) -> None:

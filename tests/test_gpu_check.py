@@ -26,16 +26,26 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     assert forward[forward.index("--device") + 1] == "cuda"
     assert [a[a.index("--chunk") + 1] for a in steps["chunk"]] == [str(c) for c in gpu_check.CHUNKS]
     assert all("triton" in a for a in steps["chunk"])
-    (ranks,) = steps["ranks"]
-    assert ranks[1:3] == ["-m", "experiments.bench.distributed"]
-    assert ranks[ranks.index("--T") + 1] == "100000" and ranks[ranks.index("--repeats") + 1] == "3"
+    ranks, on_gpus = steps["ranks"]
+    for argv in (ranks, on_gpus):
+        assert argv[1:3] == ["-m", "experiments.bench.distributed"]
+        assert argv[argv.index("--T") + 1] == "100000" and argv[argv.index("--repeats") + 1] == "3"
+    assert "--device" not in ranks  # CPU ranks: the cost model's measured points
     assert ranks[ranks.index("--out") + 1] == str(Path.cwd() / "gpu_report-ranks")  # beside the report
+    assert on_gpus[on_gpus.index("--device") + 1] == "cuda" and "--out" not in on_gpus
+
+
+def test_the_ranks_step_takes_one_gpu_per_nccl_rank_up_to_four(monkeypatch) -> None:
+    for gpus, counts in ((8, [1, 2, 3, 4]), (2, [1, 2]), (1, [1])):
+        monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda n=gpus: n)
+        _, on_gpus = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
+        assert on_gpus[on_gpus.index("--ranks") + 1 : on_gpus.index("--T")] == [*map(str, counts)], gpus
 
 
 def test_the_ranks_step_takes_one_core_per_rank_up_to_four(monkeypatch) -> None:
     for cores, counts in ((16, [1, 2, 3, 4]), (3, [1, 2, 3]), (2, [1, 2]), (None, [1])):
         monkeypatch.setattr(gpu_check.os, "cpu_count", lambda n=cores: n)
-        (ranks,) = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
+        ranks, _ = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
         start = ranks.index("--ranks") + 1
         assert ranks[start : start + len(counts) + 1] == [*map(str, counts), "--T"], cores
     assert gpu_check.rank_counts(dry=True) == [1, 2]
@@ -50,7 +60,7 @@ def test_the_dry_plan_skips_what_needs_cuda_and_shrinks_the_rest() -> None:
             assert "--quick" in argv or "--T" in argv
     assert steps["kernels"][0][-2:] == ["80", "90"] and "representative" in steps["kernels"][0]
     assert "--quick" in steps["forward"][0] and "cpu" in steps["forward"][0]
-    (ranks,) = steps["ranks"]
+    (ranks,) = steps["ranks"]  # no NCCL run without GPUs
     assert ranks[ranks.index("--ranks") + 1 : ranks.index("--T") + 2] == ["1", "2", "--T", "2000"]
 
 

@@ -2,7 +2,8 @@
 
     python -m experiments.bench.distributed --ranks 1 2 4 --T 10000 100000 --B 16 --H 20
 
-For each T and rank count p, spawns p gloo processes of one thread each. Each holds the contiguous
+For each T and rank count p, spawns p gloo processes of one thread each (``--device cuda``: p NCCL
+processes, one GPU each, GPU r for rank r). Each holds the contiguous
 time slice of its rank (``bppsa_core.distributed.SequenceParallel``) and runs forward and backward
 of the paper's model, a one-layer RNN (or ``--model gru``, ``--layers`` stacked) with the loss on
 h_T (of the top layer: ``h_n[-1]``). BPPSA and BPTT take turns, ``--warmup`` untimed then
@@ -18,6 +19,7 @@ Prints, per T and p:
   what it held when that iteration began (the ranks run with
   malloc returning freed blocks to the system, ``experiments.bench.memory``, so that this follows
   the live tensors: what the forward keeps for the backward and the backward's working memory).
+  On GPUs, the most torch's allocator held above what it held when the iteration began.
 
 ``--out`` writes ``measured.csv`` rows (strategy ``bppsa-allgather`` / ``bptt-distributed``, p,
 time per iteration) that ``python -m analysis.strategies --measured`` draws beside its model, and,
@@ -53,6 +55,7 @@ from experiments.bench import memory
 from experiments.bench.common import markdown, non_negative_int, parser, positive_int
 
 MODELS = ("rnn", "gru")
+DEVICES = ("cpu", "cuda")
 STRATEGY = {"bppsa": "bppsa-allgather", "bptt": "bptt-distributed"}
 
 
@@ -61,14 +64,24 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
     from bppsa_core.distributed import SequenceParallel, traffic
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    device = torch.device(settings["device"], rank if settings["device"] == "cuda" else None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=size)
     try:
         steps, batch, hidden = settings["T"], settings["B"], settings["H"]
         torch.manual_seed(0)
         cls = GRU if settings["model"] == "gru" else RNN
-        model = cls(settings["features"], hidden, num_layers=settings["layers"])
+        model = cls(settings["features"], hidden, num_layers=settings["layers"], device=device)
         parts = torch.tensor_split(torch.arange(steps), size)
-        x = torch.randn(len(parts[rank]), batch, settings["features"])
+        x = torch.randn(len(parts[rank]), batch, settings["features"], device=device)
+
+        def meet() -> None:  # every rank's work done, on the device too
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+
         groups = settings["micro_batches"]
         runs = {b: SequenceParallel(model, backward=b, micro_batches=groups) for b in ("bppsa", "bptt")}
         # memory first, each mode after one iteration of its own: BPTT's many small tensors leave
@@ -78,12 +91,12 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
         for name, run in runs.items():
             for measured in (False, True):
                 model.zero_grad(set_to_none=True)
-                dist.barrier()
-                before = memory.rss_bytes() if measured and memory.reset_peak() else None
+                meet()
+                before = _peak_start(device) if measured else None
                 top, h_n = run(x)
                 h_n[-1].sum().backward()
                 if measured:
-                    peak[name] = None if before is None else memory.peak_bytes() - before
+                    peak[name] = None if before is None else _peak_since(device, before)
                 del top, h_n
         times: dict[str, dict[str, list[float]]] = {b: {"forward": [], "backward": []} for b in runs}
         sent: dict[str, int] = {}
@@ -91,14 +104,14 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
             for name, run in runs.items():
                 model.zero_grad(set_to_none=True)
                 traffic.reset()
-                dist.barrier()
+                meet()
                 start = time.perf_counter()
                 top, h_n = run(x)
-                dist.barrier()
+                meet()
                 middle = time.perf_counter()
                 h_n[-1].sum().backward()
                 del top, h_n  # nothing of this iteration outlives it
-                dist.barrier()
+                meet()
                 end = time.perf_counter()
                 if i >= settings["warmup"]:
                     times[name]["forward"].append(middle - start)
@@ -119,6 +132,23 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
         dist.destroy_process_group()
 
 
+def _peak_start(device: torch.device) -> int | None:
+    """What this rank holds as an iteration begins, its peak reset to it; None where the system
+    cannot reset the resident set's peak."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    return memory.rss_bytes() if memory.reset_peak() else None
+
+
+def _peak_since(device: torch.device, before: int) -> int:
+    """The most this rank held above ``before`` since ``_peak_start``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    return memory.peak_bytes() - before
+
+
 def _fold_seconds(model: torch.nn.RNNBase, x: torch.Tensor, warmup: int, repeats: int) -> float:
     """The median time of a middle rank's fold of the slice ``x`` (``slice_fold``), as
     ``SequenceParallel``'s forward runs it on a middle rank."""
@@ -132,9 +162,13 @@ def _fold_seconds(model: torch.nn.RNNBase, x: torch.Tensor, warmup: int, repeats
     h0 = x.new_zeros(x.shape[1], model.hidden_size)
     times = []
     for i in range(warmup + repeats):
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
         start = time.perf_counter()
         with torch.no_grad():  # as in the forward of the ranks (the weights require grad)
             slice_fold(config, x, h0, None, out, weights)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -238,6 +272,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--features", type=positive_int, default=1, help="input features")
     p.add_argument("--layers", type=positive_int, default=1, help="stacked recurrent layers")
     p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="cpu: gloo ranks of one thread each; cuda: NCCL ranks of one GPU each",
+    )
+    p.add_argument(
         "--micro-batches",
         type=positive_int,
         default=MICRO_BATCHES,
@@ -252,12 +292,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(
                 f"--T {steps} is shorter than {max(args.ranks)} ranks; accepted: at least one step per rank"
             )
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device == "cuda" and not gpus:
+        p.error("--device cuda: no CUDA GPU is visible; accepted: --device cpu")
+    if args.device == "cuda" and max(args.ranks) > gpus:
+        p.error(
+            f"--ranks {max(args.ranks)} with --device cuda needs a GPU per rank and {gpus} are visible; "
+            f"accepted: at most {gpus} ranks, or --device cpu"
+        )
     if args.out and args.layers > 1:
         p.error(
             f"--layers {args.layers} with --out: the cost model (analysis.strategies) prices one recurrent "
             "layer; accepted: --layers 1 with --out"
         )
-    keys = ("B", "H", "model", "features", "layers", "micro_batches", "warmup", "repeats")
+    keys = ("B", "H", "model", "features", "layers", "device", "micro_batches", "warmup", "repeats")
     settings = {k: getattr(args, k) for k in keys}
     rows, folds = [], {}
     for steps in args.T:
@@ -267,8 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows += rows_of(steps, ranks, per_rank)
             if "fold" in per_rank[0]:  # one rank of one layer: what the model's device costs
                 folds[steps] = per_rank[0]["fold"]
+    per_rank = "nccl, one GPU" if args.device == "cuda" else "gloo, one thread"
     print(
-        f"{args.model}, {args.layers} layer(s), B = {args.B}, H = {args.H}, loss on h_T, gloo, one thread "
+        f"{args.model}, {args.layers} layer(s), B = {args.B}, H = {args.H}, loss on h_T, {per_rank} "
         f"per rank; medians of {args.repeats} after {args.warmup} warm-up"
     )
     print(table(rows))
