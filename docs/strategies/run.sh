@@ -12,7 +12,7 @@ if [[ "${1:-}" == "--measure" ]]; then
     "$python" -m experiments.bench.strategies --out "$here/measured" --repeats 9
     "$python" -m experiments.bench.distributed --ranks 1 2 --T 100000 --repeats 3 --out "$here/distributed"
 fi
-# VGG-11 on the interconnect: 1 TFLOP/s processors, 5 µs latency, 10 GB/s
+# VGG-11 on an assumed interconnect: 1 TFLOP/s processors, 5 µs latency, 10 GB/s
 "$python" -m analysis.strategies --model vgg11 --p 1 2 4 8 16 32 --alpha 5e-6 --beta 1e-10 \
     --out "$here/vgg11" > /dev/null
 # the paper's RNN (T = 1000, H = 20, B = 16), each layer operation costing 2 µs as a kernel launch does
@@ -27,7 +27,7 @@ fi
     --strategies sequential bptt-distributed bppsa-allgather bppsa-tree \
     --calibration "$here/measured/calibration.json" "$here/distributed/calibration.json" \
     --measured "$here/distributed/measured.csv" --out "$here/distributed" > /dev/null
-# VGG-11 on this machine's measured FLOP rate, α and β, beside the measured iterations
+# VGG-11 on the measured FLOP rate, α and β (measured/calibration.json), beside the measured iterations
 "$python" -m analysis.strategies --model vgg11 --batch 32 --p 1 2 4 8 --micro-batches 8 \
     --calibration "$here/measured/calibration.json" --measured "$here/measured/measured.csv" \
     --out "$here/measured" > /dev/null
