@@ -15,6 +15,8 @@ from experiments.ranks import launched_follower
 from experiments.records import JOBS, RECORDS, SWEEP_ID_VARIABLE, ledger, merge_sweep
 
 log = logging.getLogger(__name__)
+# The folder of the sweep this process started, once Hydra has made it (``refused_sweep``).
+started: list[Path] = []
 
 
 class MergeResults(Callback):
@@ -24,6 +26,9 @@ class MergeResults(Callback):
     the same name left in the folder; the command exits with status 0 only when every one of them
     completed (or had completed before and was skipped), else 1, naming the others.
     """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        started.append(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if launched_follower():  # the leader's sweep is the one that writes
@@ -49,3 +54,12 @@ class MergeResults(Callback):
                 print(f"  {job['run']}: {job['status']}{': ' + job['error'] if job.get('error') else ''}")
         if len(done) < len(jobs):
             sys.exit(1)
+
+
+def remove_refused_sweep() -> None:
+    """A sweep whose jobs do not compose is refused whole, after Hydra has written its folder's
+    multirun.yaml: a folder holding nothing else is removed (one holding results stays)."""
+    for folder in started:
+        if folder.is_dir() and [p.name for p in folder.iterdir()] == ["multirun.yaml"]:
+            (folder / "multirun.yaml").unlink()
+            folder.rmdir()

@@ -74,10 +74,24 @@ def one_line(exc: BaseException, conf_dir: Path) -> str:
             return f"{full_key} must be {rule.what}, got {cause.value!r}"
     if isinstance(cause, ConfigKeyError | AttributeError) and full_key:
         keys = [k for k in _rules(getattr(cause, "object_type", None))]
+        if "." not in str(full_key):  # the top level also holds the groups' nodes
+            keys += _top_groups(conf_dir)
         accepted = f"; accepted: {', '.join(keys)}" if keys else ""
         return f"unknown key {full_key}{accepted}"
     first = str(cause).strip().splitlines()
     return first[0] if first else type(cause).__name__
+
+
+def _top_groups(conf_dir: Path) -> list[str]:
+    """The groups whose options sit under a top-level key of their own name (``model``, ``trainer``,
+    ...): every group of the primary config's defaults but the presets (``@package _global_``)."""
+    defaults = OmegaConf.load(conf_dir / "config.yaml").get("defaults", [])
+    groups = [next(iter(d)) for d in defaults if isinstance(d, DictConfig)]
+    return [
+        g
+        for g in groups
+        if not any("@package _global_" in f.read_text() for f in (conf_dir / g).glob("*.yaml"))
+    ]
 
 
 def _missing_config(exc: MissingConfigException, conf_dir: Path) -> str:
@@ -105,6 +119,9 @@ def refusing_in_one_line(prog: str, conf_dir: Path) -> Iterator[None]:
     try:
         yield
     except (HydraException, OmegaConfBaseException) as exc:
+        from experiments.callbacks import remove_refused_sweep
+
+        remove_refused_sweep()
         print(f"{prog}: error: {one_line(exc, conf_dir)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # outside a job (a job's own interruption is reported by run.py)

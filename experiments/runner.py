@@ -64,6 +64,8 @@ REPO = Path(__file__).resolve().parents[1]
 BAD_INPUT = (ConfigError, HardwareError, LoggerError, DataError, CheckpointError)
 # What Hydra leaves in a run folder before the job runs.
 HYDRA_FILES = ("run.log", f"{Path(sys.argv[0]).stem}.log")
+# What a folder named by hydra.run.dir held before Hydra wrote into it (``note_run_dir``).
+found_before: dict[Path, set[str]] = {}
 
 
 @dataclass
@@ -155,8 +157,8 @@ def run_job(cfg: DictConfig, run_dir: Path, launch: Ranks | None = None) -> Outc
             records.remove_stale_temporaries(run_dir)
             had_results = _holds_results(run_dir)
             outcome = _run(cfg, run_dir, launch)
-            if outcome.bad_input and not had_results:
-                _remove_if_only_hydra(run_dir)
+            if outcome.bad_input:
+                _leave_as_found(run_dir, had_results)
             return outcome
     except records.FolderBusyError as exc:
         outcome = Outcome("busy", str(exc), bad_input=True)
@@ -167,6 +169,27 @@ def run_job(cfg: DictConfig, run_dir: Path, launch: Ranks | None = None) -> Outc
 
 def _holds_results(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in (records.SUMMARY, records.RECORDS, records.CHECKPOINT))
+
+
+def note_run_dir(argv: list[str]) -> None:
+    """Before Hydra starts: what a folder named by ``hydra.run.dir=`` already holds, so that a job
+    refused for bad input leaves the user's folder as it was, not removed."""
+    for arg in argv:
+        if arg.startswith("hydra.run.dir=") and Path(arg.split("=", 1)[1]).is_dir():
+            folder = Path(arg.split("=", 1)[1]).resolve()
+            found_before[folder] = {p.name for p in folder.iterdir()}
+
+
+def _leave_as_found(run_dir: Path, had_results: bool) -> None:
+    """After a refusal: a folder that existed before keeps what it held and loses what this run
+    added (Hydra's log, the lock); one Hydra made for this job alone is removed."""
+    found = found_before.get(run_dir.resolve())
+    if found is not None:
+        for name in (*HYDRA_FILES, records.LOCK):
+            if name not in found:
+                (run_dir / name).unlink(missing_ok=True)
+    elif not had_results:
+        _remove_if_only_hydra(run_dir)
 
 
 def _remove_if_only_hydra(run_dir: Path) -> None:

@@ -142,7 +142,7 @@ def train_epoch(
         if not math.isfinite(value):
             raise NonFiniteLossError(
                 f"training loss became {value} at epoch {state.epoch + 1}, iteration {state.iteration + 1}; "
-                "the run stops (try a smaller trainer.lr)"
+                f"the run stops (try an optimizer.lr below {optimizer.param_groups[0]['lr']:g})"
             )
         loss_sum += value * len(y)
         correct += (logits.argmax(-1) == y).sum().item()

@@ -300,6 +300,7 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
     outcome = runner.run_job(cfg, tmp_path)
     assert outcome.status == "failed" and not outcome.bad_input
     assert "training loss became nan at epoch 1, iteration 1" in outcome.error
+    assert f"try an optimizer.lr below {cfg.optimizer.lr:g}" in outcome.error
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and "loss became nan" in summary["error"]
     assert not (tmp_path / "records.csv").exists()  # no epoch finished
@@ -318,6 +319,7 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
         (["hardware.device=tpu"], "unknown hardware.device 'tpu'; accepted: auto, cpu, cuda"),
         (["hardware.workers=999"], "hardware.workers=999 is more than the "),
         (["trainer.foo=1"], "unknown key trainer.foo; accepted: epochs, batch_size, warmup_iters"),
+        (["foo=1"], "unknown key foo; accepted: name, model, dataset, backward, optimizer, trainer, logger"),
         (["trainer.epochs=1e26"], "trainer.epochs must be a positive integer, got 1e+26"),
         (["optimizer.lr=fast"], "optimizer.lr must be a positive number, got 'fast'"),
         (["optimizer=adamw"], "unknown optimizer 'adamw'; accepted: adam, sgd"),
@@ -348,6 +350,28 @@ def test_bad_input_fails_in_one_line_and_leaves_no_files(tmp_path: Path, args, m
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("run.py: error: ") and message in lines[0]
     assert not run_dir.exists()
+
+
+def test_a_refusal_leaves_the_users_own_folder_as_it_was(tmp_path: Path) -> None:
+    empty, kept = tmp_path / "empty", tmp_path / "kept"
+    empty.mkdir()
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    for folder in (empty, kept):
+        done = run_py("dataset.seq_len=0", "logger=csv", f"hydra.run.dir={folder}", cwd=tmp_path)
+        assert done.returncode == 2 and "dataset.seq_len must be a positive integer" in done.stderr
+    assert empty.is_dir() and not any(empty.iterdir())  # not removed, nothing added
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+
+
+def test_a_sweep_refused_whole_leaves_no_folder(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    done = run_py("-m", "model=rnn,elman", "logger=csv", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "run.py: error: unknown model 'elman'; accepted: gru, lstm, rnn"
+    ]
+    assert not sweep.exists()
 
 
 def test_an_empty_irmas_folder_is_refused(tmp_path: Path) -> None:
