@@ -11,7 +11,8 @@
 # an interrupted script continues where it stopped (delete that folder to measure anew).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-py=${PYTHON:-python}
+# the interpreter: $PYTHON, else the README's .venv, else python on the PATH
+py=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python )}
 device=cpu
 draw_only=0
 while [[ $# -gt 0 ]]; do

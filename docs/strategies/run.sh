@@ -6,7 +6,8 @@
 #   bash docs/strategies/run.sh --measure         # measure this machine first (2 processes, ~1.5 min)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-python=${PYTHON:-python}
+# the interpreter: $PYTHON, else the README's .venv, else python on the PATH
+python=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python )}
 here=docs/strategies
 if [[ "${1:-}" == "--measure" ]]; then
     "$python" -m experiments.bench.strategies --out "$here/measured" --repeats 9
