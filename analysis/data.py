@@ -7,9 +7,9 @@ or a single run folder, or a CSV file.
 Speedups follow the paper. A BPTT run and a BPPSA run are compared when everything but their
 backward is the same: the same ``comparison_key`` (a hash of the whole resolved configuration
 less the backward group, the forward solver and the keys that do not change results, written by
-the runner), device and worker count; each BPPSA variant (strategy, chunk, levels, forward solver) gets its own row.
-Records without a ``comparison_key`` are compared on every column that describes their run (all but
-the measurements). Per comparison:
+the runner), device and worker count; each BPPSA variant (strategy, chunk, levels, forward solver)
+gets its own row. Records without a ``comparison_key`` are compared on every column that describes
+their run (all but the measurements). Per comparison:
 
 * overall = median epoch time of BPTT / median epoch time of BPPSA;
 * backward = median backward time per timed iteration of BPTT / the same of BPPSA (BPPSA's
@@ -46,6 +46,20 @@ REQUIRED = (
     "wall_s",
     "loss",
 )
+# The required columns that hold numbers.
+NUMERIC = (
+    "seq_len",
+    "batch_size",
+    "epoch",
+    "timed_iterations",
+    "forward_s",
+    "backward_s",
+    "step_s",
+    "epoch_s",
+    "wall_s",
+    "loss",
+)
+BACKWARDS = ("bppsa", "bptt")
 # What identifies a comparison: the same configuration on the same device, backward aside.
 CONFIG_KEYS = (
     "model",
@@ -105,6 +119,38 @@ def _tables_under(path: Path) -> list[Path]:
     return sorted(path.glob("*/records.csv"))  # a sweep cut short before its merge
 
 
+def check_numbers(frame: pd.DataFrame, path: Path, columns: Sequence[str]) -> None:
+    """Turn ``columns`` of a table read from ``path`` into numbers; AnalysisError naming the file,
+    the column, the row and the value where one is not a number."""
+    for column in columns:
+        values = pd.to_numeric(frame[column], errors="coerce")
+        bad = values.isna() & frame[column].notna()
+        if bad.any():
+            row = int(bad.to_numpy().argmax())
+            raise AnalysisError(
+                f"{path}: {column} is {frame[column].iloc[row]!r} in row {row + 1}; accepted: a number"
+            )
+        frame[column] = values
+
+
+def read_table(path: Path, columns: Sequence[str], numeric: Sequence[str] = ()) -> pd.DataFrame:
+    """A CSV table the analysis draws from: AnalysisError naming ``path`` when it cannot be read,
+    lacks one of ``columns``, or holds something other than a number in one of ``numeric``."""
+    try:
+        frame = pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        raise AnalysisError(
+            f"{path} is empty; accepted: a table with the columns {', '.join(columns)}"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise AnalysisError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise AnalysisError(f"{path} lacks the columns {', '.join(missing)}")
+    check_numbers(frame, path, numeric)
+    return frame
+
+
 def load_results(paths: Sequence[str | Path], keep_contended: bool = False) -> pd.DataFrame:
     """All epoch rows under ``paths``, one frame; raises AnalysisError naming what is wrong.
 
@@ -140,6 +186,12 @@ def load_results(paths: Sequence[str | Path], keep_contended: bool = False) -> p
             if missing:
                 raise AnalysisError(
                     f"{table} lacks the columns {', '.join(missing)}; is it a run's records.csv?"
+                )
+            check_numbers(frame, table, NUMERIC)
+            unknown = sorted(set(frame["backward"].dropna().astype(str)) - set(BACKWARDS))
+            if unknown:
+                raise AnalysisError(
+                    f"{table}: unknown backward {unknown[0]!r}; accepted: {', '.join(BACKWARDS)}"
                 )
             if "run" not in frame.columns:
                 frame["run"] = table.parent.name

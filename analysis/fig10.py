@@ -19,8 +19,9 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from analysis.data import AnalysisError
+from analysis.data import AnalysisError, read_table
 from analysis.figures import plt, save
+from datasets.common import OneLineParser, output_folder
 
 COLUMNS = ("ratio", "method", "flops", "mnk", "critical")
 
@@ -31,11 +32,7 @@ def load_products(folder: str | Path) -> pd.DataFrame:
         raise AnalysisError(
             f"no products.csv at {str(path)!r}; run python -m experiments.bench.pruned_vgg first"
         )
-    data = pd.read_csv(path)
-    missing = [c for c in COLUMNS if c not in data.columns]
-    if missing:
-        raise AnalysisError(f"{path} lacks the columns {', '.join(missing)}")
-    return data
+    return read_table(path, COLUMNS, ("ratio", "flops", "mnk"))
 
 
 def merge_identical(products: pd.DataFrame) -> pd.DataFrame:
@@ -91,13 +88,13 @@ def fig10(products: pd.DataFrame) -> plt.Figure:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m analysis.fig10",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("path", help="the --out folder of experiments.bench.pruned_vgg, or its products.csv")
-    parser.add_argument("--out", default="figures", help="output folder")
+    parser.add_argument("--out", type=output_folder, default="figures", help="output folder")
     args = parser.parse_args(argv)
     try:
         products = load_products(args.path)

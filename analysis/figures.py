@@ -36,6 +36,7 @@ import seaborn as sns
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from analysis.data import PHASES, AnalysisError, load_results, speedups
+from datasets.common import OneLineParser, output_folder
 
 sns.set_theme(style="whitegrid")  # every figure of the suite, fig. 10 included, in one style
 plt.rcParams.update({"svg.hashsalt": "bppsa", "pdf.compression": 6})
@@ -414,13 +415,13 @@ def make_figures(data: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m analysis.figures",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("paths", nargs="+", help="sweep folders, run folders or records.csv files")
-    parser.add_argument("--out", default="figures", help="output folder")
+    parser.add_argument("--out", type=output_folder, default="figures", help="output folder")
     parser.add_argument(
         "--keep-contended", action="store_true", help="keep epochs measured while the machine was busy"
     )

@@ -18,6 +18,7 @@ import pandas as pd
 
 from analysis.data import AnalysisError, load_results, provenance, speedups
 from analysis.figures import FIGURES, make_figures
+from datasets.common import OneLineParser, output_folder
 
 
 def speedup_markdown(table: pd.DataFrame) -> str:
@@ -108,13 +109,13 @@ def write_report(paths: Sequence[str | Path], out: Path, keep_contended: bool = 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m analysis.report",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("paths", nargs="+", help="sweep folders, run folders or records.csv files")
-    parser.add_argument("--out", default="report", help="output folder")
+    parser.add_argument("--out", type=output_folder, default="report", help="output folder")
     parser.add_argument(
         "--keep-contended", action="store_true", help="keep epochs measured while the machine was busy"
     )

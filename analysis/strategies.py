@@ -40,8 +40,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.data import AnalysisError
+from analysis.data import AnalysisError, read_table
 from analysis.figures import plt
+from datasets.common import OneLineParser, bounded, output_folder
 
 STRATEGIES = (
     "sequential",
@@ -1253,10 +1254,7 @@ def load_measured(path: str | Path) -> pd.DataFrame:
         raise AnalysisError(
             f"no measured table at {str(path)!r}; run python -m experiments.bench.strategies first"
         )
-    data = pd.read_csv(path)
-    missing = [c for c in ("strategy", "p", "time") if c not in data.columns]
-    if missing:
-        raise AnalysisError(f"{path} lacks the columns {', '.join(missing)}")
+    data = read_table(path, ("strategy", "p", "time"), ("p", "time"))
     unknown = sorted(set(data["strategy"]) - set(STRATEGIES))
     if unknown:
         raise AnalysisError(
@@ -1303,7 +1301,8 @@ def load_calibration(path: str | Path) -> dict[str, float]:
         raise AnalysisError(f"{path} is not JSON: {exc}") from None
     found = {k: v for k, v in values.items() if k in CALIBRATION} if isinstance(values, dict) else {}
     if not found:
-        raise AnalysisError(f"{path} sets none of {', '.join(CALIBRATION)}")
+        held = ", ".join(map(str, values)) if isinstance(values, dict) and values else "nothing"
+        raise AnalysisError(f"{path} sets none of {', '.join(CALIBRATION)}; it holds {held}")
     for key, value in found.items():
         if not _calibrated(key, value):
             raise AnalysisError(f"{path}: {key} is {value!r}; accepted: {CALIBRATION[key]}")
@@ -1418,29 +1417,6 @@ def _seconds(value: float) -> str:
     return f"{value:.3g} s" if value < 1e4 else f"{value:.2e} s"
 
 
-def _positive(kind: type, accepted: str):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number; accepted: {accepted}") from None
-        if not value > 0 or not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text} is not positive; accepted: {accepted}")
-        return value
-
-    return parse
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; accepted: a number >= 0") from None
-    if not value >= 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text} is negative; accepted: a number >= 0")
-    return value
-
-
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Defaults in the help, except where the help says how an unset option is resolved."""
 
@@ -1449,10 +1425,11 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m analysis.strategies", description=__doc__.split("\n\n")[0], formatter_class=_Help
     )
-    count, number = _positive(int, "positive integers"), _positive(float, "a positive number")
+    count, number = bounded(int, "positive integers"), bounded(float, "a positive number")
+    non_negative = bounded(float, "a number >= 0", positive=False)
     parser.add_argument("--model", choices=MODELS, default="vgg11", help="the network")
     parser.add_argument("--batch", type=count, help="samples per iteration (default: 128 for vgg11, 16 else)")
     parser.add_argument("--T", type=count, default=1000, help="sequence length (rnn, gru)")
@@ -1470,9 +1447,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--flops", type=number, help=f"FLOP/s of one processor (default: {Machine.flops:g})")
     parser.add_argument(
-        "--alpha", type=_non_negative, help=f"seconds per message (default: {Machine.alpha:g})"
+        "--alpha", type=non_negative, help=f"seconds per message (default: {Machine.alpha:g})"
     )
-    parser.add_argument("--beta", type=_non_negative, help=f"seconds per byte (default: {Machine.beta:g})")
+    parser.add_argument("--beta", type=non_negative, help=f"seconds per byte (default: {Machine.beta:g})")
     parser.add_argument(
         "--calibration",
         nargs="+",
@@ -1480,13 +1457,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "experiments.bench.distributed (overhead, forward_step, walk, fold, groups): they set what the "
         "flags leave unset, a later file winning",
     )
-    parser.add_argument("--overhead", type=_non_negative, help="seconds per layer operation (default: 0)")
+    parser.add_argument("--overhead", type=non_negative, help="seconds per layer operation (default: 0)")
     for flag, what in (
         ("--forward-step", "seconds per step of a device's fused forward, whatever the batch"),
         ("--walk", "seconds per step and sample of a device's compiled BPPSA backward of its slice"),
         ("--fold", "seconds per step and sample of a middle device's fold of its slice"),
     ):
-        parser.add_argument(flag, type=_non_negative, help=f"{what} (default: 0, its operations)")
+        parser.add_argument(flag, type=non_negative, help=f"{what} (default: 0, its operations)")
     parser.add_argument(
         "--groups", type=count, help="sample groups BPPSA's backward pipelines over the devices (default: 1)"
     )
@@ -1498,7 +1475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gantt", type=count, default=4, help="p of the Gantt charts")
     parser.add_argument("--gantt-micro-batches", type=count, help="in the Gantt charts (default: their p)")
     parser.add_argument("--measured", help="a measured.csv to draw beside the model")
-    parser.add_argument("--out", default="strategies", help="output folder")
+    parser.add_argument("--out", type=output_folder, default="strategies", help="output folder")
     args = parser.parse_args(argv)
     args.strategies = args.strategies or list(STRATEGIES)
     batch = args.batch or (128 if args.model == "vgg11" else 16)

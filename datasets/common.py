@@ -1,5 +1,6 @@
-"""Helpers every layer of the suite shares: atomic file writes, the positive-integer check, and the
-errors that say in one line what is wrong with the data or with a file.
+"""Helpers every layer of the suite shares: atomic file writes, the positive-integer check, the
+errors that say in one line what is wrong with the data or with a file, and the command-line parser
+whose refusals are one line, with the types of its output paths.
 
 They sit here, in the suite's lowest layer, so that the datasets, the experiments and the analysis
 all use the same ones without an import pointing upward. (``bppsa_core`` is a library of its own
@@ -8,12 +9,14 @@ and keeps its own checks, ``bppsa_core.dispatch``.)
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import math
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 class DataError(ValueError):
@@ -65,3 +68,56 @@ def _why(exc: Exception, path: Path) -> str:
         free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
         reason += f" ({free} bytes free there)"
     return reason
+
+
+def bounded(kind: type, accepted: str, positive: bool = True) -> Callable[[str], Any]:
+    """argparse type of a finite ``kind`` (int or float) above 0 (``positive``) or at least 0; a
+    refusal names the text and ``accepted``."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}; accepted: {accepted}") from None
+        if not math.isfinite(value) or not (value > 0 if positive else value >= 0):
+            what = "not positive" if positive else "negative"
+            raise argparse.ArgumentTypeError(f"{text} is {what}; accepted: {accepted}")
+        return value
+
+    return parse
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser with one line for a refusal, ``<prog>: error: <what>``, and exit status 2
+    (argparse prints its usage block first; ``--help`` still shows it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _file_above(path: Path) -> Path | None:
+    """The first of ``path``'s parent folders that exists as something other than a folder."""
+    return next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+
+
+def output_folder(text: str) -> Path:
+    """argparse type of an output folder, made if missing: refused before any work when it, or a
+    folder above it, is a file."""
+    path = Path(text)
+    blocker = path if path.exists() and not path.is_dir() else _file_above(path)
+    if blocker is not None:
+        raise argparse.ArgumentTypeError(f"{blocker} is a file; accepted: a folder (made if missing)")
+    return path
+
+
+def output_file(text: str) -> Path:
+    """argparse type of an output file, its folder made if missing: refused before any work when it
+    is a folder, or a folder above it is a file."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder; accepted: a file name")
+    blocker = _file_above(path)
+    if blocker is not None:
+        raise argparse.ArgumentTypeError(f"{blocker} is a file; accepted: a path whose folders are folders")
+    return path

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from datasets.common import DataError, is_count, write_atomic
+from datasets.common import DataError, OneLineParser, is_count, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -488,7 +488,7 @@ def report(data: IRMASFeatures) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m datasets.irmas",
         description="Extract and cache IRMAS MFCC features.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from datasets.common import OneLineParser, output_folder
 from datasets.irmas import CLASSES, SAMPLE_RATE
 
 
@@ -47,12 +48,14 @@ def write_synthetic(root: str | Path, per_class: int) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m datasets.synthetic_irmas",
         description="Write a synthetic IRMAS training folder: 11 classes of stereo 44.1 kHz 3 s clips.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--out", required=True, help="the folder to write (its class folders are made)")
+    parser.add_argument(
+        "--out", type=output_folder, required=True, help="the folder to write (its class folders are made)"
+    )
     parser.add_argument("--per-class", type=int, default=12, help="clips per class")
     args = parser.parse_args(argv)
     if args.per_class < 1:

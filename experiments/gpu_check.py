@@ -46,8 +46,15 @@ from pathlib import Path
 
 import torch
 
-from datasets.common import write_atomic
-from experiments.bench.common import Progress, markdown, version
+from datasets.common import OneLineParser, output_file, write_atomic
+from experiments.bench.common import (
+    Progress,
+    markdown,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    version,
+)
 from experiments.timing import time_ms
 
 STEPS = ("tests", "backward", "epoch", "scan", "chunk", "workers", "forward", "kernels", "ranks")
@@ -265,24 +272,26 @@ def render(sections: dict[str, Section], dry: bool, argv: Sequence[str]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m experiments.gpu_check",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--out", type=Path, default=Path("gpu_report.md"), help="where the report is written")
+    p.add_argument(
+        "--out", type=output_file, default=Path("gpu_report.md"), help="where the report is written"
+    )
     p.add_argument("--dry", action="store_true", help="run on the CPU at small shapes; CUDA steps skipped")
     p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="the steps to run")
-    p.add_argument("--repeats", type=int, default=10, help="timed repeats of every measurement")
-    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up runs before them")
-    p.add_argument("--step-timeout", type=float, default=300.0, help="seconds before a step is stopped")
+    p.add_argument("--repeats", type=positive_int, default=10, help="timed repeats of every measurement")
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed warm-up runs before them")
+    p.add_argument(
+        "--step-timeout", type=positive_float, default=300.0, help="seconds before a step is stopped"
+    )
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0:
-        p.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
     if not args.dry and not torch.cuda.is_available():
         p.error("no CUDA device here; accepted: a machine with a GPU, or --dry to check the command on a CPU")
     if not args.out.parent.is_dir():
-        p.error(f"--out: {args.out.parent} is not a directory")
+        p.error(f"--out {args.out}: its folder does not exist; accepted: a file in an existing folder")
     return args
 
 

@@ -189,6 +189,16 @@ def test_the_ranks_figure_plots_backward_time_against_ranks_and_the_workers_figu
     plt.close(fig)
 
 
+def _records_with(folder: Path, **values) -> Path:
+    """A one-row records.csv with every required column, ``values`` set over the good ones."""
+    from analysis.data import REQUIRED
+
+    row = {c: 1 for c in REQUIRED} | {"model": "rnn", "dataset": "bitstream", "backward": "bppsa"} | values
+    path = folder / "records.csv"
+    pd.DataFrame([row]).to_csv(path, index=False)
+    return path
+
+
 @pytest.mark.parametrize(
     ("setup", "message"),
     [
@@ -197,6 +207,14 @@ def test_the_ranks_figure_plots_backward_time_against_ranks_and_the_workers_figu
         (
             lambda p: (p / "records.csv").write_text("a,b\n1,2\n") and p / "records.csv",
             "lacks the columns model",
+        ),
+        (
+            lambda p: _records_with(p, forward_s="abc"),
+            "records.csv: forward_s is 'abc' in row 1; accepted: a number",
+        ),
+        (
+            lambda p: _records_with(p, backward="scan"),
+            "records.csv: unknown backward 'scan'; accepted: bppsa, bptt",
         ),
     ],
 )
@@ -364,6 +382,21 @@ def test_fig10_merges_methods_that_draw_the_same_points(tmp_path: Path) -> None:
     legend = [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
     assert legend == ["BP", "levels=3 = levels=all", "on the critical path", "off it"]
     plt.close(fig)
+
+
+def test_fig10_names_a_products_table_it_cannot_draw(tmp_path: Path, capsys) -> None:
+    from analysis import fig10
+
+    path = tmp_path / "products.csv"
+    row = {"ratio": 0.5, "method": "BP", "flops": "many", "mnk": 3, "critical": True}
+    pd.DataFrame([row]).to_csv(path, index=False)
+    assert fig10.main([str(tmp_path), "--out", str(tmp_path / "fig")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith("products.csv: flops is 'many' in row 1; accepted: a number")
+    path.write_text("")
+    assert fig10.main([str(tmp_path), "--out", str(tmp_path / "fig")]) == 2
+    assert "products.csv is empty" in capsys.readouterr().err
+    assert not (tmp_path / "fig").exists()
 
 
 def test_cells_without_timings_or_spread_say_why() -> None:

@@ -167,8 +167,43 @@ def test_bad_input_exits_with_one_clear_line(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_args(argv)
     assert exc.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("python -m experiments.bench.backward: error: ") and message in last
+    (line,) = capsys.readouterr().err.strip().splitlines()  # one line, no usage block
+    assert line.startswith("python -m experiments.bench.backward: error: ") and message in line
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"),
+    [
+        ("experiments.bench.distributed", ["--out", "{file}"]),
+        ("experiments.bench.strategies", ["--out", "{file}/sub"]),
+        ("experiments.bench.pruned_vgg", ["--out", "{file}"]),
+        ("experiments.bench.kernels", ["--json", "{folder}"]),
+        ("experiments.gpu_check", ["--dry", "--out", "{folder}"]),
+        ("analysis.figures", ["--out", "{file}", "results"]),
+        ("analysis.report", ["--out", "{file}", "results"]),
+        ("analysis.fig10", ["--out", "{file}", "results"]),
+        ("analysis.strategies", ["--out", "{file}"]),
+        ("datasets.synthetic_irmas", ["--out", "{file}", "--per-class", "1"]),
+    ],
+)
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
+    module: str, argv: list[str], tmp_path, capsys
+) -> None:
+    import importlib
+
+    (tmp_path / "file").write_text("mine")
+    args = [a.format(file=tmp_path / "file", folder=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(module).main(args)
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    expected = (
+        f"{tmp_path} is a folder; accepted: a file name"
+        if "{folder}" in argv
+        else f"{tmp_path / 'file'} is a file; accepted: a folder (made if missing)"
+    )
+    assert line.startswith(f"python -m {module}: error: argument --") and line.endswith(expected)
+    assert [p.name for p in tmp_path.iterdir()] == ["file"] and (tmp_path / "file").read_text() == "mine"
 
 
 def test_cuda_without_a_gpu_is_named(capsys, monkeypatch) -> None:

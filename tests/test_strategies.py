@@ -446,6 +446,7 @@ def test_a_calibration_sets_what_the_flags_leave_unset(tmp_path: Path) -> None:
         ({"groups": True}, "groups is True; accepted: a positive integer"),
         ([1, 2], "sets none of flops, alpha, beta, overhead"),
         ({"T": 100}, "sets none of flops"),
+        ({"walkz": 1e-5}, "sets none of flops, .*; it holds walkz"),
     ):
         path.write_text(json.dumps(bad))
         with pytest.raises(AnalysisError, match=message):
@@ -490,6 +491,12 @@ def test_a_measured_table_must_name_known_strategies(tmp_path: Path) -> None:
         S.load_measured(path)
     pd.DataFrame({"strategy": ["data"], "p": [2]}).to_csv(path, index=False)
     with pytest.raises(AnalysisError, match="lacks the columns time"):
+        S.load_measured(path)
+    pd.DataFrame({"strategy": ["data"], "p": [2], "time": ["slow"]}).to_csv(path, index=False)
+    with pytest.raises(AnalysisError, match="time is 'slow' in row 1; accepted: a number"):
+        S.load_measured(path)
+    path.write_text("")
+    with pytest.raises(AnalysisError, match="is empty; accepted: a table with the columns strategy, p, time"):
         S.load_measured(path)
 
 

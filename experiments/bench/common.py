@@ -15,26 +15,12 @@ from collections.abc import Sequence
 
 import torch
 
-from datasets.common import is_count
+from datasets.common import OneLineParser, bounded
 from experiments.hardware import HardwareError, cpu_name, resolve_device
 
-
-def _count_type(minimum: int, accepted: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; accepted: {accepted}") from None
-        if not is_count(value, minimum):
-            what = "is not positive" if minimum == 1 else "is negative"
-            raise argparse.ArgumentTypeError(f"{value} {what}; accepted: {accepted}")
-        return value
-
-    return parse
-
-
-positive_int = _count_type(1, "positive integers")
-non_negative_int = _count_type(0, "non-negative integers")
+positive_int = bounded(int, "positive integers")
+non_negative_int = bounded(int, "non-negative integers", positive=False)
+positive_float = bounded(float, "a positive number")
 
 
 def device_arg(text: str) -> torch.device:
@@ -47,7 +33,7 @@ def device_arg(text: str) -> torch.device:
 
 def parser(module: str, doc: str) -> argparse.ArgumentParser:
     """A tool's parser: usage names ``python -m <module>``, help shows every option's default."""
-    return argparse.ArgumentParser(
+    return OneLineParser(
         prog=f"python -m {module}",
         description=doc.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bppsa_core.distributed import MICRO_BATCHES, sample_groups
+from datasets.common import output_folder
 from experiments.bench import memory
 from experiments.bench.common import markdown, non_negative_int, parser, positive_int
 
@@ -285,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed iterations per mode")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed iterations per mode (median)")
-    p.add_argument("--out", help="folder for measured.csv")
+    p.add_argument("--out", type=output_folder, help="folder for measured.csv")
     args = p.parse_args(argv)
     for steps in args.T:
         if steps < max(args.ranks):

@@ -40,7 +40,9 @@ from typing import Any, NamedTuple
 
 from bppsa_core import triton_scan
 from bppsa_core.triton_scan import KernelConfig, Launch
+from datasets.common import OneLineParser, bounded, output_file, write_atomic
 
+positive_int = bounded(int, "positive integers")
 ARCHS = (80, 90)
 SCHEDULERS_PER_SM = 4  # warp schedulers per SM on sm_70 and later
 REGISTERS_PER_SM = 65536
@@ -503,19 +505,9 @@ def _arch(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m experiments.bench.kernels",
         description=(
             "Compile every Triton scan kernel configuration the modules can launch for NVIDIA GPUs, "
@@ -530,8 +522,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--arch", type=_arch, nargs="+", default=list(ARCHS), help="compute capabilities x 10"
     )
-    parser.add_argument("--T", type=_positive, default=DEFAULT_T, help="chain length of the estimate")
-    parser.add_argument("--chunk", type=_positive, default=DEFAULT_CHUNK, help="chunk size of the estimate")
+    parser.add_argument("--T", type=positive_int, default=DEFAULT_T, help="chain length of the estimate")
+    parser.add_argument(
+        "--chunk", type=positive_int, default=DEFAULT_CHUNK, help="chunk size of the estimate"
+    )
     parser.add_argument(
         "--configs",
         choices=("all", "listed", "representative"),
@@ -542,7 +536,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--summary", action="store_true", help="one line per kernel, mode and HP instead of every row"
     )
-    parser.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--json", type=output_file, default=None, help="also write the rows to this JSON file"
+    )
     args = parser.parse_args(argv)
     try:
         configs = triton_scan.launch_configs()
@@ -557,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         import json
 
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        write_atomic(args.json, lambda tmp: tmp.write_text(json.dumps(rows, indent=1) + "\n"))
     print(summary(rows, max(args.arch)) if args.summary else markdown(rows))
     return 0
 

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bppsa_core import sparse
+from datasets.common import output_folder
 from experiments.bench.common import Progress, non_negative_int, parser, positive_int
 from experiments.records import write_table
 
@@ -211,7 +212,7 @@ def _level(text: str) -> int | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser("experiments.bench.pruned_vgg", __doc__)
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", type=output_folder, required=True, help="output folder")
     p.add_argument("--ratios", type=_ratio, nargs="+", default=[0.0, 0.9, 0.97], help="pruning ratios")
     p.add_argument("--levels", type=_level, nargs="+", default=[2, 1, 3, None], help="scan levels, or all")
     p.add_argument("--width", type=float, default=1.0, help="channel multiplier (VGG-11: 1.0)")

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from datasets.common import write_atomic
+from datasets.common import output_folder, write_atomic
 from experiments.bench.common import Progress, machine_line, non_negative_int, parser, positive_int
 from experiments.bench.pruned_vgg import CLASSES, vgg11
 from experiments.records import write_table
@@ -194,7 +194,7 @@ def measure(args, progress: Callable[[str], None]) -> tuple[list[dict], dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser("experiments.bench.strategies", __doc__)
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", type=output_folder, required=True, help="output folder")
     p.add_argument("--batch", type=positive_int, default=32, help="samples per iteration")
     p.add_argument("--width", type=float, default=1.0, help="VGG-11's channel multiplier")
     p.add_argument(
