@@ -30,23 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-REQUIRED = (
-    "model",
-    "dataset",
-    "seq_len",
-    "batch_size",
-    "backward",
-    "device_name",
-    "epoch",
-    "timed_iterations",
-    "forward_s",
-    "backward_s",
-    "step_s",
-    "epoch_s",
-    "wall_s",
-    "loss",
-)
-# The required columns that hold numbers.
+# The columns every records table holds (REQUIRED), those that hold numbers first.
 NUMERIC = (
     "seq_len",
     "batch_size",
@@ -59,6 +43,7 @@ NUMERIC = (
     "wall_s",
     "loss",
 )
+REQUIRED = ("model", "dataset", "backward", "device_name", *NUMERIC)
 BACKWARDS = ("bppsa", "bptt")
 # What identifies a comparison: the same configuration on the same device, backward aside.
 CONFIG_KEYS = (
