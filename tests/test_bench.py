@@ -151,6 +151,7 @@ def test_default_strategies_are_those_that_exist(monkeypatch) -> None:
         (["--device", "tpu"], "argument --device: unknown device 'tpu'; accepted: auto, cpu, cuda, cuda:N"),
         (["--device", "meta"], "unknown device 'meta'; accepted: auto, cpu, cuda, cuda:N"),
         (["--warmup", "-1"], "argument --warmup: -1 is negative; accepted: non-negative integers"),
+        (["--threads", "999"], "argument --threads: 999 is more than the "),
         (["--repeats", "0"], "argument --repeats: 0 is not positive"),
         (["--chunk", "0"], "argument --chunk: 0 is not positive; accepted: positive integers"),
         (["--epoch-samples", "0"], "argument --epoch-samples: 0 is not positive"),

@@ -50,6 +50,7 @@ from experiments.bench.common import (
     notes_lines,
     parser,
     positive_int,
+    threads_arg,
 )
 from experiments.bench.floors import Floors, measure_floors
 from experiments.bench.scan import MODULES, TERMS, bench_scan, format_scan_table
@@ -443,7 +444,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss", choices=("last", "all"), default="last", help="loss on h_T or on every output")
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
     p.add_argument(
         "--repeats", type=positive_int, default=5, help="timed runs per cell (the median is shown)"
     )

@@ -16,11 +16,22 @@ from collections.abc import Sequence
 import torch
 
 from datasets.common import OneLineParser, bounded
-from experiments.hardware import HardwareError, cpu_name, resolve_device
+from experiments.hardware import HardwareError, cpu_cores, cpu_name, resolve_device
 
 positive_int = bounded(int, "positive integers")
 non_negative_int = bounded(int, "non-negative integers", positive=False)
 positive_float = bounded(float, "a positive number")
+
+
+def threads_arg(text: str) -> int:
+    """argparse type of ``--threads``: a positive integer no larger than the CPU cores this process
+    may use (more threads than cores measure their contention, not the method)."""
+    threads, cores = positive_int(text), cpu_cores()
+    if threads > cores:
+        raise argparse.ArgumentTypeError(
+            f"{threads} is more than the {cores} CPU cores this process may use; accepted: 1 to {cores}"
+        )
+    return threads
 
 
 def device_arg(text: str) -> torch.device:

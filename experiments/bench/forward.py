@@ -42,6 +42,7 @@ from experiments.bench.common import (
     non_negative_int,
     parser,
     positive_int,
+    threads_arg,
 )
 from experiments.timing import time_ms
 
@@ -183,7 +184,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small shapes, seconds on a CPU")
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed rounds (the median is shown)")
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed rounds before them")
     args = p.parse_args(argv)
