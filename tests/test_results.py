@@ -279,6 +279,11 @@ def test_a_write_that_fails_names_the_file_and_keeps_the_old_one(tmp_path: Path,
         WriteError, match=rf"cannot write {tmp_path / 'c.pt'}: basic_ios::clear: iostream error"
     ):
         write_atomic(tmp_path / "c.pt", lambda p: torch.save({}, p))
+    # a file where a folder must be: named as the cause, not as mkdir's "File exists"
+    inside = target / "cache" / "x.pt"
+    with pytest.raises(WriteError, match=rf"cannot write {inside}: {target} is a file, not a folder$"):
+        write_atomic(inside, lambda p: p.write_text("x"))
+    assert target.read_text() == "complete"
 
 
 def test_a_run_whose_records_cannot_be_written_fails_naming_the_file(tmp_path: Path, monkeypatch) -> None:
