@@ -15,7 +15,7 @@ from experiments.ranks import launched_follower
 from experiments.records import JOBS, RECORDS, SWEEP_ID_VARIABLE, ledger, merge_sweep
 
 log = logging.getLogger(__name__)
-# The folder of the sweep this process started, once Hydra has made it (``refused_sweep``).
+# The folder of the sweep this process started, once Hydra has made it (``remove_refused_sweep``).
 started: list[Path] = []
 
 
