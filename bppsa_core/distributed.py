@@ -357,7 +357,8 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
         work.wait()
     dx, g_h0, g_c0, grads = zip(*parts, strict=True)
     g_c0 = torch.cat(g_c0) if ctx.lstm else None
-    return torch.cat(dx, 1), torch.cat(g_h0), g_c0, [sum(g[1:], g[0]) for g in zip(*grads, strict=True)]
+    dx = None if dx[0] is None else torch.cat(dx, 1)
+    return dx, torch.cat(g_h0), g_c0, [sum(g[1:], g[0]) for g in zip(*grads, strict=True)]
 
 
 def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn, grad_cn, folded, pending):
@@ -365,7 +366,7 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
     A (``folded``) comes from the forward. The last rank needs nothing back from the all-gather, so
     it does not wait for it: it goes on to the next group, and its all-gathers (``pending``)
     complete while it works."""
-    lstm = ctx.lstm
+    lstm, need_x = ctx.lstm, ctx.needs_input_grad[0]  # no input gradient where x needs none
     config = LayerConfig(ctx.mode, options=ScanOptions())
     batch, state = h_in.shape[0], h_in.shape[1] * (1 + lstm)
     # what this rank shares: its slice as an affine element [A | b] of the gradient entering it from
@@ -373,12 +374,12 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
     share = h_in.new_zeros(batch, state, state + 1)
     done = own = None
     if rank == size - 1:
-        done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, grad_hn, grad_cn)
+        done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, grad_hn, grad_cn, need_x)
         share[..., state] = _join(done[1], done[2])
     elif rank > 0:
         share[..., :state] = folded
         if grad_out is not None:  # b: what the slice's own outputs send back, walked from nothing at its end
-            own = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, None, None)
+            own = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, None, None, need_x)
             share[..., state] = _join(own[1], own[2])
             grad_out = None  # the walk from the right's gradient below adds the rest (both are linear)
     every = [share]
@@ -394,11 +395,12 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
                 every[q][..., state].unsqueeze(1), v.unsqueeze(1), every[q][..., :state]
             ).squeeze(1)
         v_h, v_c = _split(v, lstm)
-        done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, v_h, v_c)
+        done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, v_h, v_c, need_x)
     if own is not None:  # the two walks' gradients, summed
         dx, g_h0, g_c0, grads = done
         g_c0 = None if g_c0 is None else g_c0 + own[2]
-        done = dx + own[0], g_h0 + own[1], g_c0, [g + o for g, o in zip(grads, own[3], strict=True)]
+        dx = None if dx is None else dx + own[0]
+        done = dx, g_h0 + own[1], g_c0, [g + o for g, o in zip(grads, own[3], strict=True)]
     return done
 
 

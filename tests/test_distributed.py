@@ -125,6 +125,14 @@ def _exact(rank: int, size: int) -> None:
                     torch.testing.assert_close(h0l.grad, h0r.grad, **close)
                 else:
                     assert h0l.grad is None or not h0l.grad.any()
+                # inputs that need no gradient: the same weight gradients (no input gradient is made)
+                model.zero_grad()
+                out_l, h_n_l = parallel(x[mine], state(h0))
+                ((out_l * c[mine]).sum() * every + (final(h_n_l) * d).sum()).backward()
+                for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+                    torch.testing.assert_close(
+                        p.grad, q.grad, **{**close, "msg": f"{case}: {name}, no x grad"}
+                    )
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
