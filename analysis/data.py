@@ -104,7 +104,7 @@ def _tables_under(path: Path) -> list[Path]:
     return sorted(path.glob("*/records.csv"))  # a sweep cut short before its merge
 
 
-def check_numbers(frame: pd.DataFrame, path: Path, columns: Sequence[str]) -> None:
+def _check_numbers(frame: pd.DataFrame, path: Path, columns: Sequence[str]) -> None:
     """Turn ``columns`` of a table read from ``path`` into numbers; AnalysisError naming the file,
     the column, the row and the value where one is not a number."""
     for column in columns:
@@ -118,21 +118,34 @@ def check_numbers(frame: pd.DataFrame, path: Path, columns: Sequence[str]) -> No
         frame[column] = values
 
 
-def read_table(path: Path, columns: Sequence[str], numeric: Sequence[str] = ()) -> pd.DataFrame:
+def read_table(
+    path: Path,
+    columns: Sequence[str],
+    numeric: Sequence[str] = (),
+    expected: str = "",
+    rows_later: bool = False,
+) -> pd.DataFrame | None:
     """A CSV table the analysis draws from: AnalysisError naming ``path`` when it cannot be read,
-    lacks one of ``columns``, or holds something other than a number in one of ``numeric``."""
+    lacks one of ``columns`` (asking whether it is the ``expected`` kind of file), or holds
+    something other than a number in one of ``numeric``. ``rows_later``: a table without rows yet
+    (a run that has not finished an epoch) is None instead of an error."""
     try:
         frame = pd.read_csv(path)
     except pd.errors.EmptyDataError:
+        if rows_later:
+            return None
         raise AnalysisError(
             f"{path} is empty; accepted: a table with the columns {', '.join(columns)}"
         ) from None
     except (OSError, ValueError) as exc:
         raise AnalysisError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
+    if rows_later and frame.empty:
+        return None
     missing = [c for c in columns if c not in frame.columns]
     if missing:
-        raise AnalysisError(f"{path} lacks the columns {', '.join(missing)}")
-    check_numbers(frame, path, numeric)
+        hint = f"; is it {expected}?" if expected else ""
+        raise AnalysisError(f"{path} lacks the columns {', '.join(missing)}{hint}")
+    _check_numbers(frame, path, numeric)
     return frame
 
 
@@ -159,20 +172,9 @@ def load_results(paths: Sequence[str | Path], keep_contended: bool = False) -> p
                 "a run folder, or a records.csv file"
             )
         for table in tables:
-            try:
-                frame = pd.read_csv(table)
-            except pd.errors.EmptyDataError:
+            frame = read_table(table, REQUIRED, NUMERIC, "a run's records.csv", rows_later=True)
+            if frame is None:
                 continue  # written before any epoch finished: no rows yet
-            except (OSError, ValueError) as exc:
-                raise AnalysisError(f"cannot read {table}: {str(exc).splitlines()[0]}") from None
-            missing = [c for c in REQUIRED if c not in frame.columns]
-            if frame.empty:
-                continue
-            if missing:
-                raise AnalysisError(
-                    f"{table} lacks the columns {', '.join(missing)}; is it a run's records.csv?"
-                )
-            check_numbers(frame, table, NUMERIC)
             unknown = sorted(set(frame["backward"].dropna().astype(str)) - set(BACKWARDS))
             if unknown:
                 raise AnalysisError(
