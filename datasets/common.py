@@ -63,10 +63,10 @@ def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
 
 def _why(exc: Exception, path: Path) -> str:
     """The reason of a failed write, with the free space left where it was written."""
-    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[0]
     blocker = _file_above(path)
     if blocker is not None:  # mkdir's "File exists" names neither the file nor the cause
         return f"{blocker} is a file, not a folder"
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[0]
     with contextlib.suppress(OSError):
         free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
         reason += f" ({free} bytes free there)"

@@ -125,45 +125,37 @@ def plan(
             ]
         ],
         "ranks": [
-            [
-                sys.executable,
-                "-m",
-                "experiments.bench.distributed",
-                "--ranks",
-                *map(str, rank_counts(dry)),
-                "--T",
-                "2000" if dry else str(RANKS_T),
-                "--repeats",
-                str(min(repeats, RANKS_REPEATS)),
-                "--warmup",
-                str(min(warmup, 1)),
-                "--out",
-                str(ranks_folder(out)),
-            ],
-            *([] if dry else [_ranks_on_gpus(repeats, warmup)]),
+            _distributed(
+                rank_counts(dry), 2000 if dry else RANKS_T, repeats, warmup, "--out", str(ranks_folder(out))
+            ),
+            # then NCCL, one rank per GPU up to 4; its table only (the cost model's points are the CPU ranks')
+            *([] if dry else [_distributed(gpu_rank_counts(), RANKS_T, repeats, warmup, "--device", "cuda")]),
         ],
     }
 
 
-def _ranks_on_gpus(repeats: int, warmup: int) -> list[str]:
-    """The ``ranks`` step's NCCL run: one rank per GPU, up to 4 (its table only: the cost model's
-    points are the CPU ranks')."""
-    ranks = range(1, min(4, max(1, torch.cuda.device_count())) + 1)
+def _distributed(ranks: Sequence[int], steps: int, repeats: int, warmup: int, *extra: str) -> list[str]:
+    """One run of the sequence-parallel benchmark (``experiments.bench.distributed``) for the ``ranks``
+    step, at most ``RANKS_REPEATS`` repeats after at most one warm-up (BPTT takes seconds an iteration)."""
     return [
         sys.executable,
         "-m",
         "experiments.bench.distributed",
-        "--device",
-        "cuda",
         "--ranks",
         *map(str, ranks),
         "--T",
-        str(RANKS_T),
+        str(steps),
         "--repeats",
         str(min(repeats, RANKS_REPEATS)),
         "--warmup",
         str(min(warmup, 1)),
+        *extra,
     ]
+
+
+def gpu_rank_counts() -> list[int]:
+    """The NCCL process counts of the ``ranks`` step: 1 to 4, one GPU each (one where none is seen)."""
+    return list(range(1, min(4, max(1, torch.cuda.device_count())) + 1))
 
 
 def rank_counts(dry: bool) -> list[int]:

@@ -40,9 +40,9 @@ from typing import Any, NamedTuple
 
 from bppsa_core import triton_scan
 from bppsa_core.triton_scan import KernelConfig, Launch
-from datasets.common import OneLineParser, bounded, output_file, write_atomic
+from datasets.common import OneLineParser, output_file, write_atomic
+from experiments.bench.common import positive_int
 
-positive_int = bounded(int, "positive integers")
 ARCHS = (80, 90)
 SCHEDULERS_PER_SM = 4  # warp schedulers per SM on sm_70 and later
 REGISTERS_PER_SM = 65536
