@@ -54,6 +54,7 @@ from bppsa_core.distributed import MICRO_BATCHES, sample_groups
 from datasets.common import output_folder
 from experiments.bench import memory
 from experiments.bench.common import markdown, non_negative_int, parser, positive_int
+from experiments.timing import median_ms
 
 MODELS = ("rnn", "gru")
 DEVICES = ("cpu", "cuda")
@@ -161,18 +162,12 @@ def _fold_seconds(model: torch.nn.RNNBase, x: torch.Tensor, warmup: int, repeats
     with torch.no_grad():
         out, _ = model(x)
     h0 = x.new_zeros(x.shape[1], model.hidden_size)
-    times = []
-    for i in range(warmup + repeats):
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
-        start = time.perf_counter()
+
+    def run() -> None:
         with torch.no_grad():  # as in the forward of the ranks (the weights require grad)
             slice_fold(config, x, h0, None, out, weights)
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+    return median_ms(run, x.device, warmup, repeats) / 1e3
 
 
 def calibration(steps: int, batch: int, groups: int, rows: list[dict], fold_s: float) -> dict:
