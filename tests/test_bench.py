@@ -172,6 +172,20 @@ def test_bad_input_exits_with_one_clear_line(argv, message, capsys) -> None:
     assert line.startswith("python -m experiments.bench.backward: error: ") and message in line
 
 
+def test_a_named_strategy_that_cannot_run_on_the_device_is_refused_before_any_timing(
+    triton_refused, capsys
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--strategies", "chunked", "triton"])
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(
+        "python -m experiments.bench.backward: error: --strategies: strategy='triton' needs"
+    )
+    assert "and this device is cpu; accepted here: auto, sequential, blelloch, chunked" in line
+    assert parse_args(["--strategies", "chunked"]).strategies == ["chunked"]
+
+
 @pytest.mark.parametrize(
     ("module", "argv"),
     [

@@ -9,7 +9,8 @@ medians of ``--repeats`` runs after ``--warmup``, so every ratio compares like w
 * ``backward``: the full backward (forward excluded) of BPTT and of BPPSA per scan strategy; both
   modules share weights and inputs, and the last column is the largest relative gradient difference
   between them, a check that the timed code computes the same thing. A strategy that cannot run for
-  the device or shape (it raises ValueError) gets "n/a" cells and a note under the table.
+  the shape (it raises ValueError) gets "n/a" cells and a note under the table; a strategy named in
+  ``--strategies`` that cannot run on the device at all is refused before anything is timed.
 * ``scan``: the scan alone on the identical chain, BPPSA per strategy against the peers
   ``torch._higher_order_ops.associative_scan`` and ``jax.lax.associative_scan``
   (``experiments.bench.scan``), each checked against the sequential twin.
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from bppsa_core import nn as bnn
-from bppsa_core.dispatch import STRATEGIES
+from bppsa_core.dispatch import STRATEGIES, check_device
 from experiments.bench.common import (
     Progress,
     device_arg,
@@ -471,6 +472,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--quick shrinks a suite; accepted: --suite paper --quick or --suite long --quick")
     if args.epoch_samples is not None and args.epoch_samples > TRAIN_SAMPLES:
         p.error(f"--epoch-samples: {args.epoch_samples} is more than the {TRAIN_SAMPLES} training samples")
+    for strategy in args.strategies or ():  # asked for by name: one that cannot run here is an error
+        try:
+            check_device(strategy, args.device)
+        except ValueError as exc:
+            p.error(f"--strategies: {exc}")
     args.tables = args.tables or (list(TABLES) if args.suite else ["backward"])
     args.model = args.model or "rnn"
     if not args.suite and "epoch" in args.tables and args.model != "rnn":
