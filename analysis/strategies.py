@@ -1275,6 +1275,8 @@ CALIBRATION = {
     "fold": "a number >= 0",
     "groups": "a positive integer",
 }
+# What the benchmarks also write there: the measurement's size, which sets nothing.
+RECORDED = ("T", "B", "iteration_flops")
 
 
 def _calibrated(key: str, value: object) -> bool:
@@ -1288,7 +1290,7 @@ def _calibrated(key: str, value: object) -> bool:
 def load_calibration(path: str | Path) -> dict[str, float]:
     """The settings a measured ``calibration.json`` holds (``CALIBRATION``: the FLOP rate, α and β of
     ``python -m experiments.bench.strategies``, the costs of ``python -m experiments.bench.distributed``);
-    other keys are ignored."""
+    the keys that record the measurement's size (``RECORDED``) are skipped, any other key is an error."""
     path = Path(path)
     try:
         values = json.loads(path.read_text())
@@ -1303,6 +1305,12 @@ def load_calibration(path: str | Path) -> dict[str, float]:
     if not found:
         held = ", ".join(map(str, values)) if isinstance(values, dict) and values else "nothing"
         raise AnalysisError(f"{path} sets none of {', '.join(CALIBRATION)}; it holds {held}")
+    for key in values:
+        if key not in CALIBRATION and key not in RECORDED:
+            raise AnalysisError(
+                f"{path}: unknown key {key!r}; accepted: {', '.join(CALIBRATION)}"
+                f" (and {', '.join(RECORDED)}, which describe the measurement)"
+            )
     for key, value in found.items():
         if not _calibrated(key, value):
             raise AnalysisError(f"{path}: {key} is {value!r}; accepted: {CALIBRATION[key]}")

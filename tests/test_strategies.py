@@ -447,6 +447,10 @@ def test_a_calibration_sets_what_the_flags_leave_unset(tmp_path: Path) -> None:
         ([1, 2], "sets none of flops, alpha, beta, overhead"),
         ({"T": 100}, "sets none of flops"),
         ({"walkz": 1e-5}, "sets none of flops, .*; it holds walkz"),
+        (
+            {"walk": 1e-7, "T": 9, "walkz": 1e-5},
+            r"unknown key 'walkz'; accepted: flops, .*, groups \(and T, B",
+        ),
     ):
         path.write_text(json.dumps(bad))
         with pytest.raises(AnalysisError, match=message):
