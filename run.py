@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from experiments import ranks, records, schema  # noqa: F401  (schema: registers what the config files use)
 from experiments.config import refusing_in_one_line
-from experiments.runner import follow, note_run_dir, run_job, say_follower
+from experiments.runner import follow, run_job, say_follower
 from experiments.summary import print_summary
 
 CONF = Path(__file__).resolve().parent / "conf"
@@ -102,6 +102,5 @@ if __name__ == "__main__":
     os.environ[records.SWEEP_ID_VARIABLE] = uuid.uuid4().hex[:12]  # every job of a sweep reports to it
     if ranks.launched_follower():
         sys.argv = follower_arguments(sys.argv)
-    note_run_dir(sys.argv[1:])
     with refusing_in_one_line("run.py", CONF):
         main()

@@ -1,4 +1,5 @@
-"""Hydra callbacks: merge a sweep's run tables when the sweep ends, and say how its jobs went."""
+"""Hydra callbacks: note the folders Hydra is about to make or write into (so that a refusal leaves
+them as they were), merge a sweep's run tables when the sweep ends, and say how its jobs went."""
 
 from __future__ import annotations
 
@@ -12,11 +13,29 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from experiments.ranks import launched_follower
-from experiments.records import JOBS, RECORDS, SWEEP_ID_VARIABLE, ledger, merge_sweep
+from experiments.records import (
+    JOBS,
+    RECORDS,
+    SWEEP_ID_VARIABLE,
+    found_before,
+    leave_as_found,
+    ledger,
+    merge_sweep,
+    note_folder,
+)
 
 log = logging.getLogger(__name__)
-# The folder of the sweep this process started, once Hydra has made it (``remove_refused_sweep``).
-started: list[Path] = []
+
+
+class NoteFolders(Callback):
+    """Before Hydra makes the run's or the sweep's folder: note what stands there
+    (``records.note_folder``), so that a refusal can leave it as it was."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        note_folder(Path(config.hydra.run.dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        note_folder(Path(config.hydra.sweep.dir))
 
 
 class MergeResults(Callback):
@@ -26,9 +45,6 @@ class MergeResults(Callback):
     the same name left in the folder; the command exits with status 0 only when every one of them
     completed (or had completed before and was skipped), else 1, naming the others.
     """
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        started.append(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if launched_follower():  # the leader's sweep is the one that writes
@@ -58,8 +74,6 @@ class MergeResults(Callback):
 
 def remove_refused_sweep() -> None:
     """A sweep whose jobs do not compose is refused whole, after Hydra has written its folder's
-    multirun.yaml: a folder holding nothing else is removed (one holding results stays)."""
-    for folder in started:
-        if folder.is_dir() and [p.name for p in folder.iterdir()] == ["multirun.yaml"]:
-            (folder / "multirun.yaml").unlink()
-            folder.rmdir()
+    multirun.yaml: the folder is left as it was found (``records.leave_as_found``)."""
+    for folder in list(found_before):
+        leave_as_found(folder, ["multirun.yaml"])

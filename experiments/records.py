@@ -20,8 +20,10 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +180,50 @@ def folder_lock(folder: Path, wait: float = 0) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+@dataclass(frozen=True)
+class Found:
+    """What stood at a folder's path before Hydra made it or wrote into it (``note_folder``)."""
+
+    held: frozenset[str] | None  # the names it held; None: it did not exist
+    root: Path  # its deepest ancestor that existed (the folder itself when it existed)
+
+
+# Folders noted before Hydra wrote into them, by resolved path.
+found_before: dict[Path, Found] = {}
+
+
+def note_folder(folder: Path) -> None:
+    """Note what ``folder`` holds, or which of its ancestors exist, before Hydra makes or writes into
+    it, so that a refused job or sweep can leave the disk as it was (``leave_as_found``)."""
+    folder = Path(folder).resolve()
+    root = folder
+    while not root.is_dir() and root != root.parent:
+        root = root.parent
+    held = frozenset(p.name for p in folder.iterdir()) if folder.is_dir() else None
+    found_before[folder] = Found(held, root)
+
+
+def leave_as_found(folder: Path, made: Iterable[str]) -> None:
+    """After a refusal: a folder that existed loses the ``made`` files it did not hold before; one
+    that did not (or was not noted) is removed if it holds nothing but ``made`` files, and so are the
+    parents made for it that are left empty."""
+    folder, made = Path(folder).resolve(), set(made)
+    found = found_before.get(folder)
+    if found is not None and found.held is not None:
+        for name in made - found.held:
+            (folder / name).unlink(missing_ok=True)
+        return
+    if not folder.is_dir() or not all(p.name in made for p in folder.iterdir()):
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    parent = folder.parent
+    while found is not None and parent != found.root and parent.is_relative_to(found.root):
+        if any(parent.iterdir()):
+            break
+        parent.rmdir()
+        parent = parent.parent
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:

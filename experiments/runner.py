@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -64,8 +63,6 @@ REPO = Path(__file__).resolve().parents[1]
 BAD_INPUT = (ConfigError, HardwareError, LoggerError, DataError, CheckpointError)
 # What Hydra leaves in a run folder before the job runs.
 HYDRA_FILES = ("run.log", f"{Path(sys.argv[0]).stem}.log")
-# What a folder named by hydra.run.dir held before Hydra wrote into it (``note_run_dir``).
-found_before: dict[Path, set[str]] = {}
 
 
 @dataclass
@@ -155,10 +152,9 @@ def run_job(cfg: DictConfig, run_dir: Path, launch: Ranks | None = None) -> Outc
     try:
         with records.folder_lock(run_dir):
             records.remove_stale_temporaries(run_dir)
-            had_results = _holds_results(run_dir)
             outcome = _run(cfg, run_dir, launch)
             if outcome.bad_input:
-                _leave_as_found(run_dir, had_results)
+                records.leave_as_found(run_dir, (*HYDRA_FILES, records.LOCK))
             return outcome
     except records.FolderBusyError as exc:
         outcome = Outcome("busy", str(exc), bad_input=True)
@@ -169,33 +165,6 @@ def run_job(cfg: DictConfig, run_dir: Path, launch: Ranks | None = None) -> Outc
 
 def _holds_results(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in (records.SUMMARY, records.RECORDS, records.CHECKPOINT))
-
-
-def note_run_dir(argv: list[str]) -> None:
-    """Before Hydra starts: what a folder named by ``hydra.run.dir=`` already holds, so that a job
-    refused for bad input leaves the user's folder as it was, not removed."""
-    for arg in argv:
-        if arg.startswith("hydra.run.dir=") and Path(arg.split("=", 1)[1]).is_dir():
-            folder = Path(arg.split("=", 1)[1]).resolve()
-            found_before[folder] = {p.name for p in folder.iterdir()}
-
-
-def _leave_as_found(run_dir: Path, had_results: bool) -> None:
-    """After a refusal: a folder that existed before keeps what it held and loses what this run
-    added (Hydra's log, the lock); one Hydra made for this job alone is removed."""
-    found = found_before.get(run_dir.resolve())
-    if found is not None:
-        for name in (*HYDRA_FILES, records.LOCK):
-            if name not in found:
-                (run_dir / name).unlink(missing_ok=True)
-    elif not had_results:
-        _remove_if_only_hydra(run_dir)
-
-
-def _remove_if_only_hydra(run_dir: Path) -> None:
-    """Delete a run folder that holds nothing but Hydra's log and the folder lock."""
-    if run_dir.is_dir() and all(p.name in (*HYDRA_FILES, records.LOCK) for p in run_dir.iterdir()):
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _plan(cfg: DictConfig, config: dict, previous: dict | None, run_dir: Path) -> str:

@@ -362,6 +362,22 @@ def test_a_refusal_leaves_the_users_own_folder_as_it_was(tmp_path: Path) -> None
         assert done.returncode == 2 and "dataset.seq_len must be a positive integer" in done.stderr
     assert empty.is_dir() and not any(empty.iterdir())  # not removed, nothing added
     assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+    # Parents made for the run folder go with it; those that stood before stay, empty or not.
+    done = run_py("dataset.seq_len=0", "logger=csv", f"hydra.run.dir={empty}/a/b/c", cwd=tmp_path)
+    assert done.returncode == 2 and empty.is_dir() and not any(empty.iterdir())
+
+
+def test_a_refusal_in_the_default_folders_leaves_no_empty_folders_behind(tmp_path: Path) -> None:
+    for args in (["dataset.seq_len=0"], ["-m", "model=rnn,elman"]):
+        done = run_py(*args, "logger=csv", cwd=tmp_path)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())  # no outputs/main/, no multirun/main/
+    (tmp_path / "outputs" / "main").mkdir(parents=True)  # made by the user: it stays
+    assert run_py("dataset.seq_len=0", "logger=csv", cwd=tmp_path).returncode == 2
+    assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == [
+        "outputs",
+        "outputs/main",
+    ]
 
 
 def test_a_sweep_refused_whole_leaves_no_folder(tmp_path: Path) -> None:
