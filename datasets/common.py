@@ -32,6 +32,15 @@ def is_count(value: Any, minimum: int = 1) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
+# Seeds feed torch's and NumPy's generators (NumPy's take 32 bits): run.py's and the tools' alike.
+SEEDS = "an integer from 0 to 2^32 - 1"
+
+
+def is_seed(value: Any) -> bool:
+    """Whether ``value`` is a seed every generator of the suite takes (``SEEDS``)."""
+    return is_count(value, 0) and value < 2**32
+
+
 def require_count(name: str, value: Any, minimum: int = 1) -> int:
     """``value`` if ``is_count``; else ValueError naming ``name``, the value and what is accepted."""
     if not is_count(value, minimum):

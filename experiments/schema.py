@@ -28,7 +28,7 @@ from omegaconf import MISSING, OmegaConf
 from bppsa_core.dispatch import STRATEGIES
 from bppsa_core.newton import SOLVERS
 from bppsa_core.nn import GUESSES
-from datasets.common import is_count
+from datasets.common import SEEDS, is_count, is_seed
 from experiments.hardware import worker_counts
 from experiments.records import job_folder, sweep_folder
 
@@ -62,8 +62,8 @@ POSITIVE_NUMBER = Rule(
 )
 FRACTION = Rule(lambda v: isinstance(v, int | float) and 0 < v < 1, "a number strictly between 0 and 1")
 NON_EMPTY = Rule(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
-# Seeds feed torch's and NumPy's generators, and the epoch's shuffle seed is seed * 1,000,003 + epoch.
-SEED = Rule(lambda v: is_count(v, 0) and v < 2**32, "an integer from 0 to 2^32 - 1")
+# The epoch's shuffle seed is seed * 1,000,003 + epoch.
+SEED = Rule(is_seed, SEEDS)
 NAME = Rule(
     lambda v: isinstance(v, str) and re.fullmatch(r"[\w.-]+", v, re.ASCII) is not None,
     "a name of letters, digits, '.', '_' and '-'",

@@ -259,6 +259,28 @@ def test_table_1_rejects_a_bad_device(device, message, monkeypatch, capsys) -> N
     assert captured.err.splitlines()[-1] == prefix + message
 
 
+@pytest.mark.parametrize(
+    ("seed", "message"),
+    [
+        ("-1", "-1 is negative; accepted: an integer from 0 to 2^32 - 1"),
+        ("one", "'one' is not an integer; accepted: an integer from 0 to 2^32 - 1"),
+        ("4294967296", "4294967296 is too large; accepted: an integer from 0 to 2^32 - 1"),
+    ],
+)
+def test_table_1_takes_the_seeds_run_py_takes(seed, message, capsys) -> None:
+    from experiments.bench import jacobian_table
+
+    with pytest.raises(SystemExit) as exit_:
+        jacobian_table.main(["--seed", seed])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert (
+        captured.err.strip()
+        == f"python -m experiments.bench.jacobian_table: error: argument --seed: {message}"
+    )
+
+
 def test_table_1_rejects_a_missing_gpu_index(monkeypatch, capsys) -> None:
     from experiments.bench import jacobian_table
 

@@ -15,12 +15,20 @@ from collections.abc import Sequence
 
 import torch
 
-from datasets.common import OneLineParser, bounded
+from datasets.common import SEEDS, OneLineParser, bounded, is_seed
 from experiments.hardware import HardwareError, cpu_cores, cpu_name, resolve_device
 
 positive_int = bounded(int, "positive integers")
 non_negative_int = bounded(int, "non-negative integers", positive=False)
 positive_float = bounded(float, "a positive number")
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of ``--seed``: the seeds run.py takes (``datasets.common.SEEDS``)."""
+    seed = bounded(int, SEEDS, positive=False)(text)
+    if not is_seed(seed):
+        raise argparse.ArgumentTypeError(f"{text} is too large; accepted: {SEEDS}")
+    return seed
 
 
 def threads_arg(text: str) -> int:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from bppsa_core import sparse
-from experiments.bench.common import device_arg, markdown, non_negative_int, parser, positive_int
+from experiments.bench.common import device_arg, markdown, non_negative_int, parser, positive_int, seed_arg
 from experiments.timing import median_ms, time_ms
 
 PAPER = {"Conv2d": (0.99157, 8.3e3), "ReLU": (0.99998, 1.2e6), "MaxPool2d": (0.99994, 1.5e5)}
@@ -129,7 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rows", type=positive_int, default=256, help="autograd rows sampled per layer")
     p.add_argument("--repeats", type=positive_int, default=20, help="timed CSR builds per layer")
     p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed CSR builds before them")
-    p.add_argument("--seed", type=int, default=0, help="seed of the input, the weights and the sampled rows")
+    p.add_argument(
+        "--seed", type=seed_arg, default=0, help="seed of the input, the weights and the sampled rows"
+    )
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
     args = p.parse_args(argv)
     print(header(args.device))
