@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 
+import analysis.data
 from analysis import figures, report
 from analysis.data import AnalysisError, load_results, speedups
 
@@ -81,7 +82,21 @@ def test_speedups_are_ratios_of_medians_per_configuration_and_device() -> None:
     assert (table["backward_lo"] <= table["backward_speedup"]).all()
     assert (table["backward_hi"] >= table["backward_speedup"]).all()
     assert (table["backward_hi"] - table["backward_lo"] < 0.5).all()
-    assert speedups(data).equals(speedups(data))  # the bootstrap is seeded
+
+
+def test_the_bootstrap_interval_is_seeded(monkeypatch) -> None:
+    table = rows("bptt", 10, 16, "GPU-A", 1.0, 1e-3, epochs=20) + rows(
+        "bppsa", 10, 16, "GPU-A", 1.0, 1e-4, epochs=20
+    )
+    for i, row in enumerate(table):  # twenty distinct times a side, so that draws differ
+        row["backward_s"] *= 1 + 0.013 * (i % 20)
+    data = load_results_from(table)
+    first = speedups(data)
+    assert first.equals(speedups(data))  # the same seed, the same interval
+    monkeypatch.setattr(analysis.data, "BOOTSTRAP_SEED", 1)
+    other = speedups(data)
+    assert other["backward_speedup"].equals(first["backward_speedup"])
+    assert not other[["backward_lo", "backward_hi"]].equals(first[["backward_lo", "backward_hi"]])
 
 
 def test_runs_that_differ_in_any_configuration_key_are_compared_apart() -> None:
@@ -161,6 +176,13 @@ def test_scaling_figure_plots_backward_time_against_workers(tmp_path: Path) -> N
     fig = figures.scaling(load_results_from(table, tmp_path))
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and ax.get_xlabel().startswith("workers p")
+    lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+    assert sorted(lines) == ["BPPSA, CPU", "BPTT, CPU"]
+    bppsa, bptt = lines["BPPSA, CPU"], lines["BPTT, CPU"]
+    assert list(bppsa.get_xdata()) == list(bptt.get_xdata()) == [1, 2, 4]
+    one = bppsa.get_ydata()[0]
+    assert [one / y for y in bppsa.get_ydata()] == pytest.approx([1, 2, 4])  # backward time 2/p
+    assert bptt.get_ydata() == pytest.approx([one / 2] * 3)  # BPTT's 1 at every p
     plt.close(fig)
 
 
@@ -294,6 +316,8 @@ def test_gru_figures_split_by_feature_setting(tmp_path: Path) -> None:
     assert table_["backward_speedup"].round(6).eq(2.0).all()
     figures.save(fig9, tmp_path / "out", "fig9")
     figures.save(fig13, tmp_path / "out", "fig13")
+    for name in ("fig9.png", "fig9.pdf", "fig13.png", "fig13.pdf"):
+        assert (tmp_path / "out" / name).stat().st_size > 1000
 
 
 def tick_labels(axis) -> list[str]:
