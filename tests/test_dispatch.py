@@ -113,13 +113,19 @@ def test_auto_falls_back_to_the_graph_scan_when_kernels_fail(monkeypatch, caplog
     monkeypatch.setattr(dispatch, "choose", lambda *a: "triton")
     monkeypatch.setattr(dispatch, "check_device", lambda *a: None)
     monkeypatch.setattr(scan_mod, "_triton", broken)
-    monkeypatch.setattr(scan_mod, "_graphed", lambda chain, x, *a: sequential_scan(chain, x))
+    monkeypatch.setattr(
+        scan_mod, "_graphed", lambda chain, x, *a: calls.append("graph") or sequential_scan(chain, x)
+    )
     monkeypatch.setattr(dispatch, "_BROKEN_KERNELS", set())
     with caplog.at_level("WARNING", logger="bppsa_core.dispatch"):
         out = scan(chain, x)
-    assert calls == ["triton"]
+    assert calls == ["triton", "graph"]
     assert torch.equal(out, sequential_scan(chain, x))
     assert "Triton scan kernels failed on cpu" in caplog.text and "using the graph scan" in caplog.text
     assert None in dispatch._BROKEN_KERNELS  # the CPU device has no index
+    # "auto" chooses them no more on that device (an index-less one here), and still on the others
+    assert not dispatch.kernels_usable(torch.device("cuda")) and dispatch.kernels_usable(
+        torch.device("cuda", 1)
+    )
     with pytest.raises(triton_errors.OutOfResources):  # an explicit "triton" is not second-guessed
         scan(chain, x, strategy="triton")

@@ -30,9 +30,17 @@ def test_kernels_match_the_chunked_twin(n, batch, hidden, chunk, affine, terms, 
     assert rel_err(twin, out) < TOL[dtype]
 
 
-def test_threads_change_nothing() -> None:
+def test_threads_change_nothing(monkeypatch) -> None:
     """Every task of a phase is independent, so 2 threads give the 1-thread result bit for bit, with
     all three phases running (chunk 3 of 37 elements: reduce, spine and expand)."""
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has one thread here (NUMBA_NUM_THREADS)")
+    ran = []
+    for build in ("_scan_serial", "_scan_parallel"):
+        kernel = getattr(numba_scan, build)
+        monkeypatch.setattr(numba_scan, build, lambda *a, k=kernel, n=build: ran.append(n) or k(*a))
     chain, x, b = chain_case(37, 3, 5, True, 3, F64)
     before = torch.get_num_threads()
     try:
@@ -42,6 +50,7 @@ def test_threads_change_nothing() -> None:
         two = scan(chain, x, b, strategy="numba", chunk=3)
     finally:
         torch.set_num_threads(before)
+    assert ran == ["_scan_serial", "_scan_parallel"]
     assert torch.equal(one, two)
 
 

@@ -41,22 +41,41 @@ def test_every_preset_composes_validates_and_sweeps_both_backwards(preset: str) 
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("overrides", "expected"),
     [
-        [],
-        ["model=gru", "dataset=irmas", "dataset.root=/x", "dataset.frames=l"],
-        ["backward=bptt", "logger=none", "hardware.device=cpu", "hardware.workers=1"],
-        ["logger=wandb", "logger.mode=online", "backward.strategy=blelloch", "backward.levels=2"],
-        [
-            "model=lstm",
-            "model.forward_solver=quasi-newton",
-            "model.newton_guess=previous",
-            "model.newton_tol=1e-5",
-        ],
+        ([], {"model._target_": "bppsa_core.RNN", "dataset._target_": "datasets.bitstream.Bitstream"}),
+        (
+            ["model=gru", "dataset=irmas", "dataset.root=/x", "dataset.frames=l"],
+            {"model._target_": "bppsa_core.GRU", "dataset._target_": "datasets.irmas.IRMAS"},
+        ),
+        (
+            ["backward=bptt", "logger=none", "hardware.device=cpu", "hardware.workers=1"],
+            {"backward.mode": "bptt", "logger.mode": "disabled"},
+        ),
+        (
+            ["logger=wandb", "logger.mode=online", "backward.strategy=blelloch", "backward.levels=2"],
+            {"backward.mode": "bppsa"},
+        ),
+        (
+            [
+                "model=lstm",
+                "model.forward_solver=quasi-newton",
+                "model.newton_guess=previous",
+                "model.newton_tol=1e-5",
+            ],
+            {"model._target_": "bppsa_core.LSTM"},
+        ),
     ],
 )
-def test_group_options_compose_and_validate(overrides: list[str]) -> None:
-    check(composed(*overrides))
+def test_group_options_compose_and_validate(overrides: list[str], expected: dict) -> None:
+    """Each option and key lands where it was asked for, and the result passes run.py's checks."""
+    cfg = composed(*overrides)
+    check(cfg)
+    for key, value in (o.split("=", 1) for o in overrides if "." in o.split("=", 1)[0]):
+        got = OmegaConf.select(cfg, key)
+        assert got == (float(value) if isinstance(got, int | float) else value), key
+    for key, value in expected.items():  # what the group options chose
+        assert OmegaConf.select(cfg, key) == value, key
 
 
 def test_help_describes_the_app_its_groups_presets_and_sweeps(tmp_path: Path) -> None:
