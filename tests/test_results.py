@@ -301,8 +301,9 @@ def test_a_run_whose_records_cannot_be_written_fails_naming_the_file(tmp_path: P
 
 
 def test_a_job_killed_at_any_point_leaves_whole_files(tmp_path: Path) -> None:
-    """SIGKILL a run after it starts, several times at different moments: every file it leaves is a
-    whole file (the summary parses, the records table reads), and a resume completes the run."""
+    """SIGKILL a run after it starts, several times at different moments, the last as soon as its
+    first table is written: every file it leaves is whole (the summary parses; the records table
+    holds epochs 1..k with no missing cell), and a resume completes the run."""
     run_dir = tmp_path / "run"
     args = [
         "dataset.seq_len=60",
@@ -312,7 +313,8 @@ def test_a_job_killed_at_any_point_leaves_whole_files(tmp_path: Path) -> None:
         f"hydra.run.dir={run_dir}",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for delay in (0.5, 1.5, 3.0):
+    tables = []
+    for delay in (0.5, 1.5, 3.0, None):  # None: once records.csv exists
         proc = subprocess.Popen(
             [sys.executable, str(ROOT / "run.py"), *args, "trainer.resume=true"],
             cwd=tmp_path,
@@ -320,13 +322,24 @@ def test_a_job_killed_at_any_point_leaves_whole_files(tmp_path: Path) -> None:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        time.sleep(delay)
+        if delay is None:
+            deadline = time.monotonic() + 120
+            while (
+                not (run_dir / "records.csv").exists() and proc.poll() is None and time.monotonic() < deadline
+            ):
+                time.sleep(0.01)
+        else:
+            time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         if (run_dir / "summary.json").exists():
             assert records.read_json(run_dir / "summary.json") is not None
         if (run_dir / "records.csv").exists():
-            assert records.read_table(run_dir / "records.csv") is not None
+            table = pd.read_csv(run_dir / "records.csv")
+            assert table["epoch"].tolist() == list(range(1, len(table) + 1))
+            assert not table[["loss", "accuracy", "epoch_s", "wall_s"]].isna().any().any()
+            tables.append(len(table))
+    assert tables and tables[-1] >= 1  # a kill landed after the first table was written
     done = run_py(*args, "trainer.resume=true", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert pd.read_csv(run_dir / "records.csv")["epoch"].tolist() == [1, 2, 3, 4]
