@@ -10,6 +10,7 @@ from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case, fused_gru_case, fu
 
 pytest.importorskip("triton")
 
+from bppsa_core import dispatch
 from bppsa_core import nn as bnn
 from bppsa_core.chain import DenseChain, FactoredChain, LSTMChain
 from bppsa_core.scan import chunked_scan, scan
@@ -53,6 +54,20 @@ def run(
 @pytest.mark.parametrize(ARGS, CASES)
 def test_kernels_match_the_chunked_twin_on_the_cpu(n, batch, hidden, chunk, affine, terms) -> None:
     run("cpu", n, batch, hidden, chunk, affine, terms)
+
+
+# The widest hidden size the kernels take (dispatch.MAX_HIDDEN) and a longer chunk, as the GPU cases
+# have them, kept small enough for the interpreter.
+WIDE_CASES = [(37, 2, 64, 4, True, 3), (37, 3, 64, 5, False, 1), (200, 2, 64, 22, True, 1)]
+
+
+@pytest.mark.parametrize(ARGS, WIDE_CASES)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_kernels_match_the_chunked_twin_at_the_widest_hidden_size_on_the_cpu(
+    n, batch, hidden, chunk, affine, terms, transposed
+) -> None:
+    assert hidden == dispatch.MAX_HIDDEN
+    run("cpu", n, batch, hidden, chunk, affine, terms, transposed=transposed)
 
 
 @pytest.mark.gpu
