@@ -3,19 +3,25 @@ them as they were), merge a sweep's run tables when the sweep ends, and say how 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from experiments.ranks import launched_follower
 from experiments.records import (
     JOBS,
+    LEDGER,
     RECORDS,
+    SUMMARY,
     SWEEP_ID_VARIABLE,
     found_before,
     leave_as_found,
@@ -23,19 +29,81 @@ from experiments.records import (
     merge_sweep,
     note_folder,
 )
+from experiments.schema import NAME
 
 log = logging.getLogger(__name__)
 
 
+# Hydra's record of a sweep's configuration, in the sweep folder.
+MULTIRUN_FILE = "multirun.yaml"
+
+
 class NoteFolders(Callback):
-    """Before Hydra makes the run's or the sweep's folder: note what stands there
-    (``records.note_folder``), so that a refusal can leave it as it was."""
+    """Before Hydra makes the run's or the sweep's folder: refuse one that cannot hold it (empty,
+    not writable, or holding the other kind of results), and note what stands there
+    (``records.note_folder``), so that a refusal can leave it as it was.
+
+    A refusal exits here, with one line and status 2: Hydra turns a callback's exceptions into
+    warnings and goes on.
+    """
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        note_folder(Path(config.hydra.run.dir))
+        with _refusing():
+            folder = _output_folder(
+                config, "hydra.run.dir", (JOBS, LEDGER, MULTIRUN_FILE), "a sweep", "a run"
+            )
+        note_folder(folder)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        note_folder(Path(config.hydra.sweep.dir))
+        with _refusing():
+            folder = _output_folder(config, "hydra.sweep.dir", (SUMMARY,), "a single run", "a sweep")
+            try:
+                subdir = str(config.hydra.sweep.subdir)
+            except OmegaConfBaseException:  # it may need a job's overrides: those are checked per job
+                subdir = "job"
+            if Path(subdir) == Path("."):
+                raise HydraException(
+                    f"hydra.sweep.subdir is {subdir!r}: every job would write into the sweep folder "
+                    "itself; accepted: a folder name per job (by default, the job's overrides name it)"
+                )
+        note_folder(folder)
+
+
+@contextlib.contextmanager
+def _refusing() -> Iterator[None]:
+    """A HydraException in the body ends the program: one line on stderr, status 2."""
+    try:
+        yield
+    except HydraException as exc:
+        print(f"{Path(sys.argv[0]).name}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _output_folder(config: DictConfig, key: str, others: tuple[str, ...], other: str, this: str) -> Path:
+    """The folder ``key`` names for ``this`` (a run or a sweep); HydraException, in one line, if it
+    is empty, cannot be written, or holds ``other``'s results (one of the files ``others``), which
+    this one's records or merge would overwrite. The name is checked first: the default folders
+    are named by it."""
+    name = config.get("name")
+    if not NAME.ok(name):
+        raise HydraException(f"name must be {NAME.what}, got {name!r}")
+    text = str(OmegaConf.select(config, key))
+    if not text.strip():
+        raise HydraException(f"{key} is empty; accepted: a folder path")
+    folder = Path(text)
+    root = folder
+    while not root.exists() and root != root.parent:
+        root = root.parent
+    if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
+        why = "it is not a folder" if not root.is_dir() else "permission denied"
+        raise HydraException(
+            f"{key}={text}: cannot write in {root} ({why}); accepted: a folder you may write in"
+        )
+    if folder.is_dir() and any((folder / name).exists() for name in others):
+        raise HydraException(
+            f"{key}={text} holds {other}'s results; accepted: a new folder, or the folder of {this}"
+        )
+    return folder
 
 
 class MergeResults(Callback):
@@ -76,4 +144,4 @@ def remove_refused_sweep() -> None:
     """A sweep whose jobs do not compose is refused whole, after Hydra has written its folder's
     multirun.yaml: the folder is left as it was found (``records.leave_as_found``)."""
     for folder in list(found_before):
-        leave_as_found(folder, ["multirun.yaml"])
+        leave_as_found(folder, [MULTIRUN_FILE])

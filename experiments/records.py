@@ -81,9 +81,10 @@ def read_json(path: Path) -> dict | None:
 
 
 def read_table(path: Path) -> pd.DataFrame | None:
-    """The CSV table at ``path``, or None if missing, empty or unreadable."""
+    """The CSV table at ``path`` as text, or None if missing, empty or unreadable. Text, so that a
+    merge writes every cell back as it was: a hash of digits is not read as a number."""
     try:
-        return pd.read_csv(path)
+        return pd.read_csv(path, dtype=str, keep_default_na=False)
     except (OSError, ValueError, pd.errors.EmptyDataError):
         return None
 

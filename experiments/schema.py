@@ -64,9 +64,9 @@ FRACTION = Rule(lambda v: isinstance(v, int | float) and 0 < v < 1, "a number st
 NON_EMPTY = Rule(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
 # The epoch's shuffle seed is seed * 1,000,003 + epoch.
 SEED = Rule(is_seed, SEEDS)
-NAME = Rule(
-    lambda v: isinstance(v, str) and re.fullmatch(r"[\w.-]+", v, re.ASCII) is not None,
-    "a name of letters, digits, '.', '_' and '-'",
+NAME = Rule(  # at least one letter, digit or '_': "." and ".." would name the folders above
+    lambda v: isinstance(v, str) and re.fullmatch(r"[\w.-]*\w[\w.-]*", v, re.ASCII) is not None,
+    "a name of letters, digits, '.', '_' and '-', with at least one letter, digit or '_'",
 )
 BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
 

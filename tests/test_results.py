@@ -123,6 +123,69 @@ def test_keys_that_do_not_change_results_keep_the_folders_and_duplicates_are_mer
     assert jobs["duplicate_of"].notna().sum() == 2
 
 
+def test_the_merge_writes_every_cell_back_as_it_was(tmp_path: Path) -> None:
+    """A hash made of digits (with one 'e') stays that text in the merged table and in the analysis."""
+    sweep = tmp_path / "sweep"
+    for run, chash in (("a", "50804039871846e7"), ("b", "00012345")):
+        records.write_json(sweep / run / "summary.json", {"status": "completed", "config_hash": chash})
+        rows = [
+            {"config_hash": chash, "comparison_key": chash, "epoch": e, "loss": 0.5, "frames": ""}
+            for e in (1, 2)
+        ]
+        records.write_table(sweep / run / "records.csv", rows)
+    merged, jobs = records.merge_sweep(sweep)
+    assert len(merged) == 4 and sorted(jobs["config_hash"]) == ["00012345", "50804039871846e7"]
+    text = (sweep / "records.csv").read_text()
+    assert "50804039871846e7" in text and "00012345" in text and "e+20" not in text
+    frame = pd.read_csv(sweep / "records.csv", dtype=str)
+    assert sorted(set(frame["config_hash"])) == ["00012345", "50804039871846e7"]
+
+
+def test_a_sweep_and_a_run_never_write_into_each_others_folder(tmp_path: Path) -> None:
+    """A sweep's merge would replace a run's records.csv, and a run would replace a sweep's merged
+    table: either is refused in one line, and both folders stay as they were."""
+    run, sweep = tmp_path / "run", tmp_path / "sweep"
+    assert run_py(*TINY, *CSV, f"hydra.run.dir={run}", cwd=tmp_path).returncode == 0
+    assert run_py("-m", *TINY, *CSV, f"hydra.sweep.dir={sweep}", cwd=tmp_path).returncode == 0
+    before = snapshot(tmp_path)
+    into_run = run_py("-m", *TINY, *CSV, "backward=bptt", f"hydra.sweep.dir={run}", cwd=tmp_path)
+    assert into_run.returncode == 2
+    assert one_line_error(into_run).endswith(
+        f"hydra.sweep.dir={run} holds a single run's results; accepted: a new folder, or the folder of a "
+        "sweep"
+    )
+    into_sweep = run_py(*TINY, *CSV, f"hydra.run.dir={sweep}", cwd=tmp_path)
+    assert into_sweep.returncode == 2
+    assert "holds a sweep's results; accepted: a new folder, or the folder of a run" in one_line_error(
+        into_sweep
+    )
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-m", "name=.."], "name must be a name of letters, digits, '.', '_' and '-', with at least one"),
+        (["name=."], "name must be a name of letters, digits"),
+        (["-m", "hydra.sweep.dir="], "hydra.sweep.dir is empty; accepted: a folder path"),
+        (["hydra.run.dir="], "hydra.run.dir is empty; accepted: a folder path"),
+        (
+            ["-m", "hydra.sweep.dir=s", "hydra.sweep.subdir="],
+            "every job would write into the sweep folder itself",
+        ),
+    ],
+)
+def test_an_output_folder_that_would_be_the_current_one_or_above_it_is_refused(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    (tmp_path / "f").write_text("a file")
+    (tmp_path / "records.csv").write_text("the user's own table\n")
+    done = run_py(*args, *TINY, *CSV, cwd=tmp_path)  # -m first
+    assert done.returncode == 2 and message in one_line_error(done)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f", "records.csv"]
+    assert (tmp_path / "records.csv").read_text() == "the user's own table\n"
+
+
 # --------------------------------------------------------------------------------- resume, re-run
 
 
@@ -239,7 +302,11 @@ def test_stale_temporaries_of_killed_writers_are_removed(tmp_path: Path) -> None
         ),
         (["trainer.seed=4294967296"], "trainer.seed must be an integer from 0 to 2^32 - 1, got 4294967296"),
         (["dataset.seed=-1"], "dataset.seed must be an integer from 0 to 2^32 - 1, got -1"),
-        (["name=a/b"], "name must be a name of letters, digits, '.', '_' and '-', got 'a/b'"),
+        (
+            ["name=a/b"],
+            "name must be a name of letters, digits, '.', '_' and '-', with at least one letter, digit or "
+            "'_', got 'a/b'",
+        ),
         (["logger=wandb", "logger.mode=online"], "logger.mode=online needs a W&B API key"),
     ],
 )
@@ -257,7 +324,11 @@ def test_an_output_folder_that_cannot_be_made_is_named(tmp_path: Path) -> None:
     blocker.write_text("not a folder")
     done = run_py(*TINY, *CSV, f"hydra.run.dir={blocker / 'run'}", cwd=tmp_path)
     assert done.returncode == 2
-    assert f"cannot write {blocker}" in one_line_error(done)
+    assert (
+        f"cannot write in {blocker} (it is not a folder); accepted: a folder you may write in"
+        in one_line_error(done)
+    )
+    assert blocker.read_text() == "not a folder"
 
 
 def test_a_write_that_fails_names_the_file_and_keeps_the_old_one(tmp_path: Path, monkeypatch) -> None:
