@@ -24,7 +24,7 @@ iterations has no speedup: each such cell says why.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +81,8 @@ MEASUREMENTS = (
     "name",
     "config_hash",
 )
+# Columns of names and hashes: read as text, so that a hash of digits is not taken for a number.
+TEXT = ("name", "config_hash", "comparison_key", "commit", "run")
 # The backward group's columns: what distinguishes the two sides and the BPPSA variants.
 BACKWARD_COLUMNS = ("backward", "strategy", "chunk", "levels", "forward_solver")
 BOOTSTRAP_DRAWS = 1000
@@ -118,6 +120,57 @@ def _check_numbers(frame: pd.DataFrame, path: Path, columns: Sequence[str]) -> N
         frame[column] = values
 
 
+def require(
+    frame: pd.DataFrame,
+    path: Path,
+    columns: Sequence[str],
+    ok: Callable[[pd.Series], pd.Series],
+    accepted: str,
+) -> None:
+    """AnalysisError naming ``path``, the column, the row and the value where a cell of ``columns``
+    (numbers, see ``read_table``) fails ``ok``, a test of a whole column; an empty cell always fails."""
+    for column in columns:
+        bad = ~(ok(frame[column]).fillna(False).astype(bool)) | frame[column].isna()
+        if bad.any():
+            row = int(bad.to_numpy().argmax())
+            value = frame[column].iloc[row]
+            shown = "empty" if pd.isna(value) else repr(value.item() if hasattr(value, "item") else value)
+            raise AnalysisError(f"{path}: {column} is {shown} in row {row + 1}; accepted: {accepted}")
+
+
+def finite_at_least_zero(values: pd.Series) -> pd.Series:
+    return np.isfinite(values) & (values >= 0)
+
+
+def whole_at_least(minimum: int) -> Callable[[pd.Series], pd.Series]:
+    return lambda values: np.isfinite(values) & (values >= minimum) & (values == np.floor(values))
+
+
+def require_flags(frame: pd.DataFrame, path: Path, column: str) -> None:
+    """Turn ``column`` into booleans; AnalysisError naming the first cell that is not True or False."""
+    flags = {True: True, False: False, "True": True, "False": False}
+    require(frame, path, (column,), lambda v: v.map(flags).notna(), "True or False")
+    frame[column] = frame[column].map(flags).astype(bool)
+
+
+def require_rows(frame: pd.DataFrame, path: Path, what: str) -> None:
+    """AnalysisError if the table read from ``path`` has a header and no rows."""
+    if frame.empty:
+        raise AnalysisError(f"{path} holds no rows; accepted: {what}")
+
+
+def _check_records(frame: pd.DataFrame, path: Path) -> None:
+    """What a run's epoch rows must hold for a speedup to mean anything."""
+    require(frame, path, ("seq_len", "batch_size", "epoch"), whole_at_least(1), "a whole number >= 1")
+    require(frame, path, ("timed_iterations",), whole_at_least(0), "a whole number >= 0")
+    times = [c for c in NUMERIC if c.endswith("_s")]
+    require(frame, path, times, finite_at_least_zero, "a finite number >= 0")
+    require(frame, path, ("loss",), np.isfinite, "a finite number")
+    if "contended" in frame.columns:  # older records lack it (an empty cell: not measured)
+        frame["contended"] = frame["contended"].where(frame["contended"].notna(), False)
+        require_flags(frame, path, "contended")
+
+
 def read_table(
     path: Path,
     columns: Sequence[str],
@@ -130,7 +183,7 @@ def read_table(
     something other than a number in one of ``numeric``. ``rows_later``: a table without rows yet
     (a run that has not finished an epoch) is None instead of an error."""
     try:
-        frame = pd.read_csv(path)
+        frame = pd.read_csv(path, dtype=dict.fromkeys(TEXT, str))
     except pd.errors.EmptyDataError:
         if rows_later:
             return None
@@ -165,7 +218,10 @@ def load_results(paths: Sequence[str | Path], keep_contended: bool = False) -> p
         path = Path(raw)
         if not path.exists():
             raise AnalysisError(f"result path {str(path)!r} does not exist")
-        tables = _tables_under(path)
+        try:
+            tables = _tables_under(path)
+        except OSError as exc:
+            raise AnalysisError(f"cannot read {path}: {exc.strerror or exc}") from None
         if not tables:
             raise AnalysisError(
                 f"no records.csv under {str(path)!r}; expected a sweep folder (multirun/<name>), "
@@ -175,6 +231,7 @@ def load_results(paths: Sequence[str | Path], keep_contended: bool = False) -> p
             frame = read_table(table, REQUIRED, NUMERIC, "a run's records.csv", rows_later=True)
             if frame is None:
                 continue  # written before any epoch finished: no rows yet
+            _check_records(frame, table)
             unknown = sorted(set(frame["backward"].dropna().astype(str)) - set(BACKWARDS))
             if unknown:
                 raise AnalysisError(
@@ -187,6 +244,9 @@ def load_results(paths: Sequence[str | Path], keep_contended: bool = False) -> p
     if not frames:
         raise AnalysisError("the result files hold no epoch rows yet")
     data = pd.concat(frames, ignore_index=True)
+    # The same rows reached twice (a sweep folder and its merged table, a run folder and the sweep
+    # that holds it) count once.
+    data = data.drop_duplicates(subset=[c for c in data.columns if c != "source"], ignore_index=True)
     busy = data["contended"].fillna(False).astype(bool) if "contended" in data.columns else None
     dropped = 0 if busy is None or keep_contended else int(busy.sum())
     if dropped:

@@ -19,7 +19,14 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from analysis.data import AnalysisError, read_table
+from analysis.data import (
+    AnalysisError,
+    finite_at_least_zero,
+    read_table,
+    require,
+    require_flags,
+    require_rows,
+)
 from analysis.figures import plt, save
 from datasets.common import OneLineParser, output_folder
 
@@ -32,7 +39,12 @@ def load_products(folder: str | Path) -> pd.DataFrame:
         raise AnalysisError(
             f"no products.csv at {str(path)!r}; run python -m experiments.bench.pruned_vgg first"
         )
-    return read_table(path, COLUMNS, ("ratio", "flops", "mnk"))
+    products = read_table(path, COLUMNS, ("ratio", "flops", "mnk"))
+    require_rows(products, path, "the products of python -m experiments.bench.pruned_vgg")
+    require(products, path, ("ratio", "flops", "mnk"), finite_at_least_zero, "a finite number >= 0")
+    require(products, path, ("method",), lambda v: v.astype(str).str.strip() != "", "a method's name")
+    require_flags(products, path, "critical")
+    return products
 
 
 def merge_identical(products: pd.DataFrame) -> pd.DataFrame:

@@ -40,7 +40,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.data import AnalysisError, read_table
+from analysis.data import (
+    AnalysisError,
+    finite_at_least_zero,
+    read_table,
+    require,
+    require_rows,
+    whole_at_least,
+)
 from analysis.figures import plt
 from datasets.common import OneLineParser, bounded, output_folder
 
@@ -1255,6 +1262,10 @@ def load_measured(path: str | Path) -> pd.DataFrame:
             f"no measured table at {str(path)!r}; run python -m experiments.bench.strategies first"
         )
     data = read_table(path, ("strategy", "p", "time"), ("p", "time"))
+    require_rows(data, path, "the measured iterations of python -m experiments.bench.strategies")
+    require(data, path, ("p",), whole_at_least(1), "a whole number >= 1")
+    require(data, path, ("time",), finite_at_least_zero, "a finite number >= 0")
+    require(data, path, ("strategy",), lambda v: v.notna(), "a strategy's name")
     unknown = sorted(set(data["strategy"]) - set(STRATEGIES))
     if unknown:
         raise AnalysisError(

@@ -113,10 +113,29 @@ def _file_above(path: Path) -> Path | None:
     return next((p for p in path.parents if p.exists() and not p.is_dir()), None)
 
 
-def output_folder(text: str) -> Path:
-    """argparse type of an output folder, made if missing: refused before any work when it, or a
-    folder above it, is a file."""
+def _unwritable(path: Path) -> Path | None:
+    """The folder where ``path`` would be made or written, if this process may not write in it."""
+    folder = path if path.is_dir() else next((p for p in path.parents if p.is_dir()), Path("."))
+    return None if os.access(folder, os.W_OK | os.X_OK) else folder
+
+
+def _output_path(text: str, accepted: str) -> Path:
+    """What output folders and files share: a path that is not empty and can be written."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"an empty path; accepted: {accepted}")
     path = Path(text)
+    denied = _unwritable(path)
+    if denied is not None:
+        raise argparse.ArgumentTypeError(
+            f"cannot write in {denied} (permission denied); accepted: {accepted}"
+        )
+    return path
+
+
+def output_folder(text: str) -> Path:
+    """argparse type of an output folder, made if missing: refused before any work when it is empty,
+    cannot be written, or it or a folder above it is a file."""
+    path = _output_path(text, "a folder (made if missing)")
     blocker = path if path.exists() and not path.is_dir() else _file_above(path)
     if blocker is not None:
         raise argparse.ArgumentTypeError(f"{blocker} is a file; accepted: a folder (made if missing)")
@@ -125,8 +144,8 @@ def output_folder(text: str) -> Path:
 
 def output_file(text: str) -> Path:
     """argparse type of an output file, its folder made if missing: refused before any work when it
-    is a folder, or a folder above it is a file."""
-    path = Path(text)
+    is empty, cannot be written, is a folder, or a folder above it is a file."""
+    path = _output_path(text, "a file name")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a folder; accepted: a file name")
     blocker = _file_above(path)

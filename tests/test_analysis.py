@@ -84,6 +84,16 @@ def test_speedups_are_ratios_of_medians_per_configuration_and_device() -> None:
     assert (table["backward_hi"] - table["backward_lo"] < 0.5).all()
 
 
+def test_names_and_hashes_are_read_as_text(tmp_path: Path) -> None:
+    table = [
+        {**r, "config_hash": "50804039871846e7", "comparison_key": "00012345"}
+        for r in rows("bptt", 10, 16, "GPU-A", 1.0, 1e-3) + rows("bppsa", 10, 16, "GPU-A", 1.0, 1e-4)
+    ]
+    data = load_results_from(table, tmp_path)
+    assert set(data["config_hash"]) == {"50804039871846e7"} and set(data["comparison_key"]) == {"00012345"}
+    assert len(speedups(data)) == 1
+
+
 def test_the_bootstrap_interval_is_seeded(monkeypatch) -> None:
     table = rows("bptt", 10, 16, "GPU-A", 1.0, 1e-3, epochs=20) + rows(
         "bppsa", 10, 16, "GPU-A", 1.0, 1e-4, epochs=20
@@ -238,6 +248,30 @@ def _records_with(folder: Path, **values) -> Path:
             lambda p: _records_with(p, backward="scan"),
             "records.csv: unknown backward 'scan'; accepted: bppsa, bptt",
         ),
+        (
+            lambda p: _records_with(p, seq_len=None),
+            "seq_len is empty in row 1; accepted: a whole number >= 1",
+        ),
+        (lambda p: _records_with(p, epoch=1.5), "epoch is 1.5 in row 1; accepted: a whole number >= 1"),
+        (
+            lambda p: _records_with(p, backward_s=-1),
+            "backward_s is -1 in row 1; accepted: a finite number >= 0",
+        ),
+        (
+            lambda p: _records_with(p, epoch_s="inf"),
+            "epoch_s is inf in row 1; accepted: a finite number >= 0",
+        ),
+        (
+            lambda p: _records_with(p, contended="maybe"),
+            "contended is 'maybe' in row 1; accepted: True or False",
+        ),
+        (
+            lambda p: (
+                (_records_with(p).write_text(_records_with(p).read_text() + "rnn,bitstream,bppsa,1,1\n"))
+                and p / "records.csv"
+            ),
+            "is empty in row 2",  # a row cut short
+        ),
     ],
 )
 def test_missing_or_malformed_input_is_named(tmp_path: Path, setup, message: str, capsys) -> None:
@@ -248,6 +282,33 @@ def test_missing_or_malformed_input_is_named(tmp_path: Path, setup, message: str
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not (tmp_path / "fig").exists()
+
+
+def test_a_folder_that_cannot_be_read_is_named(tmp_path: Path, monkeypatch) -> None:
+    sweep = write_sweep(tmp_path / "sweep", t_sweep())
+    real = Path.is_file
+
+    def denied(path: Path) -> bool:  # what a folder without read and search permission gives
+        if path.parent == sweep:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    with pytest.raises(AnalysisError, match=f"cannot read {sweep}: Permission denied"):
+        load_results([sweep])
+
+
+def test_rows_reached_twice_count_once(tmp_path: Path) -> None:
+    table = t_sweep()
+    sweep = write_sweep(tmp_path / "sweep", table)
+    once = load_results([sweep])
+    twice = load_results([sweep, sweep / "records.csv", *sorted(sweep.glob("*/records.csv"))])
+    assert len(twice) == len(once) == len(table)
+    assert (
+        speedups(twice)
+        .drop(columns="source", errors="ignore")
+        .equals(speedups(once).drop(columns="source", errors="ignore"))
+    )
 
 
 def test_report_from_a_real_tiny_sweep(tmp_path: Path) -> None:
@@ -420,6 +481,19 @@ def test_fig10_names_a_products_table_it_cannot_draw(tmp_path: Path, capsys) -> 
     path.write_text("")
     assert fig10.main([str(tmp_path), "--out", str(tmp_path / "fig")]) == 2
     assert "products.csv is empty" in capsys.readouterr().err
+    for bad, message in (
+        ({"critical": "sometimes"}, "critical is 'sometimes' in row 1; accepted: True or False"),
+        ({"ratio": float("inf")}, "ratio is inf in row 1; accepted: a finite number >= 0"),
+        ({"ratio": None}, "ratio is empty in row 1; accepted: a finite number >= 0"),
+        ({"method": None}, "method is empty in row 1; accepted: a method's name"),
+    ):
+        pd.DataFrame([{**row, "flops": 2, **bad}]).to_csv(path, index=False)
+        assert fig10.main([str(tmp_path), "--out", str(tmp_path / "fig")]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.endswith(message), line
+    pd.DataFrame(columns=list(row)).to_csv(path, index=False)
+    assert fig10.main([str(tmp_path), "--out", str(tmp_path / "fig")]) == 2
+    assert "products.csv holds no rows" in capsys.readouterr().err
     assert not (tmp_path / "fig").exists()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,20 +187,24 @@ def test_a_named_strategy_that_cannot_run_on_the_device_is_refused_before_any_ti
     assert parse_args(["--strategies", "chunked"]).strategies == ["chunked"]
 
 
+# Every tool that writes files: its output option, a path that option refuses ({file}: a file,
+# {folder}: a folder) and the other arguments it needs.
+OUTPUT_TOOLS = {
+    "experiments.bench.distributed": ("--out", "{file}", []),
+    "experiments.bench.strategies": ("--out", "{file}/sub", []),
+    "experiments.bench.pruned_vgg": ("--out", "{file}", []),
+    "experiments.bench.kernels": ("--json", "{folder}", []),
+    "experiments.gpu_check": ("--out", "{folder}", ["--dry"]),
+    "analysis.figures": ("--out", "{file}", ["results"]),
+    "analysis.report": ("--out", "{file}", ["results"]),
+    "analysis.fig10": ("--out", "{file}", ["results"]),
+    "analysis.strategies": ("--out", "{file}", []),
+    "datasets.synthetic_irmas": ("--out", "{file}", ["--per-class", "1"]),
+}
+
+
 @pytest.mark.parametrize(
-    ("module", "argv"),
-    [
-        ("experiments.bench.distributed", ["--out", "{file}"]),
-        ("experiments.bench.strategies", ["--out", "{file}/sub"]),
-        ("experiments.bench.pruned_vgg", ["--out", "{file}"]),
-        ("experiments.bench.kernels", ["--json", "{folder}"]),
-        ("experiments.gpu_check", ["--dry", "--out", "{folder}"]),
-        ("analysis.figures", ["--out", "{file}", "results"]),
-        ("analysis.report", ["--out", "{file}", "results"]),
-        ("analysis.fig10", ["--out", "{file}", "results"]),
-        ("analysis.strategies", ["--out", "{file}"]),
-        ("datasets.synthetic_irmas", ["--out", "{file}", "--per-class", "1"]),
-    ],
+    ("module", "argv"), [(m, [rest_[0], rest_[1], *rest_[2]]) for m, rest_ in OUTPUT_TOOLS.items()]
 )
 def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
     module: str, argv: list[str], tmp_path, capsys
@@ -219,6 +224,28 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
     )
     assert line.startswith(f"python -m {module}: error: argument --") and line.endswith(expected)
     assert [p.name for p in tmp_path.iterdir()] == ["file"] and (tmp_path / "file").read_text() == "mine"
+
+
+@pytest.mark.parametrize("module", OUTPUT_TOOLS)
+@pytest.mark.parametrize("case", ["empty", "denied"])
+def test_an_empty_or_unwritable_output_path_is_refused_before_any_work(
+    module: str, case: str, tmp_path, capsys, monkeypatch
+) -> None:
+    import importlib
+
+    flag, _, rest = OUTPUT_TOOLS[module]
+    if case == "denied":  # what a read-only folder gives, whoever runs the test
+        monkeypatch.setattr("datasets.common.os.access", lambda path, mode: Path(path) != tmp_path)
+    value = "" if case == "empty" else str(tmp_path / "new")
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(module).main([flag, value, *rest])
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    expected = (
+        "an empty path; accepted: " if case == "empty" else f"cannot write in {tmp_path} (permission denied)"
+    )
+    assert line.startswith(f"python -m {module}: error: argument {flag}: {expected}"), line
+    assert not any(tmp_path.iterdir())
 
 
 def test_cuda_without_a_gpu_is_named(capsys, monkeypatch) -> None:

@@ -503,6 +503,22 @@ def test_a_measured_table_must_name_known_strategies(tmp_path: Path) -> None:
     path.write_text("")
     with pytest.raises(AnalysisError, match="is empty; accepted: a table with the columns strategy, p, time"):
         S.load_measured(path)
+    for cells, message in (
+        (
+            {"strategy": [None], "p": [2], "time": [1.0]},
+            "strategy is empty in row 1; accepted: a strategy's name",
+        ),
+        ({"strategy": ["data"], "p": [0], "time": [1.0]}, "p is 0 in row 1; accepted: a whole number >= 1"),
+        (
+            {"strategy": ["data"], "p": [2], "time": [-1.0]},
+            "time is -1.0 in row 1; accepted: a finite number >= 0",
+        ),
+        ({"strategy": ["data"], "p": [2], "time": [float("inf")]}, "time is inf in row 1"),
+        ({"strategy": [], "p": [], "time": []}, "holds no rows; accepted: the measured iterations"),
+    ):
+        pd.DataFrame(cells).to_csv(path, index=False)
+        with pytest.raises(AnalysisError, match=message):
+            S.load_measured(path)
 
 
 # --- the measured points --------------------------------------------------------------------------
