@@ -16,18 +16,20 @@ both channels concatenated (channel 0's coefficients first), frames along time: 
 Clips are the ``.wav`` files (any case of the suffix) in the class folders. Those that do not fit,
 decided here and reported, with their names, by ``extract`` and the CLI:
 
-* unreadable files (not audio, empty, a link to nothing, a name the system cannot open) are skipped
-  and counted;
+* unreadable files (not audio, empty, a link to nothing, a name the system cannot open, a pipe or
+  device rather than a file) are skipped and counted;
 * truncated files (shorter than their own header says) are skipped and counted: what is missing is
   not silence;
 * files with NaN or infinite samples are skipped and counted;
 * files that are not stereo (mono, or more than two channels) are skipped and counted: the features
   are defined on two channels, and duplicating one would invent a stereo image;
-* another sample rate is resampled to 44.1 kHz (librosa, soxr) and counted;
+* another sample rate is resampled to 44.1 kHz (librosa, soxr) and counted; the clip is cut to 3 s
+  first, so a header claiming a very low rate cannot blow up into millions of samples;
 * another length is cropped to its first 3 s, or zero-padded at the end to 3 s, and counted.
 
 A class folder that is missing, empty or cannot be listed is named in a warning. If nothing usable
-is left, extraction fails with one line that says so.
+is left, extraction fails with one line that says so; the loaders need at least 2 usable clips, one
+for each split.
 
 Extraction runs in worker processes with a progress bar (they end with the process that started
 them, however it ends) and is cached on disk as one file per (setting, file list): the key hashes
@@ -49,6 +51,7 @@ import ctypes
 import hashlib
 import json
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -73,7 +76,7 @@ CLASSES: tuple[str, ...] = ("cel", "cla", "flu", "gac", "gel", "org", "pia", "sa
 SAMPLE_RATE = 44_100
 CLIP_SAMPLES = 3 * SAMPLE_RATE
 IRMAS_URL = "https://www.upf.edu/web/mtg/irmas"
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # bumped when features change (3: a clip is cut to 3 s before it is resampled)
 SKIP_REASONS = ("unreadable", "truncated", "non-finite samples", "not stereo")
 FIX_REASONS = ("resampled", "length adjusted")
 
@@ -132,6 +135,8 @@ def find_clips(root: str | Path) -> list[tuple[Path, int]]:
     )
     if not root.is_dir():
         raise IRMASError(f"IRMAS root {shown(root)!r} does not exist or is not a folder; {expected}")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise IRMASError(f"cannot read the IRMAS root {shown(root)!r} (permission denied); {expected}")
     clips, missing, empty = [], [], []
     for label, name in enumerate(CLASSES):
         folder = root / name
@@ -187,6 +192,8 @@ def load_clip(path: Path, settings: FeatureSettings) -> tuple[np.ndarray | None,
     """Features of one wav file, or None; and what was skipped or fixed (SKIP_REASONS, FIX_REASONS)."""
     import soundfile
 
+    if path.exists() and not path.is_file():  # a pipe or a device named .wav: reading it would block
+        return None, ["unreadable"]
     try:
         with open(path, "rb") as f:  # opened here: libsndfile cannot open every name the system can
             if _truncated(f):
@@ -200,7 +207,9 @@ def load_clip(path: Path, settings: FeatureSettings) -> tuple[np.ndarray | None,
         return None, ["non-finite samples"]
     if audio.shape[1] != 2:
         return None, ["not stereo"]
-    audio = np.ascontiguousarray(audio.T)
+    # the clip's length at its own rate, before any resampling: a header claiming a very low rate
+    # would otherwise be resampled to millions of samples first
+    audio = np.ascontiguousarray(audio[: math.ceil(CLIP_SAMPLES * rate / SAMPLE_RATE)].T)
     fixes = []
     if rate != SAMPLE_RATE:
         import librosa
@@ -357,8 +366,13 @@ def extract(
 ) -> IRMASFeatures:
     """Features of every usable clip under ``root``, from the cache when it matches."""
     settings = settings_for(frames)
-    if workers is not None and not is_count(workers, minimum=0):
-        raise IRMASError(f"workers must be a non-negative integer, got {workers!r}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers is not None and not (is_count(workers, minimum=0) and workers <= cores):
+        raise IRMASError(
+            f"workers must be an integer from 0 (all cores) to the {cores} cores, got {workers!r}"
+        )
+    if cache_dir is not None and not str(cache_dir).strip():
+        raise IRMASError("cache_dir is empty; accepted: a folder path, or null for ~/.cache/bppsa/irmas")
     root = Path(root).expanduser().resolve()
     clips = find_clips(root)
     listing = _listing(root, clips)
@@ -378,7 +392,7 @@ def extract(
             skipped["unreadable"].append(shown(clip.relative_to(root)))
         else:
             usable.append((clip, label))
-    n_workers = workers if workers else (os.cpu_count() or 1)
+    n_workers = workers or cores
     results = _extract_all([p for p, _ in usable], settings, n_workers, progress)
     feats, labels, files = [], [], []
     fixed = dict.fromkeys(FIX_REASONS, 0)
@@ -436,6 +450,11 @@ def irmas_loaders(
     if not 0.0 < train_fraction < 1.0:
         raise IRMASError(f"train_fraction must lie strictly between 0 and 1, got {train_fraction!r}")
     data = extract(root, frames, cache_dir, workers)
+    if len(data.labels) < 2:
+        raise IRMASError(
+            f"IRMAS root {shown(root)!r} holds {len(data.labels)} usable clip; a train and a test split "
+            "need at least 2"
+        )
     full = TensorDataset(data.features, data.labels)
     order = torch.randperm(len(full), generator=torch.Generator().manual_seed(seed)).tolist()
     cut = max(1, min(len(full) - 1, round(len(full) * train_fraction))) if len(full) > 1 else 1
@@ -506,6 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except IRMASError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the workers end with this process; a cache is written whole or not at all
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
     print(report(data))
     return 0
 

@@ -134,6 +134,17 @@ def check_strategy(mode: str, strategy: str, device: torch.device) -> None:
         raise HardwareError(f"backward.{exc}") from None
 
 
+def check_data_workers(workers: int) -> None:
+    """Refuse more DataLoader worker processes than cores: each is a process, and thousands of them
+    stall the machine instead of feeding one run."""
+    cores = cpu_cores()
+    if workers > cores:
+        raise HardwareError(
+            f"hardware.data_workers={workers} is more than the {cores} CPU cores this run may use; "
+            f"accepted: 0 .. {cores}"
+        )
+
+
 def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 

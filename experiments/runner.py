@@ -37,6 +37,7 @@ from experiments.config import ConfigError, build, check
 from experiments.hardware import (
     HardwareError,
     LoadMeter,
+    check_data_workers,
     check_strategy,
     contended,
     describe,
@@ -302,6 +303,7 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
     try:
         device = resolve_device(cfg.hardware.device, local_rank=ranks.local_rank if ranks.size > 1 else None)
         check_strategy(cfg.backward.mode, cfg.backward.get("strategy", "auto"), device)
+        check_data_workers(cfg.hardware.data_workers)
         torch.manual_seed(cfg.trainer.seed)
         with limit_workers(device, cfg.hardware.workers) as used:
             summary["device"] = info = describe(device, used)
@@ -360,7 +362,7 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
         outcome = Outcome("interrupted", f"interrupted after epoch {state.epoch} of {cfg.trainer.epochs}")
     except Exception as exc:  # record any failure; the sweep goes on
         left = left_the_run(exc, ranks)
-        if not isinstance(exc, NonFiniteLossError | WriteError) and left is None:
+        if not isinstance(exc, NonFiniteLossError | WriteError) and left is None and not out_of_memory(exc):
             log.exception("run failed")
         message = first_line(exc)
         if left is not None:
@@ -375,12 +377,20 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
         summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         if logger is not None:
             logger.finish(failed=summary["status"] != "completed")
-        if started_run and lead:
+        # a run that failed before it began (out of memory building the model) is recorded as well,
+        # in a folder of its own; an earlier run's summary in the folder is left as it was
+        failed_early = plan == "new" and summary["status"] == "failed" and not outcome.bad_input
+        if lead and (started_run or failed_early):
             try:
                 records.write_json(run_dir / records.SUMMARY, summary)
             except WriteError as exc:
                 outcome = Outcome("failed", str(exc))
     return outcome
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says that memory ran out (a size too large for the machine, not a bug)."""
+    return isinstance(exc, MemoryError | torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
 
 
 def _resume(cfg: DictConfig, run_dir: Path, model: Classifier, optimizer) -> tuple[TrainState, list[dict]]:

@@ -152,6 +152,12 @@ def test_bad_options_are_named(tree: Path) -> None:
         extract(tree, "xl")
     with pytest.raises(IRMASError, match="batch_size must be a positive integer, got 0"):
         irmas.irmas_loaders(tree, "s", batch_size=0)
+    with pytest.raises(
+        IRMASError, match=r"workers must be an integer from 0 \(all cores\) to the \d+ cores, got 5000"
+    ):
+        extract(tree, "s", workers=5000)
+    with pytest.raises(IRMASError, match="cache_dir is empty; accepted: a folder path, or null"):
+        extract(tree, "s", cache_dir="")
 
 
 def test_cli_reports_the_cache_and_fails_in_one_line(tree: Path, tmp_path: Path, capsys) -> None:
@@ -196,15 +202,40 @@ def test_faulty_files_are_skipped_counted_and_named(tmp_path: Path, caplog) -> N
     bad[100, 0] = np.inf
     soundfile.write(folder / "inf.wav", bad, RATE, subtype="FLOAT")
     (folder / "dangling.wav").symlink_to(tmp_path / "gone.wav")
+    os.mkfifo(folder / "pipe.wav")  # read, it would block forever
     whole = (folder / "good.wav").read_bytes()
     (folder / "cut.wav").write_bytes(whole[: len(whole) // 2])
     data = extract(tmp_path, "l", tmp_path / "cache", workers=1, progress=False)
     assert data.files == ["pia/good.wav"]
     assert data.skipped["non-finite samples"] == ["pia/inf.wav", "pia/nan.wav"]
-    assert data.skipped["unreadable"] == ["pia/dangling.wav"]
+    assert data.skipped["unreadable"] == ["pia/dangling.wav", "pia/pipe.wav"]
     assert data.skipped["truncated"] == ["pia/cut.wav"]
     assert "skipped 1 truncated IRMAS file(s): pia/cut.wav" in caplog.text
-    assert "1 unreadable, 1 truncated, 2 non-finite samples" in irmas.report(data)
+    assert "2 unreadable, 1 truncated, 2 non-finite samples" in irmas.report(data)
+
+
+def test_a_clip_is_cut_to_its_length_before_it_is_resampled(tmp_path: Path, monkeypatch) -> None:
+    """A header claiming 1 Hz: resampling all of it first would make millions of samples."""
+    soundfile.write(tmp_path / "slow.wav", stereo_clip(3, seconds=2000, rate=1), 1)
+    seen = []
+    real = librosa.resample
+    monkeypatch.setattr(librosa, "resample", lambda y, **kw: seen.append(y.shape) or real(y, **kw))
+    features, fixes = irmas.load_clip(tmp_path / "slow.wav", SETTINGS["s"])
+    assert seen == [(2, 3)] and fixes == ["resampled"]  # 3 s at 1 Hz
+    assert features.shape == (259, 38)
+
+
+def test_one_usable_clip_cannot_be_split(tmp_path: Path) -> None:
+    one_class(tmp_path)
+    with pytest.raises(IRMASError, match=r"holds 1 usable clip; a train and a test split need at least 2"):
+        irmas.irmas_loaders(tmp_path, "s", batch_size=4, cache_dir=tmp_path / "cache", workers=1)
+
+
+def test_an_unreadable_root_is_named(tmp_path: Path, monkeypatch) -> None:
+    one_class(tmp_path)
+    monkeypatch.setattr(irmas.os, "access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(IRMASError, match=r"cannot read the IRMAS root .* \(permission denied\)"):
+        extract(tmp_path, "s", tmp_path / "cache", workers=1)
 
 
 def test_names_the_system_allows_are_read_whatever_their_case_or_encoding(tmp_path: Path) -> None:

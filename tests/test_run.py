@@ -312,6 +312,30 @@ def test_ctrl_c_says_in_one_line_what_was_kept_and_how_to_go_on(tmp_path: Path) 
     assert pd.read_csv(run_dir / "records.csv")["epoch"].tolist() == list(range(1, kept + 2))
 
 
+def test_a_run_out_of_memory_before_it_begins_is_recorded_failed_without_a_traceback(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    done = tmp_path / "done"
+    assert runner.run_job(composed(*TINY, "logger=none"), done).status == "completed"
+    before = (done / "summary.json").read_bytes()
+
+    def too_large(*args, **kwargs):
+        raise RuntimeError(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 360000000000 bytes"
+        )
+
+    monkeypatch.setattr(runner, "Classifier", too_large)
+    outcome = runner.run_job(composed(*TINY, "logger=none"), tmp_path / "run")
+    assert outcome.status == "failed" and not outcome.bad_input and "can't allocate memory" in outcome.error
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == outcome.error
+    assert "run failed" not in caplog.text  # a size too large for the machine is not a bug to trace
+    # resuming an earlier run: that run's summary is left as it was
+    more = composed(*TINY, "logger=none", "trainer.epochs=3", "trainer.resume=true")
+    assert runner.run_job(more, done).status == "failed"
+    assert (done / "summary.json").read_bytes() == before
+
+
 def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypatch) -> None:
     real = train.F.cross_entropy
     monkeypatch.setattr(train.F, "cross_entropy", lambda *a, **k: real(*a, **k) * float("nan"))
@@ -337,6 +361,7 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
         (["dataset=irmas", "dataset.root=/no/such/irmas"], "IRMAS root '/no/such/irmas' does not exist"),
         (["hardware.device=tpu"], "unknown hardware.device 'tpu'; accepted: auto, cpu, cuda"),
         (["hardware.workers=999"], "hardware.workers=999 is more than the "),
+        (["hardware.data_workers=999"], "hardware.data_workers=999 is more than the "),
         (["trainer.foo=1"], "unknown key trainer.foo; accepted: epochs, batch_size, warmup_iters"),
         (["foo=1"], "unknown key foo; accepted: name, model, dataset, backward, optimizer, trainer, logger"),
         (["trainer.epochs=1e26"], "trainer.epochs must be a positive integer, got 1e+26"),
