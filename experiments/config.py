@@ -8,13 +8,15 @@ multi-line reports into that line, and ``refusing_in_one_line`` wraps ``run.py``
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
+import importlib
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
 from hydra.utils import instantiate
@@ -106,6 +108,30 @@ def _missing_config(exc: MissingConfigException, conf_dir: Path) -> str:
 
 
 @contextlib.contextmanager
+def _one_line_arguments(prog: str) -> Iterator[None]:
+    """Hydra's own command-line parser, its refusals in one line (argparse prints its usage first)."""
+    module = importlib.import_module("hydra.main")  # the module: ``hydra.main`` is also the decorator
+    real = module.get_args_parser
+
+    def parser() -> argparse.ArgumentParser:
+        made = real()
+
+        def error(message: str) -> NoReturn:
+            if message.startswith("unrecognized arguments"):  # a flag after the overrides
+                message += "; accepted: flags such as -m before the key=value overrides"
+            made.exit(2, f"{prog}: error: {message}\n")
+
+        made.error = error  # type: ignore[method-assign]
+        return made
+
+    module.get_args_parser = parser
+    try:
+        yield
+    finally:
+        module.get_args_parser = real
+
+
+@contextlib.contextmanager
 def refusing_in_one_line(prog: str, conf_dir: Path) -> Iterator[None]:
     """Run a Hydra app so that a configuration it cannot compose ends in one line and status 2.
 
@@ -117,7 +143,8 @@ def refusing_in_one_line(prog: str, conf_dir: Path) -> Iterator[None]:
         return
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
-        yield
+        with _one_line_arguments(prog):
+            yield
     except (HydraException, OmegaConfBaseException) as exc:
         from experiments.callbacks import remove_refused_sweep
 
