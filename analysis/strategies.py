@@ -1552,14 +1552,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.groups > 1:
         header += f"; BPPSA in {args.groups} sample groups"
+    overflow = frame[~frame["time"].map(math.isfinite)]
+    if len(overflow):
+        row = overflow.iloc[0]
+        print(
+            f"{parser.prog}: error: {row['strategy']} at p = {row['p']} takes {row['time']} s on this "
+            f"machine ({args.flops:g} FLOP/s, α = {args.alpha:g} s, β = {args.beta:g} s/byte); accepted: "
+            "settings whose times are finite",
+            file=sys.stderr,
+        )
+        return 2
+    from analysis.figures import save
+
+    drawn = figure(frame, schedules, measured, header)
+    drawn.canvas.draw()  # a figure that cannot be drawn fails here, before any file is written
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(frame, compare, header)
     frame.to_csv(out / "strategies.csv", index=False)
     (out / "strategies.md").write_text(text)
-    from analysis.figures import save
-
-    paths = save(figure(frame, schedules, measured, header), out, "strategies")
+    paths = save(drawn, out, "strategies")
     print(text)
     for path in [out / "strategies.csv", out / "strategies.md", *paths]:
         print(path)
