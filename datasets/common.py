@@ -93,7 +93,7 @@ def bounded(kind: type, accepted: str, positive: bool = True) -> Callable[[str],
             what = "an integer" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}; accepted: {accepted}") from None
         if not math.isfinite(value) or not (value > 0 if positive else value >= 0):
-            what = "not positive" if positive else "negative"
+            what = "not finite" if not math.isfinite(value) else "not positive" if positive else "negative"
             raise argparse.ArgumentTypeError(f"{text} is {what}; accepted: {accepted}")
         return value
 

@@ -134,6 +134,11 @@ def check_strategy(mode: str, strategy: str, device: torch.device) -> None:
         raise HardwareError(f"backward.{exc}") from None
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says that memory ran out (a size too large for the machine, not a bug)."""
+    return isinstance(exc, MemoryError | torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
+
+
 def check_data_workers(workers: int) -> None:
     """Refuse more DataLoader worker processes than cores: each is a process, and thousands of them
     stall the machine instead of feeding one run."""

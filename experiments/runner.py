@@ -42,6 +42,7 @@ from experiments.hardware import (
     contended,
     describe,
     limit_workers,
+    out_of_memory,
     resolve_device,
 )
 from experiments.loggers import LocalLogger, LoggerError
@@ -386,11 +387,6 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
             except WriteError as exc:
                 outcome = Outcome("failed", str(exc))
     return outcome
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` says that memory ran out (a size too large for the machine, not a bug)."""
-    return isinstance(exc, MemoryError | torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
 
 
 def _resume(cfg: DictConfig, run_dir: Path, model: Classifier, optimizer) -> tuple[TrainState, list[dict]]:

@@ -248,6 +248,21 @@ def test_an_empty_or_unwritable_output_path_is_refused_before_any_work(
     assert not any(tmp_path.iterdir())
 
 
+def test_memory_that_runs_out_ends_a_tool_in_one_line(capsys) -> None:
+    from experiments.bench.common import run_tool
+
+    def too_large() -> int:
+        raise RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: 4000000000000 bytes")
+
+    assert run_tool("experiments.bench.backward", too_large) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("python -m experiments.bench.backward: error: out of memory: [enforce fail]")
+    assert line.endswith("; accepted: smaller sizes")
+    with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
+        run_tool("experiments.bench.backward", lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
+    assert run_tool("experiments.bench.backward", lambda: 0) == 0
+
+
 def test_cuda_without_a_gpu_is_named(capsys, monkeypatch) -> None:
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit) as exc:

@@ -295,6 +295,22 @@ def test_the_tool_fails_in_one_line_without_ptxas(monkeypatch, capsys) -> None:
     assert err.count("\n") == 1 and "ptxas was not found" in err and "TRITON_PTXAS_PATH" in err
 
 
+@pytest.mark.parametrize(
+    ("arch", "message"),
+    [
+        ("70", "sm_70: the kernels' tl.dot needs sm_75 or later; accepted: 75 to 120"),
+        ("1000", "sm_1000: no such GPU yet; accepted: 75 to 120"),
+        ("hopper", "'hopper' is not a compute capability like 80 or 90"),
+    ],
+)
+def test_an_arch_the_kernels_cannot_target_is_refused_in_one_line(arch: str, message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        kernels.main(["--arch", arch])
+    assert stop.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == f"python -m experiments.bench.kernels: error: argument --arch: {message}"
+
+
 def test_the_tool_refuses_the_interpreter_in_one_line(capsys) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the kernels are loaded for a GPU here")

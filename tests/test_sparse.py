@@ -339,3 +339,7 @@ def test_pruned_vgg_rejects_bad_arguments(capsys) -> None:
     with pytest.raises(SystemExit):
         pruned_vgg.main(["--out", "x", "--image-size", "16"])
     assert "--image-size 16 is too small for 5 max-pools" in capsys.readouterr().err
+    for width, what in (("inf", "not finite"), ("nan", "not finite"), ("0", "not positive")):
+        with pytest.raises(SystemExit):
+            pruned_vgg.main(["--out", "x", "--width", width])
+        assert f"argument --width: {width} is {what}; accepted: a positive number" in capsys.readouterr().err

@@ -567,7 +567,8 @@ def test_the_benchmark_measures_three_strategies_on_two_processes(tmp_path: Path
         (["--batch", "9"], "--batch 9 does not split into 8 micro-batches"),
         (["--batch", "9", "--micro-batches", "3"], "--batch 9 does not split over 2 processes"),
         (["--split", "12"], "--split 12 does not cut the network; accepted: 1 to 8"),
-        (["--width", "0"], "--width 0.0 is not positive"),
+        (["--width", "0"], "argument --width: 0 is not positive; accepted: a positive number"),
+        (["--pingpong-mb", "inf"], "argument --pingpong-mb: inf is not finite; accepted: a positive number"),
     ],
 )
 def test_the_benchmark_refuses_bad_settings_in_one_line(tmp_path: Path, capsys, args, message) -> None:

@@ -51,6 +51,7 @@ from experiments.bench.common import (
     notes_lines,
     parser,
     positive_int,
+    run_tool,
     threads_arg,
 )
 from experiments.bench.floors import Floors, measure_floors
@@ -560,4 +561,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool("experiments.bench.backward", main))

@@ -11,12 +11,12 @@ import importlib.metadata
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from datasets.common import SEEDS, OneLineParser, bounded, is_seed
-from experiments.hardware import HardwareError, cpu_cores, cpu_name, resolve_device
+from experiments.hardware import HardwareError, cpu_cores, cpu_name, out_of_memory, resolve_device
 
 positive_int = bounded(int, "positive integers")
 non_negative_int = bounded(int, "non-negative integers", positive=False)
@@ -29,6 +29,20 @@ def seed_arg(text: str) -> int:
     if not is_seed(seed):
         raise argparse.ArgumentTypeError(f"{text} is too large; accepted: {SEEDS}")
     return seed
+
+
+def run_tool(module: str, main: Callable[[], int]) -> int:
+    """A tool's ``main()`` as its command runs it: memory that runs out (sizes too large for this
+    machine) ends it with one line and status 1 instead of a traceback; it has written nothing, as
+    every tool writes its files at the end."""
+    try:
+        return main()
+    except Exception as exc:
+        if not out_of_memory(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"python -m {module}: error: out of memory: {first}; accepted: smaller sizes", file=sys.stderr)
+        return 1
 
 
 def threads_arg(text: str) -> int:

@@ -53,7 +53,7 @@ import torch.multiprocessing as mp
 from bppsa_core.distributed import MICRO_BATCHES, sample_groups
 from datasets.common import output_folder
 from experiments.bench import memory
-from experiments.bench.common import markdown, non_negative_int, parser, positive_int
+from experiments.bench.common import markdown, non_negative_int, parser, positive_int, run_tool
 from experiments.timing import median_ms
 
 MODELS = ("rnn", "gru")
@@ -339,4 +339,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool("experiments.bench.distributed", main))

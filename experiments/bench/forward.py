@@ -42,6 +42,7 @@ from experiments.bench.common import (
     non_negative_int,
     parser,
     positive_int,
+    run_tool,
     threads_arg,
 )
 from experiments.timing import time_ms
@@ -234,4 +235,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool("experiments.bench.forward", main))

@@ -23,7 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from bppsa_core import sparse
-from experiments.bench.common import device_arg, markdown, non_negative_int, parser, positive_int, seed_arg
+from experiments.bench.common import (
+    device_arg,
+    markdown,
+    non_negative_int,
+    parser,
+    positive_int,
+    run_tool,
+    seed_arg,
+)
 from experiments.timing import median_ms, time_ms
 
 PAPER = {"Conv2d": (0.99157, 8.3e3), "ReLU": (0.99998, 1.2e6), "MaxPool2d": (0.99994, 1.5e5)}
@@ -141,4 +149,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool("experiments.bench.jacobian_table", main))

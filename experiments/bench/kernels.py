@@ -500,8 +500,10 @@ def _arch(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability like 80 or 90") from None
     if value < 75:
         raise argparse.ArgumentTypeError(
-            f"sm_{value}: the kernels' tl.dot needs sm_75 or later; accepted: 75 and up"
+            f"sm_{value}: the kernels' tl.dot needs sm_75 or later; accepted: 75 to 120"
         )
+    if value > 120:
+        raise argparse.ArgumentTypeError(f"sm_{value}: no such GPU yet; accepted: 75 to 120")
     return value
 
 

@@ -34,7 +34,14 @@ from torch import nn
 
 from bppsa_core import sparse
 from datasets.common import output_folder
-from experiments.bench.common import Progress, non_negative_int, parser, positive_int
+from experiments.bench.common import (
+    Progress,
+    non_negative_int,
+    parser,
+    positive_float,
+    positive_int,
+    run_tool,
+)
 from experiments.records import write_table
 
 VGG11 = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
@@ -215,12 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=output_folder, required=True, help="output folder")
     p.add_argument("--ratios", type=_ratio, nargs="+", default=[0.0, 0.9, 0.97], help="pruning ratios")
     p.add_argument("--levels", type=_level, nargs="+", default=[2, 1, 3, None], help="scan levels, or all")
-    p.add_argument("--width", type=float, default=1.0, help="channel multiplier (VGG-11: 1.0)")
+    p.add_argument("--width", type=positive_float, default=1.0, help="channel multiplier (VGG-11: 1.0)")
     p.add_argument("--image-size", type=positive_int, default=32, help="input side (CIFAR-10: 32)")
     p.add_argument("--steps", type=non_negative_int, default=50, help="retraining steps per ratio")
     args = p.parse_args(argv)
-    if args.width <= 0:
-        p.error(f"--width must be positive, got {args.width}")
     try:
         vgg11(args.width, args.image_size)
     except ValueError as exc:
@@ -239,4 +244,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool("experiments.bench.pruned_vgg", main))

@@ -33,7 +33,15 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from datasets.common import output_folder, write_atomic
-from experiments.bench.common import Progress, machine_line, non_negative_int, parser, positive_int
+from experiments.bench.common import (
+    Progress,
+    machine_line,
+    non_negative_int,
+    parser,
+    positive_float,
+    positive_int,
+    run_tool,
+)
 from experiments.bench.pruned_vgg import CLASSES, vgg11
 from experiments.records import write_table
 
@@ -196,19 +204,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = parser("experiments.bench.strategies", __doc__)
     p.add_argument("--out", type=output_folder, required=True, help="output folder")
     p.add_argument("--batch", type=positive_int, default=32, help="samples per iteration")
-    p.add_argument("--width", type=float, default=1.0, help="VGG-11's channel multiplier")
+    p.add_argument("--width", type=positive_float, default=1.0, help="VGG-11's channel multiplier")
     p.add_argument(
         "--split", type=positive_int, default=4, help="weighted layers on the first pipeline stage"
     )
     p.add_argument("--micro-batches", type=positive_int, default=8, help="GPipe's micro-batches")
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed iterations first")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed iterations (median)")
-    p.add_argument("--pingpong-mb", type=float, default=16.0, help="the large ping-pong message, MiB")
+    p.add_argument(
+        "--pingpong-mb", type=positive_float, default=16.0, help="the large ping-pong message, MiB"
+    )
     args = p.parse_args(argv)
-    if not args.width > 0:
-        p.error(f"--width {args.width} is not positive; accepted: a number > 0")
-    if not args.pingpong_mb > 0:
-        p.error(f"--pingpong-mb {args.pingpong_mb} is not positive; accepted: a number > 0")
     if args.batch % args.micro_batches:
         p.error(
             f"--batch {args.batch} does not split into {args.micro_batches} micro-batches; "
@@ -245,4 +251,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool("experiments.bench.strategies", main))
