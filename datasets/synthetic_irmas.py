@@ -15,13 +15,17 @@ reproduction report use it where the real data is not available.
 from __future__ import annotations
 
 import argparse
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from datasets.common import OneLineParser, output_folder
-from datasets.irmas import CLASSES, SAMPLE_RATE
+from datasets.common import OneLineParser, bounded, output_folder
+from datasets.irmas import CLASSES, CLIP_SAMPLES, SAMPLE_RATE
+
+# A clip on disk: 16-bit stereo samples and the 44-byte header of a wav file.
+CLIP_BYTES = 44 + CLIP_SAMPLES * 2 * 2
 
 
 def stereo_clip(seed: int, seconds: float = 3.0, rate: int = SAMPLE_RATE) -> np.ndarray:
@@ -56,10 +60,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=output_folder, required=True, help="the folder to write (its class folders are made)"
     )
-    parser.add_argument("--per-class", type=int, default=12, help="clips per class")
+    parser.add_argument("--per-class", type=bounded(int, "1 or more"), default=12, help="clips per class")
     args = parser.parse_args(argv)
-    if args.per_class < 1:
-        parser.error(f"--per-class {args.per_class} is not positive; accepted: 1 or more")
+    folder = next(p for p in (args.out, *args.out.resolve().parents) if p.is_dir())
+    free = shutil.disk_usage(folder).free
+    if len(CLASSES) * args.per_class * CLIP_BYTES > free:
+        fits = free // (len(CLASSES) * CLIP_BYTES)
+        parser.error(
+            f"--per-class {args.per_class} needs {len(CLASSES) * args.per_class * CLIP_BYTES / 1e9:.3g} GB, "
+            f"and {folder} has {free / 1e9:.3g} GB free; accepted: 1 to {fits}"
+        )
     root = write_synthetic(args.out, args.per_class)
     print(f"{root}: {len(CLASSES)} classes x {args.per_class} clips")
     return 0

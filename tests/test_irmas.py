@@ -329,5 +329,27 @@ def test_the_synthetic_tree_has_irmas_layout_and_classes_apart(tmp_path: Path, c
     assert pitch("cel0") < pitch("cel11") < pitch("cla0") < pitch("voi11")
     with pytest.raises(SystemExit) as stop:
         synthetic_irmas.main(["--out", str(tmp_path / "u"), "--per-class", "0"])
-    assert stop.value.code == 2 and "--per-class 0 is not positive" in capsys.readouterr().err
+    assert (
+        stop.value.code == 2
+        and "--per-class: 0 is not positive; accepted: 1 or more" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "u").exists()
+    # more clips than the disk holds: refused before the first is written
+    assert (tmp_path / "t" / "voi" / "voi11.wav").stat().st_size == synthetic_irmas.CLIP_BYTES
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(
+        synthetic_irmas.shutil,
+        "disk_usage",
+        lambda p: type("U", (), {"free": 110 * synthetic_irmas.CLIP_BYTES}),
+    )
+    try:
+        with pytest.raises(SystemExit) as stop:
+            synthetic_irmas.main(["--out", str(tmp_path / "u"), "--per-class", "11"])
+    finally:
+        monkey.undo()
+    assert stop.value.code == 2
+    assert (
+        f"has {110 * synthetic_irmas.CLIP_BYTES / 1e9:.3g} GB free; accepted: 1 to 10"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "u").exists()
