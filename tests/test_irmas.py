@@ -310,7 +310,7 @@ def test_killing_the_extraction_ends_its_workers(tmp_path: Path) -> None:
     assert alive == []
 
 
-def test_the_synthetic_tree_has_irmas_layout_and_classes_apart(tmp_path: Path, capsys) -> None:
+def test_the_synthetic_tree_has_irmas_layout_and_classes_apart(tmp_path: Path, capsys, monkeypatch) -> None:
     from datasets import synthetic_irmas
 
     assert synthetic_irmas.main(["--out", str(tmp_path / "t"), "--per-class", "12"]) == 0
@@ -336,17 +336,10 @@ def test_the_synthetic_tree_has_irmas_layout_and_classes_apart(tmp_path: Path, c
     assert not (tmp_path / "u").exists()
     # more clips than the disk holds: refused before the first is written
     assert (tmp_path / "t" / "voi" / "voi11.wav").stat().st_size == synthetic_irmas.CLIP_BYTES
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(
-        synthetic_irmas.shutil,
-        "disk_usage",
-        lambda p: type("U", (), {"free": 110 * synthetic_irmas.CLIP_BYTES}),
-    )
-    try:
-        with pytest.raises(SystemExit) as stop:
-            synthetic_irmas.main(["--out", str(tmp_path / "u"), "--per-class", "11"])
-    finally:
-        monkey.undo()
+    free = type("Usage", (), {"free": 110 * synthetic_irmas.CLIP_BYTES})
+    monkeypatch.setattr(synthetic_irmas.shutil, "disk_usage", lambda path: free)
+    with pytest.raises(SystemExit) as stop:
+        synthetic_irmas.main(["--out", str(tmp_path / "u"), "--per-class", "11"])
     assert stop.value.code == 2
     assert (
         f"has {110 * synthetic_irmas.CLIP_BYTES / 1e9:.3g} GB free; accepted: 1 to 10"
