@@ -1305,7 +1305,9 @@ def load_calibration(path: str | Path) -> dict[str, float]:
     path = Path(path)
     try:
         values = json.loads(path.read_text())
-    except OSError:
+    except OSError as exc:
+        if path.exists():  # there, but not readable
+            raise AnalysisError(f"cannot read {path}: {exc.strerror or exc}") from None
         raise AnalysisError(
             f"no calibration at {str(path)!r}; run python -m experiments.bench.strategies "
             "or python -m experiments.bench.distributed first"

@@ -18,7 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from hydra.errors import (
+    ConfigCompositionException,
+    HydraException,
+    MissingConfigException,
+    OverrideParseException,
+)
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -69,6 +74,12 @@ def one_line(exc: BaseException, conf_dir: Path) -> str:
     cause = exc.__cause__ if isinstance(exc, ConfigCompositionException) and exc.__cause__ else exc
     if isinstance(exc, MissingConfigException):
         return _missing_config(exc, conf_dir)
+    if isinstance(exc, OverrideParseException):  # Hydra's grammar rejected an override as typed
+        override = getattr(exc, "override", None) or str(exc).splitlines()[0].split(": ", 1)[-1]
+        return (
+            f"cannot read the override {override!r}; accepted: key=value, a value of ASCII letters, "
+            "digits and _-./: or quoted (key='...')"
+        )
     full_key = getattr(cause, "full_key", None)
     if isinstance(cause, ValidationError) and full_key:
         rule = _rules(getattr(cause, "object_type", None)).get(str(getattr(cause, "key", "")))

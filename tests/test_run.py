@@ -365,6 +365,8 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
         (["model=rnn", "-m"], "unrecognized arguments: logger=csv hydra.run.dir="),
         (["model=rnn", "-m"], "; accepted: flags such as -m before the key=value overrides"),
         (["--cfg", "nope"], "argument --cfg/-c: invalid choice: 'nope'"),
+        (["name=ü"], "cannot read the override 'name=ü'; accepted: key=value, a value of ASCII letters"),
+        (["model=["], "cannot read the override 'model=['"),
         (["trainer.foo=1"], "unknown key trainer.foo; accepted: epochs, batch_size, warmup_iters"),
         (["foo=1"], "unknown key foo; accepted: name, model, dataset, backward, optimizer, trainer, logger"),
         (["trainer.epochs=1e26"], "trainer.epochs must be a positive integer, got 1e+26"),

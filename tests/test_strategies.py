@@ -460,6 +460,8 @@ def test_a_calibration_sets_what_the_flags_leave_unset(tmp_path: Path) -> None:
     path.write_text("{")
     with pytest.raises(AnalysisError, match="is not JSON"):
         S.load_calibration(path)
+    with pytest.raises(AnalysisError, match=f"cannot read {tmp_path}: Is a directory"):
+        S.load_calibration(tmp_path)  # there, but not a file it can read
 
 
 def test_calibrations_of_both_benchmarks_combine_and_set_the_devices_compiled_costs(tmp_path: Path) -> None:
