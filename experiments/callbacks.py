@@ -71,11 +71,13 @@ class NoteFolders(Callback):
 
 @contextlib.contextmanager
 def _refusing() -> Iterator[None]:
-    """A HydraException in the body ends the program: one line on stderr, status 2."""
+    """A HydraException, or an interpolation that does not resolve, in the body ends the program:
+    one line on stderr, status 2."""
     try:
         yield
-    except HydraException as exc:
-        print(f"{Path(sys.argv[0]).name}: error: {exc}", file=sys.stderr)
+    except (HydraException, OmegaConfBaseException) as exc:
+        where = f"{exc.full_key}: " if getattr(exc, "full_key", None) else ""
+        print(f"{Path(sys.argv[0]).name}: error: {where}{str(exc).strip().splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
 
 

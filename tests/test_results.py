@@ -169,6 +169,8 @@ def test_a_sweep_and_a_run_never_write_into_each_others_folder(tmp_path: Path) -
         (["name=."], "name must be a name of letters, digits"),
         (["-m", "hydra.sweep.dir="], "hydra.sweep.dir is empty; accepted: a folder path"),
         (["hydra.run.dir="], "hydra.run.dir is empty; accepted: a folder path"),
+        (["name=${oops}"], "Interpolation key 'oops' not found"),
+        (["-m", "name=${oops}"], "Interpolation key 'oops' not found"),
         (
             ["-m", "hydra.sweep.dir=s", "hydra.sweep.subdir="],
             "every job would write into the sweep folder itself",
