@@ -106,17 +106,21 @@ def _tables_under(path: Path) -> list[Path]:
     return sorted(path.glob("*/records.csv"))  # a sweep cut short before its merge
 
 
+def _refuse_first(frame: pd.DataFrame, path: Path, column: str, bad: pd.Series, accepted: str) -> None:
+    """AnalysisError naming ``path``, ``column``, the first row where ``bad`` holds and its value."""
+    if bad.any():
+        row = int(bad.to_numpy().argmax())
+        value = frame[column].iloc[row]
+        shown = "empty" if pd.isna(value) else repr(value.item() if hasattr(value, "item") else value)
+        raise AnalysisError(f"{path}: {column} is {shown} in row {row + 1}; accepted: {accepted}")
+
+
 def _check_numbers(frame: pd.DataFrame, path: Path, columns: Sequence[str]) -> None:
     """Turn ``columns`` of a table read from ``path`` into numbers; AnalysisError naming the file,
     the column, the row and the value where one is not a number."""
     for column in columns:
         values = pd.to_numeric(frame[column], errors="coerce")
-        bad = values.isna() & frame[column].notna()
-        if bad.any():
-            row = int(bad.to_numpy().argmax())
-            raise AnalysisError(
-                f"{path}: {column} is {frame[column].iloc[row]!r} in row {row + 1}; accepted: a number"
-            )
+        _refuse_first(frame, path, column, values.isna() & frame[column].notna(), "a number")
         frame[column] = values
 
 
@@ -131,11 +135,7 @@ def require(
     (numbers, see ``read_table``) fails ``ok``, a test of a whole column; an empty cell always fails."""
     for column in columns:
         bad = ~(ok(frame[column]).fillna(False).astype(bool)) | frame[column].isna()
-        if bad.any():
-            row = int(bad.to_numpy().argmax())
-            value = frame[column].iloc[row]
-            shown = "empty" if pd.isna(value) else repr(value.item() if hasattr(value, "item") else value)
-            raise AnalysisError(f"{path}: {column} is {shown} in row {row + 1}; accepted: {accepted}")
+        _refuse_first(frame, path, column, bad, accepted)
 
 
 def finite_at_least_zero(values: pd.Series) -> pd.Series:

@@ -49,7 +49,13 @@ from analysis.data import (
     whole_at_least,
 )
 from analysis.figures import plt
-from datasets.common import OneLineParser, bounded, output_folder
+from datasets.common import (
+    OneLineParser,
+    non_negative_float,
+    output_folder,
+    positive_float,
+    positive_int,
+)
 
 STRATEGIES = (
     "sequential",
@@ -1449,8 +1455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="python -m analysis.strategies", description=__doc__.split("\n\n")[0], formatter_class=_Help
     )
-    count, number = bounded(int, "positive integers"), bounded(float, "a positive number")
-    non_negative = bounded(float, "a number >= 0", positive=False)
+    count, number, non_negative = positive_int, positive_float, non_negative_float
     parser.add_argument("--model", choices=MODELS, default="vgg11", help="the network")
     parser.add_argument("--batch", type=count, help="samples per iteration (default: 128 for vgg11, 16 else)")
     parser.add_argument("--T", type=count, default=1000, help="sequence length (rnn, gru)")

@@ -41,6 +41,14 @@ def is_seed(value: Any) -> bool:
     return is_count(value, 0) and value < 2**32
 
 
+def cpu_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def require_count(name: str, value: Any, minimum: int = 1) -> int:
     """``value`` if ``is_count``; else ValueError naming ``name``, the value and what is accepted."""
     if not is_count(value, minimum):
@@ -100,6 +108,12 @@ def bounded(kind: type, accepted: str, positive: bool = True) -> Callable[[str],
     return parse
 
 
+positive_int = bounded(int, "positive integers")
+non_negative_int = bounded(int, "non-negative integers", positive=False)
+positive_float = bounded(float, "a positive number")
+non_negative_float = bounded(float, "a number >= 0", positive=False)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse's parser with one line for a refusal, ``<prog>: error: <what>``, and exit status 2
     (argparse prints its usage block first; ``--help`` still shows it)."""
@@ -113,9 +127,14 @@ def _file_above(path: Path) -> Path | None:
     return next((p for p in path.parents if p.exists() and not p.is_dir()), None)
 
 
+def nearest_folder(path: Path) -> Path:
+    """``path`` if it is a folder, else the nearest folder above it: where it would be made."""
+    return next((p for p in (path, *path.parents) if p.is_dir()), Path("."))
+
+
 def _unwritable(path: Path) -> Path | None:
     """The folder where ``path`` would be made or written, if this process may not write in it."""
-    folder = path if path.is_dir() else next((p for p in path.parents if p.is_dir()), Path("."))
+    folder = nearest_folder(path)
     return None if os.access(folder, os.W_OK | os.X_OK) else folder
 
 

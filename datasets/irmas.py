@@ -68,7 +68,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from datasets.common import DataError, OneLineParser, is_count, write_atomic
+from datasets.common import DataError, OneLineParser, cpu_cores, is_count, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +366,7 @@ def extract(
 ) -> IRMASFeatures:
     """Features of every usable clip under ``root``, from the cache when it matches."""
     settings = settings_for(frames)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cpu_cores()
     if workers is not None and not (is_count(workers, minimum=0) and workers <= cores):
         raise IRMASError(
             f"workers must be an integer from 0 (all cores) to the {cores} cores, got {workers!r}"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from datasets.common import OneLineParser, bounded, output_folder
+from datasets.common import OneLineParser, bounded, nearest_folder, output_folder
 from datasets.irmas import CLASSES, CLIP_SAMPLES, SAMPLE_RATE
 
 # A clip on disk: 16-bit stereo samples and the 44-byte header of a wav file.
@@ -62,13 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--per-class", type=bounded(int, "1 or more"), default=12, help="clips per class")
     args = parser.parse_args(argv)
-    folder = next(p for p in (args.out, *args.out.resolve().parents) if p.is_dir())
-    free = shutil.disk_usage(folder).free
-    if len(CLASSES) * args.per_class * CLIP_BYTES > free:
-        fits = free // (len(CLASSES) * CLIP_BYTES)
+    folder = nearest_folder(args.out.resolve())
+    free, per_class = shutil.disk_usage(folder).free, len(CLASSES) * CLIP_BYTES
+    if args.per_class * per_class > free:
         parser.error(
-            f"--per-class {args.per_class} needs {len(CLASSES) * args.per_class * CLIP_BYTES / 1e9:.3g} GB, "
-            f"and {folder} has {free / 1e9:.3g} GB free; accepted: 1 to {fits}"
+            f"--per-class {args.per_class} needs {args.per_class * per_class / 1e9:.3g} GB, "
+            f"and {folder} has {free / 1e9:.3g} GB free; accepted: 1 to {free // per_class}"
         )
     root = write_synthetic(args.out, args.per_class)
     print(f"{root}: {len(CLASSES)} classes x {args.per_class} clips")

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from bppsa_core import dispatch
+from datasets.common import cpu_cores
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,6 @@ def resolve_device(name: str, what: str = "hardware.device", local_rank: int | N
             )
         device = torch.device("cuda", index)
     return device
-
-
-def cpu_cores() -> int:
-    """The CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def worker_counts(device: str = "auto") -> str:

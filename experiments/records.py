@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 from filelock import FileLock, Timeout
 
-from datasets.common import write_atomic
+from datasets.common import nearest_folder, write_atomic
 
 RECORDS = "records.csv"
 SUMMARY = "summary.json"
@@ -199,9 +199,7 @@ def note_folder(folder: Path) -> None:
     """Note what ``folder`` holds, or which of its ancestors exist, before Hydra makes or writes into
     it, so that a refused job or sweep can leave the disk as it was (``leave_as_found``)."""
     folder = Path(folder).resolve()
-    root = folder
-    while not root.is_dir() and root != root.parent:
-        root = root.parent
+    root = nearest_folder(folder)
     held = frozenset(p.name for p in folder.iterdir()) if folder.is_dir() else None
     found_before[folder] = Found(held, root)
 

@@ -15,12 +15,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from datasets.common import SEEDS, OneLineParser, bounded, is_seed
-from experiments.hardware import HardwareError, cpu_cores, cpu_name, out_of_memory, resolve_device
-
-positive_int = bounded(int, "positive integers")
-non_negative_int = bounded(int, "non-negative integers", positive=False)
-positive_float = bounded(float, "a positive number")
+from datasets.common import (  # noqa: F401  (the count and number types: the tools import them from here)
+    SEEDS,
+    OneLineParser,
+    bounded,
+    cpu_cores,
+    is_seed,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+from experiments.hardware import HardwareError, cpu_name, out_of_memory, resolve_device
 
 
 def seed_arg(text: str) -> int:
