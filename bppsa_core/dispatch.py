@@ -126,17 +126,16 @@ def check_device(strategy: str, device: torch.device) -> None:
     if runs_on(strategy, device):
         return
     here = ", ".join(s for s in STRATEGIES if runs_on(s, device))
-    if strategy == "graph":
-        need = "a CUDA device"
-    elif strategy == "numba":
-        need = "the numba package (pip install numba) and a CPU device"
-    elif not triton_installed():
-        need = "the triton package"
+    if strategy == "numba" and not numba_installed():
+        need = "the numba package (pip install numba), which is not installed"
+    elif strategy == "triton" and not triton_installed():
+        need = "the triton package (pip install triton), which is not installed"
     else:
-        need = "a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
-    raise ValueError(
-        f"strategy='{strategy}' needs {need}, and this device is {device}; accepted here: {here}"
-    )
+        where = {"graph": "a CUDA device", "numba": "a CPU device"}.get(
+            strategy, "a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
+        )
+        need = f"{where}, and this device is {device}"
+    raise ValueError(f"strategy='{strategy}' needs {need}; accepted here: {here}")
 
 
 def kernels_take(terms: int, hidden: int, *dtypes: torch.dtype) -> bool:

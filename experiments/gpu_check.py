@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from bppsa_core.dispatch import runs_on
 from datasets.common import OneLineParser, output_file, write_atomic
 from experiments.bench.common import (
     Progress,
@@ -99,7 +100,8 @@ def plan(
     suite = ["--suite", "paper", *(["--quick"] if dry else [])]
     gpu_only = "needs a CUDA device"
     if dry:
-        chunk_shape = ["--T", "30", "60", "--B", "4", "--H", "5", "--strategies", "chunked", "numba"]
+        compiled = ["numba"] if runs_on("numba", torch.device("cpu")) else []  # where it is installed
+        chunk_shape = ["--T", "30", "60", "--B", "4", "--H", "5", "--strategies", "chunked", *compiled]
     else:
         chunk_shape = ["--T", "1000", "30000", "--strategies", "triton"]
     return {

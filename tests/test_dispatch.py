@@ -76,14 +76,19 @@ def test_check_device_names_what_runs_here(monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"strategy='graph' needs a CUDA device, and this device is cpu; "
                        r"accepted here: auto, sequential, blelloch, chunked, numba$"):  # fmt: skip
         check_device("graph", CPU)
-    with pytest.raises(ValueError, match=r"strategy='numba' needs the numba package \(pip install numba\) "
-                       r"and a CPU device, and this device is cuda; accepted here: auto, sequential, "
-                       r"blelloch, chunked, triton, graph$"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"strategy='numba' needs a CPU device, and this device is cuda; "
+                       r"accepted here: auto, sequential, blelloch, chunked, triton, graph$"):  # fmt: skip
         check_device("numba", GPU)
     monkeypatch.setattr(dispatch, "numba_installed", lambda: False)
-    with pytest.raises(ValueError, match=r"strategy='numba' needs the numba package .* this device is cpu; "
-                       r"accepted here: auto, sequential, blelloch, chunked$"):  # fmt: skip
+    missing = r"needs the {0} package \(pip install {0}\), which is not installed; accepted here: "
+    with pytest.raises(ValueError, match=r"strategy='numba' " + missing.format("numba") + "auto, sequential, "
+                       r"blelloch, chunked$"):  # fmt: skip
         check_device("numba", CPU)
+    with monkeypatch.context() as without_triton:
+        without_triton.setattr(dispatch, "triton_installed", lambda: False)
+        with pytest.raises(ValueError, match=r"strategy='triton' " + missing.format("triton") + "auto, "
+                           r"sequential, blelloch, chunked, graph$"):  # fmt: skip
+            check_device("triton", GPU)
     if dispatch.triton_installed():
         with pytest.raises(ValueError, match=r"strategy='triton' needs a CUDA device \(or TRITON_INTERPRET"):
             check_device("triton", CPU)

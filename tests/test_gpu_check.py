@@ -7,6 +7,7 @@ from pathlib import Path
 
 from helpers import ROOT, markdown_tables, run_module
 
+from bppsa_core import dispatch
 from experiments import gpu_check
 
 
@@ -62,6 +63,13 @@ def test_the_dry_plan_skips_what_needs_cuda_and_shrinks_the_rest() -> None:
     assert "--quick" in steps["forward"][0] and "cpu" in steps["forward"][0]
     (ranks,) = steps["ranks"]  # no NCCL run without GPUs
     assert ranks[ranks.index("--ranks") + 1 : ranks.index("--T") + 2] == ["1", "2", "--T", "2000"]
+
+
+def test_the_dry_chunk_sweep_takes_the_compiled_cpu_scan_only_where_it_is_installed(monkeypatch) -> None:
+    for installed, strategies in ((True, ["chunked", "numba"]), (False, ["chunked"])):
+        monkeypatch.setattr(dispatch, "numba_installed", lambda i=installed: i)
+        for argv in gpu_check.plan(dry=True, repeats=1, warmup=0)["chunk"]:
+            assert argv[argv.index("--strategies") + 1 : argv.index("--chunk")] == strategies
 
 
 def test_without_a_gpu_the_command_says_how_to_check_it(tmp_path) -> None:
