@@ -34,11 +34,14 @@ from bppsa_core.denormals import flush_denormals
 
 
 def _quiet_csr(make):
-    """Build CSR tensors without PyTorch's 'beta' notice, which every construction repeats."""
+    """Build CSR tensors without PyTorch's 'beta' notice, which every construction repeats, nor
+    torch 2.11's notice that invariant checks are off (they are, on purpose: the indices are built
+    valid, and checking them costs a pass over every non-zero)."""
 
     def wrapped(*args, **kwargs):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+            warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
             return make(*args, **kwargs)
 
     return wrapped
