@@ -11,7 +11,6 @@ byte.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -103,7 +102,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="python -m analysis.fig10",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("path", help="the --out folder of experiments.bench.pruned_vgg, or its products.csv")
     parser.add_argument("--out", type=output_folder, default="figures", help="output folder")

@@ -21,7 +21,6 @@ PDF metadata, no software stamp in the PNGs, and a fixed bootstrap seed for the 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -418,7 +417,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="python -m analysis.figures",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("paths", nargs="+", help="sweep folders, run folders or records.csv files")
     parser.add_argument("--out", type=output_folder, default="figures", help="output folder")

@@ -9,7 +9,6 @@ backward speedup of BPPSA over BPTT as medians with a 95 % bootstrap interval (s
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -112,7 +111,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="python -m analysis.report",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("paths", nargs="+", help="sweep folders, run folders or records.csv files")
     parser.add_argument("--out", type=output_folder, default="report", help="output folder")

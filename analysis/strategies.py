@@ -27,7 +27,6 @@ The model, in one place:
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import itertools
 import json
@@ -1444,17 +1443,8 @@ def _seconds(value: float) -> str:
     return f"{value:.3g} s" if value < 1e4 else f"{value:.2e} s"
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults in the help, except where the help says how an unset option is resolved."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(
-        prog="python -m analysis.strategies", description=__doc__.split("\n\n")[0], formatter_class=_Help
-    )
+    parser = OneLineParser(prog="python -m analysis.strategies", description=__doc__.split("\n\n")[0])
     count, number, non_negative = positive_int, positive_float, non_negative_float
     parser.add_argument("--model", choices=MODELS, default="vgg11", help="the network")
     parser.add_argument("--batch", type=count, help="samples per iteration (default: 128 for vgg11, 16 else)")

@@ -114,9 +114,23 @@ positive_float = bounded(float, "a positive number")
 non_negative_float = bounded(float, "a number >= 0", positive=False)
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, except where it has none (None: the help says how it
+    is resolved) or the help already gives it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse's parser with one line for a refusal, ``<prog>: error: <what>``, and exit status 2
-    (argparse prints its usage block first; ``--help`` still shows it)."""
+    (argparse prints its usage block first; ``--help`` still shows it), and each option's default in
+    ``--help`` (``DefaultsHelp``)."""
+
+    def __init__(self, *args, formatter_class: type[argparse.HelpFormatter] = DefaultsHelp, **kwargs) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")

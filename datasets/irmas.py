@@ -44,7 +44,6 @@ be written is reported, and the features are used all the same.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import contextlib
 import ctypes
@@ -510,7 +509,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="python -m datasets.irmas",
         description="Extract and cache IRMAS MFCC features.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--root", required=True, help="folder with the 11 IRMAS class folders")
     parser.add_argument("--frames", default="m", help="feature setting: s, m or l")

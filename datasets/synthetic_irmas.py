@@ -14,7 +14,6 @@ reproduction report use it where the real data is not available.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,7 +54,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="python -m datasets.synthetic_irmas",
         description="Write a synthetic IRMAS training folder: 11 classes of stereo 44.1 kHz 3 s clips.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
         "--out", type=output_folder, required=True, help="the folder to write (its class folders are made)"

@@ -269,7 +269,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(
         prog="python -m experiments.gpu_check",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--out", type=output_file, default=Path("gpu_report.md"), help="where the report is written"

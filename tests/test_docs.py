@@ -1,5 +1,7 @@
-"""The commands that README.md and docs/ show in code are ones the tools take today: each tool's
-arguments parse, and run.py's overrides compose (a sweep's first value). Nothing is run."""
+"""What the tools say about themselves holds: the commands that README.md and docs/ show in code
+are ones the tools take today (each tool's arguments parse, run.py's overrides compose: a sweep's
+first value; nothing is run), the README's Python examples run, and every tool's --help gives each
+default once."""
 
 from __future__ import annotations
 
@@ -88,3 +90,34 @@ def test_the_readme_python_examples_run() -> None:
     assert all(s.converged for s in namespace["gru"].solver_stats)
     x, y = next(iter(namespace["train"]))
     assert x.shape == (16, 1000, 1) and x.dtype == torch.float32 and y.shape == (16,)
+
+
+TOOLS = sorted(
+    ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    for folder in ("experiments", "analysis", "datasets")
+    for path in (ROOT / folder).rglob("*.py")
+    if '__name__ == "__main__"' in path.read_text()
+)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_tools_help_gives_each_default_once(tool: str, capsys) -> None:
+    """argparse's defaults formatter would add "(default: None)" to options resolved later, and a
+    second default to a help that states its own."""
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(tool).main(["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith(f"usage: python -m {tool} ")
+    assert "(default: None)" not in text
+    assert not re.search(r"\(default[^)]*\) \(default", text), text
+
+
+def test_every_tool_is_found() -> None:
+    assert {
+        "experiments.gpu_check",
+        "experiments.bench.backward",
+        "analysis.strategies",
+        "datasets.irmas",
+    } <= set(TOOLS)
+    assert len(TOOLS) >= 14

@@ -74,7 +74,6 @@ def parser(module: str, doc: str) -> argparse.ArgumentParser:
     return OneLineParser(
         prog=f"python -m {module}",
         description=doc.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
 
 

@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--micro-batches",
         type=positive_int,
         default=MICRO_BATCHES,
-        help=f"sample groups the BPPSA backward pipelines over the ranks (default {MICRO_BATCHES})",
+        help="sample groups the BPPSA backward pipelines over the ranks",
     )
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed iterations per mode")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed iterations per mode (median)")

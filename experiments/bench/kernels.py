@@ -519,7 +519,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--chunk x ceil(warps / 4), a lower bound in cycles assuming one instruction issued per "
             "cycle per warp scheduler (4 per SM). Not a measurement."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
         "--arch", type=_arch, nargs="+", default=list(ARCHS), help="compute capabilities x 10"

@@ -221,7 +221,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = parser("experiments.bench.pruned_vgg", __doc__)
     p.add_argument("--out", type=output_folder, required=True, help="output folder")
     p.add_argument("--ratios", type=_ratio, nargs="+", default=[0.0, 0.9, 0.97], help="pruning ratios")
-    p.add_argument("--levels", type=_level, nargs="+", default=[2, 1, 3, None], help="scan levels, or all")
+    p.add_argument(
+        "--levels",
+        type=_level,
+        nargs="+",
+        default=[2, 1, 3, None],
+        help="scan levels, or all (default: 2 1 3 all)",
+    )
     p.add_argument("--width", type=positive_float, default=1.0, help="channel multiplier (VGG-11: 1.0)")
     p.add_argument("--image-size", type=positive_int, default=32, help="input side (CIFAR-10: 32)")
     p.add_argument("--steps", type=non_negative_int, default=50, help="retraining steps per ratio")
