@@ -61,10 +61,16 @@ class NoteFolders(Callback):
                 subdir = str(config.hydra.sweep.subdir)
             except OmegaConfBaseException:  # it may need a job's overrides: those are checked per job
                 subdir = "job"
+            accepted = "accepted: a folder name per job (by default, the job's overrides name it)"
             if Path(subdir) == Path("."):
                 raise HydraException(
                     f"hydra.sweep.subdir is {subdir!r}: every job would write into the sweep folder "
-                    "itself; accepted: a folder name per job (by default, the job's overrides name it)"
+                    f"itself; {accepted}"
+                )
+            if Path(subdir).is_absolute() or ".." in Path(subdir).parts:
+                raise HydraException(
+                    f"hydra.sweep.subdir={subdir}: the jobs would write outside the sweep folder; "
+                    f"{accepted} inside it"
                 )
         note_folder(folder)
 

@@ -175,6 +175,14 @@ def test_a_sweep_and_a_run_never_write_into_each_others_folder(tmp_path: Path) -
             ["-m", "hydra.sweep.dir=s", "hydra.sweep.subdir="],
             "every job would write into the sweep folder itself",
         ),
+        (
+            ["-m", "hydra.sweep.dir=s/t", "hydra.sweep.subdir=.."],
+            "hydra.sweep.subdir=..: the jobs would write outside the sweep folder; accepted: a folder name",
+        ),
+        (
+            ["-m", "hydra.sweep.dir=s", "hydra.sweep.subdir=../x"],
+            "hydra.sweep.subdir=../x: the jobs would write outside the sweep folder",
+        ),
     ],
 )
 def test_an_output_folder_that_would_be_the_current_one_or_above_it_is_refused(
