@@ -14,8 +14,9 @@ PyTorch's back). Switching costs a few microseconds.
 Why it is safe: a flushed value is below 2^-126 ≈ 1.2e-38, so each flush changes a result by less
 than 1.2e-38 times the largest operand, far below float32's rounding of anything it is added to
 (2^-24 relative); float64's range (2^-1022) is only reached by products that are zero for every
-purpose. Gradients differ from autograd's only where autograd's are themselves below that, and a
-GPU's kernels flush the same way.
+purpose. Gradients differ from autograd's only where autograd's are themselves below that. (A GPU
+needs none of this: the Triton kernels keep subnormals, with no flush-to-zero instruction in their
+PTX, and a GPU computes on them at full speed.)
 
 The pool's threads are reached through libgomp's ``GOMP_parallel`` (the OpenMP runtime of PyTorch's
 Linux builds, also MKL's threading layer there), which runs libm's ``fesetenv`` in each of them.

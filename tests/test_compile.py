@@ -76,6 +76,7 @@ def check_rows(rows: list[dict]) -> None:
       bytes (the cubin's static plus Triton's dynamic) must fit a block (at most 166,912 bytes on
       sm_80, 232,448 on sm_90), and the warps resident with shared memory and warp slots counted too
       (``kernels.warps_per_sm``) must still be >= 4;
+    * IEEE subnormals kept: no flush-to-zero instruction (``.ftz``) in the PTX (docs/DESIGN.md);
     * the SASS has exactly the loops of the source (reduce and expand 1, spine 2: nothing unrolled,
       nothing split), each with a positive instruction count, so the estimate is defined.
     """
@@ -84,6 +85,8 @@ def check_rows(rows: list[dict]) -> None:
         where = f"sm_{r['arch']} {r['kernel']} {r['mode']} K={r['K']} HP={r['HP']} H={r['H'][0]}"
         if r["stack"] or r["local"] or r["local_in_loops"]:
             bad.append(f"{where}: spills (stack {r['stack']} B, local {r['local']} B)")
+        if r["ftz"]:
+            bad.append(f"{where}: {r['ftz']} flush-to-zero instructions in the PTX")
         programs = 65536 // (r["warps"] * math.ceil(r["regs"] * 32 / 256) * 256)
         if programs * r["warps"] < 4:
             bad.append(f"{where}: {r['regs']} registers x {r['warps']} warps: {programs} programs per SM")
@@ -114,6 +117,13 @@ def test_every_kernel_mode_and_listed_h_compiles_for_both_archs_without_spills(l
             )
         assert {h for r in here if r["mode"] == "LSTM" for h in r["H"]} >= {1, 20, 32}
     check_rows(rows)
+
+
+def test_the_checks_catch_a_kernel_that_spills_or_flushes_subnormals(listed_rows) -> None:
+    for field, value, message in (("ftz", 2, "2 flush-to-zero instructions"), ("local", 8, "spills")):
+        bad = dict(listed_rows[0], **{field: value})
+        with pytest.raises(AssertionError, match=message):
+            check_rows([bad])
 
 
 def test_the_estimate_is_the_loops_instructions_times_their_iterations(listed_rows) -> None:

