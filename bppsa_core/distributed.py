@@ -90,7 +90,7 @@ BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # The backward's sample groups on more than one rank. The pipeline's fill is 1/m of a slice's
 # backward; each group adds an all-gather and its own calls. On two one-thread CPU ranks (RNN,
-# B = 16, H = 20, T = 100,000) 4 and 8 groups were fastest and alike, 2 and 16 10-20 % slower. A GPU
+# B = 16, H = 20, T = 100,000) 8 and 16 groups are fastest and alike, 4 about 30 % slower. A GPU
 # rank's group may cost nearly what the whole batch does (a launch per product, whatever the
 # samples): there, measure (``experiments.bench.distributed --device cuda --micro-batches``).
 MICRO_BATCHES = 8
