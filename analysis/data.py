@@ -7,7 +7,7 @@ or a single run folder, or a CSV file.
 Speedups follow the paper. A BPTT run and a BPPSA run are compared when everything but their
 backward is the same: the same ``comparison_key`` (a hash of the whole resolved configuration
 less the backward group, the forward solver and the keys that do not change results, written by
-the runner), device and worker count; each BPPSA variant (strategy, chunk, levels, forward solver)
+the runner), device, worker count and rank count; each BPPSA variant (strategy, chunk, levels, forward solver)
 gets its own row. Records without a ``comparison_key`` are compared on every column that describes
 their run (all but the measurements). Per comparison:
 

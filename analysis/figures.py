@@ -12,7 +12,8 @@ epochs of the per-iteration phase times.
 One look throughout: BPTT and BPPSA keep one colour each in every figure (``METHOD_COLOURS``), the
 phases one colour each, and a method is told apart by line style where colour means a phase;
 every panel says what it holds fixed (B, T, the device), log axes read as plain numbers, and
-legends sit beside the data, not on it. The loss curves start at t = 0, from each run's loss
+legends sit beside the data, not on it (the loss curves' in their upper right corner, which the
+falling curves leave empty). The loss curves start at t = 0, from each run's loss
 before its first step.
 
 Output is byte-for-byte reproducible from the same input: the Agg backend, no timestamps in the

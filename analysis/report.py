@@ -2,9 +2,9 @@
 
     python -m analysis.report multirun/rnn_seq_len multirun/rnn_batch --out report/
 
-Writes ``report.md`` (and the figures beside it): per (configuration, device), the overall and the
-backward speedup of BPPSA over BPTT as medians with a 95 % bootstrap interval (see
-``analysis.data``), then every figure, then the git commits and versions the results came from.
+Writes ``report.md``, ``speedups.csv`` (its table) and the figures beside them: per (configuration,
+device), the overall and the backward speedup of BPPSA over BPTT as medians with a 95 % bootstrap
+interval (see ``analysis.data``), then every figure, then the git commits and versions the results came from.
 """
 
 from __future__ import annotations

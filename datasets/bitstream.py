@@ -8,8 +8,9 @@ keyed by (seed, i), so any batch is generated directly, in any order, by any wor
 the same seed gives the same bits on any machine (the raw Philox stream is platform-independent and
 stable across NumPy versions, NEP 19; bits are ``raw >> 11`` scaled to [0, 1) and compared with p).
 Sample i has label ``i % 10``, so both splits are class-balanced; training samples are the first
-64 %. Peak memory is one batch: B·T·8 bytes of raw draws plus the B·T·4-byte float32 batch
-(B = 256, T = 30,000: about 92 MB), never the (N, T) data set (6 GB in float32 at N = 50,000).
+64 %. Peak memory is one batch: its B·T bits (a byte each) and the B·T·4-byte float32 batch
+(B = 256, T = 30,000: about 38 MB), plus one sample's T·8 bytes of raw draws at a time, never the
+(N, T) data set (6 GB in float32 at N = 50,000).
 """
 
 from __future__ import annotations

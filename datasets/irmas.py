@@ -371,7 +371,9 @@ def extract(
             f"workers must be an integer from 0 (all cores) to the {cores} cores, got {workers!r}"
         )
     if cache_dir is not None and not str(cache_dir).strip():
-        raise IRMASError("cache_dir is empty; accepted: a folder path, or null for ~/.cache/bppsa/irmas")
+        raise IRMASError(
+            f"cache_dir is empty; accepted: a folder path, or null for the default ({default_cache_dir()})"
+        )
     root = Path(root).expanduser().resolve()
     clips = find_clips(root)
     listing = _listing(root, clips)

@@ -2,8 +2,9 @@
 
     python -m experiments.gpu_check [--out gpu_report.md]
 
-Needs torch (>= 2.11) and triton; not Hydra, not librosa; jax is used where installed. Steps, each a
-section of the report with its command, its time and its output (or why it failed, or was skipped):
+Needs torch (>= 2.11) and triton (pytest and hypothesis for the ``tests`` step); not Hydra, not
+librosa; jax is used where installed. Steps, each a section of the report with its command, its time
+and its output (or why it failed, or was skipped):
 
 1. ``tests``: the ``gpu`` tests (the Triton kernels, the graph scan and every module path against
    cuDNN; the sparse Jacobians);

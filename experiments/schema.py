@@ -10,7 +10,7 @@ twice.
 
 Importing this module registers the schemas and the resolvers the config files use (``register``).
 The nodes with a ``_target_`` are built with Hydra's ``instantiate`` (``experiments.config.build``):
-the recurrent layer (``bppsa_core.RNN`` / ``GRU``), the dataset (``datasets.bitstream.Bitstream``,
+the recurrent layer (``bppsa_core.RNN`` / ``GRU`` / ``LSTM``), the dataset (``datasets.bitstream.Bitstream``,
 ``datasets.irmas.IRMAS``), the optimizer (``torch.optim``) and the run logger.
 """
 
@@ -267,7 +267,8 @@ def config_groups(conf: Path) -> str:
 
 def register() -> None:
     """Store the schemas where the config files' defaults lists find them, and the resolvers the
-    config files use (``job_folder``, ``sweep_folder``); idempotent."""
+    config files use (``job_folder``, ``sweep_folder``, ``worker_counts``, ``config_groups``);
+    idempotent."""
     OmegaConf.register_new_resolver("job_folder", job_folder, replace=True)
     OmegaConf.register_new_resolver("sweep_folder", sweep_folder, replace=True)
     OmegaConf.register_new_resolver("worker_counts", worker_counts, replace=True)

@@ -6,6 +6,8 @@
 #   bash docs/reproduction/run.sh                  # run, copy the tables, draw (CPU)
 #   bash docs/reproduction/run.sh --draw           # only draw, from the committed tables
 #   bash docs/reproduction/run.sh --device cuda    # the same runs on a GPU, into docs/reproduction/cuda/
+#                                                  # (the ranks sweep: one GPU per rank; fig. 10 and
+#                                                  # Table 1 are the CPU's)
 #
 # Runs go to results/reproduction[-<device>]/<table>/; a sweep re-run skips its completed jobs, so
 # an interrupted script continues where it stopped (delete that folder to measure anew).
@@ -59,8 +61,15 @@ if [[ $draw_only == 0 ]]; then
     sweep rnn_curve rnn_curve dataset.num_samples=2000 trainer.epochs=20
     # worker scaling: threads 1 and 2 (the machine's cores)
     sweep workers workers dataset.num_samples=800 trainer.epochs=3
-    # the paper's p devices: the sequence split over 1 and 2 processes of one thread, T = 100,000
-    sweep ranks workers hardware.ranks=1,2 hardware.workers=1 dataset.seq_len=100000 \
+    # the paper's p devices: the sequence split over 1 and 2 processes, T = 100,000: on the CPU one
+    # thread each; on GPUs one GPU each, all its SMs (2 ranks only where there are 2 GPUs)
+    if [[ "$device" == cpu ]]; then
+        split=(hardware.ranks=1,2 hardware.workers=1)
+    else
+        gpus=$("$py" -c 'import torch; print(min(2, torch.cuda.device_count()))')
+        split=("hardware.ranks=$(seq -s, 1 "$gpus")" hardware.workers=null)
+    fi
+    sweep ranks workers "${split[@]}" dataset.seq_len=100000 \
         dataset.num_samples=100 trainer.epochs=3 trainer.warmup_iters=1
     # fig. 9: GRU breakdown, s / m / l x B = 16, 32, 64, on synthetic clips of IRMAS's shape
     sweep gru_irmas gru_irmas "${gru[@]}" trainer.epochs=3

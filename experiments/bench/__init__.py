@@ -1,7 +1,8 @@
 """The benchmark tools, each a command (``python -m experiments.bench.<tool>``), and their helpers.
 
 * ``backward``: BPPSA's backward against PyTorch's BPTT, the scan alone against its peers, and a
-  training epoch; ``--suite paper`` runs the paper's shapes.
+  training epoch; ``--suite paper`` runs the paper's shapes, ``--suite long`` long sequences.
+* ``forward``: the Newton forwards (parallel in time) against the native sequential one.
 * ``jacobian_table``: the paper's Table 1, CSR transposed Jacobians against autograd row by row.
 * ``pruned_vgg``: the pruned VGG-11 study, the sparse scan's FLOPs (``analysis.fig10`` draws it).
 * ``kernels``: the Triton kernels compiled for sm_80 / sm_90 without a GPU: registers, spills, shared
@@ -12,6 +13,7 @@
   against distributed BPTT.
 
 ``scan`` and ``floors`` are the pieces of the backward tool's tables; ``common`` holds what the tools
-share (argument types, the device, Markdown tables, progress lines). The timing itself is
+share (argument types, the device, Markdown tables, progress lines); ``memory`` reads a process's
+resident-memory peak (the distributed benchmark's per-rank memory). The timing itself is
 ``experiments.timing``, the suite's one clock. Nothing here imports Hydra, W&B or librosa.
 """

@@ -21,7 +21,7 @@ Both timing tables carry the floors of ``experiments.bench.floors``: the bytes a
 over the measured copy bandwidth, and the Blelloch scan's 2·ceil(log2 T) levels times the measured
 per-launch cost.
 ``--suite paper`` runs the paper's configurations (RNN T sweep, RNN B sweep, GRU IRMAS shapes) and
-the epoch comparison; ``--quick`` shrinks them to seconds on a CPU.
+the epoch comparison, ``--suite long`` long sequences; ``--quick`` shrinks them to seconds on a CPU.
 
 Prints Markdown; progress goes to stderr. Imports nothing beyond torch at module level (triton, jax
 and numpy are imported where used), so it runs on a bare GPU machine.

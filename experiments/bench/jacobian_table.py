@@ -8,7 +8,7 @@ median time to build it with ``bppsa_core.sparse`` (``--repeats`` builds after `
 ones; the first two page in fresh memory for the entries, 20 MB for the conv), and the autograd
 baseline, which builds J one row at a time (a vector-Jacobian product with a one-hot vector per
 output, then the row's non-zeros). The baseline is timed on ``--rows`` randomly sampled
-rows and scaled to all rows, as the output says. Both run on ``--device`` (cpu, cuda or cuda:N;
+rows and scaled to all rows, as the output says. Both run on ``--device`` (cpu, cuda, cuda:N or auto;
 timed with CUDA events on a GPU, as the other benchmarks are). Paper: sparsity 0.99157 / 0.99998 /
 0.99994; speedups 8.3e3 / 1.2e6 / 1.5e5.
 
@@ -60,7 +60,9 @@ def table(
     device = torch.device(device)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, 32, 32, generator=g).to(device)
-    conv = torch.nn.Conv2d(3, 64, 3, padding=1).to(device)
+    with torch.random.fork_rng(devices=[]):  # the weights from the seed, the caller's stream untouched
+        torch.manual_seed(seed)
+        conv = torch.nn.Conv2d(3, 64, 3, padding=1).to(device)
     with torch.no_grad():
         a = conv(x.unsqueeze(0))[0]
         r = torch.relu(a)

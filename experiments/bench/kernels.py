@@ -21,8 +21,8 @@ each of an SM's 4 warp schedulers issues at most one instruction per cycle and e
 issues every instruction of the loop; stalls on memory, on dependencies and on other programs sharing
 the SM only add to it.
 
-Imports only the standard library, torch, triton and ``bppsa_core`` (and tqdm, when installed, for
-the progress bar); fails with one line if triton's ptxas or cuobjdump is missing.
+Needs only torch, triton and the suite's own modules (and tqdm, when installed, for the progress
+bar): no GPU, no CUDA install, no Hydra; fails with one line if triton's ptxas or cuobjdump is missing.
 """
 
 from __future__ import annotations

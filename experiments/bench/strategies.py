@@ -12,7 +12,7 @@ two-stage GPipe pipeline (``torch.distributed.pipelining.ScheduleGPipe``, the ne
 ``--repeats`` iterations after ``--warmup``, the processes meeting at a barrier before and after
 each. The same run measures what the model takes: the FLOP rate of the sequential iteration
 (FLOPs counted by ``torch.utils.flop_counter``), and α and β from a ping-pong between the two
-processes (one number, then ``--pingpong-mb`` megabytes).
+processes (one number, then ``--pingpong-mb`` MiB).
 
 Writes ``measured.csv`` (strategy, p, time in seconds, and the settings) and ``calibration.json``.
 """
