@@ -1445,15 +1445,18 @@ def _seconds(value: float) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m analysis.strategies", description=__doc__.split("\n\n")[0])
-    count, number, non_negative = positive_int, positive_float, non_negative_float
     parser.add_argument("--model", choices=MODELS, default="vgg11", help="the network")
-    parser.add_argument("--batch", type=count, help="samples per iteration (default: 128 for vgg11, 16 else)")
-    parser.add_argument("--T", type=count, default=1000, help="sequence length (rnn, gru)")
-    parser.add_argument("--hidden", type=count, default=20, help="hidden size (rnn, gru)")
-    parser.add_argument("--inputs", type=count, help="input features (default: 1 for rnn, 24 for gru)")
-    parser.add_argument("--classes", type=count, help="classes (default: 10, 11 for gru)")
-    parser.add_argument("--width", type=number, default=1.0, help="VGG-11's channel multiplier")
-    parser.add_argument("--p", type=count, nargs="+", default=[1, 2, 4, 8, 16, 32], help="processor counts")
+    parser.add_argument(
+        "--batch", type=positive_int, help="samples per iteration (default: 128 for vgg11, 16 else)"
+    )
+    parser.add_argument("--T", type=positive_int, default=1000, help="sequence length (rnn, gru)")
+    parser.add_argument("--hidden", type=positive_int, default=20, help="hidden size (rnn, gru)")
+    parser.add_argument("--inputs", type=positive_int, help="input features (default: 1 for rnn, 24 for gru)")
+    parser.add_argument("--classes", type=positive_int, help="classes (default: 10, 11 for gru)")
+    parser.add_argument("--width", type=positive_float, default=1.0, help="VGG-11's channel multiplier")
+    parser.add_argument(
+        "--p", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="processor counts"
+    )
     parser.add_argument(
         "--strategies",
         nargs="+",
@@ -1461,11 +1464,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="NAME",
         help=f"which to estimate, of {', '.join(STRATEGIES)} (default: all)",
     )
-    parser.add_argument("--flops", type=number, help=f"FLOP/s of one processor (default: {Machine.flops:g})")
     parser.add_argument(
-        "--alpha", type=non_negative, help=f"seconds per message (default: {Machine.alpha:g})"
+        "--flops", type=positive_float, help=f"FLOP/s of one processor (default: {Machine.flops:g})"
     )
-    parser.add_argument("--beta", type=non_negative, help=f"seconds per byte (default: {Machine.beta:g})")
+    parser.add_argument(
+        "--alpha", type=non_negative_float, help=f"seconds per message (default: {Machine.alpha:g})"
+    )
+    parser.add_argument(
+        "--beta", type=non_negative_float, help=f"seconds per byte (default: {Machine.beta:g})"
+    )
     parser.add_argument(
         "--calibration",
         nargs="+",
@@ -1473,23 +1480,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         "experiments.bench.distributed (overhead, forward_step, walk, fold, groups): they set what the "
         "flags leave unset, a later file winning",
     )
-    parser.add_argument("--overhead", type=non_negative, help="seconds per layer operation (default: 0)")
+    parser.add_argument(
+        "--overhead", type=non_negative_float, help="seconds per layer operation (default: 0)"
+    )
     for flag, what in (
         ("--forward-step", "seconds per step of a device's fused forward, whatever the batch"),
         ("--walk", "seconds per step and sample of a device's compiled BPPSA backward of its slice"),
         ("--fold", "seconds per step and sample of a middle device's fold of its slice"),
     ):
-        parser.add_argument(flag, type=non_negative, help=f"{what} (default: 0, its operations)")
+        parser.add_argument(flag, type=non_negative_float, help=f"{what} (default: 0, its operations)")
     parser.add_argument(
-        "--groups", type=count, help="sample groups BPPSA's backward pipelines over the devices (default: 1)"
+        "--groups",
+        type=positive_int,
+        help="sample groups BPPSA's backward pipelines over the devices (default: 1)",
     )
-    parser.add_argument("--word", type=count, default=4, help="bytes per number")
+    parser.add_argument("--word", type=positive_int, default=4, help="bytes per number")
     parser.add_argument(
-        "--micro-batches", type=count, help="per iteration in the pipelines (default: min(4p, B))"
+        "--micro-batches", type=positive_int, help="per iteration in the pipelines (default: min(4p, B))"
     )
-    parser.add_argument("--blocks", type=count, default=256, help="layers the pipelines schedule at most")
-    parser.add_argument("--gantt", type=count, default=4, help="p of the Gantt charts")
-    parser.add_argument("--gantt-micro-batches", type=count, help="in the Gantt charts (default: their p)")
+    parser.add_argument(
+        "--blocks", type=positive_int, default=256, help="layers the pipelines schedule at most"
+    )
+    parser.add_argument("--gantt", type=positive_int, default=4, help="p of the Gantt charts")
+    parser.add_argument(
+        "--gantt-micro-batches", type=positive_int, help="in the Gantt charts (default: their p)"
+    )
     parser.add_argument("--measured", help="a measured.csv to draw beside the model")
     parser.add_argument("--out", type=output_folder, default="strategies", help="output folder")
     args = parser.parse_args(argv)

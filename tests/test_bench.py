@@ -204,7 +204,7 @@ OUTPUT_TOOLS = {
 
 
 @pytest.mark.parametrize(
-    ("module", "argv"), [(m, [rest_[0], rest_[1], *rest_[2]]) for m, rest_ in OUTPUT_TOOLS.items()]
+    ("module", "argv"), [(m, [flag, path, *rest]) for m, (flag, path, rest) in OUTPUT_TOOLS.items()]
 )
 def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
     module: str, argv: list[str], tmp_path, capsys
