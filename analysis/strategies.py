@@ -290,12 +290,21 @@ def recurrent(cell: str, steps: int, inputs: int, hidden: int, classes: int) -> 
     return Network(f"{cell}-T{steps}-H{hidden}", (*unrolled, head), shared=matrices + 2 * gates * hidden)
 
 
+# The widest VGG-11 whose sizes count in 64 bits, even on the meta device: its widest conv has 512 x
+# width channels in and out, 3 x 3, of 4-byte words.
+WIDEST = math.isqrt((2**63 - 1) // (9 * 4)) // 512
+
+
 def vgg11(width: float = 1.0) -> Network:
     """VGG-11 on CIFAR-10 inputs (3 x 32 x 32), as the pruned VGG-11 study builds it (``width``
-    scales its channels)."""
+    scales its channels), built on the meta device: its weights are never allocated, at any width."""
+    import torch
+
     from experiments.bench.pruned_vgg import vgg11 as build
 
-    return profile(build(width), (3, 32, 32), "vgg11" if width == 1 else f"vgg11-width{width:g}")
+    with torch.device("meta"):
+        model = build(width)
+    return profile(model, (3, 32, 32), "vgg11" if width == 1 else f"vgg11-width{width:g}")
 
 
 def _compiled(layers: Sequence[Layer], cost: float) -> tuple[int, list[Layer]]:
@@ -546,29 +555,34 @@ def grid(
         if not best:
             return _none("grid", p, f"no P_r x P_c grid of {p} fits the batch {batch} and the channels")
         return min(best, key=lambda e: e.time)
-    # cost[layout] = (time so far, the layouts chosen)
-    cost: dict[tuple[int, int, str], tuple[float, list]] = {}
+    # cost[layout]: the least time of the layers so far with the last one in that layout; came[i]
+    # [layout]: the layout of layer i - 1 on that way (the path is read back from the end)
+    cost: dict[tuple[int, int, str], float] = {}
+    came: list[dict[tuple[int, int, str], tuple[int, int, str] | None]] = []
     for i, x in enumerate(net.layers):
         options = [o for o in _layouts(x, batch, p, grids) if o[2] in hows]
         if not options:
             return _none("grid", p, f"no P_r x P_c grid of {p} fits layer {x.name}")
-        step: dict[tuple[int, int, str], tuple[float, list]] = {}
+        step: dict[tuple[int, int, str], float] = {}
+        back: dict[tuple[int, int, str], tuple[int, int, str] | None] = {}
         for layout in options:
             here = _layer_cost(x, batch, *layout, machine)
             if i == 0:
-                step[layout] = (here, [layout])
+                step[layout], back[layout] = here, None
                 continue
             prev = net.layers[i - 1]
-            came, path = min(
-                (
-                    (t + machine.all_gather(_relayout(b, layout, prev, batch), p), pth)
-                    for b, (t, pth) in cost.items()
-                ),
+            t, b = min(
+                ((t + machine.all_gather(_relayout(b, layout, prev, batch), p), b) for b, t in cost.items()),
                 key=lambda c: c[0],
             )
-            step[layout] = (came + here, [*path, layout])
+            step[layout], back[layout] = t + here, b
         cost = step
-    time, path = min(cost.values(), key=lambda c: c[0])
+        came.append(back)
+    time, last = min(((t, layout) for layout, t in cost.items()), key=lambda c: c[0])
+    path = [last]
+    for back in reversed(came[1:]):
+        path.append(back[path[-1]])
+    path.reverse()
     pr_shared, pc_shared = path[-1][:2]
     time += machine.all_reduce(net.shared / pr_shared, pc_shared)
     compute = sum(
@@ -1512,6 +1526,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch = args.batch or (128 if args.model == "vgg11" else 16)
     inputs = args.inputs or (24 if args.model == "gru" else 1)
     classes = args.classes or (11 if args.model == "gru" else 10)
+    if args.model == "vgg11" and args.width > WIDEST:
+        parser.error(
+            f"--width {args.width:g} is too wide to count: VGG-11's widest weight would pass 2^63 bytes; "
+            f"accepted: up to {WIDEST}"
+        )
     for flag in ("micro_batches", "groups"):
         if getattr(args, flag) and getattr(args, flag) > batch:
             name = "--" + flag.replace("_", "-")
@@ -1564,7 +1583,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.groups > 1:
         header += f"; BPPSA in {args.groups} sample groups"
-    overflow = frame[~frame["time"].map(math.isfinite)]
+    # a row with a note has no estimate (data parallel beyond the batch, say): its time is nan by design
+    overflow = frame[(frame["note"] == "") & ~frame["time"].map(math.isfinite)]
     if len(overflow):
         row = overflow.iloc[0]
         print(

@@ -5,12 +5,17 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+from helpers import ROOT
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -50,6 +55,15 @@ def test_vgg11_is_traced_into_its_weighted_layers_with_their_flops() -> None:
     conv2 = VGG.layers[1]
     assert conv2.input_grad == 2 * 64 * 9 * 128 * 16 * 16 + 2 * 128 * 16 * 16
     assert VGG.layers[-1].outputs == 10
+
+
+def test_a_wide_vgg11_is_counted_without_allocating_its_weights() -> None:
+    """Width 10^4 has 4.7 · 10^12 weights in its widest conv alone (19 TB): built on the meta device,
+    the count is the formula's; the widest that counts in 64 bits is S.WIDEST."""
+    wide = S.vgg11(1e4)
+    widest_conv = 5120000 * 5120000 * 9
+    assert max(x.params for x in wide.layers) == widest_conv
+    assert S.vgg11(S.WIDEST).layers[-1].params == round(512 * S.WIDEST) * 10
 
 
 def test_profile_refuses_a_module_it_cannot_cost() -> None:
@@ -406,6 +420,7 @@ def test_the_command_writes_the_table_and_a_reproducible_figure(tmp_path: Path, 
         (["--measured", "nowhere.csv"], "no measured table at 'nowhere.csv'"),
         (["--calibration", "nowhere.json"], "no calibration at 'nowhere.json'"),
         (["--flops", "1e-300"], "sequential at p = 1 takes inf s on this machine (1e-300 FLOP/s"),
+        (["--width", "1e6"], "--width 1e+06 is too wide to count: VGG-11's widest weight would pass 2^63"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line_and_nothing_is_written(
@@ -490,6 +505,19 @@ def test_calibrations_of_both_benchmarks_combine_and_set_the_devices_compiled_co
     assert S.main([*args[:-2], "--groups", "1", "--out", str(tmp_path / "one")]) == 0
     one = pd.read_csv(tmp_path / "one" / "strategies.csv").set_index(["strategy", "p"])
     assert one.loc[("bppsa-allgather", 2), "time"] > frame.loc[("bppsa-allgather", 2), "time"]
+
+
+def test_a_strategy_that_does_not_apply_at_some_p_leaves_an_empty_cell_not_an_error(tmp_path: Path) -> None:
+    """Data parallelism beyond the batch has no estimate (its time is nan, with a note): the command
+    still writes the table, the other rows and the note, as the README's RNN command needs."""
+    args = ["--model", "rnn", "--T", "50", "--batch", "4", "--p", "1", "8"]
+    assert S.main([*args, "--strategies", "sequential", "data", "--out", str(tmp_path / "out")]) == 0
+    frame = pd.read_csv(tmp_path / "out" / "strategies.csv", keep_default_na=False).set_index(
+        ["strategy", "p"]
+    )
+    assert frame.loc[("data", 8), "note"] == "p = 8 exceeds the batch 4"
+    assert frame.loc[("data", 8), "time"] == "" and float(frame.loc[("data", 1), "time"]) > 0
+    assert "data parallel: p = 8 exceeds the batch 4" in (tmp_path / "out" / "strategies.md").read_text()
 
 
 def test_a_measured_table_must_name_known_strategies(tmp_path: Path) -> None:
@@ -591,3 +619,26 @@ def test_bytes_sent_do_not_depend_on_the_interconnects_speed(kind: str) -> None:
         for alpha, beta in ((5e-6, 1e-10), (5e-6, 0.0), (0.0, 0.0), (1e-3, 1e-8))
     }
     assert len(set(sent.values())) == 1 and next(iter(sent.values())) > 0
+
+
+@pytest.mark.slow
+def test_the_strategies_page_redraws_to_its_committed_tables(tmp_path: Path) -> None:
+    """docs/strategies/run.sh, run on a copy of its folder without its outputs, writes every table
+    (csv, md) of docs/STRATEGIES.md byte for byte as committed (the model is deterministic) and every
+    figure (their bytes follow the matplotlib release, so they are only required to be there)."""
+    committed = ROOT / "docs" / "strategies"
+    copy = tmp_path / "docs" / "strategies"
+    shutil.copytree(committed, copy)
+    for made in copy.glob("*/strategies.*"):  # the run must make every one again
+        made.unlink()
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        ["bash", str(copy / "run.sh")], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    tables = sorted(committed.glob("*/strategies.*[dv]"))  # .md and .csv
+    assert len(tables) == 8
+    for table in tables:
+        assert (tmp_path / table.relative_to(ROOT)).read_bytes() == table.read_bytes(), table
+    for figure in committed.glob("*/strategies.p*"):
+        assert (tmp_path / figure.relative_to(ROOT)).stat().st_size > 0
