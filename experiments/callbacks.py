@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +57,7 @@ class NoteFolders(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         with _refusing():
+            _check_launcher(config)
             folder = _output_folder(config, "hydra.sweep.dir", (SUMMARY,), "a single run", "a sweep")
             try:
                 subdir = str(config.hydra.sweep.subdir)
@@ -112,6 +114,17 @@ def _output_folder(config: DictConfig, key: str, others: tuple[str, ...], other:
             f"{key}={text} holds {other}'s results; accepted: a new folder, or the folder of {this}"
         )
     return folder
+
+
+def _check_launcher(config: DictConfig) -> None:
+    """The SLURM launcher submits with SLURM's tools: without ``srun`` on the PATH (submitit's own
+    test) it would fail inside the launcher with a traceback, after the sweep folder is made."""
+    target = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
+    if target.endswith(".SlurmLauncher") and shutil.which("srun") is None:
+        raise HydraException(
+            "hydra/launcher=slurm submits to a SLURM cluster, but srun is not on the PATH here; accepted: "
+            "a machine of the cluster (its login node), or no hydra/launcher to run the sweep on this machine"
+        )
 
 
 class MergeResults(Callback):

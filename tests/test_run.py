@@ -157,6 +157,31 @@ def test_slurm_launcher_composes_without_a_cluster() -> None:
     assert launcher.partition == "gpu" and launcher.timeout_min > 0
 
 
+def test_the_slurm_launcher_off_a_cluster_is_refused_in_one_line_before_any_folder(tmp_path: Path) -> None:
+    """Without srun on the PATH, submitit would raise inside the launcher (a traceback, and the
+    sweep's multirun.yaml left behind); the sweep is refused first. With srun there, it is let through."""
+    from experiments.callbacks import _check_launcher
+
+    nothing = tmp_path / "bin"
+    nothing.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    done = run_py("-m", "experiment=workers", "hydra/launcher=slurm", cwd=work, env={"PATH": str(nothing)})
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "run.py: error: hydra/launcher=slurm submits to a SLURM cluster, but srun is not on the PATH "
+        "here; accepted: a machine of the cluster (its login node), or no hydra/launcher to run the "
+        "sweep on this machine"
+    )
+    assert not any(work.iterdir())
+    srun = nothing / "srun"
+    srun.write_text("#!/bin/sh\n")
+    srun.chmod(0o755)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PATH", str(nothing))
+        _check_launcher(composed("hydra/launcher=slurm", hydra=True))
+
+
 def test_the_default_job_runs_and_records(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done = run_py(*TINY, "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path)
