@@ -58,6 +58,7 @@ class NoteFolders(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         with _refusing():
             _check_launcher(config)
+            _check_irmas_root(config)
             folder = _output_folder(config, "hydra.sweep.dir", (SUMMARY,), "a single run", "a sweep")
             try:
                 subdir = str(config.hydra.sweep.subdir)
@@ -119,12 +120,50 @@ def _output_folder(config: DictConfig, key: str, others: tuple[str, ...], other:
 def _check_launcher(config: DictConfig) -> None:
     """The SLURM launcher submits with SLURM's tools: without ``srun`` on the PATH (submitit's own
     test) it would fail inside the launcher with a traceback, after the sweep folder is made."""
-    target = str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "")
-    if target.endswith(".SlurmLauncher") and shutil.which("srun") is None:
+    if _slurm(config) and shutil.which("srun") is None:
         raise HydraException(
             "hydra/launcher=slurm submits to a SLURM cluster, but srun is not on the PATH here; accepted: "
             "a machine of the cluster (its login node), or no hydra/launcher to run the sweep on this machine"
         )
+
+
+def _slurm(config: DictConfig) -> bool:
+    """Whether the sweep's jobs go to SLURM (``hydra/launcher=slurm``), not to this machine."""
+    return str(OmegaConf.select(config, "hydra.launcher._target_", default="") or "").endswith(
+        ".SlurmLauncher"
+    )
+
+
+def _check_irmas_root(config: DictConfig) -> None:
+    """A sweep whose every job reads the same IRMAS root, missing or without clips, would fail job by
+    job with the same line: it is refused once, before any job, with that line. A sweep over the
+    dataset or its root is left to its jobs (the others may run), and so is one sent to SLURM (its
+    jobs may see folders this machine does not)."""
+    irmas = OmegaConf.select(config, "dataset._target_", default=None) == "datasets.irmas.IRMAS"
+    if not irmas or _slurm(config) or OmegaConf.is_missing(config.dataset, "root"):
+        return  # a missing root is the jobs' to report, as any missing value
+    root = config.dataset.root
+    if root is None or _swept(config, {"dataset", "dataset.root"}):
+        return
+    from datasets.irmas import IRMASError, find_clips
+
+    try:
+        find_clips(root)
+    except IRMASError as exc:
+        raise HydraException(str(exc)) from exc
+
+
+def _swept(config: DictConfig, keys: set[str]) -> bool:
+    """Whether the sweep varies any of ``keys``: on the command line (``key=a,b``) or in a preset's
+    ``hydra.sweeper.params``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    task = list(OmegaConf.select(config, "hydra.overrides.task", default=None) or [])
+    varied = {
+        o.get_key_element() for o in OverridesParser.create().parse_overrides(task) if o.is_sweep_override()
+    }
+    varied |= set(OmegaConf.select(config, "hydra.sweeper.params", default=None) or {})
+    return bool(varied & keys)
 
 
 class MergeResults(Callback):

@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 import torch
 from helpers import CONF, ROOT, TINY, composed, run_py
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from bppsa_core import GRU
@@ -180,6 +181,36 @@ def test_the_slurm_launcher_off_a_cluster_is_refused_in_one_line_before_any_fold
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PATH", str(nothing))
         _check_launcher(composed("hydra/launcher=slurm", hydra=True))
+
+
+def test_a_sweep_over_one_missing_or_empty_irmas_root_is_refused_once_before_any_job(tmp_path: Path) -> None:
+    """The README's IRMAS sweep with a bad root: one line and status 2 instead of 18 failed jobs, no
+    folder made. A sweep that varies the root or the dataset, or goes to SLURM, is left to its jobs."""
+    from experiments.callbacks import _check_irmas_root
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    for root, why in [
+        (tmp_path / "missing", "does not exist or is not a folder"),
+        (empty, "holds no class folder with .wav clips"),
+    ]:
+        done = run_py("-m", "experiment=gru_irmas", f"dataset.root={root}", cwd=work)
+        assert done.returncode == 2
+        assert done.stderr.strip().startswith(f"run.py: error: IRMAS root '{root}' {why}; expected")
+        assert len(done.stderr.strip().splitlines()) == 1
+        assert not any(work.iterdir())
+    cfg = composed("experiment=gru_irmas", f"dataset.root={empty}", hydra=True)
+    with pytest.raises(HydraException, match="holds no class folder"):
+        _check_irmas_root(cfg)
+    for swept in (f"dataset.root={empty},{tmp_path}", "dataset=irmas,bitstream"):
+        cfg.hydra.overrides.task = [swept]
+        _check_irmas_root(cfg)  # the jobs say it, each for its own root
+    # SLURM's jobs may see a root this machine does not
+    _check_irmas_root(
+        composed("experiment=gru_irmas", f"dataset.root={empty}", "hydra/launcher=slurm", hydra=True)
+    )
 
 
 def test_the_default_job_runs_and_records(tmp_path: Path) -> None:
