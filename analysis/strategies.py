@@ -1467,7 +1467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hidden", type=positive_int, default=20, help="hidden size (rnn, gru)")
     parser.add_argument("--inputs", type=positive_int, help="input features (default: 1 for rnn, 24 for gru)")
     parser.add_argument("--classes", type=positive_int, help="classes (default: 10, 11 for gru)")
-    parser.add_argument("--width", type=positive_float, default=1.0, help="VGG-11's channel multiplier")
+    parser.add_argument(
+        "--width", type=positive_float, default=1.0, help=f"VGG-11's channel multiplier, up to {WIDEST}"
+    )
     parser.add_argument(
         "--p", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="processor counts"
     )
