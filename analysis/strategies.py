@@ -1210,13 +1210,17 @@ def estimates(
     micro: int | None = None,
     blocks: int = 256,
     groups: int = 1,
+    progress: bool = False,
 ) -> list[Estimate]:
-    """Every strategy at every p; the pipelines schedule the network coarsened to ``blocks`` layers."""
+    """Every strategy at every p; the pipelines schedule the network coarsened to ``blocks`` layers.
+    ``progress``: a bar on stderr where it is a terminal (an RNN of 10^6 steps takes minutes)."""
+    from tqdm import tqdm
+
+    cells = [(strategy, p) for strategy in strategies for p in ps]
     out = []
-    for strategy in strategies:
-        for p in ps:
-            used = net.coarsen(blocks) if strategy in PIPELINES else net
-            out.append(estimate(strategy, used, batch, p, machine, micro, groups))
+    for strategy, p in tqdm(cells, desc="estimates", leave=False, disable=None if progress else True):
+        used = net.coarsen(blocks) if strategy in PIPELINES else net
+        out.append(estimate(strategy, used, batch, p, machine, micro, groups))
     return out
 
 
@@ -1562,6 +1566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.micro_batches,
             args.blocks,
             args.groups,
+            progress=True,
         )
     )
     gantt_micro = min(args.gantt_micro_batches or args.gantt, batch)
