@@ -224,15 +224,26 @@ def test_functional_call_and_parametrizations_use_the_current_weights(kind: str)
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_cpu_autocast_trains_like_torch_nn(kind: str) -> None:
+    """Under bfloat16 autocast the gradients match torch.nn's; where torch.nn's forward itself
+    fails (oneDNN has no bfloat16 LSTM on a CPU without AVX-512), ours fails with the same error."""
     ref, ours = pair(kind, 3, 4, dtype=torch.float32)
     x = torch.randn(20, 2, 3)
-    grads_of = []
+    outcomes: list[list[torch.Tensor] | str] = []
     for m in (ref, ours):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out, _ = m(x)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out, _ = m(x)
+        except RuntimeError as exc:
+            outcomes.append(str(exc))
+            continue
         out.float().pow(2).sum().backward()
-        grads_of.append([p.grad for p in m.parameters()])
-    for a, b in zip(*grads_of, strict=True):
+        outcomes.append([p.grad for p in m.parameters()])
+    expected, got = outcomes
+    if isinstance(expected, str):
+        assert got == expected
+        return
+    assert not isinstance(got, str), got
+    for a, b in zip(expected, got, strict=True):
         assert b.dtype == torch.float32 and rel_err(a, b) < 3e-2  # both see bfloat16 states
 
 
