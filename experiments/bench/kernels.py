@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -282,13 +285,10 @@ def warps_per_sm(registers: int, warps: int, shared: int = 0, arch: int | None =
 
 
 def row(
-    config: KernelConfig, arch: int, length: int = DEFAULT_T, chunk: int = DEFAULT_CHUNK
+    config: KernelConfig, arch: int, kernel: Any, dump: str, compile_s: float, length: int, chunk: int
 ) -> dict[str, Any]:
-    """``config`` compiled for sm_``arch`` and read back: one row of the table."""
-    started = time.perf_counter()
-    kernel = compile_config(config, arch)
-    compile_s = time.perf_counter() - started
-    dump = cuobjdump(kernel.asm["cubin"])
+    """One row of the table: ``config``'s ``kernel``, compiled for sm_``arch`` in ``compile_s``
+    seconds, and what cuobjdump printed of it (``dump``)."""
     used = resources(dump)
     loops = sass_loops(dump)
     shortest = [loop.shortest for loop in loops]
@@ -320,7 +320,7 @@ def row(
         "T": length,
         "chunk": chunk,
         "estimate": loop_estimate(shortest, its, warps) if len(loops) == len(its) else None,
-        "compile_s": round(compile_s, 3),
+        "compile_s": compile_s,
     }
 
 
@@ -355,15 +355,35 @@ def compile_all(
     chunk: int = DEFAULT_CHUNK,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """Every configuration (``launch_configs()`` unless given) compiled for each arch: one row each."""
+    """Every configuration (``launch_configs()`` unless given) compiled for each arch: one row each,
+    in that order.
+
+    Kernels compile one after the other in this process; cuobjdump reads each cubin in a process of
+    its own (its SASS takes about half a second a kernel, most of the time once Triton's cache holds
+    the compiles), as many at once as this process may use cores, while the next kernels compile."""
     _check_compilable()
     configs = triton_scan.launch_configs() if configs is None else configs
     jobs = [(c, a) for a in archs for c in configs]
     bar = _progress(len(jobs), progress)
-    rows = []
-    for config, arch in jobs:
-        rows.append(row(config, arch, length, chunk))
+    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    rows: list[dict[str, Any]] = []
+    pending: deque[tuple[KernelConfig, int, Any, float, Future[str]]] = deque()
+
+    def finish_oldest() -> None:
+        config, arch, kernel, compile_s, dump = pending.popleft()
+        rows.append(row(config, arch, kernel, dump.result(), compile_s, length, chunk))
         bar(f"sm_{arch} {config.launch.kernel.__name__} {config.mode} HP={config.launch.constexprs['HP']}")
+
+    with ThreadPoolExecutor(max_workers=workers) as dumps:
+        for config, arch in jobs:
+            started = time.perf_counter()
+            kernel = compile_config(config, arch)
+            compile_s = round(time.perf_counter() - started, 3)
+            pending.append((config, arch, kernel, compile_s, dumps.submit(cuobjdump, kernel.asm["cubin"])))
+            if len(pending) > workers:
+                finish_oldest()
+        while pending:
+            finish_oldest()
     bar(None)
     return rows
 
