@@ -3,8 +3,10 @@ ranks, RNN, GRU and LSTM, two layers, a loss on h_T or on every output; and the 
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -315,3 +317,26 @@ def test_the_benchmark_stacks_layers_but_writes_only_what_the_one_layer_model_pr
         bench.main(["--layers", "2", "--out", str(tmp_path)])
     assert stop.value.code == 2 and not any(tmp_path.iterdir())
     assert "--layers 2 with --out" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_rank_that_dies_after_the_results_are_in_loses_nothing_and_one_before_fails(monkeypatch, capsys):
+    from experiments.bench import distributed as bench
+
+    def died(write: bool):
+        def spawn(fn, args, nprocs, join):
+            ranks, _, out, _ = args
+            if write:
+                Path(out).write_text(json.dumps([{"rank": r} for r in range(ranks)]))
+            raise mp.ProcessExitedException(
+                "process 0 terminated with signal SIGABRT", error_index=0, error_pid=1, exit_code=-6,
+                signal_name="SIGABRT",
+            )  # fmt: skip
+
+        return spawn
+
+    monkeypatch.setattr(bench.mp, "spawn", died(write=True))
+    assert bench.measure(40, 2, {}) == [{"rank": 0}, {"rank": 1}]
+    assert "SIGABRT after every rank's results were in; kept" in capsys.readouterr().err
+    monkeypatch.setattr(bench.mp, "spawn", died(write=False))
+    with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+        bench.measure(40, 2, {})

@@ -189,8 +189,28 @@ def measure(steps: int, ranks: int, settings: dict) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
         with mock.patch.dict(os.environ, memory.MALLOC):  # read by malloc as each spawned interpreter starts
-            mp.spawn(_worker, args=(ranks, store, out, {**settings, "T": steps}), nprocs=ranks, join=True)
+            try:
+                mp.spawn(_worker, args=(ranks, store, out, {**settings, "T": steps}), nprocs=ranks, join=True)
+            except mp.ProcessExitedException as exc:
+                # Rank 0 writes every rank's results once all have finished measuring. A rank that
+                # then dies on a signal, leaving the process group or the interpreter (gloo's
+                # teardown has aborted once in many runs: "terminate called without an active
+                # exception"), has lost nothing measured.
+                every = _results(out, ranks)
+                if every is None:
+                    raise
+                print(f"[distributed] {exc} after every rank's results were in; kept", file=sys.stderr)
+                return every
         return json.loads(Path(out).read_text())
+
+
+def _results(out: str, ranks: int) -> list[dict] | None:
+    """Every rank's results as rank 0 wrote them to ``out``; None where it is missing or incomplete."""
+    try:
+        every = json.loads(Path(out).read_text())
+    except (OSError, ValueError):
+        return None
+    return every if isinstance(every, list) and len(every) == ranks and all(every) else None
 
 
 def rows_of(steps: int, ranks: int, per_rank: list[dict]) -> list[dict]:
