@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import subprocess
 import sys
@@ -43,7 +42,7 @@ from typing import Any, NamedTuple
 
 from bppsa_core import triton_scan
 from bppsa_core.triton_scan import KernelConfig, Launch
-from datasets.common import OneLineParser, output_file, write_atomic
+from datasets.common import OneLineParser, cpu_cores, output_file, write_atomic
 from experiments.bench.common import positive_int
 
 ARCHS = (80, 90)
@@ -365,7 +364,7 @@ def compile_all(
     configs = triton_scan.launch_configs() if configs is None else configs
     jobs = [(c, a) for a in archs for c in configs]
     bar = _progress(len(jobs), progress)
-    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = cpu_cores()
     rows: list[dict[str, Any]] = []
     pending: deque[tuple[KernelConfig, int, Any, float, Future[str]]] = deque()
 
