@@ -16,6 +16,7 @@ the recurrent layer (``bppsa_core.RNN`` / ``GRU`` / ``LSTM``), the dataset (``da
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,8 +58,9 @@ def or_null(rule: Rule) -> Rule:
 
 POSITIVE_INT = Rule(lambda v: is_count(v, 1), "a positive integer")
 NON_NEGATIVE_INT = Rule(lambda v: is_count(v, 0), "a non-negative integer")
-POSITIVE_NUMBER = Rule(
-    lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v > 0, "a positive number"
+POSITIVE_NUMBER = Rule(  # inf is no learning rate: its first step makes the loss nan
+    lambda v: isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf,
+    "a finite positive number",
 )
 FRACTION = Rule(lambda v: isinstance(v, int | float) and 0 < v < 1, "a number strictly between 0 and 1")
 NON_EMPTY = Rule(lambda v: isinstance(v, str) and bool(v), "a non-empty string")

@@ -426,7 +426,8 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
         (["trainer.foo=1"], "unknown key trainer.foo; accepted: epochs, batch_size, warmup_iters"),
         (["foo=1"], "unknown key foo; accepted: name, model, dataset, backward, optimizer, trainer, logger"),
         (["trainer.epochs=1e26"], "trainer.epochs must be a positive integer, got 1e+26"),
-        (["optimizer.lr=fast"], "optimizer.lr must be a positive number, got 'fast'"),
+        (["optimizer.lr=fast"], "optimizer.lr must be a finite positive number, got 'fast'"),
+        (["optimizer.lr=inf"], "optimizer.lr must be a finite positive number, got inf"),
         (["optimizer=adamw"], "unknown optimizer 'adamw'; accepted: adam, sgd"),
         (
             ["model.forward_solver=jacobi"],
