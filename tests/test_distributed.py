@@ -275,6 +275,56 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     ) == {2}
 
 
+def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    import pandas as pd
+
+    from experiments.bench import distributed as bench
+
+    # backward seconds per round and rank count: each round's ratio 2.0, 1.5 and 1.25 (median 1.5),
+    # where the ratio of the medians (2.0 / 1.0) would read 2.0
+    bppsa = {1: [2.0, 3.0, 1.0], 2: [1.0, 2.0, 0.8]}
+    calls: list[int] = []
+
+    def measure(steps, ranks, settings):
+        turn = sum(1 for c in calls if c == ranks)
+        calls.append(ranks)
+        times = {
+            "bppsa": {"forward": 0.5, "backward": bppsa[ranks][turn]},
+            "bptt": {"forward": 0.5, "backward": 10 * bppsa[ranks][turn]},
+        }
+        rank = {
+            "times": times,
+            "sent": {"bppsa": 100, "bptt": 10},
+            "memory": {"bppsa": 40 * 2**20 // ranks, "bptt": 1},
+        }
+        return [{**rank, "fold": 0.1 * (turn + 1)}] if ranks == 1 else [rank] * ranks
+
+    monkeypatch.setattr(bench, "measure", measure)
+    args = ["--ranks", "1", "2", "--T", "50", "--rounds", "3", "--out", str(tmp_path)]
+    assert bench.main(args) == 0
+    assert calls == [1, 2, 2, 1, 1, 2]  # the rank counts take turns
+    out, err = capsys.readouterr()
+    assert "round 3 of 3, T = 50, 2 rank(s)" in err and "then over 3 rounds taking turns" in out
+    two = next(line for line in out.splitlines() if line.startswith("| 50 | 2 | bppsa |"))
+    cells = [c.strip() for c in two.strip("|").split("|")]
+    assert cells[3:] == [
+        "500.0",
+        "1000.0",
+        "10.00× (10.00–10.00)",
+        "1.50× (1.25–2.00)",
+        "100",
+        "20",
+        "0.50× (0.50–0.50)",
+    ]
+    rows = pd.read_csv(tmp_path / "measured.csv")  # one row per mode and rank count: the medians
+    assert len(rows) == 4
+    two = rows[(rows["p"] == 2) & (rows["backward"] == "bppsa")].iloc[0]
+    assert two["backward_s"] == 1.0 and two["time"] == 1.5
+    assert json.loads((tmp_path / "calibration.json").read_text())["fold"] == pytest.approx(0.2 / (50 * 16))
+
+
 def test_the_benchmark_refuses_a_sequence_shorter_than_the_ranks(capsys) -> None:
     from experiments.bench import distributed as bench
 

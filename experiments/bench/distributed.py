@@ -10,6 +10,11 @@ h_T (of the top layer: ``h_n[-1]``). BPPSA and BPTT take turns, ``--warmup`` unt
 ``--repeats`` timed iterations each, the processes meeting at a barrier around every phase. A
 phase's time is the slowest rank's.
 
+``--rounds R`` spawns every rank count R times, the counts taking turns (``--ranks 1 2``: 1, 2, then
+2, 1, then 1, 2, ...), so that a machine whose speed drifts during the run slows both sides of a
+ratio alike. The table then shows each time's median over the rounds, and each speedup as the
+median of the rounds' own ratios, with their range in brackets.
+
 Prints, per T and p:
 - the median forward and backward times, and the backward speedup over BPTT on the same ranks and
   over BPPSA on one rank;
@@ -235,16 +240,49 @@ def rows_of(steps: int, ranks: int, per_rank: list[dict]) -> list[dict]:
     return rows
 
 
+def merged(rounds: list[list[dict]]) -> list[dict]:
+    """The rows of several rounds (``rows_of`` each) as one, in the first round's order: each time,
+    byte count and peak the median over the rounds."""
+    keyed: dict[tuple, list[dict]] = {}
+    for rows in rounds:
+        for r in rows:
+            keyed.setdefault((r["T"], r["p"], r["backward"]), []).append(r)
+    out = []
+    for same in keyed.values():
+        row = dict(same[0])
+        for field in ("forward_s", "backward_s", "bytes_per_rank"):
+            row[field] = statistics.median(r[field] for r in same)
+        row["time"] = row["forward_s"] + row["backward_s"]
+        memory = [r["memory_per_rank"] for r in same]
+        row["memory_per_rank"] = None if None in memory else statistics.median(memory)
+        out.append(row)
+    return out
+
+
 def _most(values) -> int | None:
     """The largest, or None where a rank could not measure (no /proc/self/clear_refs)."""
     values = list(values)
     return None if None in values else max(values)
 
 
-def table(rows: list[dict]) -> str:
-    """The Markdown table: per T and p, both modes, with the speedups measured in the same runs."""
-    one = {(r["T"], r["backward"]): r for r in rows if r["p"] == 1}
-    bptt = {(r["T"], r["p"]): r["backward_s"] for r in rows if r["backward"] == "bptt"}
+def table(rounds: list[list[dict]]) -> str:
+    """The Markdown table: per T and p, both modes (``merged`` over the rounds), with the speedups
+    each round measured in its own runs: their median, and their range where there are rounds."""
+    keyed = [{(r["T"], r["p"], r["backward"]): r for r in rows} for rows in rounds]
+
+    def ratio(row: dict, ranks: int, backward: str, field: str, inverse: bool = False) -> str:
+        """Each round's ``field`` of the row at (``ranks``, ``backward``) over the row's own, or the
+        row's over it (``inverse``): the median over rounds and their range; "-" where one is missing."""
+        values = []
+        for rows in keyed:
+            ref, own = rows.get((row["T"], ranks, backward)), rows[(row["T"], row["p"], row["backward"])]
+            top, bottom = (own, ref) if inverse else (ref, own)
+            if top is None or bottom is None or top[field] is None or not bottom[field]:
+                return "-"
+            values.append(top[field] / bottom[field])
+        spread = f" ({min(values):.2f}–{max(values):.2f})" if len(values) > 1 else ""
+        return f"{statistics.median(values):.2f}×{spread}"
+
     head = [
         "T",
         "ranks",
@@ -258,9 +296,8 @@ def table(rows: list[dict]) -> str:
         "memory vs 1 rank",
     ]
     body = []
-    for r in rows:
-        ref = one.get((r["T"], r["backward"]))
-        mem, ref_mem = r["memory_per_rank"], ref and ref["memory_per_rank"]
+    for r in merged(rounds):
+        mem = r["memory_per_rank"]
         body.append(
             [
                 str(r["T"]),
@@ -268,11 +305,11 @@ def table(rows: list[dict]) -> str:
                 r["backward"],
                 f"{r['forward_s'] * 1e3:.1f}",
                 f"{r['backward_s'] * 1e3:.1f}",
-                f"{bptt[(r['T'], r['p'])] / r['backward_s']:.2f}×",
-                f"{ref['backward_s'] / r['backward_s']:.2f}×" if ref else "-",
-                f"{r['bytes_per_rank']:,}",
+                ratio(r, r["p"], "bptt", "backward_s"),
+                ratio(r, 1, r["backward"], "backward_s"),
+                f"{r['bytes_per_rank']:,.0f}",
                 "-" if mem is None else f"{mem / 2**20:.0f}",
-                f"{mem / ref_mem:.2f}×" if mem is not None and ref_mem else "-",
+                ratio(r, 1, r["backward"], "memory_per_rank", inverse=True),
             ]
         )
     return markdown(head, body)
@@ -301,6 +338,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed iterations per mode")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed iterations per mode (median)")
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="spawns of every rank count, the counts taking turns (medians over the rounds)",
+    )
     p.add_argument("--out", type=output_folder, help="folder for measured.csv")
     args = p.parse_args(argv)
     for steps in args.T:
@@ -323,25 +366,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     keys = ("B", "H", "model", "features", "layers", "device", "micro_batches", "warmup", "repeats")
     settings = {k: getattr(args, k) for k in keys}
-    rows, folds = [], {}
-    for steps in args.T:
-        for ranks in args.ranks:
-            print(f"[distributed] T = {steps}, {ranks} rank(s) ...", file=sys.stderr, flush=True)
-            per_rank = measure(steps, ranks, settings)
-            rows += rows_of(steps, ranks, per_rank)
-            if "fold" in per_rank[0]:  # one rank of one layer: what the model's device costs
-                folds[steps] = per_rank[0]["fold"]
+    rounds, folds = [], {}
+    for turn in range(args.rounds):
+        rows = []
+        for steps in args.T:
+            for ranks in args.ranks if turn % 2 == 0 else args.ranks[::-1]:
+                where = f"round {turn + 1} of {args.rounds}, " if args.rounds > 1 else ""
+                print(f"[distributed] {where}T = {steps}, {ranks} rank(s) ...", file=sys.stderr, flush=True)
+                per_rank = measure(steps, ranks, settings)
+                rows += rows_of(steps, ranks, per_rank)
+                if "fold" in per_rank[0]:  # one rank of one layer: what the model's device costs
+                    folds.setdefault(steps, []).append(per_rank[0]["fold"])
+        rounds.append(rows)
     per_rank = "nccl, one GPU" if args.device == "cuda" else "gloo, one thread"
+    over = f", then over {args.rounds} rounds taking turns" if args.rounds > 1 else ""
     print(
         f"{args.model}, {args.layers} layer(s), B = {args.B}, H = {args.H}, loss on h_T, {per_rank} "
-        f"per rank; medians of {args.repeats} after {args.warmup} warm-up"
+        f"per rank; medians of {args.repeats} after {args.warmup} warm-up{over}"
     )
-    print(table(rows))
-    costs = None
+    print(table(rounds))
+    rows, costs = merged(rounds), None
     if folds:
         steps = max(folds)
         groups = len(sample_groups(args.B, args.micro_batches))
-        costs = calibration(steps, args.B, groups, rows, folds[steps])
+        costs = calibration(steps, args.B, groups, rows, statistics.median(folds[steps]))
         print(
             f"\none rank at T = {steps}: forward {costs['forward_step']:.3g} s per step, BPPSA walk "
             f"{costs['walk']:.3g} s and fold {costs['fold']:.3g} s per step and sample, BPTT "
