@@ -325,6 +325,32 @@ def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(
     assert json.loads((tmp_path / "calibration.json").read_text())["fold"] == pytest.approx(0.2 / (50 * 16))
 
 
+@pytest.mark.parametrize(
+    ("device", "spawns"),
+    [("cpu", [(("memory",), "65536"), (("times",), None)]), ("cuda", [(("memory", "times"), None)])],
+)
+def test_memory_is_measured_under_its_malloc_setting_and_times_without_it(
+    device, spawns, monkeypatch
+) -> None:
+    """On CPUs the peaks come from processes whose malloc unmaps every large freed block, the times
+    from processes with the usual malloc (which the setting slows); torch's allocator needs neither."""
+    from experiments.bench import distributed as bench
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    seen = []
+
+    def spawn(fn, args, nprocs, join):
+        ranks, _, out, settings = args
+        seen.append((settings["phases"], os.environ.get("MALLOC_MMAP_THRESHOLD_")))
+        result = {"memory": 1} if "memory" in settings["phases"] else {}
+        result |= {"times": 2} if "times" in settings["phases"] else {}
+        Path(out).write_text(json.dumps([result] * ranks))
+
+    monkeypatch.setattr(bench.mp, "spawn", spawn)
+    assert bench.measure(40, 2, {"device": device}) == [{"times": 2, "memory": 1}] * 2
+    assert seen == spawns
+
+
 def test_the_benchmark_refuses_a_sequence_shorter_than_the_ranks(capsys) -> None:
     from experiments.bench import distributed as bench
 

@@ -19,12 +19,14 @@ Prints, per T and p:
 - the median forward and backward times, and the backward speedup over BPTT on the same ranks and
   over BPPSA on one rank;
 - the bytes each rank hands to the process group per iteration;
-- the peak memory per rank: the most any rank's resident set rose, within one untimed iteration
-  of the mode before the timed ones (BPPSA's first, each after one iteration of its own), above
-  what it held when that iteration began (the ranks run with
-  malloc returning freed blocks to the system, ``experiments.bench.memory``, so that this follows
-  the live tensors: what the forward keeps for the backward and the backward's working memory).
-  On GPUs, the most torch's allocator held above what it held when the iteration began.
+- the peak memory per rank: the most any rank's resident set rose within one iteration of the
+  mode (BPPSA's first, each after one iteration of its own) above what it held when that
+  iteration began. On CPUs it is measured in processes of its own, spawned before the timed ones,
+  with malloc returning freed blocks to the system (``experiments.bench.memory``), so that it
+  follows the live tensors: what the forward keeps for the backward and the backward's working
+  memory. The timed processes keep the usual malloc, as a training run does (under that setting
+  every large block comes back as fresh pages, and the walk took twice as long). On GPUs, the
+  most torch's allocator held above what it held when the iteration began, in the timed processes.
 
 ``--out`` writes ``measured.csv`` rows (strategy ``bppsa-allgather`` / ``bptt-distributed``, p,
 time per iteration) that ``python -m analysis.strategies --measured`` draws beside its model, and,
@@ -68,7 +70,7 @@ STRATEGY = {"bppsa": "bppsa-allgather", "bptt": "bptt-distributed"}
 
 def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
     from bppsa_core import GRU, RNN
-    from bppsa_core.distributed import SequenceParallel, traffic
+    from bppsa_core.distributed import SequenceParallel
 
     torch.set_num_threads(1)
     device = torch.device(settings["device"], rank if settings["device"] == "cuda" else None)
@@ -91,52 +93,68 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
 
         groups = settings["micro_batches"]
         runs = {b: SequenceParallel(model, backward=b, micro_batches=groups) for b in ("bppsa", "bptt")}
-        # memory first, each mode after one iteration of its own: BPTT's many small tensors leave
-        # the heap in a state that makes a later BPPSA iteration's resident set grow by more than
-        # it allocates (two ranks: 105 MB measured first, 150-185 MB after a BPTT iteration)
-        peak: dict[str, int | None] = {}
-        for name, run in runs.items():
-            for measured in (False, True):
-                model.zero_grad(set_to_none=True)
-                meet()
-                before = _peak_start(device) if measured else None
-                top, h_n = run(x)
-                h_n[-1].sum().backward()
-                if measured:
-                    peak[name] = None if before is None else _peak_since(device, before)
-                del top, h_n
-        times: dict[str, dict[str, list[float]]] = {b: {"forward": [], "backward": []} for b in runs}
-        sent: dict[str, int] = {}
-        for i in range(settings["warmup"] + settings["repeats"]):
-            for name, run in runs.items():
-                model.zero_grad(set_to_none=True)
-                traffic.reset()
-                meet()
-                start = time.perf_counter()
-                top, h_n = run(x)
-                meet()
-                middle = time.perf_counter()
-                h_n[-1].sum().backward()
-                del top, h_n  # nothing of this iteration outlives it
-                meet()
-                end = time.perf_counter()
-                if i >= settings["warmup"]:
-                    times[name]["forward"].append(middle - start)
-                    times[name]["backward"].append(end - middle)
-                    sent[name] = traffic.bytes
-        result = {
-            "times": {n: {p: statistics.median(v) for p, v in t.items()} for n, t in times.items()},
-            "sent": sent,
-            "memory": peak,
-        }
-        if size == 1 and settings["layers"] == 1:
-            result["fold"] = _fold_seconds(model, x, settings["warmup"], settings["repeats"])
+        result: dict = {}
+        if "memory" in settings["phases"]:
+            result["memory"] = _peaks(runs, model, x, device, meet)
+        if "times" in settings["phases"]:
+            result.update(_times(runs, model, x, meet, settings["warmup"], settings["repeats"]))
+            if size == 1 and settings["layers"] == 1:
+                result["fold"] = _fold_seconds(model, x, settings["warmup"], settings["repeats"])
         every = [None] * size
         dist.all_gather_object(every, result)
         if rank == 0:
             Path(out).write_text(json.dumps(every))
     finally:
         dist.destroy_process_group()
+
+
+def _peaks(runs: dict, model: torch.nn.Module, x: torch.Tensor, device: torch.device, meet) -> dict:
+    """Each mode's peak memory (``_peak_since``) in one iteration after one of its own, BPPSA's
+    first: BPTT's many small tensors leave the heap in a state that makes a later BPPSA iteration's
+    resident set grow by more than it allocates (two ranks: 105 MB measured first, 150-185 MB after
+    a BPTT iteration)."""
+    peak: dict[str, int | None] = {}
+    for name, run in runs.items():
+        for measured in (False, True):
+            model.zero_grad(set_to_none=True)
+            meet()
+            before = _peak_start(device) if measured else None
+            top, h_n = run(x)
+            h_n[-1].sum().backward()
+            if measured:
+                peak[name] = None if before is None else _peak_since(device, before)
+            del top, h_n
+    return peak
+
+
+def _times(runs: dict, model: torch.nn.Module, x: torch.Tensor, meet, warmup: int, repeats: int) -> dict:
+    """Each mode's median forward and backward seconds on this rank, the modes taking turns, and the
+    bytes it handed the process group in one iteration."""
+    from bppsa_core.distributed import traffic
+
+    times: dict[str, dict[str, list[float]]] = {b: {"forward": [], "backward": []} for b in runs}
+    sent: dict[str, int] = {}
+    for i in range(warmup + repeats):
+        for name, run in runs.items():
+            model.zero_grad(set_to_none=True)
+            traffic.reset()
+            meet()
+            start = time.perf_counter()
+            top, h_n = run(x)
+            meet()
+            middle = time.perf_counter()
+            h_n[-1].sum().backward()
+            del top, h_n  # nothing of this iteration outlives it
+            meet()
+            end = time.perf_counter()
+            if i >= warmup:
+                times[name]["forward"].append(middle - start)
+                times[name]["backward"].append(end - middle)
+                sent[name] = traffic.bytes
+    return {
+        "times": {n: {p: statistics.median(v) for p, v in t.items()} for n, t in times.items()},
+        "sent": sent,
+    }
 
 
 def _peak_start(device: torch.device) -> int | None:
@@ -190,22 +208,36 @@ def calibration(steps: int, batch: int, groups: int, rows: list[dict], fold_s: f
 
 
 def measure(steps: int, ranks: int, settings: dict) -> list[dict]:
-    """Every rank's medians, bytes and memory for ``ranks`` processes at sequence length ``steps``."""
+    """Every rank's medians, bytes and memory for ``ranks`` processes at sequence length ``steps``.
+
+    On CPUs the memory is measured in processes of its own, where malloc returns every freed block
+    of 64 KiB or more to the system (``memory.MALLOC``), and the times in processes with the usual
+    malloc: under that setting each large block comes back as fresh pages, which doubled the walk's
+    time. On GPUs (torch's allocator) one set of processes measures both."""
+    settings = {**settings, "T": steps}
+    if settings.get("device") == "cuda":
+        return _spawn(ranks, {**settings, "phases": ("memory", "times")})
+    with mock.patch.dict(os.environ, memory.MALLOC):  # read by malloc as each spawned interpreter starts
+        peaks = _spawn(ranks, {**settings, "phases": ("memory",)})
+    return [{**t, **m} for t, m in zip(_spawn(ranks, {**settings, "phases": ("times",)}), peaks, strict=True)]
+
+
+def _spawn(ranks: int, settings: dict) -> list[dict]:
+    """Every rank's results (``_worker``) from ``ranks`` spawned processes."""
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
-        with mock.patch.dict(os.environ, memory.MALLOC):  # read by malloc as each spawned interpreter starts
-            try:
-                mp.spawn(_worker, args=(ranks, store, out, {**settings, "T": steps}), nprocs=ranks, join=True)
-            except mp.ProcessExitedException as exc:
-                # Rank 0 writes every rank's results once all have finished measuring. A rank that
-                # then dies on a signal, leaving the process group or the interpreter (gloo's
-                # teardown has aborted once in many runs: "terminate called without an active
-                # exception"), has lost nothing measured.
-                every = _results(out, ranks)
-                if every is None:
-                    raise
-                print(f"[distributed] {exc} after every rank's results were in; kept", file=sys.stderr)
-                return every
+        try:
+            mp.spawn(_worker, args=(ranks, store, out, settings), nprocs=ranks, join=True)
+        except mp.ProcessExitedException as exc:
+            # Rank 0 writes every rank's results once all have finished measuring. A rank that
+            # then dies on a signal, leaving the process group or the interpreter (gloo's
+            # teardown has aborted once in many runs: "terminate called without an active
+            # exception"), has lost nothing measured.
+            every = _results(out, ranks)
+            if every is None:
+                raise
+            print(f"[distributed] {exc} after every rank's results were in; kept", file=sys.stderr)
+            return every
         return json.loads(Path(out).read_text())
 
 
