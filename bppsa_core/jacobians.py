@@ -432,10 +432,35 @@ Cell = RNNCell | GRUCell | LSTMCell
 Deltas = Callable[[slice], tuple[Tensor, Tensor]]
 
 
+class PreviousStates:
+    """The states h_{t-1} of steps t = 0 .. T-1 (h0, then the outputs but the last), taken by blocks
+    of steps without a copy of the whole sequence: a block that starts after step 0 is a view of the
+    outputs, only the first is joined to h0. The copy it avoids is T·B·H numbers, freshly paged in
+    on every backward (a fifth of a long one-thread layer's backward on the CPU)."""
+
+    def __init__(self, h0: Tensor, h: Tensor) -> None:
+        self.h0, self.h = h0, h
+        self.shape = h.shape
+
+    def __getitem__(self, t: slice) -> Tensor:
+        lo, hi, stride = t.indices(self.shape[0])
+        if stride != 1:
+            raise IndexError(f"previous states are taken by contiguous blocks of steps, got step {stride}")
+        if hi <= lo:
+            return self.h[:0]
+        if lo > 0:
+            return self.h[lo - 1 : hi - 1]
+        return torch.cat((self.h0.unsqueeze(0), self.h[: hi - 1]))
+
+    def whole(self) -> Tensor:
+        """Every step's previous state as one (T, B, H) tensor (a copy)."""
+        return self[:]
+
+
 def layer_grads(
     deltas: Deltas,
     x: Tensor,
-    h_prev: Tensor,
+    h_prev: Tensor | PreviousStates,
     w: LayerWeights,
     need_input: bool = True,
 ) -> tuple[Tensor | None, LayerWeights]:

@@ -41,7 +41,16 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from bppsa_core import dispatch, newton
 from bppsa_core.denormals import flush_denormals
 from bppsa_core.dispatch import ScanOptions
-from bppsa_core.jacobians import Cell, Deltas, GRUCell, LayerWeights, LSTMCell, RNNCell, layer_grads
+from bppsa_core.jacobians import (
+    Cell,
+    Deltas,
+    GRUCell,
+    LayerWeights,
+    LSTMCell,
+    PreviousStates,
+    RNNCell,
+    layer_grads,
+)
 from bppsa_core.newton import SolverOptions, SolveStats
 from bppsa_core.scan import forward_scan, scan
 
@@ -289,13 +298,14 @@ def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_
     keep = _keep(lengths, steps, h)
     if grad_out is not None and keep is not None:
         grad_out = grad_out * keep  # outputs past a sequence's end are constants
-    h_prev = torch.cat((h0.unsqueeze(0), h[:-1]))
+    h_prev: Tensor | PreviousStates = PreviousStates(h0, h)
     g_last = _last_grad(grad_out, grad_hn, h)
     fused = None if keep is not None else _fused_layer(config, cell, x, h_prev, h, w, grad_out, g_last)
     g_c0 = None
-    if fused is not None:
+    if fused is not None:  # made block by block: the previous states too
         deltas, first = fused
     else:
+        h_prev = h_prev.whole()
         factors = cell.factors(x, h_prev, h, w, c0, keep)
         offsets, start = injected(grad_out), g_last
         if c0 is not None:  # an LSTM's state is (h, c): c gets gradient only from c_n
@@ -335,7 +345,7 @@ def _fused_layer(
     config: LayerConfig,
     cell: Cell,
     x: Tensor,
-    h_prev: Tensor,
+    h_prev: PreviousStates,
     h: Tensor,
     w: LayerWeights,
     u: Tensor | None,
@@ -371,15 +381,22 @@ def _fused_layer(
             g0, g_in = triton_scan.rnn_layer_backward(h, w.w_hh, g_last, u, cell.nonlinearity, chunk)
             g_hid = g_in
         else:
-            gi, gh = cell.pre_activations(x, h_prev, w)
-            g0, g_in, g_hid = triton_scan.gru_layer_backward(gi, gh, h_prev, w.w_hh, g_last, u, chunk)
+            whole = h_prev.whole()
+            gi, gh = cell.pre_activations(x, whole, w)
+            g0, g_in, g_hid = triton_scan.gru_layer_backward(gi, gh, whole, w.w_hh, g_last, u, chunk)
         return (lambda t: (g_in[t], g_hid[t])), (lambda: g0)
 
     return dispatch.with_kernels(strategy, h.device, kernels, lambda: None)
 
 
 def _walked(
-    cell: Cell, x: Tensor, h_prev: Tensor, h: Tensor, w: LayerWeights, u: Tensor | None, g_last: Tensor
+    cell: Cell,
+    x: Tensor,
+    h_prev: Tensor | PreviousStates,
+    h: Tensor,
+    w: LayerWeights,
+    u: Tensor | None,
+    g_last: Tensor,
 ) -> tuple[Deltas, Callable[[], Tensor]]:
     """A layer's scan as one chunk of the compiled kernels (each sample walked once, samples in
     parallel), made block by block from the end as ``layer_grads`` asks for the deltas: a block's

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import rel_err
 
-from bppsa_core.jacobians import GRUCell, LayerWeights, LSTMCell, RNNCell
+from bppsa_core.jacobians import GRUCell, LayerWeights, LSTMCell, PreviousStates, RNNCell
 
 F64 = torch.float64
 
@@ -161,3 +161,21 @@ def test_layer_grads_consume_the_deltas_block_by_block_and_sum_them_exactly() ->
     assert rel_err(flat(gh).t() @ flat(h_prev), dw.w_hh) < 1e-12
     assert rel_err(flat(gi).sum(0), dw.b_ih) < 1e-12 and rel_err(flat(gh).sum(0), dw.b_hh) < 1e-12
     assert rel_err(gi @ w.w_ih, dx) < 1e-12
+
+
+@pytest.mark.parametrize(
+    "block", [slice(0, 4), slice(3, 7), slice(5, 40), slice(0, 1), slice(4, 4), slice(None)]
+)
+def test_previous_states_are_h0_then_the_outputs_and_a_view_after_the_first_step(block) -> None:
+    h0, h = torch.randn(3, 5), torch.randn(9, 3, 5)
+    prev = PreviousStates(h0, h)
+    assert prev.shape == h.shape
+    torch.testing.assert_close(prev[block], torch.cat((h0.unsqueeze(0), h[:-1]))[block], rtol=0, atol=0)
+    if (block.start or 0) > 0:  # no copy: the outputs' own memory
+        assert (
+            prev[block].numel() == 0
+            or prev[block].untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+        )
+    torch.testing.assert_close(prev.whole(), torch.cat((h0.unsqueeze(0), h[:-1])), rtol=0, atol=0)
+    with pytest.raises(IndexError, match="contiguous blocks of steps, got step 2"):
+        prev[::2]
