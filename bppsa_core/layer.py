@@ -423,7 +423,7 @@ def _walked(
         if u is not None:
             offsets = u[lo - 1 : hi - 1] if lo else torch.cat((torch.zeros_like(u[:1]), u[: hi - 1]))
         g = numba_scan.chunked_scan(chain.scales, chain.weights, state["g"], offsets, hi - lo, chain.diagonal)
-        state["g"], state["next"] = g[0], lo
+        state["g"], state["next"] = g[0].clone(), lo  # not a view: the block's walk is freed with it
         return cell.preactivation_grads(g[1:], factors)
 
     def first() -> Tensor:

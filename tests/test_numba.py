@@ -101,6 +101,9 @@ def test_a_walk_takes_its_blocks_from_the_end() -> None:
         deltas(slice(0, 2))
     deltas(slice(0, 3))
     assert first().shape == (1, 4)
+    # g_0 holds its own 4 numbers, not the first block's walk: a result kept (a group's, in
+    # bppsa_core.distributed) would otherwise keep a block of every sample's gradients alive
+    assert first().untyped_storage().nbytes() == 4 * first().element_size()
 
 
 def test_packed_sequences_scan_in_the_kernels() -> None:
