@@ -353,6 +353,7 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
         per_step = [None if t is None else t[:, s].contiguous() for t in (x, out, grad_out)]
         per_sample = [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn, folded)]
         parts.append(_bppsa_group(ctx, rank, size, weights, *per_step, *per_sample, pending))
+        del per_step  # before the next group's copies are made, not after: one group's at a time
     for work, _buffers in pending:
         work.wait()
     dx, g_h0, g_c0, grads = zip(*parts, strict=True)
