@@ -83,7 +83,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from bppsa_core.dispatch import ScanOptions
-from bppsa_core.jacobians import LayerWeights
+from bppsa_core.jacobians import LayerWeights, PreviousStates
 from bppsa_core.layer import LayerConfig, bppsa_backward, cell_of, native_forward
 from bppsa_core.scan import fold
 
@@ -433,7 +433,7 @@ def slice_fold(
     parts = []
     for s in sample_groups(batch, -(-batch // FOLD_SAMPLES) if x.device.type == "cpu" else 1):
         c_s = None if c_in is None else c_in[s]
-        h_prev = torch.cat((h_in[s].unsqueeze(0), out[:-1, s]))
+        h_prev = PreviousStates(h_in[s], out[:, s]).whole()
         a, _ = fold(cell.chain(cell.factors(x[:, s], h_prev, out[:, s], w, c_s, None), w))
         parts.append(a.expand(s.stop - s.start, -1, -1))
     return torch.cat(parts)

@@ -462,7 +462,7 @@ def bppsa_tangent(
         dw = LayerWeights(*dweights)
         steps, batch, hidden = h.shape
         keep = _keep(lengths, steps, h)
-        h_prev = torch.cat((h0.unsqueeze(0), h[:-1]))
+        h_prev = PreviousStates(h0, h).whole()
         factors = cell.factors(x, h_prev, h, w, c0, keep)
         rows = w.w_ih.shape[0]
         e_in, e_hid = h.new_zeros((steps, batch, rows)), h.new_zeros((steps, batch, rows))
