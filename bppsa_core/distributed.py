@@ -369,9 +369,10 @@ def _side_by_side(t: Tensor | None, s: slice, buffers: list, i: int) -> Tensor |
     if t is None or (s.stop - s.start == t.shape[1] and t.is_contiguous()):
         return t
     shape = (t.shape[0], s.stop - s.start, *t.shape[2:])
-    if buffers[i] is None or buffers[i].numel() < math.prod(shape):
-        buffers[i] = t.new_empty(math.prod(shape))
-    return buffers[i][: math.prod(shape)].view(shape).copy_(t[:, s])
+    n = math.prod(shape)
+    if buffers[i] is None or buffers[i].numel() < n:
+        buffers[i] = t.new_empty(n)
+    return buffers[i][:n].view(shape).copy_(t[:, s])
 
 
 def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn, grad_cn, folded, pending):

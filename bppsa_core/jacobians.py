@@ -436,7 +436,7 @@ class PreviousStates:
     """The states h_{t-1} of steps t = 0 .. T-1 (h0, then the outputs but the last), taken by blocks
     of steps without a copy of the whole sequence: a block that starts after step 0 is a view of the
     outputs, only the first is joined to h0. The copy it avoids is T·B·H numbers, freshly paged in
-    on every backward (a fifth of a long one-thread layer's backward on the CPU)."""
+    on every backward (about a quarter of a long one-thread layer's backward on the CPU)."""
 
     def __init__(self, h0: Tensor, h: Tensor) -> None:
         self.h0, self.h = h0, h
