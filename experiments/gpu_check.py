@@ -27,7 +27,8 @@ and its output (or why it failed, or was skipped):
 
 ``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
 GPU: what needs CUDA (the tests, the graph and Triton strategies, green contexts) is reported as
-skipped, everything else runs. The report is written whole at the end (never half a file).
+skipped, everything else runs. The report is rewritten whole after every step (never half a file),
+so a run stopped part-way keeps the steps it finished; ``--steps`` sets which run, in its order.
 """
 
 from __future__ import annotations
@@ -289,6 +290,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_step(name: str, todo: list[list[str]] | str, args: argparse.Namespace) -> Section:
+    """One step of the plan: its commands run one after another (a failure is reported, the rest
+    still run), or the reason it is skipped."""
+    section = Section(TITLES[name])
+    if isinstance(todo, str) and todo != "in process":
+        section.status, section.body = "skipped", f"Skipped: {todo}."
+        return section
+    t0 = time.perf_counter()
+    if name == "workers":
+        work: list[Callable[[], tuple[bool, str]]] = [
+            lambda: (True, worker_scaling(args.dry, args.repeats, args.warmup))
+        ]
+    else:
+        section.commands = [shlex.join(["python", *argv_[1:]]) for argv_ in todo]
+        work = [lambda a=argv_: run_command(a, args.step_timeout) for argv_ in todo]
+    outputs = []
+    for job in work:
+        try:
+            ok, text = job()
+        except Exception as exc:  # one failed step is reported; the others still run
+            ok, text = False, f"{type(exc).__name__}: {exc}"
+        outputs.append(text)
+        if not ok:
+            section.status = "failed"
+    section.seconds = time.perf_counter() - t0
+    section.body = "\n\n".join(outputs)
+    return section
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the steps, write the report; exit status 1 if any step failed."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -297,33 +327,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = plan(args.dry, args.repeats, args.warmup, args.out)
     sections: dict[str, Section] = {}
     for name in args.steps:
-        section = sections[name] = Section(TITLES[name])
-        todo = steps[name]
         progress(f"{name} ...")
-        t0 = time.perf_counter()
-        if isinstance(todo, str) and todo != "in process":
-            section.status, section.body = "skipped", f"Skipped: {todo}."
-            continue
-        if name == "workers":
-            work: list[Callable[[], tuple[bool, str]]] = [
-                lambda: (True, worker_scaling(args.dry, args.repeats, args.warmup))
-            ]
-        else:
-            section.commands = [shlex.join(["python", *argv_[1:]]) for argv_ in todo]
-            work = [lambda a=argv_: run_command(a, args.step_timeout) for argv_ in todo]
-        outputs = []
-        for job in work:
-            try:
-                ok, text = job()
-            except Exception as exc:  # one failed step is reported; the others still run
-                ok, text = False, f"{type(exc).__name__}: {exc}"
-            outputs.append(text)
-            if not ok:
-                section.status = "failed"
-        section.seconds = time.perf_counter() - t0
-        section.body = "\n\n".join(outputs)
-    report = render(sections, args.dry, argv)
-    write_atomic(args.out, lambda tmp: tmp.write_text(report))
+        sections[name] = run_step(name, steps[name], args)
+        report = render(sections, args.dry, argv)  # after every step: a stopped run keeps what finished
+        write_atomic(args.out, lambda tmp, text=report: tmp.write_text(text))
     failed = [n for n, s in sections.items() if s.status == "failed"]
     progress(f"report written to {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

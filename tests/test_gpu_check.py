@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import ROOT, markdown_tables, run_module
 
 from bppsa_core import dispatch
@@ -92,6 +93,28 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path, monkeypat
     assert "Step `backward`: failed" in text and "exit status 1" in text and "boom" in text
     assert "half a table" in text  # what it printed before failing is kept
     assert "Step `scan`: ok" in text and markdown_tables(text)[0][1] == [["1"]]
+
+
+def test_a_run_stopped_part_way_keeps_the_steps_it_finished(tmp_path, monkeypatch) -> None:
+    """The report is rewritten after every step: a run killed in its second step (here, the
+    interrupt a time limit sends) leaves the first step's table, in the order ``--steps`` gave."""
+    out = tmp_path / "report.md"
+    seen = []
+
+    def run(argv, timeout):
+        seen.append(out.read_text() if out.exists() else None)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+        return True, "| a |\n|---|\n| 1 |"
+
+    monkeypatch.setattr(gpu_check, "plan", lambda *a: {"scan": [["s"]], "backward": [["b"]]})
+    monkeypatch.setattr(gpu_check, "run_command", run)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main(["--dry", "--out", str(out), "--steps", "scan", "backward"])
+    assert seen[0] is None and "Step `scan`: ok" in seen[1]  # written before the next step began
+    text = out.read_text()
+    assert "Step `scan`: ok" in text and "Step `backward`" not in text
+    assert markdown_tables(text)[0][1] == [["1"]]
 
 
 def test_worker_scaling_times_both_methods_at_every_count() -> None:
