@@ -240,6 +240,11 @@ def _native_call(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One call of PyTorch's fused kernel for one layer, padded or packed (``batch_sizes``).
 
+    In training mode where autograd records (distributed BPTT, the double-backward path): cuDNN keeps
+    what its backward needs only then, and refuses the backward otherwise. Under no_grad (the
+    layer's own forward, whose backward is BPPSA) it keeps nothing; dropout is 0, so the outputs
+    are the same either way.
+
     On cuDNN, the weights of a layer after the first are a slice of the module's flattened buffer
     that cuDNN does not take as its own, so it copies them per call and warns; the warning is
     expected here and silenced (the copy is a few KB for the paper's sizes).
@@ -247,7 +252,7 @@ def _native_call(
     hx = (h.unsqueeze(0), c.unsqueeze(0)) if c is not None else h.unsqueeze(0)
     bias = len(weights) == 4
     packed = () if batch_sizes is None else (batch_sizes,)
-    flags = (bias, 1, 0.0, False, False) + (() if packed else (False,))
+    flags = (bias, 1, 0.0, torch.is_grad_enabled(), False) + (() if packed else (False,))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*not part of single contiguous chunk of memory.*")
         result = _NATIVE[mode](x, *packed, hx, weights, *flags)

@@ -7,7 +7,7 @@ librosa; jax is used where installed. Steps, each a section of the report with i
 and its output (or why it failed, or was skipped):
 
 1. ``tests``: the ``gpu`` tests (the Triton kernels, the graph scan and every module path against
-   cuDNN; the sparse Jacobians);
+   cuDNN; the sparse Jacobians; sequence parallel over NCCL, a rank per GPU);
 2. ``backward``: the paper's backward tables, cuDNN's BPTT against every BPPSA strategy (PyTorch
    picks cuDNN's persistent small-hidden algorithm for these shapes: the baseline to beat);
 3. ``epoch``: one training epoch of the bitstream RNN, BPTT against BPPSA;
@@ -62,7 +62,7 @@ from experiments.timing import time_ms
 
 STEPS = ("tests", "backward", "epoch", "scan", "chunk", "workers", "forward", "kernels", "ranks")
 CHUNKS = (8, 16, 32, 64, 128)
-GPU_TEST_FILES = ("tests/test_triton.py", "tests/test_sparse.py")
+GPU_TEST_FILES = ("tests/test_triton.py", "tests/test_sparse.py", "tests/test_distributed.py")
 TITLES = {
     "tests": "GPU tests",
     "backward": "Full backward against cuDNN",

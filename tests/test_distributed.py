@@ -63,15 +63,21 @@ def test_a_slice_is_folded_a_few_samples_at_a_time_on_a_cpu_only(device: str, fo
 # --- across processes -------------------------------------------------------------------------------
 
 
-def _ranks(size: int, fn, *args) -> None:
-    """Run ``fn(rank, size, *args)`` on ``size`` gloo processes of one thread each."""
+def _ranks(size: int, fn, *args, backend: str = "gloo") -> None:
+    """Run ``fn(rank, size, *args)`` on ``size`` processes of one thread each; with NCCL, rank r on
+    GPU r."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(size, os.path.join(tmp, "store"), fn, args), nprocs=size, join=True)
+        store = os.path.join(tmp, "store")
+        mp.spawn(_entry, args=(size, store, backend, fn, args), nprocs=size, join=True)
 
 
-def _entry(rank: int, size: int, store: str, fn, args) -> None:
+def _entry(rank: int, size: int, store: str, backend: str, fn, args) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    bound = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        bound["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=size, **bound)
     try:
         fn(rank, size, *args)
     finally:
@@ -140,6 +146,43 @@ def _exact(rank: int, size: int) -> None:
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_gradients_equal_single_process_autograd(size: int) -> None:
     _ranks(size, _exact)
+
+
+def _on_gpus(rank: int, size: int) -> None:
+    """Both backwards of RNN and GRU against torch.nn's autograd on the same GPU, in float64: in
+    float32 cuDNN's reference may run in TF32 (``torch.backends.cudnn.allow_tf32``), 5e-4 off."""
+    device = torch.device("cuda", rank)
+    slices = torch.tensor_split(torch.arange(T), size)
+    mine = slice(int(slices[rank][0]), int(slices[rank][-1]) + 1)
+    for cls in (RNN, GRU):
+        for backward in ("bppsa", "bptt"):
+            torch.manual_seed(0)
+            model = cls(F, H, num_layers=2, device=device, dtype=torch.float64)
+            reference = getattr(nn, cls.__name__)(F, H, num_layers=2, device=device, dtype=torch.float64)
+            reference.load_state_dict(model.state_dict())
+            x = torch.randn(T, B, F, device=device, dtype=torch.float64)
+            xr, xl = x.clone().requires_grad_(), x[mine].clone().requires_grad_()
+            out, h_n = reference(xr)
+            (out.sum() + h_n.sum()).backward()
+            out_l, h_n_l = SequenceParallel(model, backward=backward)(xl)
+            (out_l.sum() + h_n_l.sum()).backward()
+            close = {
+                "rtol": 1e-10,
+                "atol": 1e-10,
+                "msg": lambda m, c=f"{cls.__name__} {backward}": f"{c}: {m}",
+            }
+            torch.testing.assert_close(h_n_l, h_n.detach(), **close)
+            torch.testing.assert_close(xl.grad, xr.grad[mine], **close)
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, **close)
+
+
+@pytest.mark.gpu
+def test_nccl_ranks_of_one_gpu_each_give_autograds_gradients() -> None:
+    """As many ranks as GPUs, up to 4 (one on a one-GPU machine: the NCCL path end to end)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    _ranks(min(4, torch.cuda.device_count()), _on_gpus, backend="nccl")
 
 
 def _folds_in_the_forward(rank: int, size: int) -> None:

@@ -271,3 +271,26 @@ def test_a_sequence_longer_than_a_segment_runs_in_segments(monkeypatch) -> None:
     rnn = bnn.GRU(1, 2)
     out, _ = rnn(torch.randn(2 * layer.SEGMENT + 5, 1, 1))
     assert calls == [layer.SEGMENT, layer.SEGMENT, 5] and out.shape == (2 * layer.SEGMENT + 5, 1, 2)
+
+
+@pytest.mark.parametrize("mode", ["RNN_TANH", "GRU", "LSTM"])
+def test_the_native_forward_runs_in_training_mode_only_where_autograd_records(monkeypatch, mode) -> None:
+    """cuDNN keeps what its backward needs only in training mode and refuses the backward without
+    it (distributed BPTT differentiates this forward); the layer's own forward, under no_grad, keeps
+    nothing. The flag after the dropout probability is PyTorch's ``train``."""
+    from bppsa_core import layer
+
+    seen = []
+    real = layer._NATIVE[mode]
+    monkeypatch.setitem(layer._NATIVE, mode, lambda *a: seen.append(a[-3]) or real(*a))
+    gates = {"RNN_TANH": 1, "GRU": 3, "LSTM": 4}[mode]
+    weights = [torch.randn(gates * 2, n, requires_grad=True) for n in (1, 2)]
+    x, h0 = torch.randn(4, 3, 1), torch.zeros(3, 2)
+    c0 = torch.zeros(3, 2) if mode == "LSTM" else None
+    with torch.no_grad():
+        layer.native_forward(mode, x, h0, c0, weights, None)
+    out, _, _ = layer.native_forward(mode, x, h0, c0, weights, None)
+    out.sum().backward()
+    assert seen == [False, True] and weights[1].grad is not None
+    bnn.GRU(1, 2)(torch.randn(4, 3, 1))[0].sum().backward()  # the module's forward: no_grad inside
+    assert seen[2:] == [False] * (mode == "GRU")

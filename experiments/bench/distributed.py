@@ -76,8 +76,8 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
     device = torch.device(settings["device"], rank if settings["device"] == "cuda" else None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=size)
+    backend, bound = ("nccl", {"device_id": device}) if device.type == "cuda" else ("gloo", {})
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=size, **bound)
     try:
         steps, batch, hidden = settings["T"], settings["B"], settings["H"]
         torch.manual_seed(0)
