@@ -41,14 +41,21 @@ def run(
     transposed: bool = False,
 ) -> None:
     chain, x, b = chain_case(n, batch, hidden, affine, terms)
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    chain = FactoredChain(
-        *(to(t) for t in (chain.scales, chain.weights, chain.diagonal)), transposed=transposed
-    )
-    twin = chunked_scan(chain, to(x), to(b), chunk=chunk)
-    kernel = scan(chain, to(x), to(b), strategy="triton", chunk=chunk)
+
+    def on(where: str, dtype: torch.dtype | None = None) -> tuple:  # the chain, x and b there
+        to = lambda t: None if t is None else t.to(where, dtype)  # noqa: E731
+        parts = (to(t) for t in (chain.scales, chain.weights, chain.diagonal))
+        return FactoredChain(*parts, transposed=transposed), to(x), to(b)
+
+    twin = chunked_scan(*on(device), chunk=chunk)
+    kernel = scan(*on(device), strategy="triton", chunk=chunk)
     assert kernel.shape == (n + 1, batch, hidden)
-    assert rel_err(twin.double().cpu(), kernel.double().cpu()) < 1e-5
+    # Both against the float64 scan of the same inputs: the kernel rounds in its own order, so on
+    # long growing chains it may differ from the twin by more than either differs from the truth;
+    # TF32 products or a wrong step would be off by 1e-3 or more.
+    truth = chunked_scan(*on("cpu", torch.float64), chunk=chunk)
+    twin_err, kernel_err = rel_err(truth, twin.cpu()), rel_err(truth, kernel.cpu())
+    assert kernel_err < max(1e-5, 4 * twin_err), (kernel_err, twin_err)
 
 
 @pytest.mark.parametrize(ARGS, CASES)
