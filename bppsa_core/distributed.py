@@ -76,7 +76,6 @@ process_group=data_group)``; ``tests/test_distributed.py`` checks 2 x 2 ranks ag
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.distributed as dist
@@ -348,10 +347,11 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
     spans = sample_groups(h_in.shape[0], ctx.micro_batches if size > 1 else 1)
     folded = ctx.folded  # a middle rank's A, folded in the forward (kept for a retained graph)
-    parts, pending, buffers = [], [], [None, None, None]
+    parts, pending = [], []
     for s in spans:
-        # the group's steps side by side: its walk and its GEMMs then read memory in order
-        per_step = [_side_by_side(t, s, buffers, i) for i, t in enumerate((x, out, grad_out))]
+        # views of the group's samples: the walk copies each block's steps side by side as it goes
+        # (jacobians.PreviousStates), so no copy of the group's whole slice is made
+        per_step = [None if t is None else t[:, s] for t in (x, out, grad_out)]
         per_sample = [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn, folded)]
         parts.append(_bppsa_group(ctx, rank, size, weights, *per_step, *per_sample, pending))
     for work, _buffers in pending:
@@ -360,19 +360,6 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     g_c0 = torch.cat(g_c0) if ctx.lstm else None
     dx = None if dx[0] is None else torch.cat(dx, 1)
     return dx, torch.cat(g_h0), g_c0, [sum(g[1:], g[0]) for g in zip(*grads, strict=True)]
-
-
-def _side_by_side(t: Tensor | None, s: slice, buffers: list, i: int) -> Tensor | None:
-    """The samples ``s`` of a (T, B, ...) tensor, contiguous: the tensor itself where ``s`` is the
-    whole batch, else a copy into ``buffers[i]``, which every group reuses (a group's results hold
-    none of it). A fresh copy per group would cost fresh memory, and with it page faults."""
-    if t is None or (s.stop - s.start == t.shape[1] and t.is_contiguous()):
-        return t
-    shape = (t.shape[0], s.stop - s.start, *t.shape[2:])
-    n = math.prod(shape)
-    if buffers[i] is None or buffers[i].numel() < n:
-        buffers[i] = t.new_empty(n)
-    return buffers[i][:n].view(shape).copy_(t[:, s])
 
 
 def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn, grad_cn, folded, pending):

@@ -436,25 +436,67 @@ class PreviousStates:
     """The states h_{t-1} of steps t = 0 .. T-1 (h0, then the outputs but the last), taken by blocks
     of steps without a copy of the whole sequence: a block that starts after step 0 is a view of the
     outputs, only the first is joined to h0. The copy it avoids is T·B·H numbers, freshly paged in
-    on every backward (about a quarter of a long one-thread layer's backward on the CPU)."""
+    on every backward (about a quarter of a long one-thread layer's backward on the CPU).
+
+    Outputs whose samples are strided (a group of samples viewed out of the whole batch, as a
+    sequence-parallel rank walks them) are instead copied a block at a time: h_{lo-1} .. h_{hi-1},
+    the block's steps side by side in one buffer that every block reuses, of which the block's
+    previous states (``self[lo:hi]``) and outputs (``outputs(lo, hi)``) are both views, valid until
+    the next block is taken. The block's work then reads memory in order, and a rank holds one
+    block's copy instead of its group's whole slice (8 MB per rank in docs/PERFORMANCE.md's
+    two-rank benchmark, for 3-6 % more backward time)."""
 
     def __init__(self, h0: Tensor, h: Tensor) -> None:
         self.h0, self.h = h0, h
         self.shape = h.shape
+        self._block: tuple[int, int] | None = None  # the steps lo, hi the buffer holds
+        self._buffer: Tensor | None = None
 
     def __getitem__(self, t: slice) -> Tensor:
+        lo, hi = self._steps(t)
+        if not self.h.is_contiguous() and hi > lo:
+            return self._side_by_side(lo, hi)[:-1]
+        return self._joined(lo, hi)
+
+    def outputs(self, lo: int, hi: int) -> Tensor:
+        """The outputs h_lo .. h_{hi-1}: ``h[lo:hi]``, or where the samples are strided, a view of
+        the block's copy (valid until another block is taken)."""
+        if not self.h.is_contiguous() and hi > lo:
+            return self._side_by_side(lo, hi)[1:]
+        return self.h[lo:hi]
+
+    def whole(self) -> Tensor:
+        """Every step's previous state as one (T, B, H) tensor (a copy)."""
+        return self._joined(0, self.shape[0])
+
+    def _steps(self, t: slice) -> tuple[int, int]:
         lo, hi, stride = t.indices(self.shape[0])
         if stride != 1:
             raise IndexError(f"previous states are taken by contiguous blocks of steps, got step {stride}")
+        return lo, max(lo, hi)
+
+    def _joined(self, lo: int, hi: int) -> Tensor:
         if hi <= lo:
             return self.h[:0]
         if lo > 0:
             return self.h[lo - 1 : hi - 1]
         return torch.cat((self.h0.unsqueeze(0), self.h[: hi - 1]))
 
-    def whole(self) -> Tensor:
-        """Every step's previous state as one (T, B, H) tensor (a copy)."""
-        return self[:]
+    def _side_by_side(self, lo: int, hi: int) -> Tensor:
+        """h_{lo-1} .. h_{hi-1} (h_{-1} = h0) contiguous in the reused buffer."""
+        shape = (hi - lo + 1, *self.shape[1:])
+        n = math.prod(shape)
+        if self._buffer is None or self._buffer.numel() < n:
+            self._buffer, self._block = self.h.new_empty(n), None
+        block = self._buffer[:n].view(shape)
+        if self._block != (lo, hi):
+            if lo == 0:
+                block[0].copy_(self.h0)
+                block[1:].copy_(self.h[:hi])
+            else:
+                block.copy_(self.h[lo - 1 : hi])
+            self._block = (lo, hi)
+        return block
 
 
 def layer_grads(

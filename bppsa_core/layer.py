@@ -397,7 +397,7 @@ def _fused_layer(
 def _walked(
     cell: Cell,
     x: Tensor,
-    h_prev: Tensor | PreviousStates,
+    h_prev: PreviousStates,
     h: Tensor,
     w: LayerWeights,
     u: Tensor | None,
@@ -422,7 +422,7 @@ def _walked(
             state["g"] = g_last
         elif hi != state["next"]:
             raise RuntimeError(f"steps {lo}..{hi} asked for; a walk from the end needs ..{state['next']}")
-        factors = cell.factors(x[lo:hi], h_prev[lo:hi], h[lo:hi], w)
+        factors = cell.factors(x[lo:hi], h_prev[lo:hi], h_prev.outputs(lo, hi), w)
         chain = cell.chain(factors, w)
         offsets = None  # element k's offset is u_k = dL/dh_k from outside (u_0 = 0)
         if u is not None:

@@ -280,19 +280,6 @@ def test_modules_it_cannot_split_are_refused_at_construction(module, kwargs, mes
         SequenceParallel(module, **kwargs)
 
 
-def test_each_group_is_copied_side_by_side_into_one_reused_buffer() -> None:
-    from bppsa_core.distributed import _side_by_side
-
-    t, buffers = torch.randn(7, 5, 3), [None]
-    assert _side_by_side(t, slice(0, 5), buffers, 0) is t and buffers == [None]  # the whole batch: no copy
-    first = _side_by_side(t, slice(0, 3), buffers, 0)
-    assert first.is_contiguous() and torch.equal(first, t[:, 0:3])
-    second = _side_by_side(t, slice(3, 5), buffers, 0)  # a smaller group, in the same memory
-    assert second.is_contiguous() and torch.equal(second, t[:, 3:5])
-    assert second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-    assert _side_by_side(None, slice(0, 2), buffers, 0) is None
-
-
 # --- the benchmark --------------------------------------------------------------------------------
 
 

@@ -179,3 +179,26 @@ def test_previous_states_are_h0_then_the_outputs_and_a_view_after_the_first_step
     torch.testing.assert_close(prev.whole(), torch.cat((h0.unsqueeze(0), h[:-1])), rtol=0, atol=0)
     with pytest.raises(IndexError, match="contiguous blocks of steps, got step 2"):
         prev[::2]
+
+
+def test_a_strided_group_of_samples_is_copied_a_block_at_a_time_into_one_buffer() -> None:
+    """Samples 1..3 of 5 viewed out of the batch (a sequence-parallel rank's group): each block's
+    previous states and outputs are the right steps, contiguous, views of one buffer that the next
+    block reuses; the whole sequence is a fresh copy."""
+    h0, h = torch.randn(5, 4), torch.randn(20, 5, 4)
+    group, h0g = h[:, 1:4], h0[1:4]
+    prev = PreviousStates(h0g, group)
+    joined = torch.cat((h0g.unsqueeze(0), group[:-1]))
+    buffers = set()
+    for lo, hi in ((12, 20), (4, 12), (0, 4)):  # from the end down, as a walk takes them
+        states, outputs = prev[lo:hi], prev.outputs(lo, hi)
+        assert states.is_contiguous() and outputs.is_contiguous()
+        torch.testing.assert_close(states, joined[lo:hi], rtol=0, atol=0)
+        torch.testing.assert_close(outputs, group[lo:hi], rtol=0, atol=0)
+        assert prev[lo:hi].data_ptr() == states.data_ptr()  # the same block again: no new copy
+        buffers.add(states.untyped_storage().data_ptr())
+    assert len(buffers) == 1
+    whole = prev.whole()
+    assert whole.untyped_storage().data_ptr() not in buffers
+    torch.testing.assert_close(whole, joined, rtol=0, atol=0)
+    assert prev[3:3].numel() == 0 and prev.outputs(3, 3).numel() == 0

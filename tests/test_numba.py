@@ -93,7 +93,8 @@ def test_a_walk_takes_its_blocks_from_the_end() -> None:
     cell, steps = RNNCell("tanh"), 6
     w = LayerWeights(torch.randn(4, 2), torch.randn(4, 4), None, None)
     h = torch.rand(steps, 1, 4)
-    deltas, first = layer_mod._walked(cell, torch.randn(steps, 1, 2), h, h, w, None, torch.randn(1, 4))
+    h_prev = jacobians.PreviousStates(torch.rand(1, 4), h)
+    deltas, first = layer_mod._walked(cell, torch.randn(steps, 1, 2), h_prev, h, w, None, torch.randn(1, 4))
     with pytest.raises(RuntimeError, match="g_0 is known once every block has been walked"):
         first()
     deltas(slice(3, 6))
@@ -104,6 +105,44 @@ def test_a_walk_takes_its_blocks_from_the_end() -> None:
     # g_0 holds its own 4 numbers, not the first block's walk: a result kept (a group's, in
     # bppsa_core.distributed) would otherwise keep a block of every sample's gradients alive
     assert first().untyped_storage().nbytes() == 4 * first().element_size()
+
+
+@pytest.mark.parametrize("mode", ["RNN_TANH", "GRU"])
+def test_a_group_of_samples_viewed_out_of_the_batch_walks_as_its_copy(mode, monkeypatch) -> None:
+    """A sequence-parallel rank walks its sample groups as strided views (each block copied side by
+    side as the walk goes): the gradients of the group copied whole first, to float64's rounding
+    (the GRU's input products read strided memory in another order), in blocks small enough that
+    there are several."""
+    monkeypatch.setattr(jacobians, "_BLOCK_BYTES", 4096)
+    torch.manual_seed(0)
+    module = (torch.nn.GRU if mode == "GRU" else torch.nn.RNN)(3, 4, dtype=F64)
+    weights = [p.detach() for p in module._flat_weights]
+    x, h0 = torch.randn(50, 6, 3, dtype=F64), torch.randn(6, 4, dtype=F64)
+    with torch.no_grad():
+        out, _ = module(x, h0.unsqueeze(0))
+    grad_out, grad_hn = torch.randn_like(out), torch.randn(6, 4, dtype=F64)
+    # one chunk: the layer walked block by block (the path a one-thread rank takes)
+    config = layer_mod.LayerConfig(mode, options=dispatch.ScanOptions(strategy="numba", chunk=50))
+    copied = []
+    real = jacobians.PreviousStates._side_by_side
+    monkeypatch.setattr(
+        jacobians.PreviousStates,
+        "_side_by_side",
+        lambda self, lo, hi: copied.append(lo) or real(self, lo, hi),
+    )
+    s = slice(2, 5)
+    views = (x[:, s], h0[s], out[:, s], grad_out[:, s])
+    copies = [t.contiguous() for t in views]
+    for every in (None, True):
+        got = [
+            layer_mod.bppsa_backward(
+                config, a, b, None, weights, None, c, d if every else None, grad_hn[s], None
+            )
+            for a, b, c, d in (views, copies)
+        ]
+        for g, e in zip(got[0][:2] + tuple(got[0][3]), got[1][:2] + tuple(got[1][3]), strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-14)
+    assert len(set(copied)) > 2 and 0 in copied  # several blocks, each copied, the views' only
 
 
 def test_packed_sequences_scan_in_the_kernels() -> None:
