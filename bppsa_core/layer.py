@@ -374,7 +374,7 @@ def _fused_layer(
     chosen = dispatch.resolve(strategy, steps, batch, hidden, h.device, fits, compiled)
     if chosen == "numba" and compiled and dispatch.runs_on("numba", h.device):
         chunk = chunk or dispatch.numba_chunk(steps, batch, hidden, cell.gates, torch.get_num_threads())
-        return _walked(cell, x, h_prev, h, w, u, g_last) if chunk >= steps else None
+        return _walked(cell, x, h_prev, w, u, g_last) if chunk >= steps else None
     if chosen != "triton" or not fits or not dispatch.kernels_run_on(h.device):
         return None
     from bppsa_core import triton_scan
@@ -395,13 +395,7 @@ def _fused_layer(
 
 
 def _walked(
-    cell: Cell,
-    x: Tensor,
-    h_prev: PreviousStates,
-    h: Tensor,
-    w: LayerWeights,
-    u: Tensor | None,
-    g_last: Tensor,
+    cell: Cell, x: Tensor, h_prev: PreviousStates, w: LayerWeights, u: Tensor | None, g_last: Tensor
 ) -> tuple[Deltas, Callable[[], Tensor]]:
     """A layer's scan as one chunk of the compiled kernels (each sample walked once, samples in
     parallel), made block by block from the end as ``layer_grads`` asks for the deltas: a block's
@@ -413,7 +407,7 @@ def _walked(
     """
     from bppsa_core import numba_scan
 
-    steps = h.shape[0]
+    steps = h_prev.shape[0]
     state = {"g": g_last, "next": steps}
 
     def deltas(t: slice) -> tuple[Tensor, Tensor]:

@@ -94,7 +94,7 @@ def test_a_walk_takes_its_blocks_from_the_end() -> None:
     w = LayerWeights(torch.randn(4, 2), torch.randn(4, 4), None, None)
     h = torch.rand(steps, 1, 4)
     h_prev = jacobians.PreviousStates(torch.rand(1, 4), h)
-    deltas, first = layer_mod._walked(cell, torch.randn(steps, 1, 2), h_prev, h, w, None, torch.randn(1, 4))
+    deltas, first = layer_mod._walked(cell, torch.randn(steps, 1, 2), h_prev, w, None, torch.randn(1, 4))
     with pytest.raises(RuntimeError, match="g_0 is known once every block has been walked"):
         first()
     deltas(slice(3, 6))
