@@ -449,19 +449,20 @@ class PreviousStates:
     def __init__(self, h0: Tensor, h: Tensor) -> None:
         self.h0, self.h = h0, h
         self.shape = h.shape
+        self._strided = not h.is_contiguous()  # blocks copied side by side (class docstring)
         self._block: tuple[int, int] | None = None  # the steps lo, hi the buffer holds
         self._buffer: Tensor | None = None
 
     def __getitem__(self, t: slice) -> Tensor:
         lo, hi = self._steps(t)
-        if not self.h.is_contiguous() and hi > lo:
+        if self._strided and hi > lo:
             return self._side_by_side(lo, hi)[:-1]
         return self._joined(lo, hi)
 
     def outputs(self, lo: int, hi: int) -> Tensor:
         """The outputs h_lo .. h_{hi-1}: ``h[lo:hi]``, or where the samples are strided, a view of
         the block's copy (valid until another block is taken)."""
-        if not self.h.is_contiguous() and hi > lo:
+        if self._strided and hi > lo:
             return self._side_by_side(lo, hi)[1:]
         return self.h[lo:hi]
 
