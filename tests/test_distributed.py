@@ -84,9 +84,14 @@ def _entry(rank: int, size: int, store: str, backend: str, fn, args) -> None:
         dist.destroy_process_group()
 
 
-def _exact(rank: int, size: int) -> None:
+def _mine(rank: int, size: int) -> slice:
+    """Rank ``rank``'s contiguous time slice of the T steps, as ``SequenceParallel`` splits them."""
     slices = torch.tensor_split(torch.arange(T), size)
-    mine = slice(int(slices[rank][0]), int(slices[rank][-1]) + 1)
+    return slice(int(slices[rank][0]), int(slices[rank][-1]) + 1)
+
+
+def _exact(rank: int, size: int) -> None:
+    mine = _mine(rank, size)
     cases = ((RNN, {"nonlinearity": "tanh"}), (RNN, {"nonlinearity": "relu"}), (GRU, {}), (LSTM, {}))
     # BPPSA with the batch whole, in groups of 2 + 1 samples, and one sample a group (the default)
     runs = (("bppsa", 1), ("bppsa", 2), ("bppsa", MICRO_BATCHES), ("bptt", MICRO_BATCHES))
@@ -152,8 +157,7 @@ def _on_gpus(rank: int, size: int) -> None:
     """Both backwards of RNN and GRU against torch.nn's autograd on the same GPU, in float64: in
     float32 cuDNN's reference may run in TF32 (``torch.backends.cudnn.allow_tf32``), 5e-4 off."""
     device = torch.device("cuda", rank)
-    slices = torch.tensor_split(torch.arange(T), size)
-    mine = slice(int(slices[rank][0]), int(slices[rank][-1]) + 1)
+    mine = _mine(rank, size)
     for cls in (RNN, GRU):
         for backward in ("bppsa", "bptt"):
             torch.manual_seed(0)
