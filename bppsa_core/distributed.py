@@ -75,7 +75,10 @@ process_group=data_group)``; ``tests/test_distributed.py`` checks 2 x 2 ranks ag
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -118,6 +121,36 @@ class Traffic:
 
 
 traffic = Traffic()
+
+
+class Timeline:
+    """When ``on``, the spans of this process's BPPSA backward since ``reset``: (what, start, end) in
+    ``time.perf_counter`` seconds, one clock for every process of a machine, so that the ranks' spans
+    line up. ``what`` is "walk" (a group's backward of its slice), "all-gather" (a group's exchange,
+    waited for or, on the last rank, started), "wait" (the last rank's pending all-gathers) or
+    "all-reduce" (the weight gradients'). On a GPU a span times the host's launches, not the device's
+    work. Off by default; the benchmark's ``--timeline`` reads it to show where two ranks' time goes."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.spans: list[tuple[str, float, float]] = []
+
+    def reset(self) -> None:
+        self.spans = []
+
+    @contextlib.contextmanager
+    def span(self, what: str) -> Iterator[None]:
+        if not self.on:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.append((what, start, time.perf_counter()))
+
+
+timeline = Timeline()
 
 
 class SequenceParallelError(ValueError):
@@ -270,7 +303,8 @@ class _Layer(torch.autograd.Function):
             dx, g_h0, g_c0, grads = _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size)
         if size > 1:  # every rank's partial sums, summed
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(traffic.add(flat), group=group)
+            with timeline.span("all-reduce"):
+                dist.all_reduce(traffic.add(flat), group=group)
             sizes = [g.numel() for g in grads]
             grads = [part.view_as(g) for part, g in zip(flat.split(sizes), grads, strict=True)]
         first = rank == 0
@@ -354,8 +388,10 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
         per_step = [None if t is None else t[:, s] for t in (x, out, grad_out)]
         per_sample = [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn, folded)]
         parts.append(_bppsa_group(ctx, rank, size, weights, *per_step, *per_sample, pending))
-    for work, _buffers in pending:
-        work.wait()
+    if pending:
+        with timeline.span("wait"):
+            for work, _buffers in pending:
+                work.wait()
     dx, g_h0, g_c0, grads = zip(*parts, strict=True)
     g_c0 = torch.cat(g_c0) if ctx.lstm else None
     dx = None if dx[0] is None else torch.cat(dx, 1)
@@ -375,18 +411,23 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
     share = h_in.new_zeros(batch, state, state + 1)
     done = own = None
     if rank == size - 1:
-        done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, grad_hn, grad_cn, need_x)
+        with timeline.span("walk"):
+            done = bppsa_backward(
+                config, x, h_in, c_in, weights, None, out, grad_out, grad_hn, grad_cn, need_x
+            )
         share[..., state] = _join(done[1], done[2])
     elif rank > 0:
         share[..., :state] = folded
         if grad_out is not None:  # b: what the slice's own outputs send back, walked from nothing at its end
-            own = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, None, None, need_x)
+            with timeline.span("walk"):
+                own = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, None, None, need_x)
             share[..., state] = _join(own[1], own[2])
             grad_out = None  # the walk from the right's gradient below adds the rest (both are linear)
     every = [share]
     if size > 1:
         every = [torch.empty_like(share) for _ in range(size)]
-        work = dist.all_gather(every, traffic.add(share), group=ctx.group, async_op=done is not None)
+        with timeline.span("all-gather"):
+            work = dist.all_gather(every, traffic.add(share), group=ctx.group, async_op=done is not None)
         if done is not None:
             pending.append((work, every))  # the buffers live until the all-gather completes
     if done is None:
@@ -396,7 +437,8 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
                 every[q][..., state].unsqueeze(1), v.unsqueeze(1), every[q][..., :state]
             ).squeeze(1)
         v_h, v_c = _split(v, lstm)
-        done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, v_h, v_c, need_x)
+        with timeline.span("walk"):
+            done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, v_h, v_c, need_x)
     if own is not None:  # the two walks' gradients, summed
         dx, g_h0, g_c0, grads = done
         g_c0 = None if g_c0 is None else g_c0 + own[2]

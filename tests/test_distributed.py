@@ -222,6 +222,39 @@ def test_a_middle_rank_folds_in_the_forward_only() -> None:
     _ranks(4, _folds_in_the_forward)
 
 
+def _spans(rank: int, size: int) -> None:
+    """Three ranks, two sample groups, a loss on every output (so the middle rank walks twice per
+    group: its own outputs' part and the gradient from the right)."""
+    from bppsa_core.distributed import timeline
+
+    torch.manual_seed(0)
+    parallel = SequenceParallel(RNN(F, H, dtype=torch.float64), micro_batches=2)
+    x = torch.randn(len(range(T)[_mine(rank, size)]), B, F, dtype=torch.float64)
+    timeline.reset()
+    out, h_n = parallel(x)
+    (out.sum() + h_n.sum()).backward()
+    assert timeline.spans == []  # off unless asked for
+    timeline.on = True
+    try:
+        out, h_n = parallel(x)
+        (out.sum() + h_n.sum()).backward()
+    finally:
+        timeline.on = False
+    names = [what for what, _, _ in timeline.spans]
+    count = {what: names.count(what) for what in set(names)}
+    walks = {0: 2, 1: 4, 2: 2}[rank]
+    expected = {"walk": walks, "all-gather": 2, "all-reduce": 1} | ({"wait": 1} if rank == 2 else {})
+    assert count == expected, f"rank {rank}: {count}"
+    assert all(start <= end for _, start, end in timeline.spans)
+    if rank == 0:  # the first rank walks a group once its all-gather has brought the gradient
+        (_, _, gathered), (what, walked, _) = timeline.spans[:2]
+        assert what == "walk" and walked >= gathered
+
+
+def test_the_timeline_records_each_ranks_spans_only_when_on() -> None:
+    _ranks(3, _spans)
+
+
 def _data_and_sequence(rank: int, size: int) -> None:
     """Four ranks: two replicas of DistributedDataParallel, each a sequence split over two ranks."""
     from torch.nn.parallel import DistributedDataParallel
@@ -320,6 +353,29 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     assert not (tmp_path / "calibration.json").exists() and set(
         pd.read_csv(tmp_path / "measured.csv")["p"]
     ) == {2}
+
+
+def test_the_benchmark_prints_each_ranks_timeline_when_asked(capsys) -> None:
+    from experiments.bench import distributed as bench
+
+    args = ["--ranks", "1", "2", "--T", "40", "--B", "4", "--warmup", "0", "--repeats", "1"]
+    assert bench.main(args) == 0
+    assert "each rank's spans" not in capsys.readouterr().out
+    assert bench.main([*args, "--timeline", "--micro-batches", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "BPPSA backward, T = 40, 1 rank(s): each rank's spans (ms from its start)" in printed
+    two = printed.split("BPPSA backward, T = 40, 2 rank(s)")[1].splitlines()
+    assert two[1].startswith("rank 0: all-gather ") and two[1].count("walk ") == 2
+    assert two[2].startswith("rank 1: walk ") and "wait " in two[2] and two[2].endswith(tuple("0123456789)"))
+
+
+def test_a_timeline_prints_each_span_in_milliseconds_in_the_order_it_began() -> None:
+    from experiments.bench.distributed import timeline_text
+
+    spans = [[("all-reduce", 0.030, 0.0305), ("walk", 0.0102, 0.0251), ("all-gather", 0.0001, 0.01)], []]
+    assert timeline_text(spans) == (
+        "rank 0: all-gather 0.1-10.0, walk 10.2-25.1 (14.9), all-reduce 30.0-30.5\nrank 1: "
+    )
 
 
 def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(

@@ -26,7 +26,12 @@ Prints, per T and p:
   follows the live tensors: what the forward keeps for the backward and the backward's working
   memory. The timed processes keep the usual malloc, as a training run does (under that setting
   every large block comes back as fresh pages, and the walk took twice as long). On GPUs, the
-  most torch's allocator held above what it held when the iteration began, in the timed processes.
+  most torch's allocator held above what it held when the iteration began, in the timed processes;
+- with ``--timeline``, each rank's BPPSA backward span by span in the last timed iteration of the
+  last round (``bppsa_core.distributed.Timeline``): each group's walk and all-gather, the last
+  rank's wait for its pending all-gathers, the all-reduce, in milliseconds from the backward's
+  start, each walk's length in brackets. It shows where a rank waits and what a group's walk costs
+  while the other ranks walk theirs.
 
 ``--out`` writes ``measured.csv`` rows (strategy ``bppsa-allgather`` / ``bptt-distributed``, p,
 time per iteration) that ``python -m analysis.strategies --measured`` draws beside its model, and,
@@ -97,7 +102,9 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
         if "memory" in settings["phases"]:
             result["memory"] = _peaks(runs, model, x, device, meet)
         if "times" in settings["phases"]:
-            result.update(_times(runs, model, x, meet, settings["warmup"], settings["repeats"]))
+            result.update(
+                _times(runs, model, x, meet, settings["warmup"], settings["repeats"], settings["timeline"])
+            )
             if size == 1 and settings["layers"] == 1:
                 result["fold"] = _fold_seconds(model, x, settings["warmup"], settings["repeats"])
         every = [None] * size
@@ -127,13 +134,17 @@ def _peaks(runs: dict, model: torch.nn.Module, x: torch.Tensor, device: torch.de
     return peak
 
 
-def _times(runs: dict, model: torch.nn.Module, x: torch.Tensor, meet, warmup: int, repeats: int) -> dict:
+def _times(
+    runs: dict, model: torch.nn.Module, x: torch.Tensor, meet, warmup: int, repeats: int, spans: bool = False
+) -> dict:
     """Each mode's median forward and backward seconds on this rank, the modes taking turns, and the
-    bytes it handed the process group in one iteration."""
-    from bppsa_core.distributed import traffic
+    bytes it handed the process group in one iteration; with ``spans``, the BPPSA backward's timeline
+    in its last iteration (``bppsa_core.distributed.Timeline``: seconds from the backward's start)."""
+    from bppsa_core.distributed import timeline, traffic
 
     times: dict[str, dict[str, list[float]]] = {b: {"forward": [], "backward": []} for b in runs}
     sent: dict[str, int] = {}
+    result: dict = {}
     for i in range(warmup + repeats):
         for name, run in runs.items():
             model.zero_grad(set_to_none=True)
@@ -143,18 +154,22 @@ def _times(runs: dict, model: torch.nn.Module, x: torch.Tensor, meet, warmup: in
             top, h_n = run(x)
             meet()
             middle = time.perf_counter()
+            timeline.reset()
+            timeline.on = spans and name == "bppsa" and i == warmup + repeats - 1
             h_n[-1].sum().backward()
             del top, h_n  # nothing of this iteration outlives it
             meet()
             end = time.perf_counter()
+            if timeline.on:
+                timeline.on = False
+                result["timeline"] = [(what, a - middle, b - middle) for what, a, b in timeline.spans]
             if i >= warmup:
                 times[name]["forward"].append(middle - start)
                 times[name]["backward"].append(end - middle)
                 sent[name] = traffic.bytes
-    return {
-        "times": {n: {p: statistics.median(v) for p, v in t.items()} for n, t in times.items()},
-        "sent": sent,
-    }
+    result["times"] = {n: {p: statistics.median(v) for p, v in t.items()} for n, t in times.items()}
+    result["sent"] = sent
+    return result
 
 
 def _peak_start(device: torch.device) -> int | None:
@@ -297,6 +312,20 @@ def _most(values) -> int | None:
     return None if None in values else max(values)
 
 
+def timeline_text(per_rank: list[list]) -> str:
+    """One line per rank of its spans (``Timeline``: what, start and end in seconds) in milliseconds,
+    in the order they began, with each walk's length: where a rank waited, and how long its groups
+    took while the others ran theirs."""
+    lines = []
+    for rank, spans in enumerate(per_rank):
+        parts = []
+        for what, start, end in sorted(spans, key=lambda s: s[1]):
+            length = f" ({(end - start) * 1e3:.1f})" if what == "walk" else ""
+            parts.append(f"{what} {start * 1e3:.1f}-{end * 1e3:.1f}{length}")
+        lines.append(f"rank {rank}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
 def table(rounds: list[list[dict]]) -> str:
     """The Markdown table: per T and p, both modes (``merged`` over the rounds), with the speedups
     each round measured in its own runs: their median, and their range where there are rounds."""
@@ -376,6 +405,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1,
         help="spawns of every rank count, the counts taking turns (medians over the rounds)",
     )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print each rank's BPPSA backward, span by span, in the last timed iteration of the last round",
+    )
     p.add_argument("--out", type=output_folder, help="folder for measured.csv")
     args = p.parse_args(argv)
     for steps in args.T:
@@ -397,8 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "layer; accepted: --layers 1 with --out"
         )
     keys = ("B", "H", "model", "features", "layers", "device", "micro_batches", "warmup", "repeats")
-    settings = {k: getattr(args, k) for k in keys}
-    rounds, folds = [], {}
+    settings = {k: getattr(args, k) for k in keys} | {"timeline": args.timeline}
+    rounds, folds, timelines = [], {}, {}
     for turn in range(args.rounds):
         rows = []
         for steps in args.T:
@@ -407,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"[distributed] {where}T = {steps}, {ranks} rank(s) ...", file=sys.stderr, flush=True)
                 per_rank = measure(steps, ranks, settings)
                 rows += rows_of(steps, ranks, per_rank)
+                if args.timeline:  # the last round's is kept
+                    timelines[steps, ranks] = [r["timeline"] for r in per_rank]
                 if "fold" in per_rank[0]:  # one rank of one layer: what the model's device costs
                     folds.setdefault(steps, []).append(per_rank[0]["fold"])
         rounds.append(rows)
@@ -417,6 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"per rank; medians of {args.repeats} after {args.warmup} warm-up{over}"
     )
     print(table(rounds))
+    for (steps, ranks), spans in timelines.items():
+        print(f"\nBPPSA backward, T = {steps}, {ranks} rank(s): each rank's spans (ms from its start)")
+        print(timeline_text(spans))
     rows, costs = merged(rounds), None
     if folds:
         steps = max(folds)
