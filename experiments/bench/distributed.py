@@ -118,7 +118,7 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
 def _peaks(runs: dict, model: torch.nn.Module, x: torch.Tensor, device: torch.device, meet) -> dict:
     """Each mode's peak memory (``_peak_since``) in one iteration after one of its own, BPPSA's
     first: BPTT's many small tensors leave the heap in a state that makes a later BPPSA iteration's
-    resident set grow by more than it allocates (two ranks: 105 MB measured first, 150-185 MB after
+    resident set grow by more than it allocates (two ranks: 105 MiB measured first, 150-185 MiB after
     a BPTT iteration)."""
     peak: dict[str, int | None] = {}
     for name, run in runs.items():
@@ -353,7 +353,7 @@ def table(rounds: list[list[dict]]) -> str:
         "vs BPTT, same ranks",
         "vs 1 rank",
         "bytes per rank",
-        "peak memory per rank (MB)",
+        "peak memory per rank (MiB)",
         "memory vs 1 rank",
     ]
     body = []
