@@ -3,7 +3,7 @@
 # deterministic, so the same tables give the same files byte for byte. Takes about a minute.
 #
 #   bash docs/strategies/run.sh                   # redraw
-#   bash docs/strategies/run.sh --measure         # measure this machine first (2 processes, ~1.5 min)
+#   bash docs/strategies/run.sh --measure         # measure this machine first (2 processes, ~8 min)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # the interpreter: $PYTHON, else the README's .venv, else python on the PATH
@@ -11,7 +11,7 @@ python=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo p
 here=docs/strategies
 if [[ "${1:-}" == "--measure" ]]; then
     "$python" -m experiments.bench.strategies --out "$here/measured" --repeats 9
-    "$python" -m experiments.bench.distributed --ranks 1 2 --T 100000 --repeats 3 --out "$here/distributed"
+    "$python" -m experiments.bench.distributed --ranks 1 2 --T 100000 --repeats 5 --rounds 3 --out "$here/distributed"
 fi
 # VGG-11 on an assumed interconnect: 1 TFLOP/s processors, 5 µs latency, 10 GB/s
 "$python" -m analysis.strategies --model vgg11 --p 1 2 4 8 16 32 --alpha 5e-6 --beta 1e-10 \
