@@ -24,6 +24,7 @@ and its output (or why it failed, or was skipped):
    4-rank points of docs/STRATEGIES.md, which a 2-core machine cannot give. Its ``measured.csv``
    and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report. Then the same
    over NCCL ranks of one GPU each, 1 to 4 as there are GPUs (one GPU: the NCCL path on one rank).
+   Both print each rank's BPPSA backward span by span (``--timeline``): where a rank waits.
 
 ``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
 GPU: what needs CUDA (the tests, the graph and Triton strategies, green contexts) is reported as
@@ -140,7 +141,8 @@ def plan(
 
 def _distributed(ranks: Sequence[int], steps: int, repeats: int, warmup: int, *extra: str) -> list[str]:
     """One run of the sequence-parallel benchmark (``experiments.bench.distributed``) for the ``ranks``
-    step, at most ``RANKS_REPEATS`` repeats after at most one warm-up (BPTT takes seconds an iteration)."""
+    step, at most ``RANKS_REPEATS`` repeats after at most one warm-up (BPTT takes seconds an iteration),
+    with each rank's timeline."""
     return [
         sys.executable,
         "-m",
@@ -153,6 +155,7 @@ def _distributed(ranks: Sequence[int], steps: int, repeats: int, warmup: int, *e
         str(min(repeats, RANKS_REPEATS)),
         "--warmup",
         str(min(warmup, 1)),
+        "--timeline",
         *extra,
     ]
 

@@ -32,6 +32,7 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     for argv in (ranks, on_gpus):
         assert argv[1:3] == ["-m", "experiments.bench.distributed"]
         assert argv[argv.index("--T") + 1] == "100000" and argv[argv.index("--repeats") + 1] == "3"
+        assert "--timeline" in argv  # where each rank waits
     assert "--device" not in ranks  # CPU ranks: the cost model's measured points
     assert ranks[ranks.index("--out") + 1] == str(Path.cwd() / "gpu_report-ranks")  # beside the report
     assert on_gpus[on_gpus.index("--device") + 1] == "cuda" and "--out" not in on_gpus
@@ -136,6 +137,7 @@ def test_the_dry_run_goes_end_to_end(tmp_path) -> None:
     assert len(markdown_tables(text)) >= 10
     assert "| kernel | mode |" in text and "estimate" in text  # the compiled kernels' table
     assert "| T | ranks | backward |" in text  # the sequence-parallel table
+    assert "BPPSA backward, T = 2000, 2 rank(s): each rank's spans" in text
     measured = (tmp_path / "report-ranks" / "measured.csv").read_text().splitlines()
     assert len(measured) == 1 + 4  # 1 and 2 ranks, BPPSA and BPTT
     assert (tmp_path / "report-ranks" / "calibration.json").is_file()
