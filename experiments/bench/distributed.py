@@ -430,8 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--layers {args.layers} with --out: the cost model (analysis.strategies) prices one recurrent "
             "layer; accepted: --layers 1 with --out"
         )
-    keys = ("B", "H", "model", "features", "layers", "device", "micro_batches", "warmup", "repeats")
-    settings = {k: getattr(args, k) for k in keys} | {"timeline": args.timeline}
+    shape = ("B", "H", "model", "features", "layers", "device", "micro_batches")
+    settings = {k: getattr(args, k) for k in (*shape, "warmup", "repeats", "timeline")}
     rounds, folds, timelines = [], {}, {}
     for turn in range(args.rounds):
         rows = []
