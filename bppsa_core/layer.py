@@ -61,12 +61,11 @@ MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # each segment's outputs are made in memory malloc already holds instead of fresh pages, and then
 # copied into the sequence's (RNN, B = 16, T = 100,000, one thread: 1,053 ms in 65,535-step
 # segments, 698-835 ms in 1,024-4,096, and the forward's peak falls from 1.65x its outputs to
-# about 1x). A segment's call holds about three times its own outputs beside the sequence's (the
-# input projections, the steps' outputs, their stack): the forward's peak above its outputs is
-# 8.2-8.6 MiB in segments of 2,048 steps (16 samples, H = 20) and 3.8-4.3 MiB in 1,024, for the same
-# forward time (T = 100,000: RNN 699 against 683 ms, GRU 1,828 against 1,822).
-# A GPU runs a sequence of T steps in ceil(T / SEGMENT) calls.
-SEGMENT = 1024
+# about 1x). A segment's call holds about three times its own outputs beside the sequence's: the
+# forward's peak above its outputs is 8.2-8.6 MiB in segments of 2,048 steps (16 samples, H = 20),
+# 3.8-4.3 MiB in 1,024, at the same CPU speed; 2,048 keeps the paper's GRU sequences (T = 1034) in
+# one call on a GPU. A GPU runs a sequence of T steps in ceil(T / SEGMENT) calls.
+SEGMENT = 2048
 
 _NATIVE = {
     "RNN_TANH": torch._VF.rnn_tanh,
