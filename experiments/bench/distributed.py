@@ -153,14 +153,16 @@ def _times(
             start = time.perf_counter()
             top, h_n = run(x)
             meet()
+            record = spans and name == "bppsa" and i == warmup + repeats - 1
+            if record:
+                timeline.reset()
+                timeline.on = True
             middle = time.perf_counter()
-            timeline.reset()
-            timeline.on = spans and name == "bppsa" and i == warmup + repeats - 1
             h_n[-1].sum().backward()
             del top, h_n  # nothing of this iteration outlives it
             meet()
             end = time.perf_counter()
-            if timeline.on:
+            if record:
                 timeline.on = False
                 result["timeline"] = [(what, a - middle, b - middle) for what, a, b in timeline.spans]
             if i >= warmup:
