@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -337,6 +338,12 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     assert (rows["time"] > 0).all() and (rows["backward_s"] > 0).all()
     assert (rows["memory_per_rank"] > 0).all()  # the forward keeps its states for the backward
     assert "| memory vs 1 rank |" in printed
+    # one rank's BPPSA also ran in the two ranks' processes: a speedup on their BPPSA rows only
+    bppsa_two = (rows["p"] == 2) & (rows["backward"] == "bppsa")
+    assert (rows.loc[bppsa_two, "speedup_same_processes"] > 0).all()
+    assert rows.loc[~bppsa_two, "speedup_same_processes"].isna().all()
+    line = next(line for line in printed.splitlines() if line.startswith("| 80 | 2 | bppsa |"))
+    assert "| vs 1 rank, same processes |" in printed and line.split("|")[8].strip().endswith("×")
     two = rows[(rows["p"] == 2) & (rows["backward"] == "bppsa")].set_index("T")["bytes_per_rank"]
     assert two[40] == two[80] > 0  # one all-gather of B·H·(H+1) numbers, whatever T
     load_measured(tmp_path / "measured.csv")  # what analysis.strategies draws beside its model
@@ -350,9 +357,9 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     assert costs["fold"] > 0 and "one rank at T = 80: forward" in printed
     # without one rank there are no costs to calibrate, and the earlier ones do not stay beside new rows
     assert bench.main(["--ranks", "2", *args[3:]]) == 0
-    assert not (tmp_path / "calibration.json").exists() and set(
-        pd.read_csv(tmp_path / "measured.csv")["p"]
-    ) == {2}
+    alone = pd.read_csv(tmp_path / "measured.csv")
+    assert not (tmp_path / "calibration.json").exists() and set(alone["p"]) == {2}
+    assert alone["speedup_same_processes"].isna().all()  # nor is one rank run alongside
 
 
 def test_the_benchmark_prints_each_ranks_timeline_when_asked(capsys) -> None:
@@ -402,7 +409,9 @@ def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(
             "sent": {"bppsa": 100, "bptt": 10},
             "memory": {"bppsa": 40 * 2**20 // ranks, "bptt": 1},
         }
-        return [{**rank, "fold": 0.1 * (turn + 1)}] if ranks == 1 else [rank] * ranks
+        if ranks == 1:
+            return [{**rank, "fold": 0.1 * (turn + 1)}]
+        return [{**rank, "alone_speedup": [1.9, 1.2, 1.6][turn]}, rank]  # rank 0's, in the same processes
 
     monkeypatch.setattr(bench, "measure", measure)
     args = ["--ranks", "1", "2", "--T", "50", "--rounds", "3", "--out", str(tmp_path)]
@@ -417,6 +426,7 @@ def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(
         "1000.0",
         "10.00× (10.00–10.00)",
         "1.50× (1.25–2.00)",
+        "1.60× (1.20–1.90)",
         "100",
         "20",
         "0.50× (0.50–0.50)",
@@ -426,6 +436,42 @@ def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(
     two = rows[(rows["p"] == 2) & (rows["backward"] == "bppsa")].iloc[0]
     assert two["backward_s"] == 1.0 and two["time"] == 1.5
     assert json.loads((tmp_path / "calibration.json").read_text())["fold"] == pytest.approx(0.2 / (50 * 16))
+
+
+def test_the_speedup_in_the_same_processes_pairs_each_iteration_and_other_ranks_only_meet(
+    monkeypatch,
+) -> None:
+    """Rank 0's one-rank backward over the p ranks' right after it, iteration by iteration: the median
+    of the pairs, not the ratio of the medians; a rank without that turn meets each of its barriers."""
+    from experiments.bench import distributed as bench
+
+    clock = [0.0]
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    weight = torch.ones(1, requires_grad=True)
+
+    def run(durations: list[float]):
+        def forward(x):
+            h_n = (weight * x).unsqueeze(0)
+            h_n.register_hook(lambda g: clock.__setitem__(0, clock[0] + durations.pop(0)))
+            return h_n, h_n
+
+        return forward
+
+    # alone 4, 9, 3 s against 2, 3, 3: pairs 2, 3 and 1 (median 2), medians' ratio 4 / 3
+    turns = {"alone": (run([4.0, 9.0, 3.0]), torch.ones(1)), "bppsa": (run([2.0, 3.0, 3.0]), torch.ones(1))}
+    met = []
+    result = bench._times(turns, torch.nn.Linear(1, 1), lambda: met.append(1), 0, 3)
+    assert result["alone_speedup"] == 2.0 and result["times"]["alone"]["backward"] == 4.0
+    mine = len(met)
+    met.clear()
+    other = bench._times(
+        {"alone": None, "bppsa": (run([1.0] * 3), torch.ones(1))},
+        torch.nn.Linear(1, 1),
+        lambda: met.append(1),
+        0,
+        3,
+    )
+    assert len(met) == mine == 18 and set(other["times"]) == {"bppsa"} and "alone_speedup" not in other
 
 
 @pytest.mark.parametrize(

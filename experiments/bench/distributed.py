@@ -17,7 +17,12 @@ median of the rounds' own ratios, with their range in brackets.
 
 Prints, per T and p:
 - the median forward and backward times, and the backward speedup over BPTT on the same ranks and
-  over BPPSA on one rank;
+  over BPPSA on one rank: the one-rank spawn's, and, where ``--ranks`` has 1, also one measured in
+  the p ranks' own processes ("same processes"): there, before each p-rank BPPSA iteration, rank 0
+  runs BPPSA over the whole sequence on a process group of its own while the other ranks wait, and
+  the speedup is the median of each iteration's pair. The first compares spawns a minute or more
+  apart; the second iterations a second apart, which a machine whose speed drifts from minute to
+  minute tilts less;
 - the bytes each rank hands to the process group per iteration;
 - the peak memory per rank: the most any rank's resident set rose within one iteration of the
   mode (BPPSA's first, each after one iteration of its own) above what it held when that
@@ -102,9 +107,16 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
         if "memory" in settings["phases"]:
             result["memory"] = _peaks(runs, model, x, device, meet)
         if "times" in settings["phases"]:
-            result.update(
-                _times(runs, model, x, meet, settings["warmup"], settings["repeats"], settings["timeline"])
-            )
+            turns: dict = {}
+            if settings.get("alongside") and size > 1:  # one rank's BPPSA, in these processes
+                solo = dist.new_group([0])  # every rank takes part in making it
+                turns["alone"] = None
+                if rank == 0:
+                    whole = torch.randn(steps, batch, settings["features"], device=device)
+                    turns["alone"] = (SequenceParallel(model, solo, backward="bppsa"), whole)
+            turns.update({name: (run, x) for name, run in runs.items()})
+            repeats = settings["warmup"], settings["repeats"]
+            result.update(_times(turns, model, meet, *repeats, settings["timeline"]))
             if size == 1 and settings["layers"] == 1:
                 result["fold"] = _fold_seconds(model, x, settings["warmup"], settings["repeats"])
         every = [None] * size
@@ -134,19 +146,26 @@ def _peaks(runs: dict, model: torch.nn.Module, x: torch.Tensor, device: torch.de
     return peak
 
 
-def _times(
-    runs: dict, model: torch.nn.Module, x: torch.Tensor, meet, warmup: int, repeats: int, spans: bool = False
-) -> dict:
+def _times(turns: dict, model: torch.nn.Module, meet, warmup: int, repeats: int, spans: bool = False) -> dict:
     """Each mode's median forward and backward seconds on this rank, the modes taking turns, and the
     bytes it handed the process group in one iteration; with ``spans``, the BPPSA backward's timeline
-    in its last iteration (``bppsa_core.distributed.Timeline``: seconds from the backward's start)."""
+    in its last iteration (``bppsa_core.distributed.Timeline``: seconds from the backward's start).
+
+    ``turns``: each mode's module and input. A mode that is None here is another rank's alone (rank
+    0's one-rank BPPSA, "alone"): this rank only meets it at its barriers. Where rank 0 runs it, its
+    ``alone_speedup`` is the median over iterations of its backward over BPPSA's right after (each
+    rank's phase ends at a barrier, so rank 0's BPPSA time is the slowest rank's)."""
     from bppsa_core.distributed import timeline, traffic
 
-    times: dict[str, dict[str, list[float]]] = {b: {"forward": [], "backward": []} for b in runs}
+    times: dict[str, dict[str, list[float]]] = {n: {"forward": [], "backward": []} for n in turns if turns[n]}
     sent: dict[str, int] = {}
     result: dict = {}
     for i in range(warmup + repeats):
-        for name, run in runs.items():
+        for name, turn in turns.items():
+            if turn is None:
+                meet(), meet(), meet()
+                continue
+            run, x = turn
             model.zero_grad(set_to_none=True)
             traffic.reset()
             meet()
@@ -170,6 +189,9 @@ def _times(
                 times[name]["backward"].append(end - middle)
                 sent[name] = traffic.bytes
     result["times"] = {n: {p: statistics.median(v) for p, v in t.items()} for n, t in times.items()}
+    if "alone" in times:
+        pairs = zip(times["alone"]["backward"], times["bppsa"]["backward"], strict=True)
+        result["alone_speedup"] = statistics.median(alone / parallel for alone, parallel in pairs)
     result["sent"] = sent
     return result
 
@@ -268,7 +290,8 @@ def _results(out: str, ranks: int) -> list[dict] | None:
 
 
 def rows_of(steps: int, ranks: int, per_rank: list[dict]) -> list[dict]:
-    """One row per backward mode: the slowest rank's phase times, the most bytes and memory of a rank."""
+    """One row per backward mode: the slowest rank's phase times, the most bytes and memory of a rank;
+    BPPSA's also its speedup over one rank in the same processes, where measured (``_times``)."""
     rows = []
     for name in ("bppsa", "bptt"):
         forward = max(r["times"][name]["forward"] for r in per_rank)
@@ -284,6 +307,7 @@ def rows_of(steps: int, ranks: int, per_rank: list[dict]) -> list[dict]:
                 "time": forward + backward,
                 "bytes_per_rank": max(r["sent"][name] for r in per_rank),
                 "memory_per_rank": _most(r["memory"][name] for r in per_rank),
+                "speedup_same_processes": per_rank[0].get("alone_speedup") if name == "bppsa" else None,
             }
         )
     return rows
@@ -302,8 +326,9 @@ def merged(rounds: list[list[dict]]) -> list[dict]:
         for field in ("forward_s", "backward_s", "bytes_per_rank"):
             row[field] = statistics.median(r[field] for r in same)
         row["time"] = row["forward_s"] + row["backward_s"]
-        memory = [r["memory_per_rank"] for r in same]
-        row["memory_per_rank"] = None if None in memory else statistics.median(memory)
+        for field in ("memory_per_rank", "speedup_same_processes"):
+            values = [r.get(field) for r in same]
+            row[field] = None if None in values else statistics.median(values)
         out.append(row)
     return out
 
@@ -328,6 +353,15 @@ def timeline_text(per_rank: list[list]) -> str:
     return "\n".join(lines)
 
 
+def spread(values: list[float | None]) -> str:
+    """Ratios, one per round, as "median× (least–most)", the range only where there are several;
+    "-" where one is missing."""
+    if not values or None in values:
+        return "-"
+    extent = f" ({min(values):.2f}–{max(values):.2f})" if len(values) > 1 else ""
+    return f"{statistics.median(values):.2f}×{extent}"
+
+
 def table(rounds: list[list[dict]]) -> str:
     """The Markdown table: per T and p, both modes (``merged`` over the rounds), with the speedups
     each round measured in its own runs: their median, and their range where there are rounds."""
@@ -340,11 +374,9 @@ def table(rounds: list[list[dict]]) -> str:
         for rows in keyed:
             ref, own = rows.get((row["T"], ranks, backward)), rows[(row["T"], row["p"], row["backward"])]
             top, bottom = (own, ref) if inverse else (ref, own)
-            if top is None or bottom is None or top[field] is None or not bottom[field]:
-                return "-"
-            values.append(top[field] / bottom[field])
-        spread = f" ({min(values):.2f}–{max(values):.2f})" if len(values) > 1 else ""
-        return f"{statistics.median(values):.2f}×{spread}"
+            bad = top is None or bottom is None or top[field] is None or not bottom[field]
+            values.append(None if bad else top[field] / bottom[field])
+        return spread(values)
 
     head = [
         "T",
@@ -354,6 +386,7 @@ def table(rounds: list[list[dict]]) -> str:
         "backward (ms)",
         "vs BPTT, same ranks",
         "vs 1 rank",
+        "vs 1 rank, same processes",
         "bytes per rank",
         "peak memory per rank (MiB)",
         "memory vs 1 rank",
@@ -370,6 +403,7 @@ def table(rounds: list[list[dict]]) -> str:
                 f"{r['backward_s'] * 1e3:.1f}",
                 ratio(r, r["p"], "bptt", "backward_s"),
                 ratio(r, 1, r["backward"], "backward_s"),
+                spread([rows[(r["T"], r["p"], r["backward"])]["speedup_same_processes"] for rows in keyed]),
                 f"{r['bytes_per_rank']:,.0f}",
                 "-" if mem is None else f"{mem / 2**20:.0f}",
                 ratio(r, 1, r["backward"], "memory_per_rank", inverse=True),
@@ -434,6 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     shape = ("B", "H", "model", "features", "layers", "device", "micro_batches")
     settings = {k: getattr(args, k) for k in (*shape, "warmup", "repeats", "timeline")}
+    settings["alongside"] = 1 in args.ranks  # one rank's BPPSA also in each p-rank spawn
     rounds, folds, timelines = [], {}, {}
     for turn in range(args.rounds):
         rows = []
