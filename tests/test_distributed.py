@@ -438,6 +438,29 @@ def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(
     assert json.loads((tmp_path / "calibration.json").read_text())["fold"] == pytest.approx(0.2 / (50 * 16))
 
 
+@pytest.mark.parametrize(
+    ("device", "ranks", "alongside"),
+    [("cpu", ["1", "2"], True), ("cpu", ["2", "3"], False), ("cuda", ["1", "2"], False)],
+)
+def test_one_rank_runs_in_the_p_ranks_processes_only_on_cpus_and_when_one_rank_is_asked_for(
+    device, ranks, alongside, monkeypatch, capsys
+) -> None:
+    from experiments.bench import distributed as bench
+
+    asked = []
+
+    def measure(steps, ranks, settings):
+        asked.append(settings["alongside"])
+        rank = {"times": {b: {"forward": 1.0, "backward": 1.0} for b in ("bppsa", "bptt")}}
+        rank |= {"sent": {"bppsa": 1, "bptt": 1}, "memory": {"bppsa": 1, "bptt": 1}}
+        return [rank] * ranks
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(bench, "measure", measure)
+    assert bench.main(["--device", device, "--ranks", *ranks, "--T", "30"]) == 0
+    assert asked == [alongside, alongside]
+
+
 def test_the_speedup_in_the_same_processes_pairs_each_iteration_and_other_ranks_only_meet(
     monkeypatch,
 ) -> None:

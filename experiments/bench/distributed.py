@@ -17,12 +17,12 @@ median of the rounds' own ratios, with their range in brackets.
 
 Prints, per T and p:
 - the median forward and backward times, and the backward speedup over BPTT on the same ranks and
-  over BPPSA on one rank: the one-rank spawn's, and, where ``--ranks`` has 1, also one measured in
-  the p ranks' own processes ("same processes"): there, before each p-rank BPPSA iteration, rank 0
-  runs BPPSA over the whole sequence on a process group of its own while the other ranks wait, and
-  the speedup is the median of each iteration's pair. The first compares spawns a minute or more
-  apart; the second iterations a second apart, which a machine whose speed drifts from minute to
-  minute tilts less;
+  over BPPSA on one rank: the one-rank spawn's, and, on CPUs where ``--ranks`` has 1, also one
+  measured in the p ranks' own processes ("same processes"): there, before each p-rank BPPSA
+  iteration, rank 0 runs BPPSA over the whole sequence on a process group of its own while the
+  other ranks wait, and the speedup is the median of each iteration's pair. The first compares
+  spawns a minute or more apart; the second iterations a second apart, which a machine whose speed
+  drifts from minute to minute tilts less;
 - the bytes each rank hands to the process group per iteration;
 - the peak memory per rank: the most any rank's resident set rose within one iteration of the
   mode (BPPSA's first, each after one iteration of its own) above what it held when that
@@ -163,7 +163,8 @@ def _times(turns: dict, model: torch.nn.Module, meet, warmup: int, repeats: int,
     for i in range(warmup + repeats):
         for name, turn in turns.items():
             if turn is None:
-                meet(), meet(), meet()
+                for _ in range(3):
+                    meet()
                 continue
             run, x = turn
             model.zero_grad(set_to_none=True)
@@ -468,7 +469,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     shape = ("B", "H", "model", "features", "layers", "device", "micro_batches")
     settings = {k: getattr(args, k) for k in (*shape, "warmup", "repeats", "timeline")}
-    settings["alongside"] = 1 in args.ranks  # one rank's BPPSA also in each p-rank spawn
+    # one rank's BPPSA also in each p-rank spawn: on CPUs, whose speed drifts (a GPU rank's would need
+    # a one-rank NCCL group beside the p-rank one)
+    settings["alongside"] = 1 in args.ranks and args.device == "cpu"
     rounds, folds, timelines = [], {}, {}
     for turn in range(args.rounds):
         rows = []
