@@ -443,7 +443,7 @@ def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(
     [("cpu", ["1", "2"], True), ("cpu", ["2", "3"], False), ("cuda", ["1", "2"], False)],
 )
 def test_one_rank_runs_in_the_p_ranks_processes_only_on_cpus_and_when_one_rank_is_asked_for(
-    device, ranks, alongside, monkeypatch, capsys
+    device, ranks, alongside, monkeypatch
 ) -> None:
     from experiments.bench import distributed as bench
 

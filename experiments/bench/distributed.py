@@ -115,8 +115,9 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
                     whole = torch.randn(steps, batch, settings["features"], device=device)
                     turns["alone"] = (SequenceParallel(model, solo, backward="bppsa"), whole)
             turns.update({name: (run, x) for name, run in runs.items()})
-            repeats = settings["warmup"], settings["repeats"]
-            result.update(_times(turns, model, meet, *repeats, settings["timeline"]))
+            result.update(
+                _times(turns, model, meet, settings["warmup"], settings["repeats"], settings["timeline"])
+            )
             if size == 1 and settings["layers"] == 1:
                 result["fold"] = _fold_seconds(model, x, settings["warmup"], settings["repeats"])
         every = [None] * size
