@@ -48,8 +48,12 @@ about (m + 1) / m of one rank's share of the work for m groups, instead of twice
 where the first rank would wait for the last rank's whole backward. Bytes exchanged are the same;
 the dependent steps are m all-gathers instead of one. The last rank needs nothing back from the
 all-gathers, so it starts them without waiting (``async_op``) and runs its groups back to back; a
-slower group on another rank does not hold it up. On one rank there is nothing to overlap and the
-batch stays whole.
+slower group on another rank does not hold it up. A rank whose share needs no walk (the first rank;
+a middle rank where the loss reaches its outputs through the last state only) starts all its
+groups' all-gathers before its first walk, and each completes while it walks the groups before:
+the exchange's own latency (a few ms per group on two one-thread CPU ranks, where its threads wait
+for a core) leaves the path, and the rank waits for the last rank's walk alone. On one rank there is
+nothing to overlap and the batch stays whole.
 
 **Backward, distributed BPTT** (``backward="bptt"``, the baseline): the gradient travels back rank
 by rank: each rank waits for the gradient of its last state from rank r + 1, runs autograd over its
@@ -376,21 +380,29 @@ def _bptt(ctx, grad_out, grad_hn, grad_cn, rank, size):
 
 
 def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
-    """The BPPSA backward of the micro-batches one after another (module docstring), joined."""
+    """The BPPSA backward of the micro-batches one after another (module docstring), joined. A rank
+    whose share needs no walk of its own starts every group's all-gather first (``early``)."""
     x, h_in, out, *rest = ctx.saved_tensors
     c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
     spans = sample_groups(h_in.shape[0], ctx.micro_batches if size > 1 else 1)
     folded = ctx.folded  # a middle rank's A, folded in the forward (kept for a retained graph)
+    # views of the group's samples: the walk copies each block's steps side by side as it goes
+    # (jacobians.PreviousStates), so no copy of the group's whole slice is made
+    groups = [
+        [None if t is None else t[:, s] for t in (x, out, grad_out)]
+        + [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn, folded)]
+        for s in spans
+    ]
+    early = size > 1 and (rank == 0 or (rank < size - 1 and grad_out is None))
+    started = [
+        _exchange(ctx, _share(ctx, rank, size, weights, g)[0], wait=False) if early else None for g in groups
+    ]
     parts, pending = [], []
-    for s in spans:
-        # views of the group's samples: the walk copies each block's steps side by side as it goes
-        # (jacobians.PreviousStates), so no copy of the group's whole slice is made
-        per_step = [None if t is None else t[:, s] for t in (x, out, grad_out)]
-        per_sample = [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn, folded)]
-        parts.append(_bppsa_group(ctx, rank, size, weights, *per_step, *per_sample, pending))
+    for g, exchange in zip(groups, started, strict=True):
+        parts.append(_bppsa_group(ctx, rank, size, weights, g, exchange, pending))
     if pending:
         with timeline.span("wait"):
-            for work, _buffers in pending:
+            for _buffers, work in pending:
                 work.wait()
     dx, g_h0, g_c0, grads = zip(*parts, strict=True)
     g_c0 = torch.cat(g_c0) if ctx.lstm else None
@@ -398,16 +410,17 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     return dx, torch.cat(g_h0), g_c0, [sum(g[1:], g[0]) for g in zip(*grads, strict=True)]
 
 
-def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn, grad_cn, folded, pending):
-    """Steps 1-5 of the BPPSA backward (module docstring) for one group of samples; a middle rank's
-    A (``folded``) comes from the forward. The last rank needs nothing back from the all-gather, so
-    it does not wait for it: it goes on to the next group, and its all-gathers (``pending``)
-    complete while it works."""
+def _share(ctx, rank, size, weights, group):
+    """What this rank shares of one group of samples (``group``: its x, out, grad_out, h_in, c_in,
+    grad_hn, grad_cn and folded A, as ``_bppsa`` cuts them): its slice as an affine element [A | b]
+    of the gradient entering it from the right (middle ranks; A folded in the forward), the
+    gradient of its first state (the last rank), nothing (rank 0). Also the last rank's whole
+    backward of the group (``done``) and a middle rank's walk of its own outputs' part (``own``),
+    each None where not made."""
+    x, out, grad_out, h_in, c_in, grad_hn, grad_cn, folded = group
     lstm, need_x = ctx.lstm, ctx.needs_input_grad[0]  # no input gradient where x needs none
     config = LayerConfig(ctx.mode, options=ScanOptions())
     batch, state = h_in.shape[0], h_in.shape[1] * (1 + lstm)
-    # what this rank shares: its slice as an affine element [A | b] of the gradient entering it from
-    # the right (middle ranks), the gradient of its first state (the last rank), nothing (rank 0)
     share = h_in.new_zeros(batch, state, state + 1)
     done = own = None
     if rank == size - 1:
@@ -422,14 +435,41 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
             with timeline.span("walk"):
                 own = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, None, None, need_x)
             share[..., state] = _join(own[1], own[2])
+    return share, done, own
+
+
+def _exchange(ctx, share: Tensor, wait: bool) -> tuple[list[Tensor], dist.Work | None]:
+    """Every rank's share of one group: one all-gather, returned with its work where not waited for."""
+    every = [torch.empty_like(share) for _ in range(dist.get_world_size(ctx.group))]
+    work = dist.all_gather(every, traffic.add(share), group=ctx.group, async_op=not wait)
+    return every, work
+
+
+def _bppsa_group(ctx, rank, size, weights, group, started, pending):
+    """Steps 1-5 of the BPPSA backward (module docstring) for one group of samples (``_share``'s
+    ``group``); ``started``: the group's all-gather where ``_bppsa`` started it early, else None. The
+    last rank needs nothing back from the all-gather, so it does not wait for it: it goes on to the
+    next group, and its all-gathers (``pending``) complete while it works."""
+    x, out, grad_out, h_in, c_in = group[:5]
+    lstm, need_x = ctx.lstm, ctx.needs_input_grad[0]  # no input gradient where x needs none
+    state = h_in.shape[1] * (1 + lstm)
+    done = own = None
+    if started is None:
+        share, done, own = _share(ctx, rank, size, weights, group)
+        if own is not None:
             grad_out = None  # the walk from the right's gradient below adds the rest (both are linear)
-    every = [share]
-    if size > 1:
-        every = [torch.empty_like(share) for _ in range(size)]
-        with timeline.span("all-gather"):
-            work = dist.all_gather(every, traffic.add(share), group=ctx.group, async_op=done is not None)
+        if size == 1:
+            started = [share], None
+        else:
+            with timeline.span("all-gather"):
+                started = _exchange(ctx, share, wait=done is None)
+    every, work = started
+    if work is not None:
         if done is not None:
-            pending.append((work, every))  # the buffers live until the all-gather completes
+            pending.append(started)  # the buffers live until the all-gather completes
+        else:
+            with timeline.span("all-gather"):
+                work.wait()
     if done is None:
         v = every[-1][..., state]  # the gradient of the last rank's first state
         for q in range(size - 2, rank, -1):  # through the slices between, right to left
@@ -437,6 +477,7 @@ def _bppsa_group(ctx, rank, size, weights, x, out, grad_out, h_in, c_in, grad_hn
                 every[q][..., state].unsqueeze(1), v.unsqueeze(1), every[q][..., :state]
             ).squeeze(1)
         v_h, v_c = _split(v, lstm)
+        config = LayerConfig(ctx.mode, options=ScanOptions())
         with timeline.span("walk"):
             done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, v_h, v_c, need_x)
     if own is not None:  # the two walks' gradients, summed

@@ -256,6 +256,49 @@ def test_the_timeline_records_each_ranks_spans_only_when_on() -> None:
     _ranks(3, _spans)
 
 
+def _order(rank: int, size: int) -> None:
+    """Three ranks, two sample groups: each rank's all-gathers (started without waiting, or waited
+    for) and walks in the order it makes them, for a loss on h_T and on every output."""
+    from unittest import mock
+
+    import bppsa_core.distributed as sp
+
+    torch.manual_seed(0)
+    parallel = SequenceParallel(RNN(F, H, dtype=torch.float64), micro_batches=2)
+    x = torch.randn(T, B, F, dtype=torch.float64)[_mine(rank, size)]
+    events, real_gather, real_walk = [], dist.all_gather, sp.bppsa_backward
+
+    def gather(*args, async_op=False, **kwargs):
+        events.append("start" if async_op else "gather")
+        return real_gather(*args, async_op=async_op, **kwargs)
+
+    def walk(*args):
+        events.append("walk")
+        return real_walk(*args)
+
+    for every_output in (False, True):
+        out, h_n = parallel(x)
+        loss = h_n.sum() + (out.sum() if every_output else 0)
+        events.clear()
+        with (
+            mock.patch.object(sp.dist, "all_gather", gather),
+            mock.patch.object(sp, "bppsa_backward", walk),
+        ):
+            loss.backward()
+        # the first rank, and a middle rank whose outputs the loss does not reach, share no walk:
+        # they start both groups' all-gathers before they walk; the others exchange group by group
+        expected = {
+            0: ["start", "start", "walk", "walk"],
+            1: ["walk", "gather", "walk"] * 2 if every_output else ["start", "start", "walk", "walk"],
+            2: ["walk", "start"] * 2,
+        }[rank]
+        assert events == expected, f"rank {rank}, loss on every output {every_output}: {events}"
+
+
+def test_ranks_whose_share_needs_no_walk_start_every_all_gather_before_walking() -> None:
+    _ranks(3, _order)
+
+
 def _data_and_sequence(rank: int, size: int) -> None:
     """Four ranks: two replicas of DistributedDataParallel, each a sequence split over two ranks."""
     from torch.nn.parallel import DistributedDataParallel
