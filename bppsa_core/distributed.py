@@ -393,13 +393,15 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
         + [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn, folded)]
         for s in spans
     ]
+    config = LayerConfig(ctx.mode, options=ScanOptions())
     early = size > 1 and (rank == 0 or (rank < size - 1 and grad_out is None))
     started = [
-        _exchange(ctx, _share(ctx, rank, size, weights, g)[0], wait=False) if early else None for g in groups
+        _exchange(ctx, _share(ctx, config, rank, size, weights, g)[0], wait=False) if early else None
+        for g in groups
     ]
     parts, pending = [], []
     for g, exchange in zip(groups, started, strict=True):
-        parts.append(_bppsa_group(ctx, rank, size, weights, g, exchange, pending))
+        parts.append(_bppsa_group(ctx, config, rank, size, weights, g, exchange, pending))
     if pending:
         with timeline.span("wait"):
             for _buffers, work in pending:
@@ -410,7 +412,7 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     return dx, torch.cat(g_h0), g_c0, [sum(g[1:], g[0]) for g in zip(*grads, strict=True)]
 
 
-def _share(ctx, rank, size, weights, group):
+def _share(ctx, config, rank, size, weights, group):
     """What this rank shares of one group of samples (``group``: its x, out, grad_out, h_in, c_in,
     grad_hn, grad_cn and folded A, as ``_bppsa`` cuts them): its slice as an affine element [A | b]
     of the gradient entering it from the right (middle ranks; A folded in the forward), the
@@ -419,7 +421,6 @@ def _share(ctx, rank, size, weights, group):
     each None where not made."""
     x, out, grad_out, h_in, c_in, grad_hn, grad_cn, folded = group
     lstm, need_x = ctx.lstm, ctx.needs_input_grad[0]  # no input gradient where x needs none
-    config = LayerConfig(ctx.mode, options=ScanOptions())
     batch, state = h_in.shape[0], h_in.shape[1] * (1 + lstm)
     share = h_in.new_zeros(batch, state, state + 1)
     done = own = None
@@ -445,7 +446,7 @@ def _exchange(ctx, share: Tensor, wait: bool) -> tuple[list[Tensor], dist.Work |
     return every, work
 
 
-def _bppsa_group(ctx, rank, size, weights, group, started, pending):
+def _bppsa_group(ctx, config, rank, size, weights, group, started, pending):
     """Steps 1-5 of the BPPSA backward (module docstring) for one group of samples (``_share``'s
     ``group``); ``started``: the group's all-gather where ``_bppsa`` started it early, else None. The
     last rank needs nothing back from the all-gather, so it does not wait for it: it goes on to the
@@ -455,7 +456,7 @@ def _bppsa_group(ctx, rank, size, weights, group, started, pending):
     state = h_in.shape[1] * (1 + lstm)
     done = own = None
     if started is None:
-        share, done, own = _share(ctx, rank, size, weights, group)
+        share, done, own = _share(ctx, config, rank, size, weights, group)
         if own is not None:
             grad_out = None  # the walk from the right's gradient below adds the rest (both are linear)
         if size == 1:
@@ -477,7 +478,6 @@ def _bppsa_group(ctx, rank, size, weights, group, started, pending):
                 every[q][..., state].unsqueeze(1), v.unsqueeze(1), every[q][..., :state]
             ).squeeze(1)
         v_h, v_c = _split(v, lstm)
-        config = LayerConfig(ctx.mode, options=ScanOptions())
         with timeline.span("walk"):
             done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, v_h, v_c, need_x)
     if own is not None:  # the two walks' gradients, summed
