@@ -163,7 +163,7 @@ def _times(turns: dict, model: torch.nn.Module, meet, warmup: int, repeats: int,
     result: dict = {}
     for i in range(warmup + repeats):
         for name, turn in turns.items():
-            if turn is None:
+            if turn is None:  # another rank's turn: its three barriers (around forward and backward)
                 for _ in range(3):
                     meet()
                 continue
