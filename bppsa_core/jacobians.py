@@ -35,8 +35,10 @@ PyTorch's gate layouts are used throughout: RNN ``h' = f(W_ih x + b_ih + W_hh h 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +55,44 @@ _BLOCK_BYTES = 8 << 20
 def _block_steps(bytes_per_step: int) -> int:
     """Time steps per block of work that touches ``bytes_per_step`` bytes per step."""
     return max(1, _BLOCK_BYTES // max(1, bytes_per_step))
+
+
+_scope = threading.local()  # ``kept``: the buffers of this thread's ``reusing_buffers`` scope, by name
+
+
+@contextlib.contextmanager
+def reusing_buffers() -> Iterator[None]:
+    """A scope whose block-by-block walks take their scratch from buffers kept until it ends
+    (``buffer``), instead of fresh tensors for every block.
+
+    Why: a block's scratch is a few MB, and glibc hands such blocks back to the system when they are
+    freed (it unmaps them, or trims the heap's top), so every block's scratch arrives as fresh pages
+    that fault in on first touch, a few thousand per call. Where a sequence-parallel rank walks its
+    slice in several groups of samples, those faults cost it about a sixth of its backward on a CPU
+    (docs/PERFORMANCE.md). A scope inside a scope is the same scope; the buffers are freed when the
+    outermost one ends. Walks in one scope must run one after another: they share the buffers."""
+    if getattr(_scope, "kept", None) is not None:
+        yield
+        return
+    _scope.kept = {}
+    try:
+        yield
+    finally:
+        _scope.kept = None
+
+
+def buffer(name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """An uninitialized tensor of ``shape``, of ``like``'s dtype and device: inside
+    ``reusing_buffers``, a view of the scope's buffer ``name`` (grown when too small; its contents
+    are whatever the last user left), elsewhere a new one."""
+    kept = getattr(_scope, "kept", None)
+    if kept is None:
+        return like.new_empty(shape)
+    n = math.prod(shape)
+    held = kept.get(name)
+    if held is None or held.numel() < n or held.dtype != like.dtype or held.device != like.device:
+        held = kept[name] = like.new_empty(n)
+    return held[:n].view(shape)
 
 
 @dataclass(frozen=True)
@@ -440,7 +480,8 @@ class PreviousStates:
 
     Outputs whose samples are strided (a group of samples viewed out of the whole batch, as a
     sequence-parallel rank walks them) are instead copied a block at a time: h_{lo-1} .. h_{hi-1},
-    the block's steps side by side in one buffer that every block reuses, of which the block's
+    the block's steps side by side in one buffer that every block reuses (inside
+    ``reusing_buffers``, the scope's: the next group's walk takes it over), of which the block's
     previous states (``self[lo:hi]``) and outputs (``outputs(lo, hi)``) are both views, valid until
     the next block is taken. The block's work then reads memory in order, and a rank holds one
     block's copy instead of its group's whole slice (8 MB per rank in docs/PERFORMANCE.md's
@@ -488,7 +529,7 @@ class PreviousStates:
         shape = (hi - lo + 1, *self.shape[1:])
         n = math.prod(shape)
         if self._buffer is None or self._buffer.numel() < n:
-            self._buffer, self._block = self.h.new_empty(n), None
+            self._buffer, self._block = buffer("previous states", shape, self.h).view(-1), None
         block = self._buffer[:n].view(shape)
         if self._block != (lo, hi):
             if lo == 0:

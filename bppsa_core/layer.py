@@ -49,7 +49,9 @@ from bppsa_core.jacobians import (
     LSTMCell,
     PreviousStates,
     RNNCell,
+    buffer,
     layer_grads,
+    reusing_buffers,
 )
 from bppsa_core.newton import SolverOptions, SolveStats
 from bppsa_core.scan import forward_scan, scan
@@ -290,7 +292,8 @@ def bppsa_backward(
 ) -> tuple[Tensor | None, Tensor, Tensor | None, list[Tensor]]:
     """The gradients of x, h0, c0 and the weights of one layer, from those of its outputs, its
     last h and (an LSTM) its last c, by scanning its Jacobian chain from the end."""
-    with flush_denormals(x.device):  # scans and gradient GEMMs: see bppsa_core.denormals
+    # scans and gradient GEMMs: see bppsa_core.denormals; the blocks' scratch: jacobians.reusing_buffers
+    with flush_denormals(x.device), reusing_buffers():
         return _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need_input)
 
 
@@ -403,7 +406,9 @@ def _walked(
     """A layer's scan as one chunk of the compiled kernels (each sample walked once, samples in
     parallel), made block by block from the end as ``layer_grads`` asks for the deltas: a block's
     factors (the cell's vectorized PyTorch code), its walk from the gradient at its end
-    (``numba_scan.chunked_scan``), its pre-activation gradients. Only a block's worth ever exists.
+    (``numba_scan.chunked_scan``), its pre-activation gradients. Only a block's worth ever exists;
+    the walk's output and the side-by-side states reuse one buffer each, block after block
+    (``jacobians.reusing_buffers``, whose scope ``bppsa_backward`` opens).
 
     Returns ``deltas(t)`` for slices asked for from the last one down (the last again starts over)
     and ``first()``, g_0 once the first block has been walked.
@@ -424,8 +429,11 @@ def _walked(
         offsets = None  # element k's offset is u_k = dL/dh_k from outside (u_0 = 0)
         if u is not None:
             offsets = u[lo - 1 : hi - 1] if lo else torch.cat((torch.zeros_like(u[:1]), u[: hi - 1]))
-        g = numba_scan.chunked_scan(chain.scales, chain.weights, state["g"], offsets, hi - lo, chain.diagonal)
-        state["g"], state["next"] = g[0].clone(), lo  # not a view: the block's walk is freed with it
+        walk = buffer("walk", (hi - lo + 1, *g_last.shape), g_last)
+        g = numba_scan.chunked_scan(
+            chain.scales, chain.weights, state["g"], offsets, hi - lo, chain.diagonal, out=walk
+        )
+        state["g"], state["next"] = g[0].clone(), lo  # not a view: the next block's walk overwrites it
         return cell.preactivation_grads(g[1:], factors)
 
     def first() -> Tensor:

@@ -169,17 +169,18 @@ def chunked_scan(
     diagonal: Tensor | None = None,
     *,
     flush: bool = True,
+    out: Tensor | None = None,
 ) -> Tensor:
     """The chunked scan of ``x_k = sum_j (x_{k+1} * s_kj) @ W_j + x_{k+1} * e_k + b_k``.
 
     scales (n, B or 1, K, H), weights (K, H, H), diagonal (n, B or 1, H) or None, x_last (B, H),
     offsets (n, B, H) or None; one dtype (float32 or float64). ``chunk``: None picks it for the
     threads at hand (``dispatch.numba_chunk``). ``flush``: flush subnormal results to 0. Returns
-    x_0..x_n as (n + 1, B, H).
+    x_0..x_n as (n + 1, B, H), written into ``out`` when given (contiguous, of that shape and dtype).
     """
     n, (batch, hid), terms = scales.shape[0], x_last.shape, weights.shape[0]
     chunk = chunk or dispatch.numba_chunk(n, batch, hid, terms, torch.get_num_threads())
-    out = x_last.new_empty((n + 1, batch, hid))
+    out = x_last.new_empty((n + 1, batch, hid)) if out is None else out
     if n == 0:
         return out.copy_(x_last.unsqueeze(0))
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)

@@ -299,6 +299,31 @@ def test_ranks_whose_share_needs_no_walk_start_every_all_gather_before_walking()
     _ranks(3, _order)
 
 
+def _one_scratch(rank: int, size: int) -> None:
+    """Each rank walks its sample groups with one set of scratch buffers, not fresh ones per group."""
+    from unittest import mock
+
+    import bppsa_core.numba_scan as numba_scan
+
+    torch.manual_seed(0)
+    parallel = SequenceParallel(RNN(F, H, dtype=torch.float64), micro_batches=2)  # groups of 2 and 1
+    out, h_n = parallel(torch.randn(T, B, F, dtype=torch.float64)[_mine(rank, size)])
+    walks, real = [], numba_scan.chunked_scan
+
+    def scan(*args, out=None, **kwargs):
+        walks.append(out)  # held: no freed buffer's address can come back as a "new" one
+        return real(*args, out=out, **kwargs)
+
+    with mock.patch.object(numba_scan, "chunked_scan", scan):
+        (h_n.sum() + out.sum()).backward()
+    assert len(walks) == 2, f"rank {rank}: {len(walks)} walks"
+    assert len({w.untyped_storage().data_ptr() for w in walks}) == 1, f"rank {rank}: a buffer per group"
+
+
+def test_a_ranks_sample_groups_share_the_walks_scratch() -> None:
+    _ranks(2, _one_scratch)
+
+
 def _data_and_sequence(rank: int, size: int) -> None:
     """Four ranks: two replicas of DistributedDataParallel, each a sequence split over two ranks."""
     from torch.nn.parallel import DistributedDataParallel

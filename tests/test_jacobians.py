@@ -6,7 +6,15 @@ import pytest
 import torch
 from helpers import rel_err
 
-from bppsa_core.jacobians import GRUCell, LayerWeights, LSTMCell, PreviousStates, RNNCell
+from bppsa_core.jacobians import (
+    GRUCell,
+    LayerWeights,
+    LSTMCell,
+    PreviousStates,
+    RNNCell,
+    buffer,
+    reusing_buffers,
+)
 
 F64 = torch.float64
 
@@ -202,3 +210,44 @@ def test_a_strided_group_of_samples_is_copied_a_block_at_a_time_into_one_buffer(
     assert whole.untyped_storage().data_ptr() not in buffers
     torch.testing.assert_close(whole, joined, rtol=0, atol=0)
     assert prev[3:3].numel() == 0 and prev.outputs(3, 3).numel() == 0
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_buffers_are_kept_by_name_within_a_scope_and_fresh_outside() -> None:
+    like = torch.zeros(1, dtype=torch.float64)
+    held = [buffer("a", (2, 3), like), buffer("a", (2, 3), like)]  # kept alive: no address reused
+    assert _storage(held[0]) != _storage(held[1])
+    with reusing_buffers():
+        a = buffer("a", (2, 3), like)
+        assert a.shape == (2, 3) and a.dtype == torch.float64 and a.is_contiguous()
+        assert _storage(buffer("a", (3, 2), like)) == _storage(a)  # same size: the same buffer
+        assert _storage(buffer("a", (5,), like)) == _storage(a)  # smaller: a view of it
+        assert _storage(buffer("b", (2, 3), like)) != _storage(a)  # another name, another buffer
+        grown = buffer("a", (4, 3), like)  # larger: grown, and kept from then on
+        assert _storage(grown) != _storage(a) and _storage(buffer("a", (2, 3), like)) == _storage(grown)
+        single = buffer("a", (2, 3), like.float())  # another dtype: replaced
+        assert single.dtype == torch.float32 and _storage(single) != _storage(grown)
+        with reusing_buffers():  # a scope inside a scope is the same scope
+            assert _storage(buffer("a", (2, 3), like.float())) == _storage(single)
+        assert _storage(buffer("a", (2, 3), like.float())) == _storage(single)
+    outside = buffer("a", (2, 3), like.float())  # the scope's buffers are gone with it
+    assert _storage(outside) != _storage(single)
+
+
+def test_walks_one_after_another_in_a_scope_share_the_buffer_and_read_their_own_states() -> None:
+    """Two groups of samples walked in turn in one scope: the second group's blocks are its own
+    steps, copied afresh into the buffer the first group left, not the first group's stale block."""
+    h0, h = torch.randn(4, 3), torch.randn(12, 4, 3)
+    storages = set()
+    with reusing_buffers():
+        for s in (slice(0, 2), slice(2, 4)):
+            prev = PreviousStates(h0[s], h[:, s])
+            joined = torch.cat((h0[s].unsqueeze(0), h[:-1, s]))
+            for lo, hi in ((6, 12), (0, 6)):
+                torch.testing.assert_close(prev[lo:hi], joined[lo:hi], rtol=0, atol=0)
+                torch.testing.assert_close(prev.outputs(lo, hi), h[lo:hi, s], rtol=0, atol=0)
+                storages.add(_storage(prev[lo:hi]))
+    assert len(storages) == 1

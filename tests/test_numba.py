@@ -64,7 +64,8 @@ def test_a_net_on_the_cpu_runs_the_kernels_and_gives_autograds_gradients(
 ) -> None:
     """float64, two layers, loss on every output and on h_n: exact to 1e-10. One chunk (the default
     here, "auto" too): each layer walked block by block (blocks of 4 steps: the walk carries the
-    gradient across them); chunk 5: the stored chain's chunked scan in the kernels."""
+    gradient across them, its blocks' scratch reused); chunk 5: the stored chain's chunked scan in the
+    kernels."""
     torch.manual_seed(0)
     kwargs = {"nonlinearity": "relu"} if kind == "RNN" else {}
     ref = getattr(torch.nn, kind)(2, 6, num_layers=2, batch_first=True, **kwargs).double()
@@ -73,7 +74,10 @@ def test_a_net_on_the_cpu_runs_the_kernels_and_gives_autograds_gradients(
     walks, scans = [], []
     real_walked, real_scan = layer_mod._walked, numba_scan.chunked_scan
     monkeypatch.setattr(layer_mod, "_walked", lambda *a: walks.append(1) or real_walked(*a))
-    monkeypatch.setattr(numba_scan, "chunked_scan", lambda *a, **k: scans.append(1) or real_scan(*a, **k))
+    # each scan's output held, so that a freed buffer's address cannot come back as a new one
+    monkeypatch.setattr(
+        numba_scan, "chunked_scan", lambda *a, **k: scans.append(k.get("out")) or real_scan(*a, **k)
+    )
     if block:
         monkeypatch.setattr(jacobians, "_block_steps", lambda *a: block)
     x = torch.randn(3, 23, 2, dtype=F64)
@@ -85,6 +89,8 @@ def test_a_net_on_the_cpu_runs_the_kernels_and_gives_autograds_gradients(
         grads.append([xi.grad, *(p.grad for p in m.parameters())])
     assert len(walks) == (ours.num_layers if walked else 0)
     assert len(scans) == ours.num_layers * (-(-23 // block) if block else 1)
+    if walked and block:  # a walk's blocks share its scratch: the short last block's, then one grown
+        assert len({s.untyped_storage().data_ptr() for s in scans}) <= 2 * ours.num_layers
     for a, b in zip(*grads, strict=True):
         assert rel_err(a, b) < 1e-10
 
@@ -224,3 +230,14 @@ def test_subnormal_results_are_flushed_to_zero() -> None:
         assert subnormal(raw) and not subnormal(flushed)
         assert (flushed - raw).abs().max() < 4 * tiny  # differences of the order of 2^-126 only
         assert torch.equal(flushed[-50:], raw[-50:])  # and none before the products sink
+
+
+def test_a_scan_given_its_output_writes_it_there() -> None:
+    torch.manual_seed(0)
+    scales, weights = torch.randn(9, 2, 1, 3, dtype=F64), torch.randn(1, 3, 3, dtype=F64)
+    x_last, offsets = torch.randn(2, 3, dtype=F64), torch.randn(9, 2, 3, dtype=F64)
+    fresh = numba_scan.chunked_scan(scales, weights, x_last, offsets, 9)
+    out = torch.full((10, 2, 3), float("nan"), dtype=F64)
+    given = numba_scan.chunked_scan(scales, weights, x_last, offsets, 9, out=out)
+    assert given.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(given, fresh, rtol=0, atol=0)
