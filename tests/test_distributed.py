@@ -506,6 +506,34 @@ def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(
     assert json.loads((tmp_path / "calibration.json").read_text())["fold"] == pytest.approx(0.2 / (50 * 16))
 
 
+def test_each_spawns_times_are_printed_as_it_ends_so_a_stopped_run_keeps_them(monkeypatch, capsys) -> None:
+    from experiments.bench import distributed as bench
+
+    calls: list[int] = []
+
+    def measure(steps, ranks, settings):
+        calls.append(ranks)
+        if len(calls) == 3:
+            raise RuntimeError("the machine was lost")
+        times = {
+            "bppsa": {"forward": 0.25, "backward": 0.5 / ranks},
+            "bptt": {"forward": 0.25, "backward": 4.0},
+        }
+        rank = {"times": times, "sent": {"bppsa": 1, "bptt": 1}, "memory": {"bppsa": 1, "bptt": 1}}
+        return [{**rank, "fold": 0.1}] if ranks == 1 else [{**rank, "alone_speedup": 1.75}, rank]
+
+    monkeypatch.setattr(bench, "measure", measure)
+    with pytest.raises(RuntimeError, match="lost"):
+        bench.main(["--ranks", "1", "2", "--T", "50", "--rounds", "2"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if "rank(s):" in line]
+    assert lines == [
+        "[distributed] T = 50, 1 rank(s): bppsa forward 250.0 ms, backward 500.0 ms; "
+        "bptt forward 250.0 ms, backward 4000.0 ms",
+        "[distributed] T = 50, 2 rank(s): bppsa forward 250.0 ms, backward 250.0 ms; "
+        "bptt forward 250.0 ms, backward 4000.0 ms; BPPSA 1.75× one rank in the same processes",
+    ]
+
+
 @pytest.mark.parametrize(
     ("device", "ranks", "alongside"),
     [("cpu", ["1", "2"], True), ("cpu", ["2", "3"], False), ("cuda", ["1", "2"], False)],

@@ -10,6 +10,9 @@ h_T (of the top layer: ``h_n[-1]``). BPPSA and BPTT take turns, ``--warmup`` unt
 ``--repeats`` timed iterations each, the processes meeting at a barrier around every phase. A
 phase's time is the slowest rank's.
 
+As each spawn ends, its times go to stderr in one line, so that a run stopped part-way keeps in its
+log what it had measured.
+
 ``--rounds R`` spawns every rank count R times, the counts taking turns (``--ranks 1 2``: 1, 2, then
 2, 1, then 1, 2, ...), so that a machine whose speed drifts during the run slows both sides of a
 ratio alike. The table then shows each time's median over the rounds, and each speedup as the
@@ -315,6 +318,19 @@ def rows_of(steps: int, ranks: int, per_rank: list[dict]) -> list[dict]:
     return rows
 
 
+def spawn_line(rows: list[dict]) -> str:
+    """One spawn's rows (``rows_of``) in a line, printed as the spawn ends: a run stopped part-way
+    (a time limit, a lost machine) keeps in its log the times it had measured."""
+    first = rows[0]
+    parts = [
+        f"{r['backward']} forward {r['forward_s'] * 1e3:.1f} ms, backward {r['backward_s'] * 1e3:.1f} ms"
+        for r in rows
+    ]
+    alone = first.get("speedup_same_processes")
+    same = "" if alone is None else f"; BPPSA {alone:.2f}× one rank in the same processes"
+    return f"T = {first['T']}, {first['p']} rank(s): " + "; ".join(parts) + same
+
+
 def merged(rounds: list[list[dict]]) -> list[dict]:
     """The rows of several rounds (``rows_of`` each) as one, in the first round's order: each time,
     byte count and peak the median over the rounds."""
@@ -482,6 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"[distributed] {where}T = {steps}, {ranks} rank(s) ...", file=sys.stderr, flush=True)
                 per_rank = measure(steps, ranks, settings)
                 rows += rows_of(steps, ranks, per_rank)
+                print(f"[distributed] {spawn_line(rows[-2:])}", file=sys.stderr, flush=True)
                 if args.timeline:  # the last round's is kept
                     timelines[steps, ranks] = [r["timeline"] for r in per_rank]
                 if "fold" in per_rank[0]:  # one rank of one layer: what the model's device costs
