@@ -186,20 +186,26 @@ def architectures(dry: bool) -> list[str]:
 
 
 def run_command(argv: Sequence[str], timeout: float) -> tuple[bool, str]:
-    """Run one tool; (succeeded, its stdout, or the tail of its stderr when it failed). Never under
-    Triton's interpreter: the report is about compiled kernels."""
+    """Run one tool; (succeeded, its stdout, and when it failed or was stopped, the tail of its
+    stderr: a stopped benchmark's progress lines keep what it had measured). Never under Triton's
+    interpreter: the report is about compiled kernels."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": path}
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired as exc:
-        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
-        return False, f"{out}\n\nstopped after {timeout:.0f} s (--step-timeout)"
+        out, err = (
+            t if isinstance(t, str) else (t or b"").decode(errors="replace") for t in (exc.stdout, exc.stderr)
+        )
+        return False, f"{out}\n\nstopped after {timeout:.0f} s (--step-timeout):\n\n    {_tail(err)}"
     if done.returncode != 0:
-        tail = "\n".join(done.stderr.strip().splitlines()[-20:])
-        indented = tail.replace("\n", "\n    ")
-        return False, f"{done.stdout}\n\nexit status {done.returncode}:\n\n    {indented}"
+        return False, f"{done.stdout}\n\nexit status {done.returncode}:\n\n    {_tail(done.stderr)}"
     return True, done.stdout
+
+
+def _tail(err: str) -> str:
+    """The last 20 lines of a tool's stderr, indented as a Markdown code block's body."""
+    return "\n".join(err.strip().splitlines()[-20:]).replace("\n", "\n    ")
 
 
 def worker_scaling(dry: bool, repeats: int, warmup: int) -> str:

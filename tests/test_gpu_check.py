@@ -96,6 +96,19 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path, monkeypat
     assert "Step `scan`: ok" in text and markdown_tables(text)[0][1] == [["1"]]
 
 
+def test_a_step_stopped_by_its_time_limit_keeps_what_it_printed_on_both_streams() -> None:
+    """A benchmark stopped by ``--step-timeout`` keeps its table so far and its progress lines (the
+    sequence-parallel benchmark prints each spawn's times to stderr as it ends)."""
+    code = (
+        "import sys, time; print('| a |', flush=True); "
+        "print('[distributed] T = 50, 1 rank(s): bppsa backward 1.0 ms', file=sys.stderr, flush=True); "
+        "time.sleep(60)"
+    )
+    ok, text = gpu_check.run_command([sys.executable, "-c", code], timeout=3)
+    assert not ok and "stopped after 3 s (--step-timeout)" in text
+    assert "| a |" in text and "[distributed] T = 50, 1 rank(s): bppsa backward 1.0 ms" in text
+
+
 def test_a_run_stopped_part_way_keeps_the_steps_it_finished(tmp_path, monkeypatch) -> None:
     """The report is rewritten after every step: a run killed in its second step (here, the
     interrupt a time limit sends) leaves the first step's table, in the order ``--steps`` gave."""
