@@ -497,8 +497,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 where = f"round {turn + 1} of {args.rounds}, " if args.rounds > 1 else ""
                 print(f"[distributed] {where}T = {steps}, {ranks} rank(s) ...", file=sys.stderr, flush=True)
                 per_rank = measure(steps, ranks, settings)
-                rows += rows_of(steps, ranks, per_rank)
-                print(f"[distributed] {spawn_line(rows[-2:])}", file=sys.stderr, flush=True)
+                spawned = rows_of(steps, ranks, per_rank)
+                rows += spawned
+                print(f"[distributed] {spawn_line(spawned)}", file=sys.stderr, flush=True)
                 if args.timeline:  # the last round's is kept
                     timelines[steps, ranks] = [r["timeline"] for r in per_rank]
                 if "fold" in per_rank[0]:  # one rank of one layer: what the model's device costs
