@@ -102,7 +102,8 @@ MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # backward; each group adds an all-gather and its own calls. On two one-thread CPU ranks (RNN,
 # B = 16, H = 20, T = 100,000) 8 and 16 groups are fastest and alike, 4 about 30 % slower. A GPU
 # rank's group may cost nearly what the whole batch does (a launch per product, whatever the
-# samples): there, measure (``experiments.bench.distributed --device cuda --micro-batches``).
+# samples): there, measure (``experiments.bench.distributed --device cuda --micro-batches``, or the
+# ``ranks`` step of ``experiments.gpu_check`` on two GPUs or more, which runs 1 to 16 groups).
 MICRO_BATCHES = 8
 # Samples a middle rank folds at once on a CPU (``slice_fold``). On one CPU thread (H = 20,
 # T = 100,000, B = 16) the RNN's fold takes 0.40, 0.36, 0.34 and 0.49 µs per step and sample folding

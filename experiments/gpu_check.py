@@ -23,7 +23,9 @@ and its output (or why it failed, or was skipped):
    of one thread per core (``experiments.bench.distributed`` at T = 100,000): the measured 3- and
    4-rank points of docs/STRATEGIES.md, which a 2-core machine cannot give. Its ``measured.csv``
    and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report. Then the same
-   over NCCL ranks of one GPU each, 1 to 4 as there are GPUs (one GPU: the NCCL path on one rank).
+   over NCCL ranks of one GPU each, 1 to 4 as there are GPUs (one GPU: the NCCL path on one rank);
+   with two GPUs or more, once for each sample-group count of the BPPSA backward (``--micro-batches``
+   1 to 16), which sets the GPU ranks' own.
    Both print each rank's BPPSA backward span by span (``--timeline``): where a rank waits.
 
 ``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
@@ -77,6 +79,7 @@ TITLES = {
 }
 RANKS_T = 100_000  # the sequence-parallel benchmark's length (docs/STRATEGIES.md)
 RANKS_REPEATS = 3  # BPTT takes seconds an iteration there
+GPU_MICRO_BATCHES = (1, 2, 4, 8, 16)  # the NCCL ranks' sample-group counts, with two GPUs or more
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -133,8 +136,8 @@ def plan(
             _distributed(
                 rank_counts(dry), 2000 if dry else RANKS_T, repeats, warmup, "--out", str(ranks_folder(out))
             ),
-            # then NCCL, one rank per GPU up to 4; its table only (the cost model's points are the CPU ranks')
-            *([] if dry else [_distributed(gpu_rank_counts(), RANKS_T, repeats, warmup, "--device", "cuda")]),
+            # then NCCL, a rank per GPU up to 4; its tables only (the cost model's points are the CPU ranks')
+            *([] if dry else gpu_rank_runs(repeats, warmup)),
         ],
     }
 
@@ -157,6 +160,21 @@ def _distributed(ranks: Sequence[int], steps: int, repeats: int, warmup: int, *e
         str(min(warmup, 1)),
         "--timeline",
         *extra,
+    ]
+
+
+def gpu_rank_runs(repeats: int, warmup: int) -> list[list[str]]:
+    """The NCCL runs of the ``ranks`` step. With two GPUs or more, one per sample-group count of
+    ``GPU_MICRO_BATCHES``: the default (``bppsa_core.distributed.MICRO_BATCHES``) is two CPU ranks'
+    tuning, and a GPU group's launches may cost what the whole batch's do. One GPU: one rank, which
+    keeps the batch whole, so one run."""
+    counts = gpu_rank_counts()
+    cuda = ["--device", "cuda"]
+    if len(counts) == 1:
+        return [_distributed(counts, RANKS_T, repeats, warmup, *cuda)]
+    return [
+        _distributed(counts, RANKS_T, repeats, warmup, *cuda, "--micro-batches", str(m))
+        for m in GPU_MICRO_BATCHES
     ]
 
 

@@ -41,8 +41,20 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
 def test_the_ranks_step_takes_one_gpu_per_nccl_rank_up_to_four(monkeypatch) -> None:
     for gpus, counts in ((8, [1, 2, 3, 4]), (2, [1, 2]), (1, [1])):
         monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda n=gpus: n)
-        _, on_gpus = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
-        assert on_gpus[on_gpus.index("--ranks") + 1 : on_gpus.index("--T")] == [*map(str, counts)], gpus
+        _, *on_gpus = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
+        for argv in on_gpus:
+            assert argv[argv.index("--ranks") + 1 : argv.index("--T")] == [*map(str, counts)], gpus
+
+
+def test_several_gpus_time_every_sample_group_count_and_one_gpu_once(monkeypatch) -> None:
+    monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 2)
+    _, *on_gpus = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
+    groups = [argv[argv.index("--micro-batches") + 1] for argv in on_gpus]
+    assert groups == ["1", "2", "4", "8", "16"]  # the CPU's default among them, and one sample a group
+    assert all(argv[argv.index("--device") + 1] == "cuda" for argv in on_gpus)
+    monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 1)
+    _, on_gpu = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
+    assert "--micro-batches" not in on_gpu  # one rank walks the batch whole: nothing to sweep
 
 
 def test_the_ranks_step_takes_one_core_per_rank_up_to_four(monkeypatch) -> None:
