@@ -42,6 +42,7 @@ def test_the_ranks_step_takes_one_gpu_per_nccl_rank_up_to_four(monkeypatch) -> N
     for gpus, counts in ((8, [1, 2, 3, 4]), (2, [1, 2]), (1, [1])):
         monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda n=gpus: n)
         _, *on_gpus = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
+        assert on_gpus, gpus
         for argv in on_gpus:
             assert argv[argv.index("--ranks") + 1 : argv.index("--T")] == [*map(str, counts)], gpus
 
