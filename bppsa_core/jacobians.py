@@ -51,13 +51,28 @@ from bppsa_core.scan import elementwise_recurrence
 # layer_grads work block by block, so that the temporaries stay in the CPU's cache).
 _BLOCK_BYTES = 8 << 20
 
+# this thread's scopes: ``kept``, the buffers of its ``reusing_buffers`` scope by name; ``block_bytes``,
+# the budget of its ``block_budget`` scope
+_scope = threading.local()
+
 
 def _block_steps(bytes_per_step: int) -> int:
     """Time steps per block of work that touches ``bytes_per_step`` bytes per step."""
-    return max(1, _BLOCK_BYTES // max(1, bytes_per_step))
+    budget = getattr(_scope, "block_bytes", None) or _BLOCK_BYTES
+    return max(1, budget // max(1, bytes_per_step))
 
 
-_scope = threading.local()  # ``kept``: the buffers of this thread's ``reusing_buffers`` scope, by name
+@contextlib.contextmanager
+def block_budget(nbytes: int | None) -> Iterator[None]:
+    """A scope (this thread's) whose blocks of time steps use ``nbytes`` of temporaries instead of
+    ``_BLOCK_BYTES``; None leaves the budget as it is. Where processes share a CPU's cache, each may
+    take less of it: ``bppsa_core.distributed`` gives a rank of several its own budget."""
+    before = getattr(_scope, "block_bytes", None)
+    _scope.block_bytes = nbytes or before
+    try:
+        yield
+    finally:
+        _scope.block_bytes = before
 
 
 @contextlib.contextmanager

@@ -324,6 +324,42 @@ def test_a_ranks_sample_groups_share_the_walks_scratch() -> None:
     _ranks(2, _one_scratch)
 
 
+def _rank_blocks(rank: int, size: int) -> None:
+    """A CPU rank of several takes its blocks of steps within ``RANK_BLOCK_BYTES``, one rank within a
+    process's budget (both shrunk here, so that a slice of a few steps spans several blocks)."""
+    from unittest import mock
+
+    import bppsa_core.layer as layer
+    from bppsa_core import distributed, jacobians
+
+    step = (4 * H + F + H) * 8  # what layer_grads counts per step and sample (float64)
+    lengths, real = [], layer.layer_grads
+
+    def grads(deltas, *args):
+        def taken(t: slice):
+            gi, gh = deltas(t)
+            lengths.append(gi.shape[0])
+            return gi, gh
+
+        return real(taken, *args)
+
+    torch.manual_seed(0)
+    parallel = SequenceParallel(RNN(F, H, dtype=torch.float64))  # on several ranks, groups of one sample
+    out, h_n = parallel(torch.randn(T, B, F, dtype=torch.float64)[_mine(rank, size)])
+    with (
+        mock.patch.object(jacobians, "_BLOCK_BYTES", 4 * B * step),  # 4 steps of the whole batch
+        mock.patch.object(distributed, "RANK_BLOCK_BYTES", 2 * step),  # 2 steps of one sample
+        mock.patch.object(layer, "layer_grads", grads),
+    ):
+        (h_n.sum() + out.sum()).backward()
+    assert max(lengths) == (2 if size > 1 else 4), f"rank {rank} of {size}: blocks of {lengths} steps"
+
+
+def test_a_cpu_rank_of_several_walks_in_blocks_of_its_own_budget() -> None:
+    _ranks(1, _rank_blocks)
+    _ranks(2, _rank_blocks)
+
+
 def _data_and_sequence(rank: int, size: int) -> None:
     """Four ranks: two replicas of DistributedDataParallel, each a sequence split over two ranks."""
     from torch.nn.parallel import DistributedDataParallel

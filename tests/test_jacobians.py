@@ -12,7 +12,9 @@ from bppsa_core.jacobians import (
     LSTMCell,
     PreviousStates,
     RNNCell,
+    block_budget,
     buffer,
+    layer_grads,
     reusing_buffers,
 )
 
@@ -251,3 +253,31 @@ def test_walks_one_after_another_in_a_scope_share_the_buffer_and_read_their_own_
                 torch.testing.assert_close(prev.outputs(lo, hi), h[lo:hi, s], rtol=0, atol=0)
                 storages.add(_storage(prev[lo:hi]))
     assert len(storages) == 1
+
+
+def test_a_block_budget_sets_the_steps_per_block_within_its_scope_only() -> None:
+    """``layer_grads`` takes its deltas in blocks of as many steps as the scope's budget holds (None
+    keeps the budget), the same gradients whatever the blocks, and the default once the scope ends."""
+    steps, batch, hidden = 40, 2, 3
+    w = weights(1, 1, hidden, 0)
+    x, h_prev = torch.randn(steps, batch, 1, dtype=F64), torch.randn(steps, batch, hidden, dtype=F64)
+    g = torch.randn(steps, batch, hidden, dtype=F64)
+    starts = []
+
+    def deltas(t: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        starts.append(t.start)
+        return g[t], g[t]
+
+    per_step = batch * (4 * hidden + 1 + hidden) * 8  # what layer_grads counts per step (float64)
+    whole = layer_grads(deltas, x, h_prev, w)
+    assert starts == [0]
+    starts.clear()
+    with block_budget(7 * per_step), block_budget(None):
+        blocked = layer_grads(deltas, x, h_prev, w)
+    assert starts == [35, 28, 21, 14, 7, 0]  # blocks of 7 steps, the last one first
+    starts.clear()
+    layer_grads(deltas, x, h_prev, w)
+    assert starts == [0]
+    torch.testing.assert_close(blocked[0], whole[0], rtol=1e-12, atol=0)
+    for name, grad in vars(blocked[1]).items():
+        torch.testing.assert_close(grad, getattr(whole[1], name), rtol=1e-12, atol=1e-14)
