@@ -47,26 +47,39 @@ from torch import Tensor
 from bppsa_core.chain import FactoredChain, LSTMChain
 from bppsa_core.scan import elementwise_recurrence
 
-# Bytes of temporaries the per-step work may use per block of time steps (GRUCell.factors and
-# layer_grads work block by block, so that the temporaries stay in the CPU's cache).
-_BLOCK_BYTES = 8 << 20
+# Bytes of temporaries the per-step work may use per block of time steps, by where it runs; a
+# process-wide setting (``experiments.bench.backward --block-mib`` sets it), which a ``block_budget``
+# scope overrides. On a CPU, GRUCell.factors and layer_grads work block by block so that the
+# temporaries stay in the cache. On a GPU no cache is at stake and a block costs its launches, a
+# handful whatever its size (the fused kernels have made every step's gradient before the first
+# block): 8 MiB blocks cut a one-GPU RNN backward (B = 16, H = 20, T = 100,000) into 78 blocks of about
+# six launches, 468 of its 479 launches, in front of 7.5 ms of GPU work (docs/PERFORMANCE.md); blocks
+# of 256 MiB take it in 3.
+BLOCK_BYTES = {"cpu": 8 << 20, "gpu": 256 << 20}
 
 # this thread's scopes: ``kept``, the buffers of its ``reusing_buffers`` scope by name; ``block_bytes``,
 # the budget of its ``block_budget`` scope
 _scope = threading.local()
 
 
-def _block_steps(bytes_per_step: int) -> int:
-    """Time steps per block of work that touches ``bytes_per_step`` bytes per step."""
-    budget = getattr(_scope, "block_bytes", None) or _BLOCK_BYTES
+def _block_steps(bytes_per_step: int, device: torch.device) -> int:
+    """Time steps per block of work on ``device`` that touches ``bytes_per_step`` bytes per step."""
+    budget = getattr(_scope, "block_bytes", None) or default_block_bytes(device)
     return max(1, budget // max(1, bytes_per_step))
+
+
+def default_block_bytes(device: torch.device) -> int:
+    """The budget of a block of time steps on ``device`` outside any ``block_budget`` scope:
+    ``BLOCK_BYTES["cpu"]`` on a CPU, ``BLOCK_BYTES["gpu"]`` on any other device."""
+    return BLOCK_BYTES["cpu" if torch.device(device).type == "cpu" else "gpu"]
 
 
 @contextlib.contextmanager
 def block_budget(nbytes: int | None) -> Iterator[None]:
-    """A scope (this thread's) whose blocks of time steps use ``nbytes`` of temporaries instead of
-    ``_BLOCK_BYTES``; None leaves the budget as it is. Where processes share a CPU's cache, each may
-    take less of it: ``bppsa_core.distributed`` gives a rank of several its own budget."""
+    """A scope (this thread's) whose blocks of time steps use ``nbytes`` of temporaries instead of the
+    device's default (``default_block_bytes``); None leaves the budget as it is. Where processes share
+    a CPU's cache, each may take less of it: ``bppsa_core.distributed`` gives a rank of several its
+    own budget."""
     before = getattr(_scope, "block_bytes", None)
     _scope.block_bytes = nbytes or before
     try:
@@ -248,7 +261,7 @@ class GRUCell:
         z, dn = torch.empty_like(h_prev), torch.empty_like(h_prev)
         # In blocks of time steps: the pre-activations and temporaries (about 14 H numbers per step
         # and sample) stay in the CPU's cache, and only the factors go to memory.
-        block = _block_steps(14 * hidden * batch * h_prev.element_size())
+        block = _block_steps(14 * hidden * batch * h_prev.element_size(), h_prev.device)
         for s in range(0, steps, block):
             t = slice(s, s + block)
             self._factors(x[t], h_prev[t], w, scales[t], z[t], dn[t], None if h is None else h[t])
@@ -366,7 +379,7 @@ class LSTMCell:
 
     def _blocks(self, h_prev: Tensor) -> list[slice]:
         steps, batch, hidden = h_prev.shape
-        block = _block_steps(16 * hidden * batch * h_prev.element_size())
+        block = _block_steps(16 * hidden * batch * h_prev.element_size(), h_prev.device)
         return [slice(s, min(s + block, steps)) for s in range(0, steps, block)]
 
     def cell_states(
@@ -578,7 +591,7 @@ def layer_grads(
     steps, batch, hidden = h_prev.shape
     rows = w.w_ih.shape[0]  # gates x H
     # per step and sample: both deltas and their making (4 rows), the input and the previous state
-    block = _block_steps(batch * (4 * rows + x.shape[-1] + hidden) * x.element_size())
+    block = _block_steps(batch * (4 * rows + x.shape[-1] + hidden) * x.element_size(), x.device)
     d_w_ih, d_w_hh = torch.zeros_like(w.w_ih), torch.zeros_like(w.w_hh)
     d_b_ih = None if w.b_ih is None else torch.zeros_like(w.b_ih)
     d_b_hh = None if w.b_hh is None else torch.zeros_like(w.b_hh)

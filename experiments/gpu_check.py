@@ -13,20 +13,23 @@ and its output (or why it failed, or was skipped):
 3. ``epoch``: one training epoch of the bitstream RNN, BPTT against BPPSA;
 4. ``scan``: the scan alone against ``torch``'s and ``jax``'s ``associative_scan``;
 5. ``chunk``: the Triton kernels' chunk-size sweep at T = 1000 and 30,000;
-6. ``workers``: BPPSA's and cuDNN's backward confined to 1, 2, 4, ... SMs (CUDA green contexts);
-7. ``forward``: the Newton forwards (``forward_solver="newton"``, ``"quasi-newton"``) against cuDNN's
+6. ``blocks``: the BPPSA backward's blocks of time steps (``--block-mib`` 8, 32 and 256: a CPU's
+   budget, and larger ones that take fewer launches) at T = 1,000, 30,000 and 100,000, which sets
+   the GPU's own (``bppsa_core.jacobians.BLOCK_BYTES``);
+7. ``workers``: BPPSA's and cuDNN's backward confined to 1, 2, 4, ... SMs (CUDA green contexts);
+8. ``forward``: the Newton forwards (``forward_solver="newton"``, ``"quasi-newton"``) against cuDNN's
    sequential forward, T = 100 ... 100,000, at initialization and trained (``experiments.bench.forward``);
-8. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
+9. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
    kernels at H = 1, 20, 32 and 64, for this GPU's architecture, to set beside the measured times
-   of steps 2 and 5;
-9. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
-   of one thread per core (``experiments.bench.distributed`` at T = 100,000): the measured 3- and
-   4-rank points of docs/STRATEGIES.md, which a 2-core machine cannot give. Its ``measured.csv``
-   and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report. Then the same
-   over NCCL ranks of one GPU each, 1 to 4 as there are GPUs (one GPU: the NCCL path on one rank);
-   with two GPUs or more, once for each sample-group count of the BPPSA backward (``--micro-batches``
-   1 to 16), which sets the GPU ranks' own.
-   Both print each rank's BPPSA backward span by span (``--timeline``): where a rank waits.
+   of steps 2, 5 and 6;
+10. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
+    of one thread per core (``experiments.bench.distributed`` at T = 100,000): the measured 3- and
+    4-rank points of docs/STRATEGIES.md, which a 2-core machine cannot give. Its ``measured.csv``
+    and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report. Then the same
+    over NCCL ranks of one GPU each, 1 to 4 as there are GPUs (one GPU: the NCCL path on one rank);
+    with two GPUs or more, once for each sample-group count of the BPPSA backward (``--micro-batches``
+    1 to 16), which sets the GPU ranks' own.
+    Both print each rank's BPPSA backward span by span (``--timeline``): where a rank waits.
 
 ``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
 GPU: what needs CUDA (the tests, the graph and Triton strategies, green contexts) is reported as
@@ -63,8 +66,9 @@ from experiments.bench.common import (
 )
 from experiments.timing import time_ms
 
-STEPS = ("tests", "backward", "epoch", "scan", "chunk", "workers", "forward", "kernels", "ranks")
+STEPS = ("tests", "backward", "epoch", "scan", "chunk", "blocks", "workers", "forward", "kernels", "ranks")
 CHUNKS = (8, 16, 32, 64, 128)
+BLOCK_MIBS = (8, 32, 256)  # the BPPSA backward's blocks of time steps (``--block-mib``)
 GPU_TEST_FILES = ("tests/test_triton.py", "tests/test_sparse.py", "tests/test_distributed.py")
 TITLES = {
     "tests": "GPU tests",
@@ -72,6 +76,7 @@ TITLES = {
     "epoch": "End-to-end training epoch",
     "scan": "Scan only, against associative_scan",
     "chunk": "Triton chunk-size sweep",
+    "blocks": "Blocks of time steps of the BPPSA backward",
     "workers": "Backward against SMs (green contexts)",
     "forward": "Newton forward against cuDNN's",
     "kernels": "Compiled kernels: resources and static estimate",
@@ -108,14 +113,19 @@ def plan(
     if dry:
         compiled = ["numba"] if runs_on("numba", torch.device("cpu")) else []  # where it is installed
         chunk_shape = ["--T", "30", "60", "--B", "4", "--H", "5", "--strategies", "chunked", *compiled]
+        block_shape = ["--T", "30", "60", "--B", "4", "--H", "5", "--strategies", *(compiled or ["chunked"])]
     else:
         chunk_shape = ["--T", "1000", "30000", "--strategies", "triton"]
+        block_shape = ["--T", "1000", "30000", "100000", "--strategies", "triton", "auto"]
     return {
         "tests": gpu_only if dry else [[sys.executable, "-m", "pytest", "-q", "-m", "gpu", *GPU_TEST_FILES]],
         "backward": [_bench(*suite, "--tables", "backward", *device)],
         "epoch": [_bench(*suite, "--tables", "epoch", "--epoch-samples", "64" if dry else "3200", *device)],
         "scan": [_bench(*suite, "--tables", "scan", "--peers", "torch", "jax", *device)],
         "chunk": [_bench(*chunk_shape, "--chunk", str(c), "--tables", "backward", *device) for c in CHUNKS],
+        "blocks": [
+            _bench(*block_shape, "--block-mib", str(b), "--tables", "backward", *device) for b in BLOCK_MIBS
+        ],
         "workers": "in process",
         "forward": [
             [sys.executable, "-m", "experiments.bench.forward", *device, *(["--quick"] if dry else [])]

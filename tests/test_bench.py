@@ -103,6 +103,42 @@ def test_the_epoch_comparison_trains_both_models_alike() -> None:
     assert row.bppsa_loss == pytest.approx(row.bptt_loss, rel=1e-4)
 
 
+def test_the_block_option_sets_the_blocks_the_bppsa_backward_takes(monkeypatch, capsys) -> None:
+    """``--block-mib 1`` cuts the BPPSA backward into blocks of 1 MiB (a process-wide setting,
+    restored here after the run): 8,192 steps here, where the default takes the 20,000 in one."""
+    from bppsa_core import jacobians
+    from bppsa_core import layer as layer_mod
+
+    monkeypatch.setitem(jacobians.BLOCK_BYTES, "cpu", jacobians.BLOCK_BYTES["cpu"])
+    lengths, real = [], layer_mod.layer_grads
+
+    def spied(deltas, *args, **kwargs):
+        return real(lambda t: lengths.append(len(range(20_000)[t])) or deltas(t), *args, **kwargs)
+
+    monkeypatch.setattr(layer_mod, "layer_grads", spied)
+    argv = [
+        "--T",
+        "20000",
+        "--B",
+        "2",
+        "--H",
+        "3",
+        "--strategies",
+        "chunked",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+    ]
+    assert backward.main(argv) == 0
+    assert set(lengths) == {20_000}
+    lengths.clear()
+    assert backward.main([*argv, "--block-mib", "1"]) == 0
+    per_step = 2 * (4 * 3 + 1 + 3) * 4  # what layer_grads counts per step (float32, B = 2, H = 3)
+    assert max(lengths) == (1 << 20) // per_step == 8192 and sum(lengths) == 20_000
+    assert "blocks of 1 MiB" in capsys.readouterr().out
+
+
 def test_the_paper_suite_has_the_papers_shapes() -> None:
     sets, epoch = suite_sets("paper")
     t_sweep, b_sweep, gru = sets

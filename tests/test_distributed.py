@@ -347,7 +347,7 @@ def _rank_blocks(rank: int, size: int) -> None:
     parallel = SequenceParallel(RNN(F, H, dtype=torch.float64))  # on several ranks, groups of one sample
     out, h_n = parallel(torch.randn(T, B, F, dtype=torch.float64)[_mine(rank, size)])
     with (
-        mock.patch.object(jacobians, "_BLOCK_BYTES", 4 * B * step),  # 4 steps of the whole batch
+        mock.patch.dict(jacobians.BLOCK_BYTES, cpu=4 * B * step),  # 4 steps of the whole batch
         mock.patch.object(distributed, "RANK_BLOCK_BYTES", 2 * step),  # 2 steps of one sample
         mock.patch.object(layer, "layer_grads", grads),
     ):

@@ -18,7 +18,7 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     (tests,) = steps["tests"]
     assert tests[1:6] == ["-m", "pytest", "-q", "-m", "gpu"]
     assert all((ROOT / f).is_file() for f in tests[6:])  # the GPU test files exist
-    for name in ("backward", "epoch", "scan", "chunk"):
+    for name in ("backward", "epoch", "scan", "chunk", "blocks"):
         for argv in steps[name]:
             assert argv[1:3] == ["-m", "experiments.bench.backward"]
             assert "--device" in argv and argv[argv.index("--device") + 1] == "cuda"
@@ -28,6 +28,11 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     assert forward[forward.index("--device") + 1] == "cuda"
     assert [a[a.index("--chunk") + 1] for a in steps["chunk"]] == [str(c) for c in gpu_check.CHUNKS]
     assert all("triton" in a for a in steps["chunk"])
+    assert [a[a.index("--block-mib") + 1] for a in steps["blocks"]] == [str(b) for b in gpu_check.BLOCK_MIBS]
+    assert all(
+        a[a.index("--T") + 1 : a.index("--strategies")] == ["1000", "30000", "100000"]
+        for a in steps["blocks"]
+    )
     ranks, on_gpus = steps["ranks"]
     for argv in (ranks, on_gpus):
         assert argv[1:3] == ["-m", "experiments.bench.distributed"]
@@ -70,7 +75,7 @@ def test_the_ranks_step_takes_one_core_per_rank_up_to_four(monkeypatch) -> None:
 def test_the_dry_plan_skips_what_needs_cuda_and_shrinks_the_rest() -> None:
     steps = gpu_check.plan(dry=True, repeats=1, warmup=0)
     assert steps["tests"] == "needs a CUDA device"
-    for name in ("backward", "epoch", "scan", "chunk"):
+    for name in ("backward", "epoch", "scan", "chunk", "blocks"):
         for argv in steps[name]:
             assert argv[argv.index("--device") + 1] == "cpu"
             assert "--quick" in argv or "--T" in argv

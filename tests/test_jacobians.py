@@ -7,6 +7,7 @@ import torch
 from helpers import rel_err
 
 from bppsa_core.jacobians import (
+    BLOCK_BYTES,
     GRUCell,
     LayerWeights,
     LSTMCell,
@@ -281,3 +282,29 @@ def test_a_block_budget_sets_the_steps_per_block_within_its_scope_only() -> None
     torch.testing.assert_close(blocked[0], whole[0], rtol=1e-12, atol=0)
     for name, grad in vars(blocked[1]).items():
         torch.testing.assert_close(grad, getattr(whole[1], name), rtol=1e-12, atol=1e-14)
+
+
+def test_blocks_off_the_cpu_take_the_gpu_budget() -> None:
+    """Outside a scope, ``layer_grads`` on a CPU takes blocks of ``BLOCK_BYTES["cpu"]``, on any other
+    device of ``BLOCK_BYTES["gpu"]``: a sequence a GPU takes in one block is several blocks on a CPU.
+    (The meta device stands in for a GPU: only the device's type is read, and no numbers are made.)"""
+    batch, hidden = 4, 3
+    per_step = batch * (4 * hidden + 1 + hidden) * 4  # what layer_grads counts per step (float32)
+    steps = BLOCK_BYTES["gpu"] // per_step  # the most a GPU's block takes
+    cpu_block = BLOCK_BYTES["cpu"] // per_step
+    assert cpu_block < steps
+    for device, expected in (("meta", [0]), ("cpu", list(range(0, steps, cpu_block))[::-1])):
+        w = LayerWeights(*(t.float().to(device) for t in vars(weights(1, 1, hidden, 0)).values()))
+        x, h_prev = (
+            torch.zeros(steps, batch, 1, device=device),
+            torch.zeros(steps, batch, hidden, device=device),
+        )
+        g = torch.zeros(steps, batch, hidden, device=device)
+        starts = []
+
+        def deltas(t: slice, g=g, starts=starts) -> tuple[torch.Tensor, torch.Tensor]:
+            starts.append(t.start)
+            return g[t], g[t]
+
+        layer_grads(deltas, x, h_prev, w, need_input=False)
+        assert starts == expected, device

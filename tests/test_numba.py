@@ -118,7 +118,7 @@ def test_a_group_of_samples_viewed_out_of_the_batch_walks_as_its_copy(mode, monk
     """A sequence-parallel rank walks its sample groups as strided views (each block copied side by
     side as the walk goes, the inputs' products made from a contiguous copy): the gradients of the
     group copied whole first, bit for bit, in blocks small enough that there are several."""
-    monkeypatch.setattr(jacobians, "_BLOCK_BYTES", 4096)
+    monkeypatch.setitem(jacobians.BLOCK_BYTES, "cpu", 4096)
     torch.manual_seed(0)
     module = (torch.nn.GRU if mode == "GRU" else torch.nn.RNN)(3, 4, dtype=F64)
     weights = [p.detach() for p in module._flat_weights]

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from bppsa_core import jacobians
 from bppsa_core import nn as bnn
 from bppsa_core.dispatch import STRATEGIES, check_device
 from experiments.bench.common import (
@@ -443,6 +444,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="chunk size of the chunked, numba and triton strategies (default: the modules'); to tune it",
     )
+    p.add_argument(
+        "--block-mib",
+        type=positive_int,
+        default=None,
+        help="MiB of temporaries per block of time steps of the BPPSA backward (default: "
+        "bppsa_core.jacobians.BLOCK_BYTES, 8 on a CPU, 256 on a GPU); to tune it",
+    )
     p.add_argument("--loss", choices=("last", "all"), default="last", help="loss on h_T or on every output")
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
@@ -506,6 +514,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = args.device, getattr(torch, args.dtype)
+    if args.block_mib:  # a process-wide setting: it reaches the backward on the device's own thread too
+        jacobians.BLOCK_BYTES["cpu" if device.type == "cpu" else "gpu"] = args.block_mib << 20
     strategies = args.strategies or default_strategies(device)
     sets, epochs = plan(args)
     heading = bool(args.suite) or len(args.tables) > 1
@@ -520,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"loss on {'h_T' if args.loss == 'last' else 'every output'}, {args.dtype}, median of {args.repeats}"
         f" after {args.warmup} warm-up runs; strategies: {' '.join(strategies)}"
-        f"; chunk {args.chunk or DEFAULT_CHUNK}"
+        f"; chunk {args.chunk or DEFAULT_CHUNK}; blocks of {jacobians.default_block_bytes(device) >> 20} MiB"
     )
     floors = measure_floors(device)
     print(f"measured: copy bandwidth {floors.bandwidth_gbs:.1f} GB/s, {floors.launch_us:.2f} µs per launch")
