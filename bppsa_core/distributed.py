@@ -15,7 +15,11 @@ rank r + 1, and L layers over p ranks take about p + L - 1 slices' forwards inst
 broadcast at the end hands every layer's final state from the last rank to all, so that every rank
 returns the same ``h_n``. The forward is not cut into micro-batches: on a CPU a step of the fused
 forward costs nearly the same for 2 samples as for 16, so a pipeline of m groups would run m times
-the steps to overlap at most half of them.
+the steps to overlap at most half of them. A CPU rank of several writes each layer's outputs
+batch-major (a (T_r, B, H) view of (B, T_r, H) memory, as ``layer.native_forward`` can), since its
+backward walks groups of samples: a group's steps are then read in order, and a group of one sample
+is one contiguous run that the walk takes as it is, with no copy. What the rank returns is that
+view, as torch.nn returns a view for ``batch_first``.
 
 **Backward, BPPSA** (``backward="bppsa"``), per layer, from the top, for each group of samples
 in turn (below):
@@ -101,12 +105,15 @@ from bppsa_core.scan import fold
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # The backward's sample groups on more than one rank. The pipeline's fill is 1/m of a slice's
-# backward; each group adds an all-gather and its own calls. On two one-thread CPU ranks (RNN,
-# B = 16, H = 20, T = 100,000) 8 and 16 groups are fastest and alike, 4 about 30 % slower. A GPU
+# backward; each group adds an all-gather and its own calls. On two one-thread CPU ranks (B = 16,
+# H = 20, T = 100,000, outputs batch-major) 16 groups, one sample each, are fastest: the backward
+# 1.47-1.53 times faster than one rank's in the same processes (RNN, three runs) and 1.67 times
+# (GRU), against 1.39-1.45 and 1.48 with 8 groups of two, whose blocks are copied side by side (time-
+# major outputs, 8 groups: 1.39-1.42 and 1.50; docs/PERFORMANCE.md). A GPU
 # rank's group may cost nearly what the whole batch does (a launch per product, whatever the
 # samples): there, measure (``experiments.bench.distributed --device cuda --micro-batches``, or the
 # ``ranks`` step of ``experiments.gpu_check`` on two GPUs or more, which runs 1 to 16 groups).
-MICRO_BATCHES = 8
+MICRO_BATCHES = 16
 # Samples a middle rank folds at once on a CPU (``slice_fold``). On one CPU thread (H = 20,
 # T = 100,000, B = 16) the RNN's fold takes 0.40, 0.36, 0.34 and 0.49 µs per step and sample folding
 # 1, 2, 4 and 16 samples at once, the GRU's 1.86, 1.92, 1.94 and 2.16: beyond a few samples its
@@ -172,6 +179,12 @@ timeline = Timeline()
 
 class SequenceParallelError(ValueError):
     """A sequence-parallel call that does not add up; raised on every rank alike."""
+
+
+def _cpu_of_several(size: int, device: torch.device) -> bool:
+    """A CPU rank of a group of several: its outputs are stored batch-major and its walks take
+    ``RANK_BLOCK_BYTES`` blocks (module docstring)."""
+    return size > 1 and device.type == "cpu"
 
 
 def _peer(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -294,8 +307,10 @@ class _Layer(torch.autograd.Function):
             out, h_last = out.detach(), h_last.detach()
             c_last = None if c_last is None else c_last.detach()
         else:
-            with torch.no_grad():
-                out, h_last, c_last = native_forward(mode, x, h_in, c_in, list(weights), None)
+            with torch.no_grad():  # batch-major where the backward walks groups of samples on a CPU
+                out, h_last, c_last = native_forward(
+                    mode, x, h_in, c_in, list(weights), None, batch_major=_cpu_of_several(size, x.device)
+                )
             ctx.save_for_backward(x, h_in, out, *([c_in] if lstm else []), *weights)
         last = _join(h_last, c_last)
         if rank < size - 1:
@@ -413,7 +428,7 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
         for g in groups
     ]
     parts, pending = [], []
-    budget = RANK_BLOCK_BYTES if size > 1 and x.device.type == "cpu" else None
+    budget = RANK_BLOCK_BYTES if _cpu_of_several(size, x.device) else None
     with reusing_buffers(), block_budget(budget):  # one set of the walks' scratch for every group
         for g, exchange in zip(groups, started, strict=True):
             parts.append(_bppsa_group(ctx, config, rank, size, weights, g, exchange, pending))

@@ -114,18 +114,20 @@ def native_forward(
     weights: list[Tensor],
     lengths: Tensor | None,
     segment: int = SEGMENT,
+    batch_major: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """PyTorch's fused forward of one layer: x (T, B, I), h0 and c0 (an LSTM's) (B, H).
 
     Returns the outputs h_1..h_T (T, B, H), 0 past each sequence's end, and the last state (h, c).
     Runs in segments of at most ``segment`` steps, each written into the outputs as it is made (the
-    outputs exist once, not once more as a list of segments). Differentiable (PyTorch's own
-    autograd).
+    outputs exist once, not once more as a list of segments). ``batch_major``: the outputs are a
+    (T, B, H) view of (B, T, H) memory, each sample's steps side by side, for a backward that walks
+    the samples in groups (``bppsa_core.distributed``). Differentiable (PyTorch's own autograd).
     """
     steps, batch = x.shape[:2]
     if steps == 0:  # PyTorch's kernel refuses it, in its own words
         return _native_call(mode, x, None, h0, c0, weights)
-    if steps <= segment:
+    if steps <= segment and not batch_major:
         return _segment(mode, x, h0, c0, weights, lengths)
     h, c, outs = h0, c0, None
     for s in range(0, steps, segment):
@@ -133,14 +135,23 @@ def native_forward(
         seg = None if lengths is None else (lengths - s).clamp(0, e - s)
         if seg is not None and not seg.any():  # every sequence has ended: the rest outputs 0
             if outs is None:
-                return x.new_zeros((steps, batch, h.shape[-1])), h, c
+                return _outputs(x, steps, batch, h.shape[-1], x.dtype, batch_major).zero_(), h, c
             outs[s:] = 0
             break
         out, h, c = _segment(mode, x[s:e], h, c, weights, seg)
         if outs is None:  # the kernel's dtype (autocast's, say), not necessarily x's
-            outs = out.new_empty((steps, batch, out.shape[-1]))
+            outs = _outputs(x, steps, batch, out.shape[-1], out.dtype, batch_major)
         outs[s:e] = out
     return outs, h, c
+
+
+def _outputs(
+    like: Tensor, steps: int, batch: int, hidden: int, dtype: torch.dtype, batch_major: bool
+) -> Tensor:
+    """Uninitialized (T, B, H) outputs: time-major memory, or a view of batch-major (B, T, H) memory."""
+    if batch_major:
+        return like.new_empty((batch, steps, hidden), dtype=dtype).transpose(0, 1)
+    return like.new_empty((steps, batch, hidden), dtype=dtype)
 
 
 def _segment(

@@ -325,8 +325,9 @@ def test_a_ranks_sample_groups_share_the_walks_scratch() -> None:
 
 
 def _rank_blocks(rank: int, size: int) -> None:
-    """A CPU rank of several takes its blocks of steps within ``RANK_BLOCK_BYTES``, one rank within a
-    process's budget (both shrunk here, so that a slice of a few steps spans several blocks)."""
+    """A CPU rank of several stores its outputs batch-major and takes its blocks of steps within
+    ``RANK_BLOCK_BYTES``; one rank keeps time-major outputs and a process's budget (both budgets
+    shrunk here, so that a slice of a few steps spans several blocks)."""
     from unittest import mock
 
     import bppsa_core.layer as layer
@@ -346,6 +347,8 @@ def _rank_blocks(rank: int, size: int) -> None:
     torch.manual_seed(0)
     parallel = SequenceParallel(RNN(F, H, dtype=torch.float64))  # on several ranks, groups of one sample
     out, h_n = parallel(torch.randn(T, B, F, dtype=torch.float64)[_mine(rank, size)])
+    layout = (H, out.shape[0] * H, 1) if size > 1 else (B * H, H, 1)
+    assert out.stride() == layout, f"rank {rank} of {size}: outputs of strides {out.stride()}"
     with (
         mock.patch.dict(jacobians.BLOCK_BYTES, cpu=4 * B * step),  # 4 steps of the whole batch
         mock.patch.object(distributed, "RANK_BLOCK_BYTES", 2 * step),  # 2 steps of one sample
@@ -355,7 +358,7 @@ def _rank_blocks(rank: int, size: int) -> None:
     assert max(lengths) == (2 if size > 1 else 4), f"rank {rank} of {size}: blocks of {lengths} steps"
 
 
-def test_a_cpu_rank_of_several_walks_in_blocks_of_its_own_budget() -> None:
+def test_a_cpu_rank_of_several_stores_its_outputs_batch_major_and_walks_in_blocks_of_its_own_budget() -> None:
     _ranks(1, _rank_blocks)
     _ranks(2, _rank_blocks)
 
@@ -453,7 +456,10 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     load_measured(tmp_path / "measured.csv")  # what analysis.strategies draws beside its model
     # one rank's costs at the largest T, as the model charges a device (analysis.strategies)
     costs = load_calibration(tmp_path / "calibration.json")
-    assert set(costs) == {"forward_step", "walk", "fold", "overhead", "groups"} and costs["groups"] == 8
+    assert (
+        set(costs) == {"forward_step", "walk", "fold", "overhead", "groups"}
+        and costs["groups"] == MICRO_BATCHES
+    )
     one = rows[(rows["p"] == 1) & (rows["T"] == 80)].set_index("backward")
     assert costs["forward_step"] == pytest.approx(one.loc["bppsa", "forward_s"] / 80)
     assert costs["walk"] == pytest.approx(one.loc["bppsa", "backward_s"] / (80 * 16))

@@ -257,6 +257,26 @@ def test_the_forward_in_segments_gives_the_same_results(kind: str, segment: int)
         check(kind, 9, 3, 2, 4, lengths=lengths, num_layers=2, bidirectional=True, segment=segment)
 
 
+@pytest.mark.parametrize("mode", ["RNN_TANH", "GRU", "LSTM"])
+def test_a_batch_major_forward_gives_the_same_outputs_in_batch_major_memory(mode: str) -> None:
+    """``native_forward(batch_major=True)``: the outputs and last states of the time-major forward, bit
+    for bit, as a (T, B, H) view of (B, T, H) memory; in one segment, in several, and where every
+    sequence ends before the last segment (its outputs 0)."""
+    from bppsa_core.layer import native_forward
+
+    torch.manual_seed(0)
+    module = {"GRU": torch.nn.GRU, "LSTM": torch.nn.LSTM}.get(mode, torch.nn.RNN)(2, 4, dtype=F64)
+    weights = [p.detach() for p in module._flat_weights]
+    x, h0 = torch.randn(10, 3, 2, dtype=F64), torch.randn(3, 4, dtype=F64)
+    c0 = torch.randn(3, 4, dtype=F64) if mode == "LSTM" else None
+    for segment, lengths in ((16, None), (3, None), (3, torch.tensor([5, 4, 2]))):
+        expected = native_forward(mode, x, h0, c0, weights, lengths, segment)
+        got = native_forward(mode, x, h0, c0, weights, lengths, segment, batch_major=True)
+        assert got[0].shape == (10, 3, 4) and got[0].stride() == (4, 40, 1), (segment, lengths)
+        for a, b in zip(got, expected, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b), (segment, lengths)
+
+
 def test_a_sequence_longer_than_a_segment_runs_in_segments(monkeypatch) -> None:
     from bppsa_core import layer
 
