@@ -106,10 +106,10 @@ BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # The backward's sample groups on more than one rank. The pipeline's fill is 1/m of a slice's
 # backward; each group adds an all-gather and its own calls. On two one-thread CPU ranks (B = 16,
-# H = 20, T = 100,000, outputs batch-major) 16 groups, one sample each, are fastest: the backward
-# 1.47-1.53 times faster than one rank's in the same processes (RNN, three runs) and 1.67 times
-# (GRU), against 1.39-1.45 and 1.48 with 8 groups of two, whose blocks are copied side by side (time-
-# major outputs, 8 groups: 1.39-1.42 and 1.50; docs/PERFORMANCE.md). A GPU
+# H = 20, T = 100,000, outputs batch-major) 16 groups of one sample are fastest: the backward 1.47-1.53
+# times faster than one rank's in the same processes (RNN, three runs), 1.67 times (GRU); 8 groups of
+# two (each block copied side by side) 1.13-1.45 and 1.48, and 8 groups out of time-major outputs
+# 1.39-1.42 and 1.50 (docs/PERFORMANCE.md, runs 58-60). A GPU
 # rank's group may cost nearly what the whole batch does (a launch per product, whatever the
 # samples): there, measure (``experiments.bench.distributed --device cuda --micro-batches``, or the
 # ``ranks`` step of ``experiments.gpu_check`` on two GPUs or more, which runs 1 to 16 groups).
