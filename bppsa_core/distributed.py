@@ -109,7 +109,7 @@ MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # H = 20, T = 100,000, outputs batch-major) 16 groups of one sample are fastest: the backward 1.47-1.53
 # times faster than one rank's in the same processes (RNN, three runs), 1.67 times (GRU); 8 groups of
 # two (each block copied side by side) 1.13-1.45 and 1.48, and 8 groups out of time-major outputs
-# 1.39-1.42 and 1.50 (docs/PERFORMANCE.md, runs 58-60). A GPU
+# 1.39-1.42 and 1.50 (docs/PERFORMANCE.md, runs 58-61). A GPU
 # rank's group may cost nearly what the whole batch does (a launch per product, whatever the
 # samples): there, measure (``experiments.bench.distributed --device cuda --micro-batches``, or the
 # ``ranks`` step of ``experiments.gpu_check`` on two GPUs or more, which runs 1 to 16 groups).
