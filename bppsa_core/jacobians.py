@@ -68,10 +68,14 @@ def _block_steps(bytes_per_step: int, device: torch.device) -> int:
     return max(1, budget // max(1, bytes_per_step))
 
 
+def block_kind(device: torch.device) -> str:
+    """The key of ``BLOCK_BYTES`` that holds ``device``'s budget: "cpu" on a CPU, "gpu" on any other."""
+    return "cpu" if torch.device(device).type == "cpu" else "gpu"
+
+
 def default_block_bytes(device: torch.device) -> int:
-    """The budget of a block of time steps on ``device`` outside any ``block_budget`` scope:
-    ``BLOCK_BYTES["cpu"]`` on a CPU, ``BLOCK_BYTES["gpu"]`` on any other device."""
-    return BLOCK_BYTES["cpu" if torch.device(device).type == "cpu" else "gpu"]
+    """The budget of a block of time steps on ``device`` outside any ``block_budget`` scope."""
+    return BLOCK_BYTES[block_kind(device)]
 
 
 @contextlib.contextmanager

@@ -515,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device, dtype = args.device, getattr(torch, args.dtype)
     if args.block_mib:  # a process-wide setting: it reaches the backward on the device's own thread too
-        jacobians.BLOCK_BYTES["cpu" if device.type == "cpu" else "gpu"] = args.block_mib << 20
+        jacobians.BLOCK_BYTES[jacobians.block_kind(device)] = args.block_mib << 20
     strategies = args.strategies or default_strategies(device)
     sets, epochs = plan(args)
     heading = bool(args.suite) or len(args.tables) > 1
