@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from toolbox.errors import SuiteError
+
 # The columns every records table holds (REQUIRED), those that hold numbers first.
 NUMERIC = (
     "seq_len",
@@ -91,7 +93,7 @@ MIN_INTERVAL_EPOCHS = 3
 BOOTSTRAP_SEED = 0
 
 
-class AnalysisError(ValueError):
+class AnalysisError(SuiteError, ValueError):
     """Missing or malformed input, said in one line."""
 
 

@@ -2,7 +2,7 @@
 
     python -m analysis.fig10 results/pruned_vgg --out figures
 
-Reads ``products.csv`` written by ``python -m experiments.bench.pruned_vgg`` and plots, per pruning ratio,
+Reads ``products.csv`` written by ``python -m benchmarks.pruned_vgg`` and plots, per pruning ratio,
 each product's FLOPs (2 x matching non-zero pairs) against its dense size m·n·k, one colour per
 method; products on the critical path (the largest of their parallel level, and every sequential
 product) are drawn filled, the others hollow. Log-log axes. PNG and PDF, reproducible byte for
@@ -27,7 +27,8 @@ from analysis.data import (
     require_rows,
 )
 from analysis.figures import plt, save
-from datasets.common import OneLineParser, output_folder
+from toolbox.cli import OneLineParser
+from toolbox.files import output_folder
 
 COLUMNS = ("ratio", "method", "flops", "mnk", "critical")
 
@@ -36,10 +37,10 @@ def load_products(folder: str | Path) -> pd.DataFrame:
     path = Path(folder) / "products.csv" if Path(folder).is_dir() else Path(folder)
     if not path.is_file():
         raise AnalysisError(
-            f"no products.csv at {str(path)!r}; run python -m experiments.bench.pruned_vgg first"
+            f"no products.csv at {str(path)!r}; run python -m benchmarks.pruned_vgg first"
         )
     products = read_table(path, COLUMNS, ("ratio", "flops", "mnk"))
-    require_rows(products, path, "the products of python -m experiments.bench.pruned_vgg")
+    require_rows(products, path, "the products of python -m benchmarks.pruned_vgg")
     require(products, path, ("ratio", "flops", "mnk"), finite_at_least_zero, "a finite number >= 0")
     require(products, path, ("method",), lambda v: v.astype(str).str.strip() != "", "a method's name")
     require_flags(products, path, "critical")
@@ -103,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m analysis.fig10",
         description=__doc__.split("\n\n")[0],
     )
-    parser.add_argument("path", help="the --out folder of experiments.bench.pruned_vgg, or its products.csv")
+    parser.add_argument("path", help="the --out folder of benchmarks.pruned_vgg, or its products.csv")
     parser.add_argument("--out", type=output_folder, default="figures", help="output folder")
     args = parser.parse_args(argv)
     try:

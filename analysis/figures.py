@@ -36,7 +36,8 @@ import seaborn as sns
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from analysis.data import PHASES, AnalysisError, load_results, speedups
-from datasets.common import OneLineParser, output_folder
+from toolbox.cli import OneLineParser
+from toolbox.files import output_folder
 
 sns.set_theme(style="whitegrid")  # every figure of the suite, fig. 10 included, in one style
 plt.rcParams.update({"svg.hashsalt": "bppsa", "pdf.compression": 6})

@@ -17,7 +17,8 @@ import pandas as pd
 
 from analysis.data import AnalysisError, load_results, provenance, speedups
 from analysis.figures import FIGURES, make_figures
-from datasets.common import OneLineParser, output_folder
+from toolbox.cli import OneLineParser
+from toolbox.files import output_folder
 
 
 def speedup_markdown(table: pd.DataFrame) -> str:

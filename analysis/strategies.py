@@ -48,13 +48,8 @@ from analysis.data import (
     whole_at_least,
 )
 from analysis.figures import plt
-from datasets.common import (
-    OneLineParser,
-    non_negative_float,
-    output_folder,
-    positive_float,
-    positive_int,
-)
+from toolbox.cli import OneLineParser, non_negative_float, positive_float, positive_int
+from toolbox.files import output_folder
 
 STRATEGIES = (
     "sequential",
@@ -300,7 +295,7 @@ def vgg11(width: float = 1.0) -> Network:
     scales its channels), built on the meta device: its weights are never allocated, at any width."""
     import torch
 
-    from experiments.bench.pruned_vgg import vgg11 as build
+    from benchmarks.pruned_vgg import vgg11 as build
 
     with torch.device("meta"):
         model = build(width)
@@ -327,7 +322,7 @@ class Machine:
     pay per operation: its forward is PyTorch's fused one, ``forward_step`` seconds per step whatever
     the batch, and BPPSA's backward of the slice from a given gradient is a compiled scan, ``walk``
     seconds per step and sample; a middle device folds its slice into one affine element per sample,
-    ``fold`` seconds per step and sample (``python -m experiments.bench.distributed`` measures all
+    ``fold`` seconds per step and sample (``python -m benchmarks.distributed`` measures all
     three on one rank). Each 0 (unset) charges the steps' operations instead. These costs are those of
     the strategies ``bppsa_core.distributed`` runs (sequential BP, distributed BPTT and BPPSA); the
     others schedule operations."""
@@ -1278,14 +1273,14 @@ def markdown(frame: pd.DataFrame, compare: pd.DataFrame | None, header: str) -> 
 
 def load_measured(path: str | Path) -> pd.DataFrame:
     """Measured iterations to draw beside the model: a CSV with the columns strategy, p and time
-    (seconds per iteration), as ``python -m experiments.bench.strategies`` writes it."""
+    (seconds per iteration), as ``python -m benchmarks.strategies`` writes it."""
     path = Path(path)
     if not path.is_file():
         raise AnalysisError(
-            f"no measured table at {str(path)!r}; run python -m experiments.bench.strategies first"
+            f"no measured table at {str(path)!r}; run python -m benchmarks.strategies first"
         )
     data = read_table(path, ("strategy", "p", "time"), ("p", "time"))
-    require_rows(data, path, "the measured iterations of python -m experiments.bench.strategies")
+    require_rows(data, path, "the measured iterations of python -m benchmarks.strategies")
     require(data, path, ("p",), whole_at_least(1), "a whole number >= 1")
     require(data, path, ("time",), finite_at_least_zero, "a finite number >= 0")
     require(data, path, ("strategy",), lambda v: v.notna(), "a strategy's name")
@@ -1297,8 +1292,8 @@ def load_measured(path: str | Path) -> pd.DataFrame:
     return data
 
 
-# What a calibration.json may set: experiments.bench.strategies writes the FLOP rate, α and β;
-# experiments.bench.distributed a device's compiled costs, BPTT's overhead and BPPSA's sample groups.
+# What a calibration.json may set: benchmarks.strategies writes the FLOP rate, α and β;
+# benchmarks.distributed a device's compiled costs, BPTT's overhead and BPPSA's sample groups.
 CALIBRATION = {
     "flops": "a positive number",
     "alpha": "a number >= 0",
@@ -1323,7 +1318,7 @@ def _calibrated(key: str, value: object) -> bool:
 
 def load_calibration(path: str | Path) -> dict[str, float]:
     """The settings a measured ``calibration.json`` holds (``CALIBRATION``: the FLOP rate, α and β of
-    ``python -m experiments.bench.strategies``, the costs of ``python -m experiments.bench.distributed``);
+    ``python -m benchmarks.strategies``, the costs of ``python -m benchmarks.distributed``);
     the keys that record the measurement's size (``RECORDED``) are skipped, any other key is an error."""
     path = Path(path)
     try:
@@ -1332,8 +1327,8 @@ def load_calibration(path: str | Path) -> dict[str, float]:
         if path.exists():  # there, but not readable
             raise AnalysisError(f"cannot read {path}: {exc.strerror or exc}") from None
         raise AnalysisError(
-            f"no calibration at {str(path)!r}; run python -m experiments.bench.strategies "
-            "or python -m experiments.bench.distributed first"
+            f"no calibration at {str(path)!r}; run python -m benchmarks.strategies "
+            "or python -m benchmarks.distributed first"
         ) from None
     except ValueError as exc:
         raise AnalysisError(f"{path} is not JSON: {exc}") from None
@@ -1496,8 +1491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--calibration",
         nargs="+",
-        help="calibration.json files of experiments.bench.strategies (flops, alpha, beta) or "
-        "experiments.bench.distributed (overhead, forward_step, walk, fold, groups): they set what the "
+        help="calibration.json files of benchmarks.strategies (flops, alpha, beta) or "
+        "benchmarks.distributed (overhead, forward_step, walk, fold, groups): they set what the "
         "flags leave unset, a later file winning",
     )
     parser.add_argument(

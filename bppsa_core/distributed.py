@@ -71,7 +71,7 @@ rank r - 1: p - 1 dependent messages, with the whole batch (autograd's graph of 
 is one, so it is not cut into micro-batches).
 
 In both, each rank's weight-gradient partial sums are all-reduced, so every rank ends with the
-gradient single-process autograd gives (``tests/test_distributed.py`` checks it to 1e-10 in float64).
+gradient single-process autograd gives (``tests/core/test_distributed.py`` checks it to 1e-10 in float64).
 The gradient of ``h_n`` (and ``c_n``) is taken from the last rank (every rank holds the same, so a
 loss computed on it on every rank counts once); the gradient of ``h0`` (and ``c0``) goes to rank 0.
 
@@ -83,7 +83,7 @@ reverse direction would need the whole sequence reversed across the ranks), an L
 **Data x sequence.** It composes with ``DistributedDataParallel`` over a second group: each replica
 is a sequence-parallel group, and DDP averages the weight gradients over the replicas that hold the
 same slice, as for any module (``DistributedDataParallel(SequenceParallel(model, sequence_group),
-process_group=data_group)``; ``tests/test_distributed.py`` checks 2 x 2 ranks against autograd).
+process_group=data_group)``; ``tests/core/test_distributed.py`` checks 2 x 2 ranks against autograd).
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # two (each block copied side by side) 1.13-1.45 and 1.48, and 8 groups out of time-major outputs
 # 1.39-1.42 and 1.50 (docs/PERFORMANCE.md, runs 58-61). A GPU
 # rank's group may cost nearly what the whole batch does (a launch per product, whatever the
-# samples): there, measure (``experiments.bench.distributed --device cuda --micro-batches``, or the
-# ``ranks`` step of ``experiments.gpu_check`` on two GPUs or more, which runs 1 to 16 groups).
+# samples): there, measure (``benchmarks.distributed --device cuda --micro-batches``, or the
+# ``ranks`` step of ``benchmarks.gpu_check`` on two GPUs or more, which runs 1 to 16 groups).
 MICRO_BATCHES = 16
 # Samples a middle rank folds at once on a CPU (``slice_fold``). On one CPU thread (H = 20,
 # T = 100,000, B = 16) the RNN's fold takes 0.40, 0.36, 0.34 and 0.49 µs per step and sample folding
@@ -528,7 +528,7 @@ def slice_fold(
     out (T_r, B, H) its outputs, ``weights`` the layer's. Returns A (B, S, S), S the state's width (an
     LSTM's 2H). On a CPU the samples are folded ``FOLD_SAMPLES`` at a time, so that the fold's
     products stay in cache; elsewhere all at once, one launch per product for the whole batch.
-    ``experiments.bench.distributed`` times it as the model's fold cost."""
+    ``benchmarks.distributed`` times it as the model's fold cost."""
     cell, w = cell_of(config.mode), LayerWeights(*weights)
     batch = h_in.shape[0]
     parts = []

@@ -48,7 +48,7 @@ from bppsa_core.chain import FactoredChain, LSTMChain
 from bppsa_core.scan import elementwise_recurrence
 
 # Bytes of temporaries the per-step work may use per block of time steps, by where it runs; a
-# process-wide setting (``experiments.bench.backward --block-mib`` sets it), which a ``block_budget``
+# process-wide setting (``benchmarks.backward --block-mib`` sets it), which a ``block_budget``
 # scope overrides. On a CPU, GRUCell.factors and layer_grads work block by block so that the
 # temporaries stay in the cache. On a GPU no cache is at stake and a block costs its launches, a
 # handful whatever its size (the fused kernels have made every step's gradient before the first

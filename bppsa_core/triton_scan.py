@@ -55,7 +55,7 @@ compiles each configuration once, whatever the sequence length; under Triton's i
 launches hand the bounds in as ``tl.constexpr`` objects (``_BOUNDS``; docs/DESIGN.md, "Loop bounds").
 The constexprs, warps and compile settings of every launch come from ``launch_config`` and
 ``lstm_launch_config``; ``launch_configs`` lists every configuration the modules can launch, and
-``experiments.bench.kernels`` (with ``tests/test_compile.py``) compiles them all for sm_80 and sm_90
+``benchmarks.kernels`` (with ``tests/core/test_compile.py``) compiles them all for sm_80 and sm_90
 without a GPU.
 """
 
@@ -735,7 +735,7 @@ def launch_config(
     mode: int, terms: int, has_diag: bool, has_b: bool, shift: int, fused: bool, hp: int
 ) -> dict[str, Launch]:
     """The three kernels of a chunked-scan launch by role (``reduce``, ``spine``, ``expand``), as
-    ``_launch`` runs them and ``experiments.bench.kernels`` compiles them.
+    ``_launch`` runs them and ``benchmarks.kernels`` compiles them.
 
     ``mode``: ``SCALES``, ``SCALES_T``, ``TANH``, ``RELU`` or ``GRU`` (the value); ``terms``: K weights;
     ``has_diag``: a diagonal term (a GRU always has one); ``has_b``: offsets; ``shift``: offsets read
@@ -752,7 +752,7 @@ def launch_config(
     walks = {**chain, "FUSED": fused}  # the kernels that walk elements and write x_k or deltas
     warps = num_warps(terms, hp)
     gru = mode == GRU.value
-    # Compile settings under which no configuration keeps a value in a stack slot (tests/test_compile.py;
+    # Compile settings under which no configuration keeps a value in a stack slot (tests/core/test_compile.py;
     # docs/PERFORMANCE.md, "Compiled kernels", says what each one clears): a reduce loop is not
     # software-pipelined (a step loads a few vectors against an HP x HP product), except the GRU's
     # below HP = 64 or with offsets, where unpipelined compiles took a slot; the GRU's reduce at

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from datasets.common import DataError, require_count
+from toolbox.cli import require_count
+from toolbox.errors import DataError
 
 NUM_CLASSES = 10
 NUM_SAMPLES = 50_000

@@ -67,7 +67,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from datasets.common import DataError, OneLineParser, cpu_cores, is_count, write_atomic
+from toolbox.cli import OneLineParser, cpu_cores, is_count
+from toolbox.errors import DataError
+from toolbox.files import write_atomic
 
 log = logging.getLogger(__name__)
 

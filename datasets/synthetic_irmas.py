@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from datasets.common import OneLineParser, bounded, nearest_folder, output_folder
 from datasets.irmas import CLASSES, CLIP_SAMPLES, SAMPLE_RATE
+from toolbox.cli import OneLineParser, bounded
+from toolbox.files import nearest_folder, output_folder
 
 # A clip on disk: 16-bit stereo samples and the 44-byte header of a wav file.
 CLIP_BYTES = 44 + CLIP_SAMPLES * 2 * 2

@@ -1,2 +1,2 @@
 """The experiments: ``run.py``'s Hydra job (configuration, training loop, phase timing, result
-records, loggers, sweep merge) and, in ``experiments.bench``, the benchmark tools."""
+records, loggers, sweep merge). The benchmark tools are the top-level package ``benchmarks``."""

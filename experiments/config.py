@@ -28,11 +28,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from datasets.common import WriteError
 from experiments import schema
+from toolbox.errors import SuiteError, WriteError
 
 
-class ConfigError(ValueError):
+class ConfigError(SuiteError, ValueError):
     """A bad configuration value, said in one line that names the key, the value and what is accepted."""
 
 

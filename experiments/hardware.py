@@ -23,12 +23,13 @@ from collections.abc import Iterator
 import torch
 
 from bppsa_core import dispatch
-from datasets.common import cpu_cores
+from toolbox.cli import cpu_cores
+from toolbox.errors import SuiteError
 
 log = logging.getLogger(__name__)
 
 
-class HardwareError(ValueError):
+class HardwareError(SuiteError, ValueError):
     """A device or worker setting this machine cannot honour, said in one line."""
 
 

@@ -15,10 +15,12 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
+from toolbox.errors import SuiteError
+
 log = logging.getLogger(__name__)
 
 
-class LoggerError(ValueError):
+class LoggerError(SuiteError, ValueError):
     """A logger setting this machine cannot honour, said in one line."""
 
 

@@ -37,12 +37,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from toolbox.errors import SuiteError
+
 # How long a rank waits in a collective for the others (building IRMAS's features on the leader
 # while the others wait takes minutes on the first run).
 TIMEOUT_MIN = 30
 
 
-class RankError(RuntimeError):
+class RankError(SuiteError, RuntimeError):
     """The job failed on another rank, or a rank left: said in one line on every rank."""
 
     def __init__(self, message: str, bad_input: bool = False) -> None:

@@ -4,7 +4,7 @@ A run folder holds ``records.csv`` (one tidy row per epoch, the configuration's 
 on every row so merged tables describe themselves), ``summary.json`` (resolved configuration, its
 hash, git commit and dirty flag, versions, device, status, totals, and the error of a failed run)
 and ``checkpoint.pt``. Every file is written to a temporary name and renamed into place
-(``datasets.common.write_atomic``), so a killed run leaves the last complete version, never half
+(``toolbox.files.write_atomic``), so a killed run leaves the last complete version, never half
 of one; one process at a time works in a folder (``folder_lock``).
 
 In a sweep (``multirun/<name>/``) every job has a folder named by its result-changing overrides
@@ -31,7 +31,8 @@ import pandas as pd
 import torch
 from filelock import FileLock, Timeout
 
-from datasets.common import nearest_folder, write_atomic
+from toolbox.errors import SuiteError
+from toolbox.files import nearest_folder, write_atomic
 
 RECORDS = "records.csv"
 SUMMARY = "summary.json"
@@ -58,7 +59,7 @@ SOLVER_KEYS = ("model.forward_solver", "model.newton_")
 SWEEP_ID_VARIABLE = "BPPSA_SWEEP_ID"
 
 
-class FolderBusyError(RuntimeError):
+class FolderBusyError(SuiteError, RuntimeError):
     """Another process works in this run folder."""
 
 

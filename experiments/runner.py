@@ -31,7 +31,6 @@ from omegaconf.errors import OmegaConfBaseException
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from datasets.common import DataError, WriteError
 from experiments import records
 from experiments.config import ConfigError, build, check
 from experiments.hardware import (
@@ -58,6 +57,7 @@ from experiments.train import (
     save_checkpoint,
     train_epoch,
 )
+from toolbox.errors import DataError, WriteError
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]

@@ -29,9 +29,9 @@ from omegaconf import MISSING, OmegaConf
 from bppsa_core.dispatch import STRATEGIES
 from bppsa_core.newton import SOLVERS
 from bppsa_core.nn import GUESSES
-from datasets.common import SEEDS, is_count, is_seed
 from experiments.hardware import worker_counts
 from experiments.records import job_folder, sweep_folder
+from toolbox.cli import SEEDS, is_count, is_seed
 
 
 @dataclass(frozen=True)

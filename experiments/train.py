@@ -23,13 +23,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from bppsa_core.distributed import SequenceParallel
-from datasets.common import write_atomic
 from experiments.timing import Interval
+from toolbox.errors import SuiteError
+from toolbox.files import write_atomic
 
 PHASES = ("forward", "backward", "step")
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(SuiteError, RuntimeError):
     """The loss became NaN or infinite: the run stops and is recorded as failed."""
 
 
@@ -189,7 +190,7 @@ def save_checkpoint(
     write_atomic(path, lambda p: torch.save(payload, p))
 
 
-class CheckpointError(ValueError):
+class CheckpointError(SuiteError, ValueError):
     """A checkpoint that cannot be resumed from, said in one line that names it."""
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import memory
 from datasets.irmas import SAMPLE_RATE
 from datasets.synthetic_irmas import stereo_clip, write_synthetic
-from experiments.bench import memory
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -26,8 +26,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / a.norm().clamp_min(1e-300)).item()
 
 
-# Peak-memory probes for child processes (experiments.bench.memory says why these and not ru_maxrss).
-MEMORY_PROBES = "from experiments.bench.memory import peak_bytes, reset_peak, rss_bytes\n"
+# Peak-memory probes for child processes (benchmarks.memory says why these and not ru_maxrss).
+MEMORY_PROBES = "from benchmarks.memory import peak_bytes, reset_peak, rss_bytes\n"
 
 
 def run_child(code: str, *args: str) -> str:

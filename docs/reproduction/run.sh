@@ -80,10 +80,10 @@ if [[ $draw_only == 0 ]]; then
     for table in "${swept[@]}"; do cp "$work/$table/records.csv" "$tables/$table.csv"; done
     if [[ "$device" == cpu ]]; then
         # fig. 10: the pruned VGG-11 study at a quarter of the width; Table 1: CSR against autograd
-        "$py" -m experiments.bench.pruned_vgg --out "$work/pruned_vgg" --width 0.25 --steps 50 > /dev/null
+        "$py" -m benchmarks.pruned_vgg --out "$work/pruned_vgg" --width 0.25 --steps 50 > /dev/null
         cp "$work/pruned_vgg/products.csv" "$here/fig10_products.csv"
         cp "$work/pruned_vgg/summary.csv" "$here/fig10_summary.csv"
-        "$py" -m experiments.bench.jacobian_table > "$here/table1.md"
+        "$py" -m benchmarks.jacobian_table > "$here/table1.md"
     fi
 fi
 

@@ -10,8 +10,8 @@ cd "$(dirname "$0")/../.."
 python=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python )}
 here=docs/strategies
 if [[ "${1:-}" == "--measure" ]]; then
-    "$python" -m experiments.bench.strategies --out "$here/measured" --repeats 9
-    "$python" -m experiments.bench.distributed --ranks 1 2 --T 100000 --repeats 5 --rounds 3 --out "$here/distributed"
+    "$python" -m benchmarks.strategies --out "$here/measured" --repeats 9
+    "$python" -m benchmarks.distributed --ranks 1 2 --T 100000 --repeats 5 --rounds 3 --out "$here/distributed"
 fi
 # VGG-11 on an assumed interconnect: 1 TFLOP/s processors, 5 µs latency, 10 GB/s
 "$python" -m analysis.strategies --model vgg11 --p 1 2 4 8 16 32 --alpha 5e-6 --beta 1e-10 \
@@ -20,7 +20,7 @@ fi
 "$python" -m analysis.strategies --model rnn --T 1000 --p 1 2 4 8 16 32 64 --overhead 2e-6 \
     --out "$here/rnn" > /dev/null
 # the paper's RNN at T = 100,000 split over 1 to 1024 devices: BPPSA (all-gather, tree) against
-# distributed BPTT, each device costed as one rank of experiments.bench.distributed measured (fused
+# distributed BPTT, each device costed as one rank of benchmarks.distributed measured (fused
 # forward, compiled walk and fold, BPTT's cost per operation, 8 sample groups), beside the measured
 # 1- and 2-rank iterations
 "$python" -m analysis.strategies --model rnn --T 100000 --batch 16 \
@@ -29,7 +29,7 @@ fi
     --calibration "$here/measured/calibration.json" "$here/distributed/calibration.json" \
     --measured "$here/distributed/measured.csv" --out "$here/distributed" > /dev/null
 # the same beside 1 to 4 ranks measured on a 16-core machine, one core each, and costed as its ranks
-# (four-ranks/: the measured.csv and calibration.json of `python -m experiments.gpu_check`'s ranks step)
+# (four-ranks/: the measured.csv and calibration.json of `python -m benchmarks.gpu_check`'s ranks step)
 "$python" -m analysis.strategies --model rnn --T 100000 --batch 16 \
     --p 1 2 3 4 6 8 16 32 64 128 256 512 1024 \
     --strategies sequential bptt-distributed bppsa-allgather bppsa-tree \

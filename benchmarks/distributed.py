@@ -1,6 +1,6 @@
 """Sequence parallelism across processes: distributed BPPSA against distributed BPTT.
 
-    python -m experiments.bench.distributed --ranks 1 2 4 --T 10000 100000 --B 16 --H 20
+    python -m benchmarks.distributed --ranks 1 2 4 --T 10000 100000 --B 16 --H 20
 
 For each T and rank count p, spawns p gloo processes of one thread each (``--device cuda``: p NCCL
 processes, one GPU each, GPU r for rank r). Each holds the contiguous
@@ -30,7 +30,7 @@ Prints, per T and p:
 - the peak memory per rank: the most any rank's resident set rose within one iteration of the
   mode (BPPSA's first, each after one iteration of its own) above what it held when that
   iteration began. On CPUs it is measured in processes of its own, spawned before the timed ones,
-  with malloc returning freed blocks to the system (``experiments.bench.memory``), so that it
+  with malloc returning freed blocks to the system (``benchmarks.memory``), so that it
   follows the live tensors: what the forward keeps for the backward and the backward's working
   memory. The timed processes keep the usual malloc, as a training run does (under that setting
   every large block comes back as fresh pages, and the walk took twice as long). On GPUs, the
@@ -70,11 +70,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks import memory
+from benchmarks.common import markdown, non_negative_int, parser, positive_int, run_tool
 from bppsa_core.distributed import MICRO_BATCHES, sample_groups
-from datasets.common import output_folder
-from experiments.bench import memory
-from experiments.bench.common import markdown, non_negative_int, parser, positive_int, run_tool
 from experiments.timing import median_ms
+from toolbox.files import output_folder
 
 MODELS = ("rnn", "gru")
 DEVICES = ("cpu", "cuda")
@@ -431,7 +431,7 @@ def table(rounds: list[list[dict]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = parser("experiments.bench.distributed", __doc__)
+    p = parser("benchmarks.distributed", __doc__)
     p.add_argument("--ranks", type=positive_int, nargs="+", default=[1, 2], help="process counts")
     p.add_argument("--T", type=positive_int, nargs="+", default=[10_000], help="sequence lengths")
     p.add_argument("--B", type=positive_int, default=16, help="batch size")
@@ -537,4 +537,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_tool("experiments.bench.distributed", main))
+    raise SystemExit(run_tool("benchmarks.distributed", main))

@@ -11,10 +11,10 @@ import pytest
 import torch
 from helpers import markdown_tables
 
-from experiments.bench import backward
-from experiments.bench.backward import bench, epoch_comparison, format_table, parse_args, suite_sets
-from experiments.bench.floors import Floors
-from experiments.bench.scan import bench_scan
+from benchmarks import backward
+from benchmarks.backward import bench, epoch_comparison, format_table, parse_args, suite_sets
+from benchmarks.floors import Floors
+from benchmarks.scan import bench_scan
 
 CPU = torch.device("cpu")
 FLOORS = Floors(bandwidth_gbs=10.0, launch_us=5.0)
@@ -206,7 +206,7 @@ def test_bad_input_exits_with_one_clear_line(argv, message, capsys) -> None:
         parse_args(argv)
     assert exc.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()  # one line, no usage block
-    assert line.startswith("python -m experiments.bench.backward: error: ") and message in line
+    assert line.startswith("python -m benchmarks.backward: error: ") and message in line
 
 
 def test_a_named_strategy_that_cannot_run_on_the_device_is_refused_before_any_timing(
@@ -217,7 +217,7 @@ def test_a_named_strategy_that_cannot_run_on_the_device_is_refused_before_any_ti
     assert exc.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(
-        "python -m experiments.bench.backward: error: --strategies: strategy='triton' needs"
+        "python -m benchmarks.backward: error: --strategies: strategy='triton' needs"
     )
     assert "and this device is cpu; accepted here: auto, sequential, blelloch, chunked" in line
     assert parse_args(["--strategies", "chunked"]).strategies == ["chunked"]
@@ -226,11 +226,11 @@ def test_a_named_strategy_that_cannot_run_on_the_device_is_refused_before_any_ti
 # Every tool that writes files: its output option, a path that option refuses ({file}: a file,
 # {folder}: a folder) and the other arguments it needs.
 OUTPUT_TOOLS = {
-    "experiments.bench.distributed": ("--out", "{file}", []),
-    "experiments.bench.strategies": ("--out", "{file}/sub", []),
-    "experiments.bench.pruned_vgg": ("--out", "{file}", []),
-    "experiments.bench.kernels": ("--json", "{folder}", []),
-    "experiments.gpu_check": ("--out", "{folder}", ["--dry"]),
+    "benchmarks.distributed": ("--out", "{file}", []),
+    "benchmarks.strategies": ("--out", "{file}/sub", []),
+    "benchmarks.pruned_vgg": ("--out", "{file}", []),
+    "benchmarks.kernels": ("--json", "{folder}", []),
+    "benchmarks.gpu_check": ("--out", "{folder}", ["--dry"]),
     "analysis.figures": ("--out", "{file}", ["results"]),
     "analysis.report": ("--out", "{file}", ["results"]),
     "analysis.fig10": ("--out", "{file}", ["results"]),
@@ -271,7 +271,7 @@ def test_an_empty_or_unwritable_output_path_is_refused_before_any_work(
 
     flag, _, rest = OUTPUT_TOOLS[module]
     if case == "denied":  # what a read-only folder gives, whoever runs the test
-        monkeypatch.setattr("datasets.common.os.access", lambda path, mode: Path(path) != tmp_path)
+        monkeypatch.setattr("toolbox.files.os.access", lambda path, mode: Path(path) != tmp_path)
     value = "" if case == "empty" else str(tmp_path / "new")
     with pytest.raises(SystemExit) as exc:
         importlib.import_module(module).main([flag, value, *rest])
@@ -285,18 +285,18 @@ def test_an_empty_or_unwritable_output_path_is_refused_before_any_work(
 
 
 def test_memory_that_runs_out_ends_a_tool_in_one_line(capsys) -> None:
-    from experiments.bench.common import run_tool
+    from benchmarks.common import run_tool
 
     def too_large() -> int:
         raise RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: 4000000000000 bytes")
 
-    assert run_tool("experiments.bench.backward", too_large) == 1
+    assert run_tool("benchmarks.backward", too_large) == 1
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("python -m experiments.bench.backward: error: out of memory: [enforce fail]")
+    assert line.startswith("python -m benchmarks.backward: error: out of memory: [enforce fail]")
     assert line.endswith("; accepted: smaller sizes")
     with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
-        run_tool("experiments.bench.backward", lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
-    assert run_tool("experiments.bench.backward", lambda: 0) == 0
+        run_tool("benchmarks.backward", lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
+    assert run_tool("benchmarks.backward", lambda: 0) == 0
 
 
 def test_cuda_without_a_gpu_is_named(capsys, monkeypatch) -> None:
@@ -311,5 +311,5 @@ def test_help_names_the_module_and_every_default(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     out = capsys.readouterr().out
-    assert out.startswith("usage: python -m experiments.bench.backward")
+    assert out.startswith("usage: python -m benchmarks.backward")
     assert "(default: 5)" in out and "(default: 2)" in out  # --repeats, --warmup

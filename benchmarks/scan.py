@@ -1,6 +1,6 @@
 """Scan-only benchmark: BPPSA's scans and their peers on the identical chain.
 
-    python -m experiments.bench.backward --tables scan --T 100 1000 10000 --B 16 --H 20
+    python -m benchmarks.backward --tables scan --T 100 1000 10000 --B 16 --H 20
 
 The chain is a real recurrent layer's: PyTorch's RNN (or GRU) runs forward on random bits, and
 ``bppsa_core.jacobians`` turns its states into the factored Jacobians (tanh RNN: f'(z_t) of shape
@@ -15,7 +15,7 @@ x_0..x_T from them:
   x_k in c at position k. Building the dense elements is left out of the peers' times.
 
 Every result is checked against ``sequential_scan`` run in float64 (norm-wise relative difference),
-and every row carries the floors of ``experiments.bench.floors``. This module imports nothing
+and every row carries the floors of ``benchmarks.floors``. This module imports nothing
 beyond torch; numpy and jax are imported when used.
 """
 
@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from benchmarks.common import failure, fmt_ms, markdown
+from benchmarks.floors import Floors
 from bppsa_core.chain import Chain
 from bppsa_core.jacobians import LayerWeights
 from bppsa_core.layer import cell_of
 from bppsa_core.scan import scan, sequential_scan
-from experiments.bench.common import failure, fmt_ms, markdown
-from experiments.bench.floors import Floors
 from experiments.timing import median_ms
 
 TORCH_PEER = "torch assoc_scan"

@@ -37,7 +37,7 @@ COMMANDS = documented()
 def test_the_docs_show_commands_of_every_kind() -> None:
     """The extraction finds the README's commands, so the test below has something to check."""
     readme = {argv[0] for name, _, argv in COMMANDS if name == "README.md"}
-    assert {"run.py", "-m experiments.bench.backward", "-m analysis.report", "-m datasets.irmas"} <= readme
+    assert {"run.py", "-m benchmarks.backward", "-m analysis.report", "-m datasets.irmas"} <= readme
     assert len(COMMANDS) > 40
 
 
@@ -115,8 +115,8 @@ def test_a_tools_help_gives_each_default_once(tool: str, capsys) -> None:
 
 def test_every_tool_is_found() -> None:
     assert {
-        "experiments.gpu_check",
-        "experiments.bench.backward",
+        "benchmarks.gpu_check",
+        "benchmarks.backward",
         "analysis.strategies",
         "datasets.irmas",
     } <= set(TOOLS)

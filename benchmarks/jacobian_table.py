@@ -1,6 +1,6 @@
 """The paper's Table 1: building VGG-11's first transposed Jacobians in CSR vs autograd row by row.
 
-    python -m experiments.bench.jacobian_table [--device cuda]
+    python -m benchmarks.jacobian_table [--device cuda]
 
 For VGG-11's first Conv2d (3 -> 64, 3x3, padding 1), the ReLU after it and the MaxPool2d (2x2)
 after that, on one 3x32x32 input: the shape of J^T, its sparsity (1 - stored entries / size), the
@@ -22,8 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from bppsa_core import sparse
-from experiments.bench.common import (
+from benchmarks.common import (
     device_arg,
     markdown,
     non_negative_int,
@@ -32,6 +31,7 @@ from experiments.bench.common import (
     run_tool,
     seed_arg,
 )
+from bppsa_core import sparse
 from experiments.timing import median_ms, time_ms
 
 PAPER = {"Conv2d": (0.99157, 8.3e3), "ReLU": (0.99998, 1.2e6), "MaxPool2d": (0.99994, 1.5e5)}
@@ -135,7 +135,7 @@ def header(device: torch.device) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = parser("experiments.bench.jacobian_table", __doc__)
+    p = parser("benchmarks.jacobian_table", __doc__)
     p.add_argument("--rows", type=positive_int, default=256, help="autograd rows sampled per layer")
     p.add_argument("--repeats", type=positive_int, default=20, help="timed CSR builds per layer")
     p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed CSR builds before them")
@@ -151,4 +151,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_tool("experiments.bench.jacobian_table", main))
+    raise SystemExit(run_tool("benchmarks.jacobian_table", main))

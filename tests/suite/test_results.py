@@ -19,9 +19,10 @@ import torch
 from helpers import ROOT, TINY, composed, run_py, write_tree
 
 from analysis.data import load_results, speedups
-from datasets.common import WriteError, write_atomic
 from experiments import records, runner
 from experiments.records import job_folder, sweep_folder
+from toolbox.errors import WriteError
+from toolbox.files import write_atomic
 
 CSV = ["logger=csv"]
 

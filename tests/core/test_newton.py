@@ -118,7 +118,7 @@ def test_a_trained_layer_converges_to_the_native_states(model: str) -> None:
     """The benchmark's trained weights (300 Adam steps of the bitstream task; the RNN's recurrence is
     no longer contractive, and unprojected iterations overflowed to NaN on it): the Newton forward
     at T = 1000 in float32 converges, to the native states within 1e-5."""
-    from experiments.bench.forward import MODELS, task_batch, trained_state
+    from benchmarks.forward import MODELS, task_batch, trained_state
 
     cpu = torch.device("cpu")
     cls, features = MODELS[model]

@@ -1,6 +1,6 @@
 """The Triton kernels compiled for real GPUs, without one: every configuration the modules launch
 (``triton_scan.launch_configs``) through Triton's compiler and ptxas for sm_80 and sm_90, read back with
-cuobjdump (``experiments.bench.kernels``).
+cuobjdump (``benchmarks.kernels``).
 
 The compiles run in a child process without ``TRITON_INTERPRET`` (conftest sets it for this process
 when there is no GPU, and the kernels are then loaded for the interpreter, which cannot compile). The
@@ -26,9 +26,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-from experiments.bench import kernels
+from benchmarks import kernels
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90)
 LOOPS = {"reduce": 1, "spine": 2, "expand": 1}  # the loops each kernel's source has
 KERNELS = {
@@ -50,9 +50,9 @@ def compiled_env() -> dict[str, str]:
 
 
 def compile_rows(tmp: Path, configs: str) -> list[dict]:
-    """``python -m experiments.bench.kernels --configs <configs>`` for both archs, in a child process."""
+    """``python -m benchmarks.kernels --configs <configs>`` for both archs, in a child process."""
     out = tmp / "rows.json"
-    cmd = [sys.executable, "-m", "experiments.bench.kernels", "--arch", *map(str, ARCHS)]
+    cmd = [sys.executable, "-m", "benchmarks.kernels", "--arch", *map(str, ARCHS)]
     cmd += ["--configs", configs, "--json", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, env=compiled_env(), capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -151,12 +151,12 @@ def test_every_configuration_compiles_for_both_archs_without_spills(tmp_path) ->
 
 # A child process: the launches of two chains of different lengths, chunk sizes and batches,
 # recorded; what Triton's JIT compiles for each (its own specialization of the argument values),
-# compiled from scratch (TRITON_ALWAYS_COMPILE) for sm_90; and what experiments.bench.kernels
+# compiled from scratch (TRITON_ALWAYS_COMPILE) for sm_90; and what benchmarks.kernels
 # compiles for the same configuration.
 BOUNDS_CHECK = r"""
 import json, torch, triton
 from bppsa_core import triton_scan as ts
-from experiments.bench import kernels as K
+from benchmarks import kernels as K
 
 def calls(n, b, chunk):
     g = torch.Generator().manual_seed(0)
@@ -202,7 +202,7 @@ print(json.dumps(report))
 def test_loop_bounds_are_not_compiled_in_and_the_test_compiles_what_a_launch_compiles(tmp_path) -> None:
     """Two chains of different lengths (1000, 777), chunk sizes (32, 23) and batches (3, 16) launch
     identical compiles (loop bounds, length and batch are run-time arguments, never specialized), and
-    ``experiments.bench.kernels`` builds the same compile inputs as Triton's JIT does for each."""
+    ``benchmarks.kernels`` builds the same compile inputs as Triton's JIT does for each."""
     env = {**compiled_env(), "TRITON_ALWAYS_COMPILE": "1", "TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-c", BOUNDS_CHECK], cwd=ROOT, env=env, capture_output=True, text=True, check=False
@@ -318,7 +318,7 @@ def test_an_arch_the_kernels_cannot_target_is_refused_in_one_line(arch: str, mes
         kernels.main(["--arch", arch])
     assert stop.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line == f"python -m experiments.bench.kernels: error: argument --arch: {message}"
+    assert line == f"python -m benchmarks.kernels: error: argument --arch: {message}"
 
 
 def test_the_tool_refuses_the_interpreter_in_one_line(capsys) -> None:

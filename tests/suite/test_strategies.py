@@ -41,7 +41,7 @@ def close(a: float, b: float) -> bool:
 
 
 def test_vgg11_is_traced_into_its_weighted_layers_with_their_flops() -> None:
-    from experiments.bench.pruned_vgg import vgg11
+    from benchmarks.pruned_vgg import vgg11
 
     assert [x.name for x in VGG.layers] == [f"conv{i}" for i in range(1, 9)] + ["fc9"]
     assert VGG.params == sum(p.numel() for p in vgg11().parameters())
@@ -556,8 +556,8 @@ def test_a_measured_table_must_name_known_strategies(tmp_path: Path) -> None:
 
 
 def test_the_benchmark_cuts_vgg11_where_the_model_does() -> None:
-    from experiments.bench.pruned_vgg import vgg11
-    from experiments.bench.strategies import split_at
+    from benchmarks.pruned_vgg import vgg11
+    from benchmarks.strategies import split_at
 
     stages = S.partition([x.work for x in VGG.layers], 2)
     first, second = split_at(vgg11(), 4)
@@ -569,7 +569,7 @@ def test_the_benchmark_cuts_vgg11_where_the_model_does() -> None:
 
 
 def test_the_benchmark_measures_three_strategies_on_two_processes(tmp_path: Path, capsys) -> None:
-    from experiments.bench import strategies as bench
+    from benchmarks import strategies as bench
 
     args = ["--width", "0.125", "--batch", "8", "--micro-batches", "4", "--warmup", "0", "--repeats", "1"]
     assert bench.main([*args, "--pingpong-mb", "0.25", "--out", str(tmp_path)]) == 0
@@ -602,7 +602,7 @@ def test_the_benchmark_measures_three_strategies_on_two_processes(tmp_path: Path
     ],
 )
 def test_the_benchmark_refuses_bad_settings_in_one_line(tmp_path: Path, capsys, args, message) -> None:
-    from experiments.bench import strategies as bench
+    from benchmarks import strategies as bench
 
     with pytest.raises(SystemExit) as stop:
         bench.main([*args, "--out", str(tmp_path / "out")])

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from datasets.common import (  # noqa: F401  (the count and number types: the tools import them from here)
+from experiments.hardware import HardwareError, cpu_name, out_of_memory, resolve_device
+from toolbox.cli import (  # noqa: F401  (the count and number types: the tools import them from here)
     SEEDS,
     OneLineParser,
     bounded,
@@ -25,11 +26,10 @@ from datasets.common import (  # noqa: F401  (the count and number types: the to
     positive_float,
     positive_int,
 )
-from experiments.hardware import HardwareError, cpu_name, out_of_memory, resolve_device
 
 
 def seed_arg(text: str) -> int:
-    """argparse type of ``--seed``: the seeds run.py takes (``datasets.common.SEEDS``)."""
+    """argparse type of ``--seed``: the seeds run.py takes (``toolbox.cli.SEEDS``)."""
     seed = bounded(int, SEEDS, positive=False)(text)
     if not is_seed(seed):
         raise argparse.ArgumentTypeError(f"{text} is too large; accepted: {SEEDS}")

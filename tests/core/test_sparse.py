@@ -222,7 +222,7 @@ def test_product_flops_count_matching_nonzero_pairs() -> None:
 
 
 def test_table_1_reproduces_the_papers_sparsities(capsys) -> None:
-    from experiments.bench import jacobian_table
+    from benchmarks import jacobian_table
 
     assert jacobian_table.main(["--rows", "4", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
@@ -249,7 +249,7 @@ def test_table_1_reproduces_the_papers_sparsities(capsys) -> None:
     ],
 )
 def test_table_1_rejects_a_bad_device(device, message, monkeypatch, capsys) -> None:
-    from experiments.bench import jacobian_table
+    from benchmarks import jacobian_table
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_:
@@ -257,7 +257,7 @@ def test_table_1_rejects_a_bad_device(device, message, monkeypatch, capsys) -> N
     assert exit_.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    prefix = "python -m experiments.bench.jacobian_table: error: argument --device: "
+    prefix = "python -m benchmarks.jacobian_table: error: argument --device: "
     assert captured.err.splitlines()[-1] == prefix + message
 
 
@@ -270,7 +270,7 @@ def test_table_1_rejects_a_bad_device(device, message, monkeypatch, capsys) -> N
     ],
 )
 def test_table_1_takes_the_seeds_run_py_takes(seed, message, capsys) -> None:
-    from experiments.bench import jacobian_table
+    from benchmarks import jacobian_table
 
     with pytest.raises(SystemExit) as exit_:
         jacobian_table.main(["--seed", seed])
@@ -279,12 +279,12 @@ def test_table_1_takes_the_seeds_run_py_takes(seed, message, capsys) -> None:
     assert captured.out == ""
     assert (
         captured.err.strip()
-        == f"python -m experiments.bench.jacobian_table: error: argument --seed: {message}"
+        == f"python -m benchmarks.jacobian_table: error: argument --seed: {message}"
     )
 
 
 def test_table_1_rejects_a_missing_gpu_index(monkeypatch, capsys) -> None:
-    from experiments.bench import jacobian_table
+    from benchmarks import jacobian_table
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -299,7 +299,7 @@ def test_table_1_rejects_a_missing_gpu_index(monkeypatch, capsys) -> None:
 def test_table_1_on_a_gpu(capsys) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
-    from experiments.bench import jacobian_table
+    from benchmarks import jacobian_table
 
     assert jacobian_table.main(["--rows", "4", "--repeats", "1", "--device", "cuda"]) == 0
     out = capsys.readouterr().out
@@ -311,7 +311,7 @@ def test_pruned_vgg_study_writes_its_tables_and_fig_10(tmp_path, capsys) -> None
     import pandas as pd
 
     from analysis import fig10
-    from experiments.bench import pruned_vgg
+    from benchmarks import pruned_vgg
 
     out = tmp_path / "study"
     argv = ["--out", str(out), "--width", "0.0625", "--steps", "2", "--ratios", "0.9", "--levels", "2", "all"]
@@ -329,11 +329,11 @@ def test_pruned_vgg_study_writes_its_tables_and_fig_10(tmp_path, capsys) -> None
     assert fig10.main([str(out), "--out", str(tmp_path / "fig")]) == 0
     assert (tmp_path / "fig" / "fig10.png").is_file() and (tmp_path / "fig" / "fig10.pdf").is_file()
     assert fig10.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "fig")]) == 2
-    assert "run python -m experiments.bench.pruned_vgg first" in capsys.readouterr().err
+    assert "run python -m benchmarks.pruned_vgg first" in capsys.readouterr().err
 
 
 def test_pruned_vgg_rejects_bad_arguments(capsys) -> None:
-    from experiments.bench import pruned_vgg
+    from benchmarks import pruned_vgg
 
     with pytest.raises(SystemExit):
         pruned_vgg.main(["--out", "x", "--ratios", "1.5"])

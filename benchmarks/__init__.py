@@ -1,4 +1,5 @@
-"""The benchmark tools, each a command (``python -m experiments.bench.<tool>``), and their helpers.
+"""The benchmark tools, a top-level room of their own: each a command (``python -m benchmarks.<tool>``),
+and their helpers. ``gpu_check`` runs every GPU check and table in one report.
 
 * ``backward``: BPPSA's backward against PyTorch's BPTT, the scan alone against its peers, and a
   training epoch; ``--suite paper`` runs the paper's shapes, ``--suite long`` long sequences.

@@ -1,8 +1,8 @@
 """Forward benchmark: the native sequential forward against the Newton solves, parallel in time.
 
-    python -m experiments.bench.forward                       # RNN and GRU, T = 100 ... 100,000
-    python -m experiments.bench.forward --device cuda          # the same on a GPU
-    python -m experiments.bench.forward --quick                # seconds on a CPU
+    python -m benchmarks.forward                       # RNN and GRU, T = 100 ... 100,000
+    python -m benchmarks.forward --device cuda          # the same on a GPU
+    python -m benchmarks.forward --quick                # seconds on a CPU
 
 For each model, weights and sequence length: the native forward's time (PyTorch's fused kernel,
 cuDNN on a GPU) and, per solver (``forward_solver="newton"`` and ``"quasi-newton"``,
@@ -31,9 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from bppsa_core import nn as bnn
-from bppsa_core.newton import DEFAULT_MAX_ITERS, SOLVERS
-from experiments.bench.common import (
+from benchmarks.common import (
     Progress,
     device_arg,
     fmt_ms,
@@ -45,6 +43,8 @@ from experiments.bench.common import (
     run_tool,
     threads_arg,
 )
+from bppsa_core import nn as bnn
+from bppsa_core.newton import DEFAULT_MAX_ITERS, SOLVERS
 from experiments.timing import time_ms
 
 NEWTON = tuple(s for s in SOLVERS if s != "native")
@@ -75,7 +75,7 @@ class Row:
 def task_batch(steps: int, batch: int, features: int, device: torch.device, seed: int) -> tuple:
     """A batch of the bitstream task (B, T, features): the bits in feature 0, Gaussian noise in
     the rest; and its labels."""
-    from experiments.bench.backward import bitstream_batches  # torch-only, like this module
+    from benchmarks.backward import bitstream_batches  # torch-only, like this module
 
     x, y = bitstream_batches(steps, batch, batch, device, seed)[0]
     if features > 1:
@@ -173,7 +173,7 @@ LEGEND = (
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line, checked: a bad value ends the tool with one line and status 2."""
-    p = parser("experiments.bench.forward", __doc__)
+    p = parser("benchmarks.forward", __doc__)
     p.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS), help="models")
     p.add_argument("--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS), help="weights to time")
     p.add_argument("--solvers", nargs="+", choices=NEWTON, default=list(NEWTON), help="solvers to time")
@@ -235,4 +235,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_tool("experiments.bench.forward", main))
+    raise SystemExit(run_tool("benchmarks.forward", main))

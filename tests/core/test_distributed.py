@@ -432,7 +432,7 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     import pandas as pd
 
     from analysis.strategies import load_calibration, load_measured
-    from experiments.bench import distributed as bench
+    from benchmarks import distributed as bench
 
     args = ["--ranks", "1", "2", "--T", "40", "80", "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)]
     assert bench.main(args) == 0
@@ -473,7 +473,7 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
 
 
 def test_the_benchmark_prints_each_ranks_timeline_when_asked(capsys) -> None:
-    from experiments.bench import distributed as bench
+    from benchmarks import distributed as bench
 
     args = ["--ranks", "1", "2", "--T", "40", "--B", "4", "--warmup", "0", "--repeats", "1"]
     assert bench.main(args) == 0
@@ -487,7 +487,7 @@ def test_the_benchmark_prints_each_ranks_timeline_when_asked(capsys) -> None:
 
 
 def test_a_timeline_prints_each_span_in_milliseconds_in_the_order_it_began() -> None:
-    from experiments.bench.distributed import timeline_text
+    from benchmarks.distributed import timeline_text
 
     spans = [[("all-reduce", 0.030, 0.0305), ("walk", 0.0102, 0.0251), ("all-gather", 0.0001, 0.01)], []]
     assert timeline_text(spans) == (
@@ -500,7 +500,7 @@ def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(
 ) -> None:
     import pandas as pd
 
-    from experiments.bench import distributed as bench
+    from benchmarks import distributed as bench
 
     # backward seconds per round and rank count: each round's ratio 2.0, 1.5 and 1.25 (median 1.5),
     # where the ratio of the medians (2.0 / 1.0) would read 2.0
@@ -549,7 +549,7 @@ def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(
 
 
 def test_each_spawns_times_are_printed_as_it_ends_so_a_stopped_run_keeps_them(monkeypatch, capsys) -> None:
-    from experiments.bench import distributed as bench
+    from benchmarks import distributed as bench
 
     calls: list[int] = []
 
@@ -583,7 +583,7 @@ def test_each_spawns_times_are_printed_as_it_ends_so_a_stopped_run_keeps_them(mo
 def test_one_rank_runs_in_the_p_ranks_processes_only_on_cpus_and_when_one_rank_is_asked_for(
     device, ranks, alongside, monkeypatch
 ) -> None:
-    from experiments.bench import distributed as bench
+    from benchmarks import distributed as bench
 
     asked = []
 
@@ -604,7 +604,7 @@ def test_the_speedup_in_the_same_processes_pairs_each_iteration_and_other_ranks_
 ) -> None:
     """Rank 0's one-rank backward over the p ranks' right after it, iteration by iteration: the median
     of the pairs, not the ratio of the medians; a rank without that turn meets each of its barriers."""
-    from experiments.bench import distributed as bench
+    from benchmarks import distributed as bench
 
     clock = [0.0]
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -644,7 +644,7 @@ def test_memory_is_measured_under_its_malloc_setting_and_times_without_it(
 ) -> None:
     """On CPUs the peaks come from processes whose malloc unmaps every large freed block, the times
     from processes with the usual malloc (which the setting slows); torch's allocator needs neither."""
-    from experiments.bench import distributed as bench
+    from benchmarks import distributed as bench
 
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     seen = []
@@ -662,7 +662,7 @@ def test_memory_is_measured_under_its_malloc_setting_and_times_without_it(
 
 
 def test_the_benchmark_refuses_a_sequence_shorter_than_the_ranks(capsys) -> None:
-    from experiments.bench import distributed as bench
+    from benchmarks import distributed as bench
 
     with pytest.raises(SystemExit) as stop:
         bench.main(["--ranks", "1", "4", "--T", "3"])
@@ -678,7 +678,7 @@ def test_the_benchmark_refuses_a_sequence_shorter_than_the_ranks(capsys) -> None
     ],
 )
 def test_the_benchmark_refuses_more_gpu_ranks_than_gpus(gpus, message, tmp_path, monkeypatch, capsys) -> None:
-    from experiments.bench import distributed as bench
+    from benchmarks import distributed as bench
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     with pytest.raises(SystemExit) as stop:
@@ -690,7 +690,7 @@ def test_the_benchmark_refuses_more_gpu_ranks_than_gpus(gpus, message, tmp_path,
 def test_the_benchmark_stacks_layers_but_writes_only_what_the_one_layer_model_prices(
     tmp_path, capsys
 ) -> None:
-    from experiments.bench import distributed as bench
+    from benchmarks import distributed as bench
 
     assert (
         bench.main(["--ranks", "1", "3", "--T", "30", "--layers", "2", "--warmup", "0", "--repeats", "1"])
@@ -706,7 +706,7 @@ def test_the_benchmark_stacks_layers_but_writes_only_what_the_one_layer_model_pr
 
 
 def test_a_rank_that_dies_after_the_results_are_in_loses_nothing_and_one_before_fails(monkeypatch, capsys):
-    from experiments.bench import distributed as bench
+    from benchmarks import distributed as bench
 
     def died(write: bool):
         def spawn(fn, args, nprocs, join):

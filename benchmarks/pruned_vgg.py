@@ -1,6 +1,6 @@
 """Pruned VGG-11 retraining: the sparse Jacobian chain of one input, scanned by BPPSA vs plain BP.
 
-    python -m experiments.bench.pruned_vgg --out results/pruned_vgg --ratios 0.9 0.97
+    python -m benchmarks.pruned_vgg --out results/pruned_vgg --ratios 0.9 0.97
     python -m analysis.fig10 results/pruned_vgg        # the paper's fig. 10 analogue
 
 For each pruning ratio: VGG-11 for CIFAR-10 shapes (``--width`` scales the channels, ``--image-size``
@@ -32,9 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bppsa_core import sparse
-from datasets.common import output_folder
-from experiments.bench.common import (
+from benchmarks.common import (
     Progress,
     non_negative_int,
     parser,
@@ -42,7 +40,9 @@ from experiments.bench.common import (
     positive_int,
     run_tool,
 )
+from bppsa_core import sparse
 from experiments.records import write_table
+from toolbox.files import output_folder
 
 VGG11 = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 CLASSES = 10
@@ -218,7 +218,7 @@ def _level(text: str) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = parser("experiments.bench.pruned_vgg", __doc__)
+    p = parser("benchmarks.pruned_vgg", __doc__)
     p.add_argument("--out", type=output_folder, required=True, help="output folder")
     p.add_argument("--ratios", type=_ratio, nargs="+", default=[0.0, 0.9, 0.97], help="pruning ratios")
     p.add_argument(
@@ -250,4 +250,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_tool("experiments.bench.pruned_vgg", main))
+    raise SystemExit(run_tool("benchmarks.pruned_vgg", main))

@@ -1,6 +1,6 @@
 """Measured iterations of the parallel strategies that exist in code, for ``analysis.strategies``.
 
-    python -m experiments.bench.strategies --out results/strategies
+    python -m benchmarks.strategies --out results/strategies
     # then the analysis command it prints: the model with this machine's FLOP rate, α and β, and
     # the measured points on the same axes
 
@@ -32,8 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from datasets.common import output_folder, write_atomic
-from experiments.bench.common import (
+from benchmarks.common import (
     Progress,
     machine_line,
     non_negative_int,
@@ -42,8 +41,9 @@ from experiments.bench.common import (
     positive_int,
     run_tool,
 )
-from experiments.bench.pruned_vgg import CLASSES, vgg11
+from benchmarks.pruned_vgg import CLASSES, vgg11
 from experiments.records import write_table
+from toolbox.files import output_folder, write_atomic
 
 RANKS = 2
 
@@ -201,7 +201,7 @@ def measure(args, progress: Callable[[str], None]) -> tuple[list[dict], dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = parser("experiments.bench.strategies", __doc__)
+    p = parser("benchmarks.strategies", __doc__)
     p.add_argument("--out", type=output_folder, required=True, help="output folder")
     p.add_argument("--batch", type=positive_int, default=32, help="samples per iteration")
     p.add_argument("--width", type=positive_float, default=1.0, help="VGG-11's channel multiplier")
@@ -251,4 +251,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_tool("experiments.bench.strategies", main))
+    raise SystemExit(run_tool("benchmarks.strategies", main))

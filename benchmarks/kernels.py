@@ -1,7 +1,7 @@
 """The Triton scan kernels compiled for NVIDIA GPUs without one: registers, spills, shared memory and a
 static estimate of their loops.
 
-    python -m experiments.bench.kernels [--arch 80 90] [--T 1000] [--chunk 32] [--summary]
+    python -m benchmarks.kernels [--arch 80 90] [--T 1000] [--chunk 32] [--summary]
 
 Every kernel configuration the modules can launch (``bppsa_core.triton_scan.launch_configs``: kernel,
 mode, terms, diagonal, offsets, fused or not, the H it serves, with the constexprs and warps of
@@ -40,10 +40,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from benchmarks.common import positive_int
 from bppsa_core import triton_scan
 from bppsa_core.triton_scan import KernelConfig, Launch
-from datasets.common import OneLineParser, cpu_cores, output_file, write_atomic
-from experiments.bench.common import positive_int
+from toolbox.cli import OneLineParser, cpu_cores
+from toolbox.errors import SuiteError
+from toolbox.files import output_file, write_atomic
 
 ARCHS = (80, 90)
 SCHEDULERS_PER_SM = 4  # warp schedulers per SM on sm_70 and later
@@ -62,7 +64,7 @@ SM_LIMITS = {
 Inputs = tuple[dict[str, str], dict[str, Any], dict]
 
 
-class ToolchainError(RuntimeError):
+class ToolchainError(SuiteError, RuntimeError):
     """Triton's ptxas or cuobjdump is missing, or the kernels cannot be compiled in this process."""
 
 
@@ -147,7 +149,7 @@ def jit_inputs(launch: Launch, args: dict[str, Any], arch: int) -> Inputs:
     """The signature, constexprs (by name) and attributes Triton's JIT would compile ``launch`` with,
     given its run-time ``args``, on an sm_``arch`` GPU: Triton's own specialization of the values,
     through its binder (``create_function_from_signature``) and ``JITFunction._pack_args``, internals
-    of the triton version the project pins (``tests/test_compile.py`` notices if they change)."""
+    of the triton version the project pins (``tests/core/test_compile.py`` notices if they change)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -337,7 +339,7 @@ def representative(configs: Iterable[KernelConfig]) -> list[KernelConfig]:
     ]
 
 
-# The H values every launch of the modules is compiled at by the default test (tests/test_compile.py).
+# The H values every launch of the modules is compiled at by the default test (tests/core/test_compile.py).
 LISTED_H = (1, 20, 32, 64)
 
 
@@ -530,7 +532,7 @@ def _arch(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status."""
     parser = OneLineParser(
-        prog="python -m experiments.bench.kernels",
+        prog="python -m benchmarks.kernels",
         description=(
             "Compile every Triton scan kernel configuration the modules can launch for NVIDIA GPUs, "
             "without one (Triton's compiler and ptxas), and print a Markdown table of what cuobjdump "
@@ -569,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             configs = listed(configs)
         rows = compile_all(args.arch, configs, args.T, args.chunk)
     except ToolchainError as exc:
-        print(f"experiments.bench.kernels: {exc}", file=sys.stderr)
+        print(f"benchmarks.kernels: {exc}", file=sys.stderr)
         return 2
     if args.json is not None:
         import json

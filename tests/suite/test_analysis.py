@@ -15,7 +15,7 @@ import analysis.data
 from analysis import figures, report
 from analysis.data import AnalysisError, load_results, speedups
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def rows(

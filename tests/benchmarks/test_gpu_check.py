@@ -20,11 +20,11 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     assert all((ROOT / f).is_file() for f in tests[6:])  # the GPU test files exist
     for name in ("backward", "epoch", "scan", "chunk", "blocks"):
         for argv in steps[name]:
-            assert argv[1:3] == ["-m", "experiments.bench.backward"]
+            assert argv[1:3] == ["-m", "benchmarks.backward"]
             assert "--device" in argv and argv[argv.index("--device") + 1] == "cuda"
             assert "--quick" not in argv
     (forward,) = steps["forward"]
-    assert forward[1:3] == ["-m", "experiments.bench.forward"] and "--quick" not in forward
+    assert forward[1:3] == ["-m", "benchmarks.forward"] and "--quick" not in forward
     assert forward[forward.index("--device") + 1] == "cuda"
     assert [a[a.index("--chunk") + 1] for a in steps["chunk"]] == [str(c) for c in gpu_check.CHUNKS]
     assert all("triton" in a for a in steps["chunk"])
@@ -35,7 +35,7 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     )
     ranks, on_gpus = steps["ranks"]
     for argv in (ranks, on_gpus):
-        assert argv[1:3] == ["-m", "experiments.bench.distributed"]
+        assert argv[1:3] == ["-m", "benchmarks.distributed"]
         assert argv[argv.index("--T") + 1] == "100000" and argv[argv.index("--repeats") + 1] == "3"
         assert "--timeline" in argv  # where each rank waits
     assert "--device" not in ranks  # CPU ranks: the cost model's measured points
@@ -93,7 +93,7 @@ def test_the_dry_chunk_sweep_takes_the_compiled_cpu_scan_only_where_it_is_instal
 
 
 def test_without_a_gpu_the_command_says_how_to_check_it(tmp_path) -> None:
-    done = run_module("experiments.gpu_check", "--out", str(tmp_path / "r.md"))
+    done = run_module("benchmarks.gpu_check", "--out", str(tmp_path / "r.md"))
     assert done.returncode == 2 and not (tmp_path / "r.md").exists()
     last = done.stderr.strip().splitlines()[-1]
     assert last.endswith(
@@ -159,7 +159,7 @@ def test_worker_scaling_times_both_methods_at_every_count() -> None:
 def test_the_dry_run_goes_end_to_end(tmp_path) -> None:
     """Every step on the CPU, the report whole: the tables of each tool inside it (about 90 s)."""
     out = tmp_path / "report.md"
-    done = run_module("experiments.gpu_check", "--dry", "--out", str(out), "--repeats", "1", "--warmup", "1")
+    done = run_module("benchmarks.gpu_check", "--dry", "--out", str(out), "--repeats", "1", "--warmup", "1")
     assert done.returncode == 0, done.stderr
     text = out.read_text()
     assert text.startswith("# GPU check (dry run)")

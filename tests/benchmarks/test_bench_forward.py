@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import markdown_tables
 
-from experiments.bench import forward
-from experiments.bench.forward import bench, parse_args, trained_state
+from benchmarks import forward
+from benchmarks.forward import bench, parse_args, trained_state
 
 CPU = torch.device("cpu")
 
@@ -71,4 +71,4 @@ def test_bad_input_exits_with_one_clear_line(argv, message, capsys) -> None:
         parse_args(argv)
     assert exc.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("python -m experiments.bench.forward: error: ") and message in last
+    assert last.startswith("python -m benchmarks.forward: error: ") and message in last

@@ -1,7 +1,7 @@
 """Backward-pass benchmark: PyTorch's BPTT (autograd over its fused RNN/GRU/LSTM) against BPPSA.
 
-    python -m experiments.bench.backward --model rnn --T 100 1000 10000 --B 16 --H 20
-    python -m experiments.bench.backward --device cuda --suite paper   # all tables, the paper's shapes
+    python -m benchmarks.backward --model rnn --T 100 1000 10000 --B 16 --H 20
+    python -m benchmarks.backward --device cuda --suite paper   # all tables, the paper's shapes
 
 Three tables (``--tables``), all timed in one process with one clock (CUDA events on a GPU),
 medians of ``--repeats`` runs after ``--warmup``, so every ratio compares like with like:
@@ -13,11 +13,11 @@ medians of ``--repeats`` runs after ``--warmup``, so every ratio compares like w
   ``--strategies`` that cannot run on the device at all is refused before anything is timed.
 * ``scan``: the scan alone on the identical chain, BPPSA per strategy against the peers
   ``torch._higher_order_ops.associative_scan`` and ``jax.lax.associative_scan``
-  (``experiments.bench.scan``), each checked against the sequential twin.
+  (``benchmarks.scan``), each checked against the sequential twin.
 * ``epoch``: one training epoch of the paper's RNN task (bitstream, 10 classes, loss on h_T, Adam)
   with BPTT and with BPPSA.
 
-Both timing tables carry the floors of ``experiments.bench.floors``: the bytes a backward must move
+Both timing tables carry the floors of ``benchmarks.floors``: the bytes a backward must move
 over the measured copy bandwidth, and the Blelloch scan's 2·ceil(log2 T) levels times the measured
 per-launch cost.
 ``--suite paper`` runs the paper's configurations (RNN T sweep, RNN B sweep, GRU IRMAS shapes) and
@@ -38,10 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from bppsa_core import jacobians
-from bppsa_core import nn as bnn
-from bppsa_core.dispatch import STRATEGIES, check_device
-from experiments.bench.common import (
+from benchmarks.common import (
     Progress,
     device_arg,
     failure,
@@ -55,8 +52,11 @@ from experiments.bench.common import (
     run_tool,
     threads_arg,
 )
-from experiments.bench.floors import Floors, measure_floors
-from experiments.bench.scan import MODULES, TERMS, bench_scan, format_scan_table
+from benchmarks.floors import Floors, measure_floors
+from benchmarks.scan import MODULES, TERMS, bench_scan, format_scan_table
+from bppsa_core import jacobians
+from bppsa_core import nn as bnn
+from bppsa_core.dispatch import STRATEGIES, check_device
 from experiments.timing import time_ms
 
 MODELS = tuple(MODULES)
@@ -408,7 +408,7 @@ EPOCH_NOTE = (
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line, checked: a bad value ends the tool with one line and status 2."""
-    p = parser("experiments.bench.backward", __doc__)
+    p = parser("benchmarks.backward", __doc__)
     p.add_argument(
         "--suite",
         choices=SUITES,
@@ -571,4 +571,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_tool("experiments.bench.backward", main))
+    raise SystemExit(run_tool("benchmarks.backward", main))

@@ -9,11 +9,11 @@ import pytest
 import torch
 from helpers import rel_err
 
+from benchmarks import scan as bench_scan
+from benchmarks.common import notes_lines
+from benchmarks.floors import Floors, dependent_levels, measure_floors, min_bytes
+from benchmarks.scan import JAX_PEER, TORCH_PEER, affine_elements, combine, layer_chain
 from bppsa_core.scan import sequential_scan
-from experiments.bench import scan as bench_scan
-from experiments.bench.common import notes_lines
-from experiments.bench.floors import Floors, dependent_levels, measure_floors, min_bytes
-from experiments.bench.scan import JAX_PEER, TORCH_PEER, affine_elements, combine, layer_chain
 
 CPU = torch.device("cpu")
 

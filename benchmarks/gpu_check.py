@@ -1,0 +1,378 @@
+"""One command on a GPU: every GPU check and table of the suite, written to one Markdown report.
+
+    python -m benchmarks.gpu_check [--out gpu_report.md]
+
+Needs torch (>= 2.11) and triton (pytest and hypothesis for the ``tests`` step); not Hydra, not
+librosa; jax is used where installed. Steps, each a section of the report with its command, its time
+and its output (or why it failed, or was skipped):
+
+1. ``tests``: the ``gpu`` tests (the Triton kernels, the graph scan and every module path against
+   cuDNN; the sparse Jacobians; sequence parallel over NCCL, a rank per GPU);
+2. ``backward``: the paper's backward tables, cuDNN's BPTT against every BPPSA strategy (PyTorch
+   picks cuDNN's persistent small-hidden algorithm for these shapes: the baseline to beat);
+3. ``epoch``: one training epoch of the bitstream RNN, BPTT against BPPSA;
+4. ``scan``: the scan alone against ``torch``'s and ``jax``'s ``associative_scan``;
+5. ``chunk``: the Triton kernels' chunk-size sweep at T = 1000 and 30,000;
+6. ``blocks``: the BPPSA backward's blocks of time steps (``--block-mib`` 8, 32 and 256: a CPU's
+   budget, and larger ones that take fewer launches) at T = 1,000, 30,000 and 100,000, which sets
+   the GPU's own (``bppsa_core.jacobians.BLOCK_BYTES``);
+7. ``workers``: BPPSA's and cuDNN's backward confined to 1, 2, 4, ... SMs (CUDA green contexts);
+8. ``forward``: the Newton forwards (``forward_solver="newton"``, ``"quasi-newton"``) against cuDNN's
+   sequential forward, T = 100 ... 100,000, at initialization and trained (``benchmarks.forward``);
+9. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
+   kernels at H = 1, 20, 32 and 64, for this GPU's architecture, to set beside the measured times
+   of steps 2, 5 and 6;
+10. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
+    of one thread per core (``benchmarks.distributed`` at T = 100,000): the measured 3- and
+    4-rank points of docs/STRATEGIES.md, which a 2-core machine cannot give. Its ``measured.csv``
+    and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report. Then the same
+    over NCCL ranks of one GPU each, 1 to 4 as there are GPUs (one GPU: the NCCL path on one rank);
+    with two GPUs or more, once for each sample-group count of the BPPSA backward (``--micro-batches``
+    1 to 16), which sets the GPU ranks' own.
+    Both print each rank's BPPSA backward span by span (``--timeline``): where a rank waits.
+
+``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
+GPU: what needs CUDA (the tests, the graph and Triton strategies, green contexts) is reported as
+skipped, everything else runs. The report is rewritten whole after every step (never half a file),
+so a run stopped part-way keeps the steps it finished; ``--steps`` sets which run, in its order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import (
+    Progress,
+    markdown,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    version,
+)
+from bppsa_core.dispatch import runs_on
+from experiments.timing import time_ms
+from toolbox.cli import OneLineParser
+from toolbox.files import output_file, write_atomic
+
+STEPS = ("tests", "backward", "epoch", "scan", "chunk", "blocks", "workers", "forward", "kernels", "ranks")
+CHUNKS = (8, 16, 32, 64, 128)
+BLOCK_MIBS = (8, 32, 256)  # the BPPSA backward's blocks of time steps (``--block-mib``)
+GPU_TEST_FILES = ("tests/core/test_triton.py", "tests/core/test_sparse.py", "tests/core/test_distributed.py")
+TITLES = {
+    "tests": "GPU tests",
+    "backward": "Full backward against cuDNN",
+    "epoch": "End-to-end training epoch",
+    "scan": "Scan only, against associative_scan",
+    "chunk": "Triton chunk-size sweep",
+    "blocks": "Blocks of time steps of the BPPSA backward",
+    "workers": "Backward against SMs (green contexts)",
+    "forward": "Newton forward against cuDNN's",
+    "kernels": "Compiled kernels: resources and static estimate",
+    "ranks": "Sequence parallel over ranks (gloo on CPU cores, NCCL on GPUs)",
+}
+RANKS_T = 100_000  # the sequence-parallel benchmark's length (docs/STRATEGIES.md)
+RANKS_REPEATS = 3  # BPTT takes seconds an iteration there
+GPU_MICRO_BATCHES = (1, 2, 4, 8, 16)  # the NCCL ranks' sample-group counts, with two GPUs or more
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Section:
+    """One step's part of the report."""
+
+    title: str
+    commands: list[str] = field(default_factory=list)
+    status: str = "ok"  # ok | failed | skipped
+    seconds: float = 0.0
+    body: str = ""
+
+
+def _bench(*args: str) -> list[str]:
+    return [sys.executable, "-m", "benchmarks.backward", *args]
+
+
+def plan(
+    dry: bool, repeats: int, warmup: int, out: Path = Path("gpu_report.md")
+) -> dict[str, list[list[str]] | str]:
+    """Each step's commands (argv lists), or the reason it is skipped; ``out``: the report's path."""
+    device = ["--device", "cpu" if dry else "cuda", "--repeats", str(repeats), "--warmup", str(warmup)]
+    suite = ["--suite", "paper", *(["--quick"] if dry else [])]
+    gpu_only = "needs a CUDA device"
+    if dry:
+        compiled = ["numba"] if runs_on("numba", torch.device("cpu")) else []  # where it is installed
+        chunk_shape = ["--T", "30", "60", "--B", "4", "--H", "5", "--strategies", "chunked", *compiled]
+        block_shape = ["--T", "30", "60", "--B", "4", "--H", "5", "--strategies", *(compiled or ["chunked"])]
+    else:
+        chunk_shape = ["--T", "1000", "30000", "--strategies", "triton"]
+        block_shape = ["--T", "1000", "30000", "100000", "--strategies", "triton", "auto"]
+    return {
+        "tests": gpu_only if dry else [[sys.executable, "-m", "pytest", "-q", "-m", "gpu", *GPU_TEST_FILES]],
+        "backward": [_bench(*suite, "--tables", "backward", *device)],
+        "epoch": [_bench(*suite, "--tables", "epoch", "--epoch-samples", "64" if dry else "3200", *device)],
+        "scan": [_bench(*suite, "--tables", "scan", "--peers", "torch", "jax", *device)],
+        "chunk": [_bench(*chunk_shape, "--chunk", str(c), "--tables", "backward", *device) for c in CHUNKS],
+        "blocks": [
+            _bench(*block_shape, "--block-mib", str(b), "--tables", "backward", *device) for b in BLOCK_MIBS
+        ],
+        "workers": "in process",
+        "forward": [
+            [sys.executable, "-m", "benchmarks.forward", *device, *(["--quick"] if dry else [])]
+        ],
+        "kernels": [
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.kernels",
+                "--summary",
+                "--configs",
+                "representative" if dry else "listed",
+                "--arch",
+                *architectures(dry),
+            ]
+        ],
+        "ranks": [
+            _distributed(
+                rank_counts(dry), 2000 if dry else RANKS_T, repeats, warmup, "--out", str(ranks_folder(out))
+            ),
+            # then NCCL, a rank per GPU up to 4; its tables only (the cost model's points are the CPU ranks')
+            *([] if dry else gpu_rank_runs(repeats, warmup)),
+        ],
+    }
+
+
+def _distributed(ranks: Sequence[int], steps: int, repeats: int, warmup: int, *extra: str) -> list[str]:
+    """One run of the sequence-parallel benchmark (``benchmarks.distributed``) for the ``ranks``
+    step, at most ``RANKS_REPEATS`` repeats after at most one warm-up (BPTT takes seconds an iteration),
+    with each rank's timeline."""
+    return [
+        sys.executable,
+        "-m",
+        "benchmarks.distributed",
+        "--ranks",
+        *map(str, ranks),
+        "--T",
+        str(steps),
+        "--repeats",
+        str(min(repeats, RANKS_REPEATS)),
+        "--warmup",
+        str(min(warmup, 1)),
+        "--timeline",
+        *extra,
+    ]
+
+
+def gpu_rank_runs(repeats: int, warmup: int) -> list[list[str]]:
+    """The NCCL runs of the ``ranks`` step. With two GPUs or more, one per sample-group count of
+    ``GPU_MICRO_BATCHES``: the default (``bppsa_core.distributed.MICRO_BATCHES``) is two CPU ranks'
+    tuning, and a GPU group's launches may cost what the whole batch's do. One GPU: one rank, which
+    keeps the batch whole, so one run."""
+    counts = gpu_rank_counts()
+    cuda = ["--device", "cuda"]
+    if len(counts) == 1:
+        return [_distributed(counts, RANKS_T, repeats, warmup, *cuda)]
+    return [
+        _distributed(counts, RANKS_T, repeats, warmup, *cuda, "--micro-batches", str(m))
+        for m in GPU_MICRO_BATCHES
+    ]
+
+
+def gpu_rank_counts() -> list[int]:
+    """The NCCL process counts of the ``ranks`` step: 1 to 4, one GPU each (one where none is seen)."""
+    return list(range(1, min(4, max(1, torch.cuda.device_count())) + 1))
+
+
+def rank_counts(dry: bool) -> list[int]:
+    """The process counts of the ``ranks`` step: 1 to 4, one core each (ranks sharing a core would
+    measure the sharing); dry, 1 and 2."""
+    return [1, 2] if dry else list(range(1, min(4, os.cpu_count() or 1) + 1))
+
+
+def ranks_folder(out: Path) -> Path:
+    """Where the ``ranks`` step writes ``measured.csv`` and ``calibration.json``: beside the report
+    (an absolute path: the steps run from the repository's root, the report is written from here)."""
+    return out.resolve().with_name(f"{out.stem}-ranks")
+
+
+def architectures(dry: bool) -> list[str]:
+    """This GPU's compute capability (e.g. 90), or, dry, the two the CI compile test covers."""
+    if dry or not torch.cuda.is_available():
+        return ["80", "90"]
+    major, minor = torch.cuda.get_device_capability()
+    return [f"{major}{minor}"]
+
+
+def run_command(argv: Sequence[str], timeout: float) -> tuple[bool, str]:
+    """Run one tool; (succeeded, its stdout, and when it failed or was stopped, the tail of its
+    stderr: a stopped benchmark's progress lines keep what it had measured). Never under Triton's
+    interpreter: the report is about compiled kernels."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": path}
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    except subprocess.TimeoutExpired as exc:
+        out, err = (
+            t if isinstance(t, str) else (t or b"").decode(errors="replace") for t in (exc.stdout, exc.stderr)
+        )
+        return False, f"{out}\n\nstopped after {timeout:.0f} s (--step-timeout):\n\n    {_tail(err)}"
+    if done.returncode != 0:
+        return False, f"{done.stdout}\n\nexit status {done.returncode}:\n\n    {_tail(done.stderr)}"
+    return True, done.stdout
+
+
+def _tail(err: str) -> str:
+    """The last 20 lines of a tool's stderr, indented as a Markdown code block's body."""
+    return "\n".join(err.strip().splitlines()[-20:]).replace("\n", "\n    ")
+
+
+def worker_scaling(dry: bool, repeats: int, warmup: int) -> str:
+    """Backward ms of cuDNN's BPTT and BPPSA ("auto") on the paper's RNN (T = 1000, B = 16, H = 20)
+    confined to 1, 2, 4, ... SMs (CPU threads when dry), as a Markdown table."""
+    from bppsa_core import nn as bnn
+    from experiments.hardware import cpu_cores, limit_workers, sm_count
+
+    device = torch.device("cpu" if dry else "cuda")
+    total = cpu_cores() if dry else sm_count(device)
+    counts = sorted({*(2**k for k in range(total.bit_length()) if 2**k <= total), total})
+    steps = 30 if dry else 1000
+    torch.manual_seed(0)
+    ref = torch.nn.RNN(1, 20, batch_first=True).to(device)
+    ours = bnn.RNN(1, 20, batch_first=True).to(device)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.bernoulli(torch.full((16, steps, 1), 0.5, device=device))
+    rows = []
+    for workers in counts:
+        try:
+            with limit_workers(device, workers):
+                times = {}
+                for name, module in (("BPTT", ref), ("BPPSA", ours)):
+                    samples = []
+                    for i in range(warmup + repeats):
+                        h_n = module(x)[1]
+                        ms = time_ms(h_n.sum().backward, device)
+                        if i >= warmup:
+                            samples.append(ms)
+                    times[name] = statistics.median(samples)
+            rows.append([str(workers), f"{times['BPTT']:.4g}", f"{times['BPPSA']:.4g}",
+                         f"{times['BPTT'] / times['BPPSA']:.3g}"])  # fmt: skip
+        except Exception as exc:  # a count the driver refuses is a row, not the end of the table
+            rows.append([str(workers), "n/a", "n/a", str(exc).splitlines()[0]])
+    unit = "CPU threads" if dry else "SMs"
+    head = [unit, "BPTT ms", "BPPSA ms", "BPTT / BPPSA"]
+    return f"RNN, T = {steps}, B = 16, H = 20, loss on h_T; BPPSA strategy auto\n\n" + markdown(head, rows)
+
+
+def environment(dry: bool, argv: Sequence[str]) -> str:
+    """The lines that say what the numbers were measured on."""
+    lines = [
+        f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- command: `python -m benchmarks.gpu_check {shlex.join(argv)}`",
+        f"- Python {platform.python_version()}, torch {torch.__version__}, triton {version('triton')}, "
+        f"jax {version('jax')}, numba {version('numba')}",
+    ]
+    if dry:
+        lines.append(f"- dry run on the CPU ({platform.processor() or platform.machine()}): no GPU figures")
+    else:
+        props = torch.cuda.get_device_properties(0)
+        lines.append(
+            f"- GPU: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
+            f"compute capability {props.major}.{props.minor}; CUDA {torch.version.cuda}, "
+            f"cuDNN {torch.backends.cudnn.version()}"
+        )
+    return "\n".join(lines)
+
+
+def render(sections: dict[str, Section], dry: bool, argv: Sequence[str]) -> str:
+    """The whole report."""
+    parts = [f"# GPU check{' (dry run)' if dry else ''}", "", environment(dry, argv), ""]
+    for name, s in sections.items():
+        took = f", {s.seconds:.0f} s" if s.seconds else ""
+        parts += [f"## {s.title}", "", f"Step `{name}`: {s.status}{took}"]
+        parts += [""] + [f"    {c}" for c in s.commands] + ([""] if s.commands else [])
+        parts += [s.body.strip(), ""]
+    return "\n".join(parts)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = OneLineParser(
+        prog="python -m benchmarks.gpu_check",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument(
+        "--out", type=output_file, default=Path("gpu_report.md"), help="where the report is written"
+    )
+    p.add_argument("--dry", action="store_true", help="run on the CPU at small shapes; CUDA steps skipped")
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="the steps to run")
+    p.add_argument("--repeats", type=positive_int, default=10, help="timed repeats of every measurement")
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed warm-up runs before them")
+    p.add_argument(
+        "--step-timeout", type=positive_float, default=300.0, help="seconds before a step is stopped"
+    )
+    args = p.parse_args(argv)
+    if not args.dry and not torch.cuda.is_available():
+        p.error("no CUDA device here; accepted: a machine with a GPU, or --dry to check the command on a CPU")
+    if not args.out.parent.is_dir():
+        p.error(f"--out {args.out}: its folder does not exist; accepted: a file in an existing folder")
+    return args
+
+
+def run_step(name: str, todo: list[list[str]] | str, args: argparse.Namespace) -> Section:
+    """One step of the plan: its commands run one after another (a failure is reported, the rest
+    still run), or the reason it is skipped."""
+    section = Section(TITLES[name])
+    if isinstance(todo, str) and todo != "in process":
+        section.status, section.body = "skipped", f"Skipped: {todo}."
+        return section
+    t0 = time.perf_counter()
+    if name == "workers":
+        work: list[Callable[[], tuple[bool, str]]] = [
+            lambda: (True, worker_scaling(args.dry, args.repeats, args.warmup))
+        ]
+    else:
+        section.commands = [shlex.join(["python", *argv_[1:]]) for argv_ in todo]
+        work = [lambda a=argv_: run_command(a, args.step_timeout) for argv_ in todo]
+    outputs = []
+    for job in work:
+        try:
+            ok, text = job()
+        except Exception as exc:  # one failed step is reported; the others still run
+            ok, text = False, f"{type(exc).__name__}: {exc}"
+        outputs.append(text)
+        if not ok:
+            section.status = "failed"
+    section.seconds = time.perf_counter() - t0
+    section.body = "\n\n".join(outputs)
+    return section
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the steps, write the report; exit status 1 if any step failed."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    progress = Progress("gpu_check")
+    steps = plan(args.dry, args.repeats, args.warmup, args.out)
+    sections: dict[str, Section] = {}
+    for name in args.steps:
+        progress(f"{name} ...")
+        sections[name] = run_step(name, steps[name], args)
+        report = render(sections, args.dry, argv)  # after every step: a stopped run keeps what finished
+        write_atomic(args.out, lambda tmp, text=report: tmp.write_text(text))
+    failed = [n for n, s in sections.items() if s.status == "failed"]
+    progress(f"report written to {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
