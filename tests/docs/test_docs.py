@@ -1,7 +1,8 @@
-"""What the tools say about themselves holds: the commands that README.md and docs/ show in code
-are ones the tools take today (each tool's arguments parse, run.py's overrides compose: a sweep's
-first value; nothing is run), the README's Python examples run, and every tool's --help gives each
-default once."""
+"""What the documents say holds: the README opens with the two set-up commands a newcomer runs, the
+commands that README.md and docs/ show in code are ones the tools take today (each tool's arguments
+parse, run.py's overrides compose: a sweep's first value; nothing is run), the README's Python
+examples run, and every tool's --help gives each default once. Nothing here counts prose: a document
+may grow or shrink as long as what it shows still works."""
 
 from __future__ import annotations
 
@@ -18,14 +19,21 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # A command at the start of a line of code (a fenced or an indented block), after its
 # continuation lines are joined; inline mentions in the prose are not commands.
 COMMAND = re.compile(r"^\s*(?:\.venv/bin/)?python3? (run\.py|-m (?!venv\b|pip\b|pytest\b)[\w.]+)(.*)$", re.M)
+# What a newcomer types first: the README's first two code blocks, exactly (.ci/run runs the second).
+INSTALL = "python3 -m venv .venv && .venv/bin/python -m pip install -r requirements.txt && "
+SET_UP = (INSTALL + ".venv/bin/python run.py", INSTALL + ".venv/bin/python -m pytest")
+
+
+def joined(path) -> str:
+    """The document with its continuation lines joined, as a shell reads them."""
+    return re.sub(r"\\\n\s*", " ", path.read_text())
 
 
 def documented() -> list[tuple[str, str, list[str]]]:
     """(file, tool, arguments) of every command in the docs' code, each once."""
     found: dict[tuple[str, str], list[str]] = {}
     for path in DOCS:
-        text = re.sub(r"\\\n\s*", " ", path.read_text())
-        for tool, rest in COMMAND.findall(text):
+        for tool, rest in COMMAND.findall(joined(path)):
             words = shlex.split(re.split(r"\s#|\s>", rest)[0])  # no comment, no redirection
             found.setdefault((path.name, f"{tool} {shlex.join(words)}".strip()), [tool, *words])
     return [(name, line, argv) for (name, line), argv in found.items()]
@@ -34,11 +42,44 @@ def documented() -> list[tuple[str, str, list[str]]]:
 COMMANDS = documented()
 
 
-def test_the_docs_show_commands_of_every_kind() -> None:
-    """The extraction finds the README's commands, so the test below has something to check."""
-    readme = {argv[0] for name, _, argv in COMMANDS if name == "README.md"}
-    assert {"run.py", "-m benchmarks.backward", "-m analysis.report", "-m datasets.irmas"} <= readme
-    assert len(COMMANDS) > 40
+def test_the_readme_opens_with_the_two_set_up_commands() -> None:
+    blocks = re.findall(r"```\w*\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert [b.strip() for b in blocks[:2]] == list(SET_UP)
+
+
+def fenced_commands(path) -> list[str]:
+    """The lines of a document's fenced blocks that run a suite tool (not venv, pip, pytest or -c)."""
+    lines = []
+    for block in re.findall(r"```\w*\n(.*?)```", joined(path), re.S):
+        for line in block.splitlines():
+            if re.match(r"\s*(\.venv/bin/)?python3? (run\.py|-m )", line) and not re.search(
+                r"python3? -m (venv|pip|pytest)\b", line
+            ):
+                lines.append(line)
+    return lines
+
+
+SHOWING = [doc for doc in DOCS if fenced_commands(doc)]
+
+
+@pytest.mark.parametrize("doc", SHOWING, ids=[d.name for d in SHOWING])
+def test_the_extraction_finds_every_command_a_doc_shows(doc) -> None:
+    """Each tool command of a fenced block is among those the test below parses, so a command the
+    extraction missed cannot go unchecked."""
+    taken = {line for name, line, _ in COMMANDS if name == doc.name}
+    assert taken
+    for line in fenced_commands(doc):
+        tool, rest = COMMAND.match(line).groups()
+        words = shlex.split(re.split(r"\s#|\s>", rest)[0])
+        assert f"{tool} {shlex.join(words)}".strip() in taken, line
+
+
+def test_the_readme_shows_how_to_run_the_suite() -> None:
+    """The README's commands include the main job's and a benchmark's: the front door shows how to
+    run both (what else it shows may change)."""
+    tools = {argv[0] for name, _, argv in COMMANDS if name == "README.md"}
+    assert "run.py" in tools
+    assert any(tool.startswith("-m benchmarks.") for tool in tools), tools
 
 
 class Parsed(Exception):  # noqa: N818  (not an error: the stop it asks for)
@@ -76,15 +117,14 @@ def test_a_documented_command_is_taken(doc: str, line: str, argv: list[str], mon
 def test_the_readme_python_examples_run() -> None:
     """Each Python block of the README runs, in order, in one namespace (as a reader pastes them),
     except the sequence-parallel one, which needs torchrun, and the scan's, whose elements are the
-    reader's; those two must still be valid Python."""
+    reader's; those must still be valid Python. What the examples make is what they promise."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     for block in blocks:
         compile(block, "README.md", "exec")
-    runnable = [b for b in blocks if "init_process_group" not in b and "scan(elements" not in b]
-    assert len(runnable) == len(blocks) - 2 >= 3
     namespace: dict = {}
-    for block in runnable:
-        exec(block, namespace)
+    for block in blocks:
+        if "init_process_group" not in block and "scan(elements" not in block:
+            exec(block, namespace)
     assert namespace["rnn"].weight_hh_l0.grad.shape == (20, 20)
     assert namespace["output"].shape == (16, 1000, 20)  # the Newton forward's GRU
     assert all(s.converged for s in namespace["gru"].solver_stats)
@@ -92,9 +132,14 @@ def test_the_readme_python_examples_run() -> None:
     assert x.shape == (16, 1000, 1) and x.dtype == torch.float32 and y.shape == (16,)
 
 
+def tool_name(path) -> str:
+    """The name `python -m` runs a tool file by: a package's __main__.py runs as the package."""
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__main__")
+
+
 TOOLS = sorted(
-    ".".join(path.relative_to(ROOT).with_suffix("").parts)
-    for folder in ("experiments", "analysis", "datasets")
+    tool_name(path)
+    for folder in ("experiments", "analysis", "datasets", "benchmarks")
     for path in (ROOT / folder).rglob("*.py")
     if '__name__ == "__main__"' in path.read_text()
 )
@@ -103,21 +148,27 @@ TOOLS = sorted(
 @pytest.mark.parametrize("tool", TOOLS)
 def test_a_tools_help_gives_each_default_once(tool: str, capsys) -> None:
     """argparse's defaults formatter would add "(default: None)" to options resolved later, and a
-    second default to a help that states its own."""
+    second default to a help that states its own. The usage names the tool, or for an alias
+    (a tool whose main is another tool's) the tool it stands for."""
+    main = importlib.import_module(tool).main
     with pytest.raises(SystemExit) as done:
-        importlib.import_module(tool).main(["--help"])
+        main(["--help"])
     assert done.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert text.startswith(f"usage: python -m {tool} ")
+    names = {tool} | ({main.__module__} & set(TOOLS))
+    assert any(text.startswith(f"usage: python -m {name} ") for name in names), text[:80]
     assert "(default: None)" not in text
     assert not re.search(r"\(default[^)]*\) \(default", text), text
 
 
-def test_every_tool_is_found() -> None:
+def test_the_tools_the_docs_name_are_found() -> None:
+    """The help test above covers the tools the README and docs/BENCHMARKS.md send users to."""
     assert {
         "benchmarks.gpu_check",
+        "experiments.gpu_check",
         "benchmarks.backward",
-        "analysis.strategies",
+        "benchmarks.distributed",
+        "analysis.schemes",
+        "analysis.report",
         "datasets.irmas",
     } <= set(TOOLS)
-    assert len(TOOLS) >= 14
