@@ -97,9 +97,10 @@ def one_line(exc: BaseException, conf_dir: Path) -> str:
 
 def _top_groups(conf_dir: Path) -> list[str]:
     """The groups whose options sit under a top-level key of their own name (``model``, ``trainer``,
-    ...): every group of the primary config's defaults but the presets (``@package _global_``)."""
+    ...): every group of the primary config's defaults but Hydra's own and those whose options set
+    keys elsewhere (``@package _global_``: the presets, the sweeps)."""
     defaults = OmegaConf.load(conf_dir / "config.yaml").get("defaults", [])
-    groups = [next(iter(d)) for d in defaults if isinstance(d, DictConfig)]
+    groups = [next(iter(d)) for d in defaults if isinstance(d, DictConfig) and "hydra" not in next(iter(d))]
     return [
         g
         for g in groups

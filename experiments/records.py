@@ -52,8 +52,8 @@ NON_RESULT_KEYS = (
     ("dataset", "cache_dir"),
 )
 # Overrides that name or place the sweep, not one of its jobs: left out of job folder names.
-SWEEP_KEYS = ("name", "experiment", "hydra")
-# The model's keys of the forward solver (conf/forward/newton.yaml): BPPSA variants, as the backward's are.
+SWEEP_KEYS = ("name", "experiment", "sweep", "hydra")
+# The model's keys of the forward solver (conf/forward/solver.yaml): BPPSA variants, as the backward's are.
 SOLVER_KEYS = ("model.forward_solver", "model.newton_")
 # The variable that carries the id of the sweep a job belongs to, from run.py to every job.
 SWEEP_ID_VARIABLE = "BPPSA_SWEEP_ID"

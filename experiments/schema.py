@@ -79,7 +79,7 @@ BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
 @dataclass
 class GRUModel:
     """``bppsa_core.GRU`` or ``bppsa_core.LSTM`` (torch.nn's arguments, and how the forward is
-    solved: ``conf/forward/newton.yaml``); the input size comes from the data."""
+    solved: ``conf/forward/solver.yaml``); the input size comes from the data."""
 
     _target_: str = MISSING
     hidden_size: int = checked(POSITIVE_INT)

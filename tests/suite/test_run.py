@@ -29,16 +29,67 @@ from experiments.loggers import LocalLogger
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
+# Each preset's sweep (conf/sweep/), and the values it varies: the paper's figures' axes.
+SWEEPS = {
+    "gru_curves": ("frames", {"dataset.frames": "s,m,l"}),
+    "gru_irmas": ("frames_batch", {"dataset.frames": "s,m,l", "trainer.batch_size": "16,32,64"}),
+    "rnn_batch": ("batch", {"trainer.batch_size": "2,4,8,16,32,64,128,256"}),
+    "rnn_curve": ("backward", {}),
+    "rnn_seq_len": ("seq_len", {"dataset.seq_len": "10,30,100,300,1000,3000,10000,30000"}),
+    "workers": ("workers", {}),  # the machine's worker counts: test_the_workers_preset_fits_the_machine
+}
+
+
+def preset_args(preset: str) -> list[str]:
+    return [f"experiment={preset}", *(["dataset.root=/data/irmas"] if preset.startswith("gru") else [])]
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_composes_validates_and_sweeps_both_backwards(preset: str) -> None:
-    extra = ["dataset.root=/data/irmas"] if preset.startswith("gru") else []
-    cfg = composed(f"experiment={preset}", *extra, hydra=True)
+    cfg = composed(*preset_args(preset), hydra=True)
     check(cfg)
     assert cfg.name == preset
-    params = cfg.hydra.sweeper.params
-    assert params["backward"] == "bppsa,bptt"
+    sweep, varied = SWEEPS[preset]
+    assert cfg.hydra.runtime.choices.sweep == sweep
+    params = dict(cfg.hydra.sweeper.params)
+    assert list(params)[-1] == "backward" and params["backward"] == "bppsa,bptt"  # the innermost loop
+    assert {k: v for k, v in params.items() if k in varied} == varied
+    assert len(params) == len(varied) + 1 + (preset == "workers")
     text = (CONF / "experiment" / f"{preset}.yaml").read_text()
     assert "figure" in text.lower() or "hardware sensitivity" in text.lower()  # each states its paper result
+    assert "hydra:" not in text  # what a preset sweeps is its sweep's
+
+
+def test_a_preset_runs_without_its_sweep_or_with_another() -> None:
+    alone = composed("experiment=rnn_seq_len", "sweep=none", hydra=True)
+    assert alone.hydra.sweeper.params is None and alone.hydra.runtime.choices.sweep == "none"
+    sized = composed("experiment=rnn_seq_len")
+    unswept = composed("experiment=rnn_seq_len", "sweep=none")
+    assert OmegaConf.to_container(unswept) == OmegaConf.to_container(sized)  # a sweep sets what varies only
+    other = composed("experiment=rnn_seq_len", "sweep=batch", hydra=True)
+    assert dict(other.hydra.sweeper.params) == {
+        "trainer.batch_size": "2,4,8,16,32,64,128,256",
+        "backward": "bppsa,bptt",
+    }
+    assert other.name == "rnn_seq_len" and other.dataset.num_samples == 50000
+    main = composed("sweep=seq_len", hydra=True)  # the main job's sizes, a preset's sweep
+    assert main.name == "main" and main.hydra.sweeper.params["dataset.seq_len"].startswith("10,30,")
+    assert composed(hydra=True).hydra.sweeper.params is None
+    every = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
+    assert sorted({s for s, _ in SWEEPS.values()} | {"none"}) == every
+    # choosing the sweep names no job: sweep= stays out of the job folders, as experiment= does
+    from experiments.records import job_folder
+
+    assert job_folder(["sweep=none", "experiment=rnn_curve", "backward=bptt"]) == "run_backward=bptt"
+
+
+def test_hydra_settings_come_from_conf_hydra() -> None:
+    cfg = composed(hydra=True)
+    hc = cfg.hydra
+    assert hc.runtime.choices["hydra/help"] == "run" and hc.help.app_name == "run.py"
+    assert hc.run.dir.startswith("outputs/") and hc.job.chdir is False and hc.output_subdir is None
+    assert sorted(hc.callbacks) == ["merge_results", "note_folders"]
+    assert "\nhydra:" not in (CONF / "config.yaml").read_text()  # selected there, written in conf/hydra/
 
 
 @pytest.mark.parametrize(
@@ -88,6 +139,23 @@ def test_help_describes_the_app_its_groups_presets_and_sweeps(tmp_path: Path) ->
     assert "  model: gru, lstm, rnn" in out and "schema" not in out.split("== The configuration")[0]
     for preset in PRESETS:
         assert f"  {preset} " in out
+    lines = out.splitlines()
+    for line in [
+        "run.py: train the paper's recurrent classifiers with a BPPSA backward (back-propagation as a",
+        "parallel scan) or PyTorch's BPTT, time every phase, and record the results.",
+        "  python run.py [group=option ...] [key=value ...]    one run, into outputs/<name>/<time>/",
+        "  python run.py -m experiment=rnn_seq_len             one of the paper's sweeps",
+        "  python run.py -m ... hydra/launcher=slurm hydra.launcher.partition=gpu",
+        "== Config groups: group=option ==",
+        "  backward: bppsa, bptt",
+        "== Presets: experiment=<name>, with -m ==",
+        "== The configuration these arguments compose (override any key: key=value) ==",
+        "name: main",
+        "Bad input ends with one line and exit status 2. README.md explains every option and file;",
+        "docs/DESIGN.md the method. --hydra-help: Hydra's own options.",
+    ]:
+        assert line in lines, line
+    assert "hydra:" not in out and "powered by Hydra" not in out  # the composed job only, no Hydra header
 
 
 def test_the_workers_preset_fits_the_machine() -> None:
