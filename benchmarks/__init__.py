@@ -8,8 +8,8 @@ and their helpers. ``gpu_check`` runs every GPU check and table in one report.
 * ``pruned_vgg``: the pruned VGG-11 study, the sparse scan's FLOPs (``analysis.fig10`` draws it).
 * ``kernels``: the Triton kernels compiled for sm_80 / sm_90 without a GPU: registers, spills, shared
   memory and a static estimate of their loops.
-* ``strategies``: sequential BP, DDP and GPipe iterations of VGG-11 on two processes, with the FLOP
-  rate, α and β the cost model ``analysis.strategies`` takes.
+* ``schemes``: sequential BP, DDP and GPipe iterations of VGG-11 on two processes, with the FLOP
+  rate, α and β the cost model ``analysis.schemes`` takes.
 * ``distributed``: a sequence split over gloo ranks (``bppsa_core.distributed``), distributed BPPSA
   against distributed BPTT.
 

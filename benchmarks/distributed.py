@@ -41,8 +41,8 @@ Prints, per T and p:
   start, each walk's length in brackets. It shows where a rank waits and what a group's walk costs
   while the other ranks walk theirs.
 
-``--out`` writes ``measured.csv`` rows (strategy ``bppsa-allgather`` / ``bptt-distributed``, p,
-time per iteration) that ``python -m analysis.strategies --measured`` draws beside its model, and,
+``--out`` writes ``measured.csv`` rows (scheme ``bppsa-allgather`` / ``bptt-distributed``, p,
+time per iteration) that ``python -m analysis.schemes --measured`` draws beside its model, and,
 when ``--ranks`` has 1, ``calibration.json`` (else an earlier one there is removed; ``--out`` takes
 one layer, as the model does): what one rank's kernels cost at the largest T, the costs the model
 charges a device that runs ``bppsa_core.distributed`` (``--calibration``):
@@ -78,7 +78,7 @@ from toolbox.files import output_folder
 
 MODELS = ("rnn", "gru")
 DEVICES = ("cpu", "cuda")
-STRATEGY = {"bppsa": "bppsa-allgather", "bptt": "bptt-distributed"}
+SCHEME = {"bppsa": "bppsa-allgather", "bptt": "bptt-distributed"}
 
 
 def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
@@ -303,7 +303,7 @@ def rows_of(steps: int, ranks: int, per_rank: list[dict]) -> list[dict]:
         backward = max(r["times"][name]["backward"] for r in per_rank)
         rows.append(
             {
-                "strategy": STRATEGY[name],
+                "scheme": SCHEME[name],
                 "backward": name,
                 "p": ranks,
                 "T": steps,
@@ -481,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.out and args.layers > 1:
         p.error(
-            f"--layers {args.layers} with --out: the cost model (analysis.strategies) prices one recurrent "
+            f"--layers {args.layers} with --out: the cost model (analysis.schemes) prices one recurrent "
             "layer; accepted: --layers 1 with --out"
         )
     shape = ("B", "H", "model", "features", "layers", "device", "micro_batches")

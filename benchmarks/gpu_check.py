@@ -24,7 +24,7 @@ and its output (or why it failed, or was skipped):
    of steps 2, 5 and 6;
 10. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
     of one thread per core (``benchmarks.distributed`` at T = 100,000): the measured 3- and
-    4-rank points of docs/STRATEGIES.md, which a 2-core machine cannot give. Its ``measured.csv``
+    4-rank points of docs/SCHEMES.md, which a 2-core machine cannot give. Its ``measured.csv``
     and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report. Then the same
     over NCCL ranks of one GPU each, 1 to 4 as there are GPUs (one GPU: the NCCL path on one rank);
     with two GPUs or more, once for each sample-group count of the BPPSA backward (``--micro-batches``
@@ -83,7 +83,7 @@ TITLES = {
     "kernels": "Compiled kernels: resources and static estimate",
     "ranks": "Sequence parallel over ranks (gloo on CPU cores, NCCL on GPUs)",
 }
-RANKS_T = 100_000  # the sequence-parallel benchmark's length (docs/STRATEGIES.md)
+RANKS_T = 100_000  # the sequence-parallel benchmark's length (docs/SCHEMES.md)
 RANKS_REPEATS = 3  # BPTT takes seconds an iteration there
 GPU_MICRO_BATCHES = (1, 2, 4, 8, 16)  # the NCCL ranks' sample-group counts, with two GPUs or more
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,19 +3,19 @@
     python -m benchmarks.pruned_vgg --out results/pruned_vgg --ratios 0.9 0.97
     python -m analysis.fig10 results/pruned_vgg        # the paper's fig. 10 analogue
 
-For each pruning ratio: VGG-11 for CIFAR-10 shapes (``--width`` scales the channels, ``--image-size``
-the input), its conv and linear weights magnitude-pruned per layer, retrained for ``--steps`` Adam
-steps on a synthetic image set the code generates (10 classes of coloured patterns, no download)
-with the pruning masks kept, then the chain of CSR transposed Jacobians of one input
-(``bppsa_core.sparse``). That chain is scanned by the heterogeneous scan with ``levels`` = 2 (the
-paper's choice) and the other levels asked for, and compared with plain back-propagation: total
-FLOPs, critical-path FLOPs, dependent steps. Each scan's input gradient is checked against
-autograd's.
+For each pruning ratio: VGG-11 for CIFAR-10 shapes (``analysis.schemes.network.build_vgg11``, the
+cost model's VGG-11; ``--width`` scales the channels, ``--image-size`` the input), its conv and linear
+weights magnitude-pruned per layer, retrained for ``--steps`` Adam steps on a synthetic image set the
+code generates (10 classes of coloured patterns, no download) with the pruning masks kept, then the
+chain of CSR transposed Jacobians of one input (``bppsa_core.sparse``). That chain is scanned by the
+heterogeneous scan with ``levels`` = 2 (the paper's choice) and the other levels asked for, and
+compared with plain back-propagation: total FLOPs, critical-path FLOPs, dependent steps. Each scan's
+input gradient is checked against autograd's.
 
 Writes, atomically, into ``--out``: ``summary.csv`` (one row per ratio and method) and
 ``products.csv`` (every sparse product: ratio, method, level, m, k, n, FLOPs, on the critical path
 or not). The full-width network at 32x32 builds Jacobians of tens of millions of entries; start
-with ``--width 0.25 --image-size 16`` on a small machine.
+with ``--width 0.25`` on a small machine.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from analysis.schemes.network import CLASSES, build_vgg11
 from benchmarks.common import (
     Progress,
     non_negative_int,
@@ -43,29 +44,6 @@ from benchmarks.common import (
 from bppsa_core import sparse
 from experiments.records import write_table
 from toolbox.files import output_folder
-
-VGG11 = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
-CLASSES = 10
-
-
-def vgg11(width: float = 1.0, image_size: int = 32) -> nn.Sequential:
-    """VGG-11 for CIFAR-10 shapes: 3x3 convs (padding 1), ReLU, 2x2 max-pools, one linear head."""
-    layers: list[nn.Module] = []
-    channels = 3
-    for item in VGG11:
-        if item == "M":
-            layers.append(nn.MaxPool2d(2))
-        else:
-            out = max(1, round(item * width))
-            layers += [nn.Conv2d(channels, out, 3, padding=1, bias=False), nn.ReLU()]
-            channels = out
-    side = image_size // 2 ** VGG11.count("M")
-    if side < 1:
-        raise ValueError(
-            f"--image-size {image_size} is too small for 5 max-pools; accepted: 32 or a multiple"
-        )
-    layers += [nn.Flatten(), nn.Linear(channels * side * side, CLASSES, bias=False)]
-    return nn.Sequential(*layers)
 
 
 def synthetic_images(n: int, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +141,7 @@ def study(
     for ratio in ratios:
         progress(f"ratio {ratio:g}: pruning and retraining for {steps} steps ...")
         torch.manual_seed(seed)
-        model = vgg11(width, image_size)
+        model = build_vgg11(width, image_size)
         masks = prune(model, ratio)
         loss = retrain(model, masks, images, labels, steps)
         x = images[0]
@@ -233,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=non_negative_int, default=50, help="retraining steps per ratio")
     args = p.parse_args(argv)
     try:
-        vgg11(args.width, args.image_size)
+        build_vgg11(args.width, args.image_size)
     except ValueError as exc:
         p.error(str(exc))
     progress = Progress("pruned_vgg")

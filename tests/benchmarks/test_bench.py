@@ -32,7 +32,7 @@ def triton_refused(monkeypatch):
     """strategy="triton" refusing the CPU: TRITON_INTERPRET unset. The kernels are imported first,
     under the interpreter: triton.jit decides at import, and later tests need interpreted kernels."""
     with contextlib.suppress(ImportError):
-        import bppsa_core.triton_scan  # noqa: F401
+        import bppsa_core.triton  # noqa: F401
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
@@ -227,14 +227,14 @@ def test_a_named_strategy_that_cannot_run_on_the_device_is_refused_before_any_ti
 # {folder}: a folder) and the other arguments it needs.
 OUTPUT_TOOLS = {
     "benchmarks.distributed": ("--out", "{file}", []),
-    "benchmarks.strategies": ("--out", "{file}/sub", []),
+    "benchmarks.schemes": ("--out", "{file}/sub", []),
     "benchmarks.pruned_vgg": ("--out", "{file}", []),
     "benchmarks.kernels": ("--json", "{folder}", []),
     "benchmarks.gpu_check": ("--out", "{folder}", ["--dry"]),
     "analysis.figures": ("--out", "{file}", ["results"]),
     "analysis.report": ("--out", "{file}", ["results"]),
     "analysis.fig10": ("--out", "{file}", ["results"]),
-    "analysis.strategies": ("--out", "{file}", []),
+    "analysis.schemes": ("--out", "{file}", []),
     "datasets.synthetic_irmas": ("--out", "{file}", ["--per-class", "1"]),
 }
 

@@ -431,7 +431,8 @@ def test_modules_it_cannot_split_are_refused_at_construction(module, kwargs, mes
 def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_path, capsys) -> None:
     import pandas as pd
 
-    from analysis.strategies import load_calibration, load_measured
+    from analysis.schemes.machine import load_calibration
+    from analysis.schemes.report import load_measured
     from benchmarks import distributed as bench
 
     args = ["--ranks", "1", "2", "--T", "40", "80", "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)]
@@ -439,7 +440,7 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     printed = capsys.readouterr().out
     assert "| 80 | 2 | bppsa |" in printed and "vs BPTT, same ranks" in printed
     rows = pd.read_csv(tmp_path / "measured.csv")
-    assert set(zip(rows["strategy"], rows["p"], strict=True)) == {
+    assert set(zip(rows["scheme"], rows["p"], strict=True)) == {
         (s, p) for s in ("bppsa-allgather", "bptt-distributed") for p in (1, 2)
     }
     assert (rows["time"] > 0).all() and (rows["backward_s"] > 0).all()
@@ -453,8 +454,8 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     assert "| vs 1 rank, same processes |" in printed and line.split("|")[8].strip().endswith("×")
     two = rows[(rows["p"] == 2) & (rows["backward"] == "bppsa")].set_index("T")["bytes_per_rank"]
     assert two[40] == two[80] > 0  # one all-gather of B·H·(H+1) numbers, whatever T
-    load_measured(tmp_path / "measured.csv")  # what analysis.strategies draws beside its model
-    # one rank's costs at the largest T, as the model charges a device (analysis.strategies)
+    load_measured(tmp_path / "measured.csv")  # what analysis.schemes draws beside its model
+    # one rank's costs at the largest T, as the model charges a device (analysis.schemes)
     costs = load_calibration(tmp_path / "calibration.json")
     assert (
         set(costs) == {"forward_step", "walk", "fold", "overhead", "groups"}

@@ -1,6 +1,6 @@
-"""Measured iterations of the parallel strategies that exist in code, for ``analysis.strategies``.
+"""Measured iterations of the parallel training schemes that exist in code, for ``analysis.schemes``.
 
-    python -m benchmarks.strategies --out results/strategies
+    python -m benchmarks.schemes --out results/schemes
     # then the analysis command it prints: the model with this machine's FLOP rate, α and β, and
     # the measured points on the same axes
 
@@ -14,7 +14,7 @@ each. The same run measures what the model takes: the FLOP rate of the sequentia
 (FLOPs counted by ``torch.utils.flop_counter``), and α and β from a ping-pong between the two
 processes (one number, then ``--pingpong-mb`` MiB).
 
-Writes ``measured.csv`` (strategy, p, time in seconds, and the settings) and ``calibration.json``.
+Writes ``measured.csv`` (scheme, p, time in seconds, and the settings) and ``calibration.json``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from analysis.schemes.network import CLASSES, build_vgg11
 from benchmarks.common import (
     Progress,
     machine_line,
@@ -41,7 +42,6 @@ from benchmarks.common import (
     positive_int,
     run_tool,
 )
-from benchmarks.pruned_vgg import CLASSES, vgg11
 from experiments.records import write_table
 from toolbox.files import output_folder, write_atomic
 
@@ -71,7 +71,7 @@ def _batch(batch: int, image_size: int, seed: int = 0) -> tuple[torch.Tensor, to
 
 def split_at(model: nn.Sequential, weighted: int) -> tuple[nn.Sequential, nn.Sequential]:
     """The model cut after its ``weighted``-th Conv2d / Linear and the parameter-free modules that
-    follow it (the layers ``analysis.strategies`` counts)."""
+    follow it (the layers ``analysis.schemes`` counts)."""
     seen, cut = 0, None
     for i, module in enumerate(model):
         if isinstance(module, (nn.Conv2d, nn.Linear)):
@@ -90,7 +90,7 @@ def sequential(args) -> tuple[float, float]:
     from torch.utils.flop_counter import FlopCounterMode
 
     torch.manual_seed(0)
-    model, loss_fn = vgg11(args.width), nn.CrossEntropyLoss()
+    model, loss_fn = build_vgg11(args.width), nn.CrossEntropyLoss()
     x, y = _batch(args.batch, 32)
 
     def step() -> None:
@@ -115,7 +115,7 @@ def _worker(rank: int, args, store: str, out: str) -> None:
 
 def _data_parallel(rank: int, args) -> float:
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(vgg11(args.width))
+    model = nn.parallel.DistributedDataParallel(build_vgg11(args.width))
     loss_fn = nn.CrossEntropyLoss()
     x, y = _batch(args.batch, 32)
     share = args.batch // RANKS
@@ -132,7 +132,7 @@ def _gpipe(rank: int, args) -> float:
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     torch.manual_seed(0)
-    parts = split_at(vgg11(args.width), args.split)
+    parts = split_at(build_vgg11(args.width), args.split)
     stage = PipelineStage(parts[rank], stage_index=rank, num_stages=RANKS, device=torch.device("cpu"))
     schedule = ScheduleGPipe(stage, n_microbatches=args.micro_batches, loss_fn=nn.CrossEntropyLoss())
     x, y = _batch(args.batch, 32)
@@ -181,10 +181,10 @@ def measure(args, progress: Callable[[str], None]) -> tuple[list[dict], dict]:
         two = json.loads(Path(out).read_text())
     settings = {"model": "vgg11", "batch": args.batch, "width": args.width, "threads_per_process": 1}
     rows = [
-        {"strategy": "sequential", "p": 1, "time": seq_time, "micro_batches": 1, **settings},
-        {"strategy": "data", "p": RANKS, "time": two["data"], "micro_batches": 1, **settings},
+        {"scheme": "sequential", "p": 1, "time": seq_time, "micro_batches": 1, **settings},
+        {"scheme": "data", "p": RANKS, "time": two["data"], "micro_batches": 1, **settings},
         {
-            "strategy": "gpipe",
+            "scheme": "gpipe",
             "p": RANKS,
             "time": two["gpipe"],
             "micro_batches": args.micro_batches,
@@ -201,7 +201,7 @@ def measure(args, progress: Callable[[str], None]) -> tuple[list[dict], dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = parser("benchmarks.strategies", __doc__)
+    p = parser("benchmarks.schemes", __doc__)
     p.add_argument("--out", type=output_folder, required=True, help="output folder")
     p.add_argument("--batch", type=positive_int, default=32, help="samples per iteration")
     p.add_argument("--width", type=positive_float, default=1.0, help="VGG-11's channel multiplier")
@@ -225,10 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--batch {args.batch} does not split over {RANKS} processes; accepted: a multiple of {RANKS}"
         )
     try:
-        split_at(vgg11(args.width), args.split)
+        split_at(build_vgg11(args.width), args.split)
     except ValueError as exc:
         p.error(str(exc))
-    progress = Progress("strategies")
+    progress = Progress("schemes")
     rows, calibration = measure(args, progress)
     out = Path(args.out)
     write_table(out / "measured.csv", rows)
@@ -237,12 +237,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(machine_line(torch.device("cpu")))
     for r in rows:
-        print(f"{r['strategy']:>10}  p = {r['p']}  {r['time'] * 1e3:8.1f} ms per iteration")
+        print(f"{r['scheme']:>10}  p = {r['p']}  {r['time'] * 1e3:8.1f} ms per iteration")
     print(
         f"FLOP rate {calibration['flops']:.3g} FLOP/s (one thread), α {calibration['alpha']:.3g} s, "
         f"β {calibration['beta']:.3g} s/byte"
     )
-    command = ["python -m analysis.strategies --model vgg11", f"--batch {args.batch}", "--p 1 2 4 8"]
+    command = ["python -m analysis.schemes --model vgg11", f"--batch {args.batch}", "--p 1 2 4 8"]
     command += [f"--width {args.width:g}"] if args.width != 1 else []
     command += [f"--micro-batches {args.micro_batches}", f"--calibration {out / 'calibration.json'}"]
     command += [f"--measured {out / 'measured.csv'}", f"--out {out}"]
@@ -251,4 +251,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_tool("benchmarks.strategies", main))
+    raise SystemExit(run_tool("benchmarks.schemes", main))

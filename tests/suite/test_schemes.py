@@ -1,4 +1,4 @@
-"""analysis.strategies: the cost model's invariants, its schedules' validity, and the command."""
+"""analysis.schemes: the cost model's invariants, its schedules' validity, and the command."""
 
 from __future__ import annotations
 
@@ -20,16 +20,36 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from analysis import strategies as S
 from analysis.data import AnalysisError
+from analysis.schemes.cli import main
+from analysis.schemes.machine import Machine, load_calibration
+from analysis.schemes.network import WIDEST, Layer, Network, build_vgg11, profile, recurrent, vgg11
+from analysis.schemes.report import figure, load_measured
+from analysis.schemes.schedule import Task, check_schedule, list_schedule, partition, pipeline_memory
+from analysis.schemes.schemes import (
+    PIPELINES,
+    SCHEMES,
+    _fold,
+    _groups,
+    bppsa,
+    data_parallel,
+    distributed_bptt,
+    estimate,
+    estimates,
+    grid,
+    model_parallel,
+    pipeline,
+    sequential,
+    table,
+)
 from bppsa_core.distributed import sample_groups
 
-VGG = S.vgg11()
-RNN = S.recurrent("rnn", 40, 1, 20, 10)
-GRU = S.recurrent("gru", 30, 24, 20, 11)
+VGG = vgg11()
+RNN = recurrent("rnn", 40, 1, 20, 10)
+GRU = recurrent("gru", 30, 24, 20, 11)
 MACHINES = {
-    "flops": S.Machine(),
-    "latency": S.Machine(flops=1e11, alpha=2e-5, beta=1e-9, overhead=2e-6),
+    "flops": Machine(),
+    "latency": Machine(flops=1e11, alpha=2e-5, beta=1e-9, overhead=2e-6),
 }
 
 
@@ -41,10 +61,8 @@ def close(a: float, b: float) -> bool:
 
 
 def test_vgg11_is_traced_into_its_weighted_layers_with_their_flops() -> None:
-    from benchmarks.pruned_vgg import vgg11
-
     assert [x.name for x in VGG.layers] == [f"conv{i}" for i in range(1, 9)] + ["fc9"]
-    assert VGG.params == sum(p.numel() for p in vgg11().parameters())
+    assert VGG.params == sum(p.numel() for p in build_vgg11().parameters())
     conv1 = VGG.layers[0]
     macs = 3 * 9 * 64 * 32 * 32
     # conv 3 -> 64 at 32 x 32, then ReLU (one op per element) and a 2 x 2 max-pool (one per input)
@@ -59,24 +77,24 @@ def test_vgg11_is_traced_into_its_weighted_layers_with_their_flops() -> None:
 
 def test_a_wide_vgg11_is_counted_without_allocating_its_weights() -> None:
     """Width 10^4 has 4.7 · 10^12 weights in its widest conv alone (19 TB): built on the meta device,
-    the count is the formula's; the widest that counts in 64 bits is S.WIDEST."""
-    wide = S.vgg11(1e4)
+    the count is the formula's; the widest that counts in 64 bits is WIDEST."""
+    wide = vgg11(1e4)
     widest_conv = 5120000 * 5120000 * 9
     assert max(x.params for x in wide.layers) == widest_conv
-    assert S.vgg11(S.WIDEST).layers[-1].params == round(512 * S.WIDEST) * 10
+    assert vgg11(WIDEST).layers[-1].params == round(512 * WIDEST) * 10
 
 
 def test_profile_refuses_a_module_it_cannot_cost() -> None:
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8))
     with pytest.raises(ValueError, match="cannot profile a BatchNorm2d; accepted: Conv2d, Linear"):
-        S.profile(model, (3, 8, 8))
+        profile(model, (3, 8, 8))
     with pytest.raises(ValueError, match="must start with a Conv2d or Linear"):
-        S.profile(nn.Sequential(nn.ReLU(), nn.Linear(4, 2)), (4,))
+        profile(nn.Sequential(nn.ReLU(), nn.Linear(4, 2)), (4,))
 
 
 def test_profile_leaves_the_model_on_the_meta_device_without_computing() -> None:
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-    net = S.profile(model, (5,))
+    net = profile(model, (5,))
     assert [(x.forward, x.input_grad, x.params) for x in net.layers] == [
         (2 * 35 + 7 + 7, 7, 42),
         (2 * 21 + 3, 42, 24),
@@ -104,7 +122,7 @@ def test_coarsening_keeps_every_cost_and_the_ends(blocks: int) -> None:
 
 
 def test_collectives_follow_the_alpha_beta_terms() -> None:
-    m = S.Machine(alpha=1e-5, beta=1e-9, word=4)
+    m = Machine(alpha=1e-5, beta=1e-9, word=4)
     assert m.all_gather(1000, 1) == 0 and m.all_reduce(1000, 1) == 0 and m.send(0) == 0
     assert close(m.all_gather(1000, 8), 3e-5 + 1e-9 * 7 / 8 * 4000)
     assert close(m.all_reduce(1000, 5), 2 * (3e-5 + 1e-9 * 4 / 5 * 4000))
@@ -115,7 +133,7 @@ def test_collectives_follow_the_alpha_beta_terms() -> None:
 def test_the_partition_is_contiguous_and_its_largest_stage_is_the_least_possible(costs, p) -> None:
     from itertools import combinations
 
-    stages = S.partition(costs, p)
+    stages = partition(costs, p)
     assert stages[0] == 0 and all(b - a in (0, 1) for a, b in itertools.pairwise(stages))
     assert max(stages) + 1 == min(p, len(costs))
     best = min(
@@ -127,78 +145,78 @@ def test_the_partition_is_contiguous_and_its_largest_stage_is_the_least_possible
     assert worst == pytest.approx(best)
 
 
-# --- the invariants every strategy must meet ------------------------------------------------------
+# --- the invariants every scheme must meet ------------------------------------------------------
 
 
 @pytest.mark.parametrize("machine", MACHINES.values(), ids=MACHINES.keys())
 @pytest.mark.parametrize("net", [VGG, RNN, GRU], ids=["vgg11", "rnn", "gru"])
-def test_every_strategy_on_one_processor_is_sequential_bp(net, machine) -> None:
-    reference = S.sequential(net, 16, machine)
-    for strategy in S.STRATEGIES:
-        used = net.coarsen(8) if strategy in S.PIPELINES else net  # blocks keep every layer's inputs
-        est = S.estimate(strategy, used, 16, 1, machine)
-        assert close(est.time, reference.time), strategy
-        assert close(est.memory, reference.memory) and est.sent == 0, strategy
+def test_every_scheme_on_one_processor_is_sequential_bp(net, machine) -> None:
+    reference = sequential(net, 16, machine)
+    for scheme in SCHEMES:
+        used = net.coarsen(8) if scheme in PIPELINES else net  # blocks keep every layer's inputs
+        est = estimate(scheme, used, 16, 1, machine)
+        assert close(est.time, reference.time), scheme
+        assert close(est.memory, reference.memory) and est.sent == 0, scheme
         busy = machine.compute(net.work * 16) / reference.time  # 1 unless per-operation overheads
-        assert close(est.utilisation, busy), strategy
+        assert close(est.utilisation, busy), scheme
 
 
-@pytest.mark.parametrize("kind", S.PIPELINES)
+@pytest.mark.parametrize("kind", PIPELINES)
 @pytest.mark.parametrize("p", [2, 3, 4, 7, 9])
 @pytest.mark.parametrize("machine", MACHINES.values(), ids=MACHINES.keys())
 def test_no_schedule_runs_a_task_before_its_inputs_exist(kind: str, p: int, machine) -> None:
     for net, batch in ((VGG, 32), (RNN, 16)):
-        est = S.pipeline(net, batch, p, machine, kind)
-        S.check_schedule(est.tasks)
-        assert est.time >= S.sequential(net, batch, machine).time / p * (1 - 1e-9)
+        est = pipeline(net, batch, p, machine, kind)
+        check_schedule(est.tasks)
+        assert est.time >= sequential(net, batch, machine).time / p * (1 - 1e-9)
 
 
 def test_the_schedule_check_catches_a_task_started_too_early_and_an_overlap() -> None:
-    est = S.pipeline(VGG, 16, 3, S.Machine(), "pipedream")
+    est = pipeline(VGG, 16, 3, Machine(), "pipedream")
     tasks = est.tasks
     waits = next(i for i, t in enumerate(tasks) if t.deps and t.kind == "B")
-    early = [S.Task(**{**t.__dict__}) for t in tasks]
+    early = [Task(**{**t.__dict__}) for t in tasks]
     early[waits].start -= 1.0
     with pytest.raises(AssertionError, match="before its input"):
-        S.check_schedule(early)
-    overlap = [S.Task(**{**t.__dict__}) for t in tasks]
+        check_schedule(early)
+    overlap = [Task(**{**t.__dict__}) for t in tasks]
     first, second = sorted((t for t in overlap if t.proc == 0), key=lambda t: t.start)[:2]
     second.start, second.deps = first.start, []
     with pytest.raises(AssertionError, match="overlap on processor 0"):
-        S.check_schedule(overlap)
+        check_schedule(overlap)
 
 
 def test_a_cycle_in_a_task_graph_is_refused() -> None:
-    a = S.Task("F", 0, 0, 0, 0, 0, 1.0, deps=[(1, 0.0)])
-    b = S.Task("F", 1, 1, 0, 0, 0, 1.0, deps=[(0, 0.0)])
+    a = Task("F", 0, 0, 0, 0, 0, 1.0, deps=[(1, 0.0)])
+    b = Task("F", 1, 1, 0, 0, 0, 1.0, deps=[(0, 0.0)])
     with pytest.raises(AnalysisError, match="cycle"):
-        S.list_schedule([a, b], lambda t: (t.first,))
+        list_schedule([a, b], lambda t: (t.first,))
 
 
 def test_a_steady_pipeline_runs_at_its_slowest_stage() -> None:
     """Two equal layers on two processors, no communication: each micro-batch costs one stage's
     work once the pipeline is full, so an iteration of M micro-batches costs M of them."""
-    layer = S.Layer(
+    layer = Layer(
         "x", forward=1e9, weight_grad=1e9, input_grad=1e9, params=1, inputs=1, outputs=1, channels=1
     )
-    net = S.Network("two", (layer, layer))
-    machine = S.Machine(flops=1e9, alpha=0, beta=0)
+    net = Network("two", (layer, layer))
+    machine = Machine(flops=1e9, alpha=0, beta=0)
     for kind in ("pipedream", "layerpipe"):
-        assert S.pipeline(net, 8, 2, machine, kind, micro=8, iterations=6).time == pytest.approx(8 * 3.0)
+        assert pipeline(net, 8, 2, machine, kind, micro=8, iterations=6).time == pytest.approx(8 * 3.0)
     # GPipe flushes: M forwards and M backwards, plus filling and draining one stage each way
-    assert S.pipeline(net, 8, 2, machine, "gpipe", micro=8).time == pytest.approx(8 * 3 + 1 + 2)
+    assert pipeline(net, 8, 2, machine, "gpipe", micro=8).time == pytest.approx(8 * 3 + 1 + 2)
 
 
 def test_layerpipe_moves_weight_gradients_off_the_busiest_stage() -> None:
     """One heavy layer: PipeDream's stage of it carries its whole backward, LayerPipe gives its weight
     gradient to the processor beside it."""
-    heavy = S.Layer("heavy", 1e9, 4e9, 1e9, params=10, inputs=1, outputs=1, channels=1)
-    light = S.Layer("light", 1e8, 1e8, 1e8, params=10, inputs=1, outputs=1, channels=1)
-    net = S.Network("skewed", (light, heavy))
-    machine = S.Machine(flops=1e9, alpha=0, beta=0)
-    pd_time = S.pipeline(net, 4, 2, machine, "pipedream", micro=4, iterations=6).time
-    lp = S.pipeline(net, 4, 2, machine, "layerpipe", micro=4, iterations=6)
-    S.check_schedule(lp.tasks)
+    heavy = Layer("heavy", 1e9, 4e9, 1e9, params=10, inputs=1, outputs=1, channels=1)
+    light = Layer("light", 1e8, 1e8, 1e8, params=10, inputs=1, outputs=1, channels=1)
+    net = Network("skewed", (light, heavy))
+    machine = Machine(flops=1e9, alpha=0, beta=0)
+    pd_time = pipeline(net, 4, 2, machine, "pipedream", micro=4, iterations=6).time
+    lp = pipeline(net, 4, 2, machine, "layerpipe", micro=4, iterations=6)
+    check_schedule(lp.tasks)
     assert pd_time == pytest.approx(4 * 6.0)
     assert lp.time == pytest.approx(4 * 4.0)  # the heavy weight gradient alone on the other processor
     forward = {t.proc for t in lp.tasks if t.kind == "F" and t.first <= 1 <= t.last}
@@ -211,35 +229,35 @@ def test_layerpipe_moves_weight_gradients_off_the_busiest_stage() -> None:
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_the_grid_at_pr_1_is_data_parallel_and_at_pc_1_model_parallel(net, machine, p: int) -> None:
     batch = 32
-    data, model = S.data_parallel(net, batch, p, machine), S.model_parallel(net, batch, p, machine)
-    batch_only = S.grid(net, batch, p, machine, fixed=(1, p))
+    data, model = data_parallel(net, batch, p, machine), model_parallel(net, batch, p, machine)
+    batch_only = grid(net, batch, p, machine, fixed=(1, p))
     assert close(batch_only.time, data.time) and close(batch_only.sent, data.sent)
     assert close(batch_only.memory, data.memory)
-    pinned = S.grid(net, batch, p, machine, fixed=(p, 1), hows=("model",))
+    pinned = grid(net, batch, p, machine, fixed=(p, 1), hows=("model",))
     if math.isnan(model.time):
         assert math.isnan(pinned.time)
     else:
         assert close(pinned.time, model.time) and close(pinned.sent, model.sent)
         assert close(pinned.memory, model.memory)
-    best = S.grid(net, batch, p, machine).time
+    best = grid(net, batch, p, machine).time
     assert best <= min(data.time, model.time if not math.isnan(model.time) else math.inf) * (1 + 1e-12)
 
 
 def test_the_grid_goes_past_the_batch_where_data_parallelism_stops() -> None:
-    machine = S.Machine()
-    assert math.isnan(S.data_parallel(VGG, 8, 32, machine).time)
-    est = S.grid(VGG, 8, 32, machine)
-    assert est.time < S.sequential(VGG, 8, machine).time
+    machine = Machine()
+    assert math.isnan(data_parallel(VGG, 8, 32, machine).time)
+    est = grid(VGG, 8, 32, machine)
+    assert est.time < sequential(VGG, 8, machine).time
     assert est.detail == "conv1..conv4 8x4 model, conv5..conv8 32x1 model, fc9 4x8 model"
 
 
 def test_domain_parallelism_splits_rows_where_channels_and_batch_run_out() -> None:
     """One sample, four channels, eight processes: only a split of the image's rows fits."""
-    net = S.profile(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()), (3, 64, 64))
-    machine = S.Machine()
-    assert math.isnan(S.data_parallel(net, 1, 8, machine).time)
-    assert math.isnan(S.model_parallel(net, 1, 8, machine).time)
-    est = S.grid(net, 1, 8, machine)
+    net = profile(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()), (3, 64, 64))
+    machine = Machine()
+    assert math.isnan(data_parallel(net, 1, 8, machine).time)
+    assert math.isnan(model_parallel(net, 1, 8, machine).time)
+    est = grid(net, 1, 8, machine)
     assert est.detail == "conv1 8x1 domain"
     conv = net.layers[0]
     halo = 4 * machine.send(conv.halo)  # both neighbours, forward and backward
@@ -253,55 +271,52 @@ def test_distributed_bptt_is_gpipe_with_one_micro_batch() -> None:
     for net in (VGG, RNN):
         for p in (2, 3, 5):
             for machine in MACHINES.values():
-                bptt = S.distributed_bptt(net, 16, p, machine).time
-                assert close(S.pipeline(net, 16, p, machine, "gpipe", micro=1).time, bptt)
+                bptt = distributed_bptt(net, 16, p, machine).time
+                assert close(pipeline(net, 16, p, machine, "gpipe", micro=1).time, bptt)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8, 16, 32])
 def test_bppsa_takes_log_p_dependent_exchanges_where_bptt_takes_p(p: int) -> None:
-    net, machine = S.recurrent("rnn", 1000, 1, 20, 10), MACHINES["latency"]
-    assert S.distributed_bptt(net, 16, p, machine).hops == p - 1
-    assert S.bppsa(net, 16, p, machine, "allgather").hops == math.ceil(math.log2(p))
+    net, machine = recurrent("rnn", 1000, 1, 20, 10), MACHINES["latency"]
+    assert distributed_bptt(net, 16, p, machine).hops == p - 1
+    assert bppsa(net, 16, p, machine, "allgather").hops == math.ceil(math.log2(p))
     tree = math.ceil(math.log2(p - 1)) if p > 2 else 0
-    assert S.bppsa(net, 16, p, machine, "tree").hops == tree + math.ceil(math.log2(p))
+    assert bppsa(net, 16, p, machine, "tree").hops == tree + math.ceil(math.log2(p))
 
 
 def test_bppsa_beats_distributed_bptt_on_a_latency_bound_rnn_and_loses_on_vgg11() -> None:
     """The model's two regimes: a small H × H aggregate against a chain of latency-bound steps, and
     VGG-11's activations, whose aggregates are dense matrices of thousands squared per sample."""
-    rnn, machine = S.recurrent("rnn", 1000, 1, 20, 10), MACHINES["latency"]
+    rnn, machine = recurrent("rnn", 1000, 1, 20, 10), MACHINES["latency"]
     for p in (4, 8, 16):
-        assert S.bppsa(rnn, 16, p, machine, "tree").time < 0.8 * S.distributed_bptt(rnn, 16, p, machine).time
-    assert (
-        S.bppsa(VGG, 16, 4, S.Machine(), "allgather").time
-        > 10 * S.distributed_bptt(VGG, 16, 4, S.Machine()).time
-    )
+        assert bppsa(rnn, 16, p, machine, "tree").time < 0.8 * distributed_bptt(rnn, 16, p, machine).time
+    assert bppsa(VGG, 16, 4, Machine(), "allgather").time > 10 * distributed_bptt(VGG, 16, 4, Machine()).time
 
 
 # A device running bppsa_core.distributed: a fused forward per step, a compiled walk and fold per step
 # and sample; a network of steps alone (no head), a free interconnect, and no cost per operation.
-STEP = S.Layer(
+STEP = Layer(
     "t", forward=1.0, weight_grad=1.0, input_grad=1.0, params=0, inputs=20, outputs=20, channels=20, step=True
 )
-STEPS = S.Network("steps", (STEP,) * 600, shared=0)
-COMPILED = S.Machine(flops=1e30, alpha=0, beta=0, forward_step=1e-5, walk=1e-7, fold=2e-6)
+STEPS = Network("steps", (STEP,) * 600, shared=0)
+COMPILED = Machine(flops=1e30, alpha=0, beta=0, forward_step=1e-5, walk=1e-7, fold=2e-6)
 
 
 def test_a_device_with_compiled_costs_pays_its_forward_per_step_and_its_scan_per_step_and_sample() -> None:
     """One device: the fused forward (a step costs the same for any batch), then BPPSA's compiled
-    backward; the head of the paper's RNN is charged its operations as before; the other strategies
+    backward; the head of the paper's RNN is charged its operations as before; the other schemes
     run the same forward and schedule the backward's operations."""
     machine = replace(COMPILED, overhead=1e-6, flops=1e9)
-    net = S.recurrent("rnn", 500, 1, 20, 10)
+    net = recurrent("rnn", 500, 1, 20, 10)
     head = [net.layers[-1]]
     for batch in (2, 16):
-        est = S.bppsa(net, batch, 1, machine, "allgather", groups=8)
+        est = bppsa(net, batch, 1, machine, "allgather", groups=8)
         forward = 500 * 1e-5 + machine.run(head, "forward", batch)
         assert close(est.time, forward + 500 * batch * 1e-7 + machine.run(head, "backward", batch))
         assert est.detail == ""  # one device keeps the batch whole
         reference = forward + machine.run(net.layers, "backward", batch)
-        assert close(S.sequential(net, batch, machine).time, reference)
-        assert close(S.distributed_bptt(net, batch, 1, machine).time, reference)
+        assert close(sequential(net, batch, machine).time, reference)
+        assert close(distributed_bptt(net, batch, 1, machine).time, reference)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 3, 8, 16])
@@ -309,33 +324,33 @@ def test_sample_groups_pipeline_two_devices(groups: int) -> None:
     """Two equal slices: the bottom device walks group g as soon as the top has walked it, so the
     backward takes (m + 1) / m of one slice's walk for m groups; one group takes two slices' worth,
     no better than one device."""
-    est = S.bppsa(STEPS, 16, 2, COMPILED, "allgather", groups)
+    est = bppsa(STEPS, 16, 2, COMPILED, "allgather", groups)
     slice_walk = 300 * 16 * 1e-7
     # groups of 16 samples that do not divide evenly: the largest group sets the pipeline's fill
-    largest = max(S._groups(16, groups))
+    largest = max(_groups(16, groups))
     assert close(est.time, 600 * 1e-5 + slice_walk + 300 * largest * 1e-7)
     if 16 % groups == 0:
         assert close(est.time - 600 * 1e-5, slice_walk * (groups + 1) / groups)
     assert est.detail == ("" if groups == 1 else f"{groups} sample groups")
-    assert S.bppsa(STEPS, 16, 1, COMPILED, "allgather", groups).time == pytest.approx(
+    assert bppsa(STEPS, 16, 1, COMPILED, "allgather", groups).time == pytest.approx(
         600 * 1e-5 + 2 * slice_walk
     )
     # the model's groups are the code's (bppsa_core.distributed.sample_groups)
-    assert S._groups(16, groups) == [s.stop - s.start for s in sample_groups(16, groups)]
+    assert _groups(16, groups) == [s.stop - s.start for s in sample_groups(16, groups)]
 
 
 def test_a_middle_devices_fold_can_outlast_the_top_devices_forward_and_walk() -> None:
     """Three equal slices, one group: the exchange waits for the top's walk and the middle's fold
     (started after its forward), then the two lower devices walk their slices side by side."""
-    est = S.bppsa(STEPS, 16, 3, COMPILED, "allgather")
+    est = bppsa(STEPS, 16, 3, COMPILED, "allgather")
     top = 600 * 1e-5 + 200 * 16 * 1e-7
     middle = 400 * 1e-5 + 200 * 16 * 2e-6
     assert middle > top and close(est.time, middle + 200 * 16 * 1e-7)
     cheap = replace(COMPILED, fold=1e-7)
-    assert close(S.bppsa(STEPS, 16, 3, cheap, "allgather").time, top + 200 * 16 * 1e-7)
+    assert close(bppsa(STEPS, 16, 3, cheap, "allgather").time, top + 200 * 16 * 1e-7)
     # without compiled costs the fold is the slice's input gradients applied to its 20 unit vectors
-    plain = S.Machine(flops=1e6, alpha=0, beta=0)
-    assert close(S._fold(STEPS.layers[:200], 16, plain), 200 * 16 * 20 / 1e6)
+    plain = Machine(flops=1e6, alpha=0, beta=0)
+    assert close(_fold(STEPS.layers[:200], 16, plain), 200 * 16 * 20 / 1e6)
 
 
 def test_a_middle_device_folds_every_group_before_its_first_exchange() -> None:
@@ -343,7 +358,7 @@ def test_a_middle_device_folds_every_group_before_its_first_exchange() -> None:
     samples as soon as its forward is done, then walks the groups as their exchanges come; folding
     each group between walks (idle until the top's first group, then fold, walk, fold ...) would
     take longer."""
-    est = S.bppsa(STEPS, 16, 3, COMPILED, "allgather", groups=8)
+    est = bppsa(STEPS, 16, 3, COMPILED, "allgather", groups=8)
     folds, walks = 200 * 16 * 2e-6, 200 * 16 * 1e-7
     assert close(est.time, 400 * 1e-5 + folds + walks)
     top_first_group = 600 * 1e-5 + walks / 8
@@ -352,28 +367,28 @@ def test_a_middle_device_folds_every_group_before_its_first_exchange() -> None:
 
 
 def test_infeasible_points_say_why() -> None:
-    machine = S.Machine()
-    assert "exceeds the batch 8" in S.data_parallel(VGG, 8, 16, machine).note
-    assert "exceeds a layer's 10 channels" in S.model_parallel(VGG, 64, 16, machine).note
-    assert "exceeds the 9 layers" in S.pipeline(VGG, 64, 16, machine, "gpipe").note
-    with pytest.raises(ValueError, match="unknown strategy 'ring'; accepted: sequential, gpipe"):
-        S.estimate("ring", VGG, 8, 2, machine)
+    machine = Machine()
+    assert "exceeds the batch 8" in data_parallel(VGG, 8, 16, machine).note
+    assert "exceeds a layer's 10 channels" in model_parallel(VGG, 64, 16, machine).note
+    assert "exceeds the 9 layers" in pipeline(VGG, 64, 16, machine, "gpipe").note
+    with pytest.raises(ValueError, match="unknown scheme 'ring'; accepted: sequential, gpipe"):
+        estimate("ring", VGG, 8, 2, machine)
 
 
 def test_pipeline_memory_counts_stashed_weights_and_activations_in_flight() -> None:
     """Two equal layers on two processors, four micro-batches of one sample: GPipe keeps all four
     micro-batches' inputs on the first processor and one weight version; 1F1B admits two there
     and, never flushing, stashes the weights of two iterations."""
-    layer = S.Layer(
+    layer = Layer(
         "x", forward=1e9, weight_grad=1e9, input_grad=1e9, params=100, inputs=10, outputs=10, channels=1
     )
-    net = S.Network("two", (layer, layer))
-    machine = S.Machine(flops=1e9, alpha=0, beta=0, word=1)
-    gpipe = S.pipeline(net, 4, 2, machine, "gpipe", micro=4)
-    pipedream = S.pipeline(net, 4, 2, machine, "pipedream", micro=4)
-    assert S.pipeline_memory(gpipe.tasks, net, 1, machine, "gpipe")[0] == 100 + 4 * 10
-    assert S.pipeline_memory(pipedream.tasks, net, 1, machine, "pipedream")[0] == 2 * 100 + 2 * 10
-    assert S.sequential(net, 4, machine).memory == 200 + 4 * 20
+    net = Network("two", (layer, layer))
+    machine = Machine(flops=1e9, alpha=0, beta=0, word=1)
+    gpipe = pipeline(net, 4, 2, machine, "gpipe", micro=4)
+    pipedream = pipeline(net, 4, 2, machine, "pipedream", micro=4)
+    assert pipeline_memory(gpipe.tasks, net, 1, machine, "gpipe")[0] == 100 + 4 * 10
+    assert pipeline_memory(pipedream.tasks, net, 1, machine, "pipedream")[0] == 2 * 100 + 2 * 10
+    assert sequential(net, 4, machine).memory == 200 + 4 * 20
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -381,7 +396,7 @@ def test_pipeline_memory_counts_stashed_weights_and_activations_in_flight() -> N
 
 def test_the_command_writes_the_table_and_a_reproducible_figure(tmp_path: Path, capsys) -> None:
     measured = tmp_path / "measured.csv"
-    pd.DataFrame({"strategy": ["sequential", "data"], "p": [1, 2], "time": [0.2, 0.11]}).to_csv(
+    pd.DataFrame({"scheme": ["sequential", "data"], "p": [1, 2], "time": [0.2, 0.11]}).to_csv(
         measured, index=False
     )
     args = [
@@ -398,13 +413,13 @@ def test_the_command_writes_the_table_and_a_reproducible_figure(tmp_path: Path, 
         "--overhead",
         "1e-6",
     ]
-    assert S.main([*args, "--out", str(tmp_path / "a")]) == 0
-    assert S.main([*args, "--out", str(tmp_path / "b")]) == 0
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0
     printed = capsys.readouterr().out
     assert "| BPPSA, tree |" in printed and "LayerPipe's saving" in printed
-    table = pd.read_csv(tmp_path / "a" / "strategies.csv")
-    assert set(table["strategy"]) == set(S.STRATEGIES) and sorted(table["p"].unique()) == [1, 2, 4]
-    for name in ("strategies.csv", "strategies.md", "strategies.png", "strategies.pdf"):
+    table = pd.read_csv(tmp_path / "a" / "schemes.csv")
+    assert set(table["scheme"]) == set(SCHEMES) and sorted(table["p"].unique()) == [1, 2, 4]
+    for name in ("schemes.csv", "schemes.md", "schemes.png", "schemes.pdf"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
@@ -427,33 +442,33 @@ def test_bad_arguments_are_refused_in_one_line_and_nothing_is_written(
     tmp_path: Path, capsys, args, message
 ) -> None:
     with pytest.raises(SystemExit) as stop:
-        raise SystemExit(S.main([*args, "--out", str(tmp_path / "out")]))
+        raise SystemExit(main([*args, "--out", str(tmp_path / "out")]))
     assert stop.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert message in line
     assert not (tmp_path / "out").exists()
 
 
-def test_a_strategy_orders_of_magnitude_slower_leaves_the_chart_named_in_the_legend() -> None:
-    machine = S.Machine()
-    frame = S.table(S.estimates(VGG, 16, [1, 2, 4], machine, ["sequential", "data", "bppsa-allgather"]))
-    fig = S.figure(frame, [], None, "title")
+def test_a_scheme_orders_of_magnitude_slower_leaves_the_chart_named_in_the_legend() -> None:
+    machine = Machine()
+    frame = table(estimates(VGG, 16, [1, 2, 4], machine, ["sequential", "data", "bppsa-allgather"]))
+    fig = figure(frame, [], None, "title")
     ax = fig.axes[0]
-    assert ax.get_ylim()[1] == pytest.approx(20 * S.sequential(VGG, 16, machine).time)
+    assert ax.get_ylim()[1] == pytest.approx(20 * sequential(VGG, 16, machine).time)
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert any(t.startswith("BPPSA, all-gather (off the chart from p = 4: ") for t in labels)
     assert "data parallel" in labels
-    frame = S.table(S.estimates(VGG, 16, [1, 2], machine, ["sequential", "data"]))
-    assert S.figure(frame, [], None, "title").axes[0].get_ylim()[1] < S.sequential(VGG, 16, machine).time * 2
+    frame = table(estimates(VGG, 16, [1, 2], machine, ["sequential", "data"]))
+    assert figure(frame, [], None, "title").axes[0].get_ylim()[1] < sequential(VGG, 16, machine).time * 2
 
 
 def test_a_calibration_sets_what_the_flags_leave_unset(tmp_path: Path) -> None:
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"flops": 2e11, "alpha": 3e-5, "beta": 4e-10, "iteration_flops": 1}))
-    assert S.load_calibration(path) == {"flops": 2e11, "alpha": 3e-5, "beta": 4e-10}
-    args = ["--p", "1", "2", "--strategies", "sequential", "data", "--calibration", str(path), "--beta", "0"]
-    assert S.main([*args, "--out", str(tmp_path / "out")]) == 0
-    header = (tmp_path / "out" / "strategies.md").read_text().splitlines()[0]
+    assert load_calibration(path) == {"flops": 2e11, "alpha": 3e-5, "beta": 4e-10}
+    args = ["--p", "1", "2", "--schemes", "sequential", "data", "--calibration", str(path), "--beta", "0"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    header = (tmp_path / "out" / "schemes.md").read_text().splitlines()[0]
     assert "2e+11 FLOP/s" in header and "α = 3e-05 s" in header and "β = 0 s/byte" in header
     for bad, message in (
         ({"flops": 0, "alpha": 0, "beta": 0}, "flops is 0; accepted: a positive number"),
@@ -471,110 +486,107 @@ def test_a_calibration_sets_what_the_flags_leave_unset(tmp_path: Path) -> None:
     ):
         path.write_text(json.dumps(bad))
         with pytest.raises(AnalysisError, match=message):
-            S.load_calibration(path)
+            load_calibration(path)
     path.write_text("{")
     with pytest.raises(AnalysisError, match="is not JSON"):
-        S.load_calibration(path)
+        load_calibration(path)
     with pytest.raises(AnalysisError, match=f"cannot read {tmp_path}: Is a directory"):
-        S.load_calibration(tmp_path)  # there, but not a file it can read
+        load_calibration(tmp_path)  # there, but not a file it can read
 
 
 def test_calibrations_of_both_benchmarks_combine_and_set_the_devices_compiled_costs(tmp_path: Path) -> None:
-    """The strategies benchmark's FLOP rate, α and β and the distributed benchmark's device costs and
+    """The schemes benchmark's FLOP rate, α and β and the distributed benchmark's device costs and
     groups, from two files (a later one winning, a flag over both): the table follows them."""
-    first, second = tmp_path / "strategies.json", tmp_path / "distributed.json"
+    first, second = tmp_path / "schemes.json", tmp_path / "distributed.json"
     first.write_text(json.dumps({"flops": 2e11, "alpha": 3e-5, "beta": 4e-10, "overhead": 1.0}))
     costs = {"forward_step": 5e-6, "walk": 2e-7, "fold": 1.5e-6, "overhead": 9e-6, "groups": 8, "T": 2000}
     second.write_text(json.dumps(costs))
-    assert S.load_calibration(second) == {k: v for k, v in costs.items() if k != "T"}
-    args = ["--model", "rnn", "--T", "400", "--p", "1", "2", "--strategies", "sequential", "bppsa-allgather"]
+    assert load_calibration(second) == {k: v for k, v in costs.items() if k != "T"}
+    args = ["--model", "rnn", "--T", "400", "--p", "1", "2", "--schemes", "sequential", "bppsa-allgather"]
     args += ["--calibration", str(first), str(second), "--beta", "0", "--out", str(tmp_path / "out")]
-    assert S.main(args) == 0
-    header = (tmp_path / "out" / "strategies.md").read_text().splitlines()[0]
+    assert main(args) == 0
+    header = (tmp_path / "out" / "schemes.md").read_text().splitlines()[0]
     assert "2e+11 FLOP/s" in header and "overhead 9e-06 s" in header and "β = 0 s/byte" in header
     assert (
         "forward 5e-06 s per step, walk 2e-07 s and fold 1.5e-06 s" in header and "8 sample groups" in header
     )
-    frame = pd.read_csv(tmp_path / "out" / "strategies.csv").set_index(["strategy", "p"])
-    machine = S.Machine(2e11, 3e-5, 0.0, 4, 9e-6, 5e-6, 2e-7, 1.5e-6)
-    net = S.recurrent("rnn", 400, 1, 20, 10)
+    frame = pd.read_csv(tmp_path / "out" / "schemes.csv").set_index(["scheme", "p"])
+    machine = Machine(2e11, 3e-5, 0.0, 4, 9e-6, 5e-6, 2e-7, 1.5e-6)
+    net = recurrent("rnn", 400, 1, 20, 10)
     assert frame.loc[("bppsa-allgather", 2), "time"] == pytest.approx(
-        S.bppsa(net, 16, 2, machine, "allgather", 8).time
+        bppsa(net, 16, 2, machine, "allgather", 8).time
     )
     assert frame.loc[("bppsa-allgather", 2), "detail"] == "8 sample groups"
-    assert S.main([*args[:-2], "--groups", "1", "--out", str(tmp_path / "one")]) == 0
-    one = pd.read_csv(tmp_path / "one" / "strategies.csv").set_index(["strategy", "p"])
+    assert main([*args[:-2], "--groups", "1", "--out", str(tmp_path / "one")]) == 0
+    one = pd.read_csv(tmp_path / "one" / "schemes.csv").set_index(["scheme", "p"])
     assert one.loc[("bppsa-allgather", 2), "time"] > frame.loc[("bppsa-allgather", 2), "time"]
 
 
-def test_a_strategy_that_does_not_apply_at_some_p_leaves_an_empty_cell_not_an_error(tmp_path: Path) -> None:
+def test_a_scheme_that_does_not_apply_at_some_p_leaves_an_empty_cell_not_an_error(tmp_path: Path) -> None:
     """Data parallelism beyond the batch has no estimate (its time is nan, with a note): the command
     still writes the table, the other rows and the note, as the README's RNN command needs."""
     args = ["--model", "rnn", "--T", "50", "--batch", "4", "--p", "1", "8"]
-    assert S.main([*args, "--strategies", "sequential", "data", "--out", str(tmp_path / "out")]) == 0
-    frame = pd.read_csv(tmp_path / "out" / "strategies.csv", keep_default_na=False).set_index(
-        ["strategy", "p"]
-    )
+    assert main([*args, "--schemes", "sequential", "data", "--out", str(tmp_path / "out")]) == 0
+    frame = pd.read_csv(tmp_path / "out" / "schemes.csv", keep_default_na=False).set_index(["scheme", "p"])
     assert frame.loc[("data", 8), "note"] == "p = 8 exceeds the batch 4"
     assert frame.loc[("data", 8), "time"] == "" and float(frame.loc[("data", 1), "time"]) > 0
-    assert "data parallel: p = 8 exceeds the batch 4" in (tmp_path / "out" / "strategies.md").read_text()
+    assert "data parallel: p = 8 exceeds the batch 4" in (tmp_path / "out" / "schemes.md").read_text()
 
 
-def test_a_measured_table_must_name_known_strategies(tmp_path: Path) -> None:
+def test_a_measured_table_must_name_known_schemes(tmp_path: Path) -> None:
     path = tmp_path / "m.csv"
-    pd.DataFrame({"strategy": ["ring"], "p": [2], "time": [1.0]}).to_csv(path, index=False)
-    with pytest.raises(AnalysisError, match="unknown strategies ring"):
-        S.load_measured(path)
-    pd.DataFrame({"strategy": ["data"], "p": [2]}).to_csv(path, index=False)
+    pd.DataFrame({"scheme": ["ring"], "p": [2], "time": [1.0]}).to_csv(path, index=False)
+    with pytest.raises(AnalysisError, match="unknown schemes ring"):
+        load_measured(path)
+    pd.DataFrame({"scheme": ["data"], "p": [2]}).to_csv(path, index=False)
     with pytest.raises(AnalysisError, match="lacks the columns time"):
-        S.load_measured(path)
-    pd.DataFrame({"strategy": ["data"], "p": [2], "time": ["slow"]}).to_csv(path, index=False)
+        load_measured(path)
+    pd.DataFrame({"scheme": ["data"], "p": [2], "time": ["slow"]}).to_csv(path, index=False)
     with pytest.raises(AnalysisError, match="time is 'slow' in row 1; accepted: a number"):
-        S.load_measured(path)
+        load_measured(path)
     path.write_text("")
-    with pytest.raises(AnalysisError, match="is empty; accepted: a table with the columns strategy, p, time"):
-        S.load_measured(path)
+    with pytest.raises(AnalysisError, match="is empty; accepted: a table with the columns scheme, p, time"):
+        load_measured(path)
     for cells, message in (
         (
-            {"strategy": [None], "p": [2], "time": [1.0]},
-            "strategy is empty in row 1; accepted: a strategy's name",
+            {"scheme": [None], "p": [2], "time": [1.0]},
+            "scheme is empty in row 1; accepted: a scheme's name",
         ),
-        ({"strategy": ["data"], "p": [0], "time": [1.0]}, "p is 0 in row 1; accepted: a whole number >= 1"),
+        ({"scheme": ["data"], "p": [0], "time": [1.0]}, "p is 0 in row 1; accepted: a whole number >= 1"),
         (
-            {"strategy": ["data"], "p": [2], "time": [-1.0]},
+            {"scheme": ["data"], "p": [2], "time": [-1.0]},
             "time is -1.0 in row 1; accepted: a finite number >= 0",
         ),
-        ({"strategy": ["data"], "p": [2], "time": [float("inf")]}, "time is inf in row 1"),
-        ({"strategy": [], "p": [], "time": []}, "holds no rows; accepted: the measured iterations"),
+        ({"scheme": ["data"], "p": [2], "time": [float("inf")]}, "time is inf in row 1"),
+        ({"scheme": [], "p": [], "time": []}, "holds no rows; accepted: the measured iterations"),
     ):
         pd.DataFrame(cells).to_csv(path, index=False)
         with pytest.raises(AnalysisError, match=message):
-            S.load_measured(path)
+            load_measured(path)
 
 
 # --- the measured points --------------------------------------------------------------------------
 
 
 def test_the_benchmark_cuts_vgg11_where_the_model_does() -> None:
-    from benchmarks.pruned_vgg import vgg11
-    from benchmarks.strategies import split_at
+    from benchmarks.schemes import split_at
 
-    stages = S.partition([x.work for x in VGG.layers], 2)
-    first, second = split_at(vgg11(), 4)
+    stages = partition([x.work for x in VGG.layers], 2)
+    first, second = split_at(build_vgg11(), 4)
     assert stages.count(0) == 4
     assert sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in first) == 4
     assert isinstance(second[0], nn.Conv2d) and second[0].in_channels == 256
     with pytest.raises(ValueError, match="--split 9 does not cut the network; accepted: 1 to 8"):
-        split_at(vgg11(), 9)
+        split_at(build_vgg11(), 9)
 
 
-def test_the_benchmark_measures_three_strategies_on_two_processes(tmp_path: Path, capsys) -> None:
-    from benchmarks import strategies as bench
+def test_the_benchmark_measures_three_schemes_on_two_processes(tmp_path: Path, capsys) -> None:
+    from benchmarks import schemes as bench
 
     args = ["--width", "0.125", "--batch", "8", "--micro-batches", "4", "--warmup", "0", "--repeats", "1"]
     assert bench.main([*args, "--pingpong-mb", "0.25", "--out", str(tmp_path)]) == 0
-    measured = S.load_measured(tmp_path / "measured.csv")
-    assert list(zip(measured["strategy"], measured["p"], strict=True)) == [
+    measured = load_measured(tmp_path / "measured.csv")
+    assert list(zip(measured["scheme"], measured["p"], strict=True)) == [
         ("sequential", 1),
         ("data", 2),
         ("gpipe", 2),
@@ -583,12 +595,10 @@ def test_the_benchmark_measures_three_strategies_on_two_processes(tmp_path: Path
     calibration = json.loads((tmp_path / "calibration.json").read_text())
     assert calibration["flops"] > 0 and calibration["alpha"] > 0 and calibration["beta"] >= 0
     command = capsys.readouterr().out.splitlines()[-1]
-    assert command.startswith(
-        "python -m analysis.strategies --model vgg11 --batch 8 --p 1 2 4 8 --width 0.125"
-    )
+    assert command.startswith("python -m analysis.schemes --model vgg11 --batch 8 --p 1 2 4 8 --width 0.125")
     out = tmp_path / "model"
-    assert S.main([*command.split()[3:-2], "--out", str(out)]) == 0  # the printed command runs
-    assert (out / "strategies.png").is_file()
+    assert main([*command.split()[3:-2], "--out", str(out)]) == 0  # the printed command runs
+    assert (out / "schemes.png").is_file()
 
 
 @pytest.mark.parametrize(
@@ -602,7 +612,7 @@ def test_the_benchmark_measures_three_strategies_on_two_processes(tmp_path: Path
     ],
 )
 def test_the_benchmark_refuses_bad_settings_in_one_line(tmp_path: Path, capsys, args, message) -> None:
-    from benchmarks import strategies as bench
+    from benchmarks import schemes as bench
 
     with pytest.raises(SystemExit) as stop:
         bench.main([*args, "--out", str(tmp_path / "out")])
@@ -611,34 +621,34 @@ def test_the_benchmark_refuses_bad_settings_in_one_line(tmp_path: Path, capsys, 
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("kind", S.PIPELINES)
+@pytest.mark.parametrize("kind", PIPELINES)
 def test_bytes_sent_do_not_depend_on_the_interconnects_speed(kind: str) -> None:
     """The bytes a schedule moves are what it moves, whatever α and β are (0 included)."""
     sent = {
-        (alpha, beta): S.pipeline(VGG, 32, 4, S.Machine(alpha=alpha, beta=beta), kind).sent
+        (alpha, beta): pipeline(VGG, 32, 4, Machine(alpha=alpha, beta=beta), kind).sent
         for alpha, beta in ((5e-6, 1e-10), (5e-6, 0.0), (0.0, 0.0), (1e-3, 1e-8))
     }
     assert len(set(sent.values())) == 1 and next(iter(sent.values())) > 0
 
 
 @pytest.mark.slow
-def test_the_strategies_page_redraws_to_its_committed_tables(tmp_path: Path) -> None:
-    """docs/strategies/run.sh, run on a copy of its folder without its outputs, writes every table
-    (csv, md) of docs/STRATEGIES.md byte for byte as committed (the model is deterministic) and every
+def test_the_schemes_page_redraws_to_its_committed_tables(tmp_path: Path) -> None:
+    """docs/schemes/run.sh, run on a copy of its folder without its outputs, writes every table
+    (csv, md) of docs/SCHEMES.md byte for byte as committed (the model is deterministic) and every
     figure (their bytes follow the matplotlib release, so they are only required to be there)."""
-    committed = ROOT / "docs" / "strategies"
-    copy = tmp_path / "docs" / "strategies"
+    committed = ROOT / "docs" / "schemes"
+    copy = tmp_path / "docs" / "schemes"
     shutil.copytree(committed, copy)
-    for made in copy.glob("*/strategies.*"):  # the run must make every one again
+    for made in copy.glob("*/schemes.*"):  # the run must make every one again
         made.unlink()
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         ["bash", str(copy / "run.sh")], capture_output=True, text=True, env=env, timeout=600
     )
     assert done.returncode == 0, done.stderr
-    tables = sorted(committed.glob("*/strategies.*[dv]"))  # .md and .csv
+    tables = sorted(committed.glob("*/schemes.*[dv]"))  # .md and .csv
     assert len(tables) == 10  # vgg11, rnn, distributed, four-ranks, measured: csv and md
-    for table in tables:
-        assert (tmp_path / table.relative_to(ROOT)).read_bytes() == table.read_bytes(), table
-    for figure in committed.glob("*/strategies.p*"):
-        assert (tmp_path / figure.relative_to(ROOT)).stat().st_size > 0
+    for written in tables:
+        assert (tmp_path / written.relative_to(ROOT)).read_bytes() == written.read_bytes(), written
+    for drawn in committed.glob("*/schemes.p*"):
+        assert (tmp_path / drawn.relative_to(ROOT)).stat().st_size > 0
