@@ -1,8 +1,9 @@
 """The pipelines' task graphs and the list scheduler that runs them: GPipe, PipeDream's 1F1B and
-LayerPipe become tasks on fixed processors (``pipeline_tasks``), scheduled as soon as their inputs
-have arrived (``list_schedule``) and checked (``check_schedule``); ``pipeline_memory`` and
-``sent_per_iteration`` read a schedule's memory and bytes. ``partition`` cuts layers into balanced
-contiguous stages, for the pipelines and for the schemes that give each device a slice."""
+LayerPipe become tasks on fixed processors (``pipeline_tasks``), each started as soon as its
+processor is free and its inputs have arrived (``list_schedule``), the result checked
+(``check_schedule``; ``scheduled`` does all three). ``pipeline_memory`` and ``sent_per_iteration``
+read a schedule's memory and bytes; ``partition`` cuts layers into balanced contiguous stages, for the
+pipelines and for the schemes that give each device a slice."""
 
 from __future__ import annotations
 
