@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, markdown_tables, run_module
 
+from benchmarks import gpu_check
 from bppsa_core import dispatch
-from experiments import gpu_check
 
 
 def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
@@ -172,3 +172,10 @@ def test_the_dry_run_goes_end_to_end(tmp_path) -> None:
     measured = (tmp_path / "report-ranks" / "measured.csv").read_text().splitlines()
     assert len(measured) == 1 + 4  # 1 and 2 ranks, BPPSA and BPTT
     assert (tmp_path / "report-ranks" / "calibration.json").is_file()
+
+
+def test_the_old_command_name_runs_the_same_tool() -> None:
+    """``python -m experiments.gpu_check`` is the name the command has always had: the same main."""
+    from experiments import gpu_check as alias
+
+    assert alias.main is gpu_check.main
