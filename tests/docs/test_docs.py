@@ -47,6 +47,15 @@ def test_the_readme_opens_with_the_two_set_up_commands() -> None:
     assert [b.strip() for b in blocks[:2]] == list(SET_UP)
 
 
+def test_ci_runs_the_readme_test_command_then_the_extended_tests() -> None:
+    """.ci/run runs the README's second set-up command step by step, then the tests it leaves out."""
+    ran = [line.removeprefix("run ").strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    ran = [line for line in ran if line.startswith(("python3 ", ".venv/bin/"))]
+    steps = SET_UP[1].split(" && ")
+    assert ran[: len(steps)] == steps, ran
+    assert ".venv/bin/python -m pytest -m extended" in ran[len(steps) :], ran
+
+
 def fenced_commands(path) -> list[str]:
     """The lines of a document's fenced blocks that run a suite tool (not venv, pip, pytest or -c)."""
     lines = []
