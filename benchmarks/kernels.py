@@ -3,8 +3,8 @@ static estimate of their loops.
 
     python -m benchmarks.kernels [--arch 80 90] [--T 1000] [--chunk 32] [--summary]
 
-Every kernel configuration the modules can launch (``bppsa_core.triton_scan.launch_configs``: kernel,
-mode, terms, diagonal, offsets, fused or not, the H it serves, with the constexprs and warps of
+Every kernel configuration the modules can launch (``launch_configs``: kernel, mode, terms, diagonal,
+offsets, fused or not, the H it serves, with the constexprs and warps of ``bppsa_core.triton``'s
 ``launch_config``, the settings the launches themselves use) is compiled ahead of time for each
 ``--arch`` (compute capability x 10: 80 = A100, 90 = H100) by Triton's compiler and the ptxas in the
 triton wheel, as Triton's JIT compiles it on such a GPU: every pointer 16-byte aligned (as PyTorch
@@ -41,8 +41,19 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from benchmarks.common import positive_int
-from bppsa_core import triton_scan
-from bppsa_core.triton_scan import KernelConfig, Launch
+from bppsa_core.triton import (
+    GRU,
+    MODE_NAMES,
+    RELU,
+    SCALES,
+    SCALES_T,
+    TANH,
+    Launch,
+    chunk_scan,
+    launch_config,
+    lstm_launch_config,
+    padded,
+)
 from toolbox.cli import OneLineParser, cpu_cores
 from toolbox.errors import SuiteError
 from toolbox.files import output_file, write_atomic
@@ -89,10 +100,87 @@ def _check_compilable() -> None:
     import triton
 
     tools()
-    if not isinstance(triton_scan._reduce, triton.JITFunction):
+    if not isinstance(chunk_scan._reduce, triton.JITFunction):
         raise ToolchainError(
             "the kernels were loaded for Triton's interpreter (TRITON_INTERPRET is set); run without it"
         )
+
+
+# ---------------------------------------------------------------------------------------- catalogue
+
+
+class KernelConfig(NamedTuple):
+    """One kernel in one configuration the modules can launch (``launch_configs``)."""
+
+    role: str  # reduce, spine or expand
+    mode: str  # SCALES, SCALES_T, TANH, RELU, GRU or LSTM
+    terms: int  # K weight terms (an LSTM: its 4 gates)
+    diag: bool  # HAS_DIAG; an LSTM: HAS_HH
+    affine: bool  # HAS_B
+    fused: bool  # a layer mode: only x_0 and the deltas written
+    hidden: tuple[int, ...]  # every H this binary serves; the first is the one to compile it with
+    launch: Launch
+
+
+def h_variants(largest: int) -> list[tuple[int, ...]]:
+    """The H values 1..``largest`` grouped by the binary they get: by ``padded(H)`` and by how Triton
+    specializes the int H (1 becomes a constant; a multiple of 16 is marked divisible by 16)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for h in range(1, largest + 1):
+        kind = 1 if h == 1 else 16 if h % 16 == 0 else 0
+        groups.setdefault((padded(h), kind), []).append(h)
+    return sorted(tuple(hs) for hs in groups.values())
+
+
+def launch_configs() -> list[KernelConfig]:
+    """Every kernel configuration the modules can launch, each once.
+
+    ``factored_scan``: SCALES with K = 1, 2, 3, with and without a diagonal, and SCALES_T as the
+    modules' transposed chains have it (an RNN's K = 1 with and without a diagonal, a GRU's K = 3
+    with one: tangents and Newton iterations); the fused layer backwards: TANH, RELU (K = 1) and GRU
+    (K = 3, a diagonal); each with and without offsets, for every H the kernels take
+    (``dispatch.MAX_HIDDEN``, grouped by ``h_variants``). ``lstm_scan``: with and without the h<-h
+    diagonal and offsets, H <= ``dispatch.MAX_LSTM_HIDDEN``. A configuration whose kernel, constexprs,
+    sources and compile options another already has (``_reduce`` takes no ``FUSED``) is listed once.
+    """
+    from bppsa_core.dispatch import MAX_HIDDEN, MAX_LSTM_HIDDEN
+
+    scans = [(SCALES.value, k, diag, False) for k in (1, 2, 3) for diag in (False, True)]
+    scans += [
+        (SCALES_T.value, 1, False, False),
+        (SCALES_T.value, 1, True, False),
+        (SCALES_T.value, 3, True, False),
+    ]
+    scans += [(TANH.value, 1, False, True), (RELU.value, 1, False, True), (GRU.value, 3, True, True)]
+    found: list[KernelConfig] = []
+    for hidden in h_variants(MAX_HIDDEN):
+        for mode, terms, diag, fused in scans:
+            for affine in (False, True):
+                launches = launch_config(mode, terms, diag, affine, int(fused), fused, padded(hidden[0]))
+                found += [
+                    KernelConfig(role, MODE_NAMES[mode], terms, diag, affine, fused, hidden, launch)
+                    for role, launch in launches.items()
+                ]
+    for hidden in h_variants(MAX_LSTM_HIDDEN):
+        for has_hh in (False, True):
+            for affine in (False, True):
+                launches = lstm_launch_config(has_hh, affine, padded(hidden[0]))
+                found += [
+                    KernelConfig(role, "LSTM", 4, has_hh, affine, False, hidden, launch)
+                    for role, launch in launches.items()
+                ]
+    unique: dict[tuple, KernelConfig] = {}
+    for config in found:
+        launch = config.launch
+        key = (
+            launch.kernel,
+            tuple(sorted(launch.constexprs.items())),
+            tuple(launch.options().items()),
+            launch.sources,
+            config.hidden,
+        )
+        unique.setdefault(key, config)
+    return list(unique.values())
 
 
 # ------------------------------------------------------------------------------------------ compile
@@ -114,6 +202,10 @@ def compile_inputs(config: KernelConfig, arch: int) -> Inputs:
         name = param.name
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name == "src_ptrs":  # a tuple of pointers, each aligned as the others
+            signature[name] = ("*fp32",) * config.launch.sources
+            for i in range(config.launch.sources):
+                attrs[(param.num, i)] = backend.parse_attr("D")
         elif name.endswith("_ptr"):
             signature[name] = "*fp32"
             attrs[(param.num,)] = backend.parse_attr("D")
@@ -133,7 +225,7 @@ def compile_inputs(config: KernelConfig, arch: int) -> Inputs:
 
 
 def recorded_launches(call: Callable[[], object]) -> list[tuple[Launch, dict[str, Any]]]:
-    """The kernel launches ``call()`` makes through ``triton_scan`` (each ``Launch`` with its run-time
+    """The kernel launches ``call()`` makes through ``bppsa_core.triton`` (each ``Launch`` with its run-time
     arguments), recorded instead of run: what a module's call would compile, on any machine."""
     launches: list[tuple[Launch, dict[str, Any]]] = []
     run = Launch.run
@@ -173,7 +265,7 @@ def jit_inputs(launch: Launch, args: dict[str, Any], arch: int) -> Inputs:
 
 def config_of(launch: Launch, hidden: int) -> KernelConfig:
     """The configuration of ``launch_configs()`` that compiles ``launch`` for this H."""
-    for config in triton_scan.launch_configs():
+    for config in launch_configs():
         if config.launch == launch and hidden in config.hidden:
             return config
     raise LookupError(
@@ -363,7 +455,7 @@ def compile_all(
     its own (its SASS takes about half a second a kernel, most of the time once Triton's cache holds
     the compiles), as many at once as this process may use cores, while the next kernels compile."""
     _check_compilable()
-    configs = triton_scan.launch_configs() if configs is None else configs
+    configs = launch_configs() if configs is None else configs
     jobs = [(c, a) for a in archs for c in configs]
     bar = _progress(len(jobs), progress)
     workers = cpu_cores()
@@ -564,7 +656,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        configs = triton_scan.launch_configs()
+        configs = launch_configs()
         if args.configs == "representative":
             configs = representative(configs)
         elif args.configs == "listed":

@@ -378,7 +378,7 @@ def _fused_layer(
 
     Where the layer's strategy resolves to "triton" (``dispatch.resolve``: "triton" itself, or
     "auto" on a GPU) and the kernels take the layer and run on its device: the fused Triton kernels
-    (``triton_scan.rnn_layer_backward`` / ``gru_layer_backward``). Where it resolves to "numba"
+    (``bppsa_core.triton.rnn_layer_backward`` / ``gru_layer_backward``). Where it resolves to "numba"
     ("auto" on the CPU) and the compiled scan is one chunk: the layer walked block by block
     (``_walked``). Everything else goes through ``scan``, which also gives the strategies' errors.
     """
@@ -394,18 +394,18 @@ def _fused_layer(
         return _walked(cell, x, h_prev, w, u, g_last) if chunk >= steps else None
     if chosen != "triton" or not fits or not dispatch.kernels_run_on(h.device):
         return None
-    from bppsa_core import triton_scan
+    from bppsa_core import triton as triton_kernels
 
     chunk = chunk or dispatch.default_chunk(steps)
 
     def kernels() -> tuple[Deltas, Callable[[], Tensor]]:
         if isinstance(cell, RNNCell):
-            g0, g_in = triton_scan.rnn_layer_backward(h, w.w_hh, g_last, u, cell.nonlinearity, chunk)
+            g0, g_in = triton_kernels.rnn_layer_backward(h, w.w_hh, g_last, u, cell.nonlinearity, chunk)
             g_hid = g_in
         else:
             whole = h_prev.whole()
             gi, gh = cell.pre_activations(x, whole, w)
-            g0, g_in, g_hid = triton_scan.gru_layer_backward(gi, gh, whole, w.w_hh, g_last, u, chunk)
+            g0, g_in, g_hid = triton_kernels.gru_layer_backward(gi, gh, whole, w.w_hh, g_last, u, chunk)
         return (lambda t: (g_in[t], g_hid[t])), (lambda: g0)
 
     return dispatch.with_kernels(strategy, h.device, kernels, lambda: None)

@@ -1,4 +1,4 @@
-"""Compiled CPU kernels of the chunked scan (numba): the CPU counterpart of ``bppsa_core.triton_scan``;
+"""Compiled CPU kernels of the chunked scan (numba): the CPU counterpart of ``bppsa_core.triton``;
 the plain-PyTorch twin is ``bppsa_core.scan.chunked_scan``.
 
 The chain is a ``FactoredChain``, ``M_k[b] = sum_j diag(s[k, b, j]) @ W_j (+ diag(e[k, b]))`` with

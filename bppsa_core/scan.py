@@ -29,7 +29,7 @@ Every strategy returns ``[x_0, x_1, ..., x_n]`` as one (n + 1, B, H) tensor:
   products. The same O(n) matrix products as Blelloch's scan, depth ~2·chunk + scan(n / chunk), and a
   small working set.
 * ``triton``: the chunked scan as three Triton kernels for a factored chain of up to three terms
-  (RNN and GRU, H <= 64) or an LSTM's (H <= 32) (``bppsa_core.triton_scan``, whose twin is ``chunked``).
+  (RNN and GRU, H <= 64) or an LSTM's (H <= 32) (``bppsa_core.triton``, whose twin is ``chunked``).
 * ``graph``: on a GPU, the eager per-level scan (Blelloch, or chunked when Blelloch's up-sweep
   would not fit) captured once per shape in a CUDA graph and replayed: one launch instead of one
   per op, for the chains the Triton kernels do not take.
@@ -197,8 +197,8 @@ def _numba_takes(chain: Chain, x_last: Tensor, offsets: Tensor | None) -> bool:
 
 
 def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | None) -> Tensor:
-    """The chunked scan in Triton kernels (``bppsa_core.triton_scan``)."""
-    from bppsa_core import triton_scan
+    """The chunked scan in Triton kernels (``bppsa_core.triton``)."""
+    from bppsa_core import triton as triton_kernels
 
     if isinstance(chain, LSTMChain):
         batch = x_last.shape[0]
@@ -207,7 +207,7 @@ def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | N
             None if t is None else t.expand(chain.length, batch, -1)
             for t in (chain.diag_hc, chain.diag_cc, chain.diag_hh)
         ]
-        return triton_scan.triton_lstm_scan(
+        return triton_kernels.lstm_scan(
             *tensors,
             chain.weights,
             *diagonals,
@@ -215,7 +215,7 @@ def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | N
             offsets,
             chunk or dispatch.default_chunk(chain.length),
         )
-    return triton_scan.triton_chunked_scan(
+    return triton_kernels.factored_scan(
         chain.scales,
         chain.weights,
         x_last,

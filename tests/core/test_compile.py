@@ -1,6 +1,6 @@
 """The Triton kernels compiled for real GPUs, without one: every configuration the modules launch
-(``triton_scan.launch_configs``) through Triton's compiler and ptxas for sm_80 and sm_90, read back with
-cuobjdump (``benchmarks.kernels``).
+(``benchmarks.kernels.launch_configs``) through Triton's compiler and ptxas for sm_80 and sm_90, read
+back with cuobjdump (``benchmarks.kernels``).
 
 The compiles run in a child process without ``TRITON_INTERPRET`` (conftest sets it for this process
 when there is no GPU, and the kernels are then loaded for the interpreter, which cannot compile). The
@@ -9,8 +9,8 @@ affine or not, fused or not, warps as launched) for both archs; the ``slow`` tes
 configuration (every H from 1 to 64).
 
 Spills: no compile may use local memory or a stack frame. Three of the launches' compile settings
-(``triton_scan.launch_config``: unpipelined reduce loops, two register caps) are there for this:
-with Triton's defaults alone, 9 compiles kept 8 bytes in a stack slot (docs/PERFORMANCE.md).
+(``bppsa_core.triton.launch_config``: unpipelined reduce loops, two register caps) are there for this:
+with Triton's defaults alone, some compiles keep a value in a stack slot.
 """
 
 from __future__ import annotations
@@ -139,10 +139,8 @@ def test_the_estimate_is_the_loops_instructions_times_their_iterations(listed_ro
 @pytest.mark.slow
 def test_every_configuration_compiles_for_both_archs_without_spills(tmp_path) -> None:
     """As the default run, over every configuration (about 4 to 8 minutes on 2 cores)."""
-    from bppsa_core import triton_scan
-
     rows = compile_rows(tmp_path, "all")
-    assert len(rows) == len(ARCHS) * len(triton_scan.launch_configs())
+    assert len(rows) == len(ARCHS) * len(kernels.launch_configs())
     covered = {(r["mode"], h) for r in rows for h in r["H"]}
     assert {h for mode, h in covered if mode == "GRU"} == set(range(1, 65))
     assert {h for mode, h in covered if mode == "LSTM"} == set(range(1, 33))
@@ -155,19 +153,19 @@ def test_every_configuration_compiles_for_both_archs_without_spills(tmp_path) ->
 # compiles for the same configuration.
 BOUNDS_CHECK = r"""
 import json, torch, triton
-from bppsa_core import triton_scan as ts
+from bppsa_core import triton as ts
 from benchmarks import kernels as K
 
 def calls(n, b, chunk):
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.rand(*s, generator=g)
     return {
-        "scales K=3 H=20": lambda: ts.triton_chunked_scan(
+        "scales K=3 H=20": lambda: ts.factored_scan(
             r(n, 1, 3, 20), r(3, 20, 20), r(b, 20), r(n, b, 20), chunk, r(n, 1, 20)),
         "tanh H=64": lambda: ts.rnn_layer_backward(r(n, b, 64), r(64, 64), r(b, 64), None, "tanh", chunk),
         "gru H=1": lambda: ts.gru_layer_backward(
             r(n, b, 3), r(n, b, 3), r(n, b, 1), r(3, 1), r(b, 1), r(n, b, 1), chunk),
-        "lstm H=32": lambda: ts.triton_lstm_scan(
+        "lstm H=32": lambda: ts.lstm_scan(
             r(n, b, 4, 32), r(n, b, 4, 32), r(4, 32, 32), r(n, b, 32), r(n, b, 32), None, r(b, 64), None,
             chunk),
     }
@@ -255,12 +253,12 @@ def test_the_estimate_scales_linearly_with_iterations_and_with_warps_per_schedul
 
 
 def test_launch_configs_cover_every_h_once_per_binary() -> None:
-    from bppsa_core import dispatch, triton_scan
+    from bppsa_core import dispatch
 
-    variants = triton_scan.h_variants(dispatch.MAX_HIDDEN)
+    variants = kernels.h_variants(dispatch.MAX_HIDDEN)
     assert sorted(h for hs in variants for h in hs) == list(range(1, dispatch.MAX_HIDDEN + 1))
     assert (1,) in variants and (48, 64) in variants and (32,) in variants
-    configs = triton_scan.launch_configs()
+    configs = kernels.launch_configs()
     keys = [(c.launch.kernel, tuple(sorted(c.launch.constexprs.items())), c.hidden) for c in configs]
     assert len(keys) == len(set(keys))
     gru = [c for c in configs if c.mode == "GRU" and c.hidden == (48, 64)]
@@ -272,7 +270,7 @@ def test_launch_configs_cover_every_h_once_per_binary() -> None:
 def test_a_launch_hands_its_compile_settings_to_the_kernel() -> None:
     """``Launch.run`` gives Triton the options the compile test compiles with (``Launch.options``):
     the warps always, the stages and the register cap only where a configuration sets them."""
-    from bppsa_core import triton_scan
+    from bppsa_core import triton as ts
 
     calls = []
 
@@ -280,9 +278,9 @@ def test_a_launch_hands_its_compile_settings_to_the_kernel() -> None:
         def __getitem__(self, grid):
             return lambda **kwargs: calls.append((grid, kwargs))
 
-    launch = triton_scan.Launch(Kernel(), {"HP": 16}, 4, num_stages=1, maxnreg=64)
+    launch = ts.Launch(Kernel(), {"HP": 16}, 4, num_stages=1, maxnreg=64)
     assert launch.options() == {"num_warps": 4, "num_stages": 1, "maxnreg": 64}
-    assert triton_scan.Launch(Kernel(), {}, 8).options() == {"num_warps": 8}
+    assert ts.Launch(Kernel(), {}, 8).options() == {"num_warps": 8}
     launch.run((3, 2), x_ptr=None)
     ((grid, kwargs),) = calls
     assert grid == (3, 2) and {k: kwargs[k] for k in ("HP", "num_warps", "num_stages", "maxnreg")} == {
@@ -291,9 +289,12 @@ def test_a_launch_hands_its_compile_settings_to_the_kernel() -> None:
         "num_stages": 1,
         "maxnreg": 64,
     }
-    gru = triton_scan.launch_config(triton_scan.GRU.value, 3, True, False, 1, True, 64)
+    gru = ts.launch_config(ts.GRU.value, 3, True, False, 1, True, 64)
     assert gru["reduce"].options() == {"num_warps": 8, "num_stages": 1, "maxnreg": 128}
     assert gru["spine"].options() == {"num_warps": 8}
+    assert {launch.sources for launch in gru.values()} == {3}  # gi, gh, h_prev
+    with pytest.raises(ValueError, match="1 source tensors for a launch of 3"):
+        gru["spine"].run((1,), src_ptrs=(None,))  # another tuple length would be another binary
 
 
 def test_the_tool_fails_in_one_line_without_ptxas(monkeypatch, capsys) -> None:

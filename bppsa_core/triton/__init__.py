@@ -1,0 +1,67 @@
+"""Triton kernels of the chunked scan over a factored chain, three launches however long the chain;
+each entry point's plain-PyTorch reference is beside it (``*_ref``, built on
+``bppsa_core.scan.chunked_scan``). Needs the optional ``triton`` package: the rest of ``bppsa_core``
+imports this package only where the strategy "triton" runs.
+
+1. reduce: one program per (chunk 1..P-2, sample) multiplies its chunk's C elements into one
+   aggregate (and offset) in registers, ``tl.dot`` per weight term and step;
+2. spine: one program per sample walks the remainder chunk from x_n, then scans the chunk
+   aggregates sequentially, writing every chunk's entry vector;
+3. expand: one program per (chunk 0..P-2, sample) walks its chunk from its entry vector.
+
+Modules, one a job:
+
+* ``chunk_scan``: a tanh/relu RNN's or a GRU's chain: ``factored_scan`` (a stored ``FactoredChain``,
+  or its transpose), and the fused layer backwards ``rnn_layer_backward`` and ``gru_layer_backward``,
+  which build the Jacobians in the kernels;
+* ``lstm``: an LSTM's chain over (h, c): ``lstm_scan``;
+* ``launch``: each kernel's compile settings (``Launch``), the run-time loop bounds and the three
+  launches. ``benchmarks.kernels`` lists every configuration the modules can launch and compiles it
+  for sm_80 and sm_90 without a GPU.
+
+The weights stay in registers, H padded to a power of two of at least 16 (``tl.dot``'s minimum); the
+chunk aggregates go through memory padded likewise. ``tl.dot`` runs with ``input_precision="ieee"``
+(full fp32: TF32's ~1e-3 error would exceed the gradient tolerances). Elements shared by the batch
+are read with a batch stride of 0, never copied; offsets into memory are 64-bit, so tensors of more
+than 2^31 elements are indexed correctly. Every kernel is checked against its reference on the CPU
+with ``TRITON_INTERPRET=1``.
+"""
+
+from bppsa_core.triton.chunk_scan import (
+    GRU,
+    MODE_NAMES,
+    RELU,
+    SCALES,
+    SCALES_T,
+    TANH,
+    factored_scan,
+    factored_scan_ref,
+    gru_layer_backward,
+    gru_layer_backward_ref,
+    launch_config,
+    rnn_layer_backward,
+    rnn_layer_backward_ref,
+)
+from bppsa_core.triton.launch import Launch, padded
+from bppsa_core.triton.lstm import lstm_launch_config, lstm_scan, lstm_scan_ref
+
+__all__ = [
+    "GRU",
+    "MODE_NAMES",
+    "RELU",
+    "SCALES",
+    "SCALES_T",
+    "TANH",
+    "Launch",
+    "factored_scan",
+    "factored_scan_ref",
+    "gru_layer_backward",
+    "gru_layer_backward_ref",
+    "launch_config",
+    "lstm_launch_config",
+    "lstm_scan",
+    "lstm_scan_ref",
+    "padded",
+    "rnn_layer_backward",
+    "rnn_layer_backward_ref",
+]

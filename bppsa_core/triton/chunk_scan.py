@@ -1,0 +1,553 @@
+"""The chunked scan of a factored chain (a tanh/relu RNN's or a GRU's) in three Triton kernels, with
+the plain-PyTorch reference of each entry point beside it (``*_ref``).
+
+The chain is ``M_k[b] = sum_j diag(s[k, b, j]) @ W_j (+ diag(e[k, b]))`` with K <= 3 terms
+(``FactoredChain``: a tanh or relu RNN has one term, a GRU three and a diagonal), with optional
+offsets. The kernels read an element's factors in one of five modes (``_element``), each from the
+source tensors of its own, handed in as the tuple ``src_ptrs``:
+
+* ``SCALES``: a stored ``FactoredChain`` (``factored_scan``): ``(scales[, diagonal])``;
+  ``SCALES_T`` the same chain transposed (``FactoredChain(transposed=True)``: a tangent's chain, and
+  each Newton iteration's of a forward solved parallel in time, ``bppsa_core.newton``): a vector
+  product is ``sum_j (x @ W_j^T) * s_j + x * e`` (the walks load the weights transposed), and a
+  chunk's aggregate, the product of transposed elements, is the transpose of the untransposed
+  elements' product taken in the other order: ``_reduce`` multiplies as in ``SCALES``, from the
+  chunk's first element, and stores its aggregate transposed. So the matrix loop, the one that holds
+  the registers, is the same code in both modes;
+* ``TANH``, ``RELU``: a tanh/relu RNN layer's backward (``rnn_layer_backward``): ``(h,)``, f'(z_t)
+  read off the layer's outputs (1 - h_t^2 or [h_t > 0]);
+* ``GRU``: a GRU layer's backward (``gru_layer_backward``): ``(gi, gh, h_prev)``, the gates r, z, n
+  recomputed from the two pre-activation GEMMs gi = W_ih x + b_ih and gh = W_hh h + b_hh.
+
+The K weights are in W_hh's own row order (a GRU's W_hr, W_hz, W_hn), as ``GRUCell.chain`` has them.
+In the layer modes the kernels also take the outside gradient shifted by one step (no offsets copy)
+and write only what the weight gradients need: g_0 and the pre-activation gradients (deltas) of
+every step, instead of every g_t. So the chain, the offsets copy and the delta pass never touch
+memory; the weight gradients stay GEMMs over the deltas (docs/DESIGN.md, "Decisions").
+
+H is padded to ``padded(H)`` inside the programs and the K weight matrices stay in registers, so a
+chain fits one program when H <= 64 (``dispatch.kernels_take``; a GRU's 3 x 64^2 weights run on 8
+warps instead of 4, which keeps them at 48 registers a thread).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from bppsa_core.chain import FactoredChain
+from bppsa_core.scan import chunked_scan
+from bppsa_core.triton.launch import BY_DATA, Launch, padded, three_launches
+
+# How ``_element`` reads an element's factors (see the module docstring).
+SCALES = tl.constexpr(0)
+TANH = tl.constexpr(1)
+RELU = tl.constexpr(2)
+GRU = tl.constexpr(3)
+SCALES_T = tl.constexpr(4)
+ACTIVATIONS = {"tanh": TANH, "relu": RELU}
+MODE_NAMES = {
+    SCALES.value: "SCALES",
+    TANH.value: "TANH",
+    RELU.value: "RELU",
+    GRU.value: "GRU",
+    SCALES_T.value: "SCALES_T",
+}
+
+
+# ------------------------------------------------------------------------------ per-element helpers
+
+
+@triton.jit
+def _load_weights(w_ptr, H, K: tl.constexpr, HP: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """The K (<= 3) shared H x H weights, padded to HP x HP (each transposed with TRANSPOSE: the
+    SCALES_T walks), as a tuple of three; unused terms repeat the first."""
+    r = tl.arange(0, HP)
+    mat = (r < H)[:, None] & (r < H)[None, :]
+    offs = r[:, None] * H + r[None, :]
+    if TRANSPOSE:
+        offs = r[None, :] * H + r[:, None]
+    w0 = tl.load(w_ptr + offs, mask=mat, other=0.0)
+    w1 = w0
+    w2 = w0
+    if K > 1:
+        w1 = tl.load(w_ptr + H * H + offs, mask=mat, other=0.0)
+    if K > 2:
+        w2 = tl.load(w_ptr + 2 * H * H + offs, mask=mat, other=0.0)
+    return w0, w1, w2
+
+
+@triton.jit
+def _element(
+    src_ptrs,
+    k,
+    b,
+    B,
+    H,
+    stride_k,
+    stride_b,
+    K: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
+    MODE: tl.constexpr,
+    HP: tl.constexpr,
+):
+    """Element k of sample b as a tuple: its scales (s0, s1, s2) of W_0..W_2, its diagonal e, and
+    (GRU) dn.
+
+    SCALES: ``src_ptrs`` = (scales[, diag]): scales (n, B or 1, K, H) with element and batch strides
+    ``stride_k``, ``stride_b`` counted in rows of H (so that H alone tells the compiler how its rows
+    are aligned), diag (n, B, H). TANH/RELU: (h,), (n, B, H). GRU: (gi, gh, h_prev), (n, B, 3H, rows
+    r, z, n) twice and (n, B, H); the scales of W_hr, W_hz, W_hn are dn m r (1 - r),
+    (h_prev - n) z (1 - z) and dn r with dn = (1 - z)(1 - n^2) and m = W_hn h + b_hn, the diagonal
+    is z. Unused values and padded lanes are 0.
+    """
+    k = k.to(tl.int64)  # k * stride_k * H may pass 2^31 (b already is 64-bit)
+    r = tl.arange(0, HP)
+    vec = r < H
+    zero = tl.zeros([HP], dtype=tl.float32)
+    s0 = zero
+    s1 = zero
+    s2 = zero
+    e = zero
+    dn = zero
+    if MODE == GRU:
+        gi = src_ptrs[0] + (k * B + b) * 3 * H + r
+        gh = src_ptrs[1] + (k * B + b) * 3 * H + r
+        gate_r = tl.sigmoid(tl.load(gi, mask=vec, other=0.0) + tl.load(gh, mask=vec, other=0.0))
+        z = tl.sigmoid(tl.load(gi + H, mask=vec, other=0.0) + tl.load(gh + H, mask=vec, other=0.0))
+        m = tl.load(gh + 2 * H, mask=vec, other=0.0)
+        n = 2.0 * tl.sigmoid(2.0 * (tl.load(gi + 2 * H, mask=vec, other=0.0) + gate_r * m)) - 1.0  # tanh
+        h_prev = tl.load(src_ptrs[2] + (k * B + b) * H + r, mask=vec, other=0.0)
+        dn = tl.where(vec, (1.0 - z) * (1.0 - n * n), 0.0)
+        s0 = dn * m * gate_r * (1.0 - gate_r)
+        s1 = tl.where(vec, (h_prev - n) * z * (1.0 - z), 0.0)
+        s2 = dn * gate_r
+        e = tl.where(vec, z, 0.0)
+    elif MODE == SCALES or MODE == SCALES_T:  # noqa: SIM109 (constexpr comparisons for Triton)
+        row = src_ptrs[0] + (k * stride_k + b * stride_b) * H
+        s0 = tl.load(row + r, mask=vec, other=0.0)
+        if K > 1:
+            s1 = tl.load(row + H + r, mask=vec, other=0.0)
+        if K > 2:
+            s2 = tl.load(row + 2 * H + r, mask=vec, other=0.0)
+        if HAS_DIAG:
+            e = tl.load(src_ptrs[1] + (k * B + b) * H + r, mask=vec, other=0.0)
+    else:
+        h = tl.load(src_ptrs[0] + (k * B + b) * H + r, mask=vec, other=0.0)
+        s0 = tl.where(vec, 1.0 - h * h, 0.0) if MODE == TANH else tl.where(h > 0, 1.0, 0.0)
+    return s0, s1, s2, e, dn
+
+
+@triton.jit
+def _mat_step(agg, f, w, K: tl.constexpr, HAS_DIAG: tl.constexpr):
+    """agg @ M for one element given as its factors ``f`` (``_element``) and the weights ``w``
+    (never transposed: see ``_reduce``)."""
+    out = tl.dot(agg * f[0][None, :], w[0], input_precision="ieee")
+    if K > 1:
+        out += tl.dot(agg * f[1][None, :], w[1], input_precision="ieee")
+    if K > 2:
+        out += tl.dot(agg * f[2][None, :], w[2], input_precision="ieee")
+    if HAS_DIAG:
+        out += agg * f[3][None, :]
+    return out
+
+
+@triton.jit
+def _vec_step(y, f, w, K: tl.constexpr, HAS_DIAG: tl.constexpr, MODE: tl.constexpr):
+    """y @ M for one element given as its factors and one row vector y (SCALES_T: y @ M^T, with the
+    weights loaded transposed)."""
+    if MODE == SCALES_T:
+        out = tl.sum(y[:, None] * w[0], axis=0) * f[0]
+        if K > 1:
+            out += tl.sum(y[:, None] * w[1], axis=0) * f[1]
+        if K > 2:
+            out += tl.sum(y[:, None] * w[2], axis=0) * f[2]
+    else:
+        out = tl.sum((y * f[0])[:, None] * w[0], axis=0)
+        if K > 1:
+            out += tl.sum((y * f[1])[:, None] * w[1], axis=0)
+        if K > 2:
+            out += tl.sum((y * f[2])[:, None] * w[2], axis=0)
+    if HAS_DIAG:
+        out += y * f[3]
+    return out
+
+
+@triton.jit
+def _offset(offsets_ptr, k, b, B, H, r, vec, SHIFT: tl.constexpr):
+    """Element k's offset: row k of the offsets, or row k - 1 with SHIFT (none for k = 0)."""
+    return tl.load(offsets_ptr + ((k - SHIFT) * B + b) * H + r, mask=vec & (k >= SHIFT), other=0.0)
+
+
+@triton.jit
+def _walk_step(
+    y,
+    f,
+    w,
+    offsets_ptr,
+    out_ptr,
+    delta_ptr,
+    k,
+    b,
+    B,
+    H,
+    K: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
+    HAS_B: tl.constexpr,
+    MODE: tl.constexpr,
+    SHIFT: tl.constexpr,
+    FUSED: tl.constexpr,
+    HP: tl.constexpr,
+):
+    """x_k from y = x_{k+1} through element k (its factors ``f``), stored: every x_k, or (FUSED)
+    only x_0 and step k's deltas.
+
+    The deltas of a layer mode (y is dL/dh at that step): an RNN's f'(z) * y (n, B, H); a GRU's
+    input-side (d_r, d_z, d_n) then hidden-side (d_r, d_z, d_n * r) pre-activation gradients,
+    (n, B, 6H).
+    """
+    r = tl.arange(0, HP)
+    vec = r < H
+    y_next = _vec_step(y, f, w, K, HAS_DIAG, MODE)
+    if HAS_B:
+        y_next += _offset(offsets_ptr, k, b, B, H, r, vec, SHIFT)
+    if FUSED:
+        if MODE == GRU:
+            row = delta_ptr + (k * B + b) * 6 * H + r
+            tl.store(row, y * f[0], mask=vec)
+            tl.store(row + H, y * f[1], mask=vec)
+            tl.store(row + 2 * H, y * f[4], mask=vec)
+            tl.store(row + 3 * H, y * f[0], mask=vec)
+            tl.store(row + 4 * H, y * f[1], mask=vec)
+            tl.store(row + 5 * H, y * f[2], mask=vec)
+        else:
+            tl.store(delta_ptr + (k * B + b) * H + r, y * f[0], mask=vec)
+        tl.store(out_ptr + b * H + r, y_next, mask=vec & (k == 0))
+    else:
+        tl.store(out_ptr + (k * B + b) * H + r, y_next, mask=vec)
+    return y_next
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit(do_not_specialize=BY_DATA)
+def _reduce(
+    # pointers: the mode's sources, the weights and offsets read; the chunk aggregates written
+    src_ptrs, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr,
+    # sizes: batch, hidden, chunk
+    B, H, C,
+    # strides of the scales (SCALES, SCALES_T), in rows of H
+    stride_k, stride_b,
+    # meta-parameters
+    K: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_B: tl.constexpr, MODE: tl.constexpr,
+    SHIFT: tl.constexpr, HP: tl.constexpr,
+):  # fmt: skip
+    """Chunk q (1..P-2) of sample b folded into one aggregate: agg[q - 1] and agg_offsets[q - 1].
+
+    The chunk's last element is applied first. SCALES_T: the aggregate of the transposed elements,
+    M_last^T ... M_first^T, is (M_first ... M_last)^T: the untransposed product P from the first
+    element, stored transposed. Its offset, sum_k b_k M_{k-1}^T ... M_first^T, is sum_k b_k P_k^T
+    with P_k the product before element k: each step adds P_k b_k^T, a row reduction of the
+    aggregate itself, so no step of this mode reads the weights outside ``tl.dot``.
+    """
+    q = tl.program_id(0) + 1
+    b = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a (T, B, 6H) GRU delta may pass 2^31
+    r = tl.arange(0, HP)
+    vec = r < H
+    w = _load_weights(w_ptr, H, K, HP, False)
+    agg = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    c = tl.zeros([HP], dtype=tl.float32)
+    for i in range(0, C):
+        k = q * C + C - 1 - i
+        k_mat = k
+        if MODE == SCALES_T:
+            k_mat = q * C + i
+        f = _element(src_ptrs, k_mat, b, B, H, stride_k, stride_b, K, HAS_DIAG, MODE, HP)
+        if HAS_B and MODE == SCALES_T:
+            c += tl.sum(agg * _offset(offsets_ptr, k_mat, b, B, H, r, vec, SHIFT)[None, :], axis=1)
+        agg = _mat_step(agg, f, w, K, HAS_DIAG)
+        if HAS_B and MODE != SCALES_T:
+            c = _vec_step(c, f, w, K, HAS_DIAG, MODE)
+            c += _offset(offsets_ptr, k, b, B, H, r, vec, SHIFT)
+    j = q - 1
+    # Stored whole, padding included (the scratch is HP wide; ``_spine`` reads it masked): a masked
+    # store keeps its mask's predicates alive through the loop, and ptxas spilled them to the stack.
+    if MODE == SCALES_T:
+        tl.store(agg_ptr + ((j * B + b) * HP + r[None, :]) * HP + r[:, None], agg)
+    else:
+        tl.store(agg_ptr + ((j * B + b) * HP + r[:, None]) * HP + r[None, :], agg)
+    tl.store(agg_offsets_ptr + (j * B + b) * HP + r, c)
+
+
+@triton.jit(do_not_specialize=BY_DATA)
+def _spine(
+    # pointers: the mode's sources, the weights, offsets, aggregates and x_n read; x or deltas written
+    src_ptrs, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr, x_last_ptr, out_ptr, delta_ptr, entry_ptr,
+    # sizes: batch, hidden, chain length, remainder chunk, aggregate count
+    B, H, N, REM, NAGG,
+    # strides of the scales (SCALES, SCALES_T), in rows of H
+    stride_k, stride_b,
+    # meta-parameters
+    K: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_B: tl.constexpr, MODE: tl.constexpr,
+    SHIFT: tl.constexpr, FUSED: tl.constexpr, HP: tl.constexpr,
+):  # fmt: skip
+    """Sample b's remainder chunk walked from x_n, then the chunk aggregates scanned: every chunk's
+    entry vector into ``entry``."""
+    b = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, HP)
+    vec = r < H
+    mat = vec[:, None] & vec[None, :]
+    w = _load_weights(w_ptr, H, K, HP, MODE == SCALES_T)
+    y = tl.load(x_last_ptr + b * H + r, mask=vec, other=0.0)
+    if not FUSED:
+        tl.store(out_ptr + (N * B + b) * H + r, y, mask=vec)
+    for i in range(0, REM):  # the remainder chunk (the whole chain if it is one chunk), from x_n down
+        k = N - 1 - i
+        f = _element(src_ptrs, k, b, B, H, stride_k, stride_b, K, HAS_DIAG, MODE, HP)
+        y = _walk_step(
+            y, f, w, offsets_ptr, out_ptr, delta_ptr, k, b, B, H, K, HAS_DIAG, HAS_B, MODE, SHIFT, FUSED, HP
+        )
+    tl.store(entry_ptr + (NAGG * B + b) * H + r, y, mask=vec)
+    for i in range(0, NAGG):  # aggregates of chunks P-2 .. 1: entry of chunk j is x at (j + 1) C
+        j = NAGG - 1 - i
+        a = tl.load(agg_ptr + ((j * B + b) * HP + r[:, None]) * HP + r[None, :], mask=mat, other=0.0)
+        y = tl.sum(y[:, None] * a, axis=0)
+        y += tl.load(agg_offsets_ptr + (j * B + b) * HP + r, mask=vec, other=0.0)
+        tl.store(entry_ptr + (j * B + b) * H + r, y, mask=vec)
+
+
+@triton.jit(do_not_specialize=BY_DATA)
+def _expand(
+    # pointers: the mode's sources, the weights, offsets and entry vectors read; x or deltas written
+    src_ptrs, w_ptr, offsets_ptr, entry_ptr, out_ptr, delta_ptr,
+    # sizes: batch, hidden, chunk
+    B, H, C,
+    # strides of the scales (SCALES, SCALES_T), in rows of H
+    stride_k, stride_b,
+    # meta-parameters
+    K: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_B: tl.constexpr, MODE: tl.constexpr,
+    SHIFT: tl.constexpr, FUSED: tl.constexpr, HP: tl.constexpr,
+):  # fmt: skip
+    """Chunk q (0..P-2) of sample b walked from its entry vector."""
+    q = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a (T, B, 6H) GRU delta may pass 2^31
+    r = tl.arange(0, HP)
+    w = _load_weights(w_ptr, H, K, HP, MODE == SCALES_T)
+    y = tl.load(entry_ptr + (q * B + b) * H + r, mask=r < H, other=0.0)
+    for i in range(0, C):
+        k = q * C + C - 1 - i
+        f = _element(src_ptrs, k, b, B, H, stride_k, stride_b, K, HAS_DIAG, MODE, HP)
+        y = _walk_step(
+            y, f, w, offsets_ptr, out_ptr, delta_ptr, k, b, B, H, K, HAS_DIAG, HAS_B, MODE, SHIFT, FUSED, HP
+        )
+
+
+# ------------------------------------------------------------------------------------------- launch
+
+
+def num_warps(terms: int, hp: int) -> int:
+    """4 warps, or 8 where the weights pass 4096 entries (a GRU at Hp = 64), to keep them in registers."""
+    return 8 if terms * hp * hp > 4096 else 4
+
+
+def source_count(mode: int, has_diag: bool) -> int:
+    """How many source tensors a mode's kernels read (``_element``)."""
+    if mode == GRU.value:
+        return 3
+    if mode in (SCALES.value, SCALES_T.value):
+        return 2 if has_diag else 1
+    return 1
+
+
+def launch_config(
+    mode: int, terms: int, has_diag: bool, has_b: bool, shift: int, fused: bool, hp: int
+) -> dict[str, Launch]:
+    """The three kernels of a chunked-scan launch by role (``reduce``, ``spine``, ``expand``), as
+    ``_launch`` runs them and ``benchmarks.kernels`` compiles them.
+
+    ``mode``: ``SCALES``, ``SCALES_T``, ``TANH``, ``RELU`` or ``GRU`` (the value); ``terms``: K weights;
+    ``has_diag``: a diagonal term (a GRU always has one); ``has_b``: offsets; ``shift``: offsets read
+    one step late (the layer modes); ``fused``: only x_0 and the deltas written; ``hp``: ``padded(H)``.
+    """
+    gru = mode == GRU.value
+    chain = {"K": terms, "HAS_DIAG": has_diag or gru, "HAS_B": has_b, "MODE": mode, "SHIFT": shift, "HP": hp}
+    walks = {**chain, "FUSED": fused}  # the kernels that walk elements and write x_k or deltas
+    warps = num_warps(terms, hp)
+    sources = source_count(mode, has_diag)
+    # Compile settings under which no configuration spills to a stack slot (re-checked by
+    # ``python -m benchmarks.kernels`` and tests/core/test_compile.py): a reduce loop is not
+    # software-pipelined (a step loads a few vectors against an HP x HP product), except the GRU's
+    # below HP = 64 or with offsets, where the unpipelined compile spills; the GRU's reduce at HP = 64
+    # and its expand at HP = 16, both without offsets, get a register cap that keeps ptxas from spilling.
+    unpipelined = not gru or (hp == 64 and not has_b)
+    reduce = Launch(
+        _reduce, chain, warps, 1 if unpipelined else None, 128 if gru and unpipelined else None, sources
+    )
+    expand_cap = 64 if gru and hp == 16 and not has_b else None
+    return {
+        "reduce": reduce,
+        "spine": Launch(_spine, walks, warps, sources=sources),
+        "expand": Launch(_expand, walks, warps, maxnreg=expand_cap, sources=sources),
+    }
+
+
+def _launch(
+    sources: tuple[Tensor, ...],
+    weights: Tensor,
+    x_last: Tensor,
+    offsets: Tensor | None,
+    chunk: int,
+    out: Tensor,
+    delta: Tensor | None = None,
+    *,
+    mode: tl.constexpr,
+    shift: int,
+    has_diag: bool = False,
+    strides: tuple[int, int] = (0, 0),
+) -> None:
+    """The three launches (one, ``_spine``, for a chain of a single chunk), by keyword.
+
+    ``sources``: the mode's source tensors (``_element``; contiguous, one row per element).
+    ``weights``: the K stacked H x H weights, (K, H, H) or (K * H, H) (a GRU's W_hh). ``delta``: where
+    a layer mode writes its deltas (``out`` then gets only x_0); None writes every x_k into ``out``.
+    ``strides``: the scales' element and batch strides in rows of H (SCALES and SCALES_T modes).
+    """
+    first = sources[0]
+    n, (batch, h) = first.shape[0], x_last.shape
+    terms = weights.numel() // (h * h)
+    hp = padded(h)
+    p = math.ceil(n / chunk)
+    agg = first.new_empty((max(p - 2, 1), batch, hp, hp))  # HP x HP: see ``_reduce``
+    agg_offsets = first.new_empty((max(p - 2, 1), batch, hp))  # every row read is written by _reduce
+    entry = first.new_empty((max(p - 1, 1), batch, h))
+    common = {
+        "src_ptrs": sources,
+        "w_ptr": weights.contiguous(),
+        "offsets_ptr": first if offsets is None else offsets.contiguous(),  # not read without offsets
+        "B": batch,
+        "H": h,
+        "stride_k": strides[0],
+        "stride_b": strides[1],
+    }
+    walk = {"out_ptr": out, "delta_ptr": out if delta is None else delta}  # delta not read unless fused
+    kernels = launch_config(mode.value, terms, has_diag, offsets is not None, shift, delta is not None, hp)
+    three_launches(kernels, common, walk, x_last, n, chunk, agg, agg_offsets, entry)
+
+
+# ------------------------------------------------------------------------------ entry points and refs
+
+
+def factored_scan(
+    scales: Tensor,
+    weights: Tensor,
+    x_last: Tensor,
+    offsets: Tensor | None,
+    chunk: int,
+    diagonal: Tensor | None = None,
+    transposed: bool = False,
+) -> Tensor:
+    """The chunked scan of ``x_k = sum_j (x_{k+1} * s_kj) @ W_j + x_{k+1} * e_k + b_k``, or with
+    ``transposed`` of ``x_k = sum_j (x_{k+1} @ W_j^T) * s_kj + x_{k+1} * e_k + b_k``.
+
+    scales (n, B or 1, K, H), weights (K, H, H), diagonal (n, B or 1, H) or None, x_last (B, H),
+    offsets (n, B, H) or None. Returns x_0..x_n as (n + 1, B, H).
+    """
+    n, h = scales.shape[0], scales.shape[-1]
+    batch = x_last.shape[0]
+    s = scales.contiguous()
+    sources = (s,) if diagonal is None else (s, diagonal.expand(n, batch, h).contiguous())
+    out = x_last.new_empty((n + 1, batch, h))
+    rows = (s.stride(0) // h, s.stride(1) // h if s.shape[1] == batch else 0)
+    mode = SCALES_T if transposed else SCALES
+    _launch(
+        sources, weights, x_last, offsets, chunk, out,
+        mode=mode, shift=0, has_diag=diagonal is not None, strides=rows,
+    )  # fmt: skip
+    return out
+
+
+def factored_scan_ref(
+    scales: Tensor,
+    weights: Tensor,
+    x_last: Tensor,
+    offsets: Tensor | None,
+    chunk: int,
+    diagonal: Tensor | None = None,
+    transposed: bool = False,
+) -> Tensor:
+    """``factored_scan`` in plain PyTorch: ``bppsa_core.scan.chunked_scan`` over the same chain."""
+    chain = FactoredChain(scales, weights, diagonal, transposed=transposed)
+    return chunked_scan(chain, x_last, offsets, chunk=chunk)
+
+
+def rnn_layer_backward(
+    h: Tensor, w_hh: Tensor, g_last: Tensor, u: Tensor | None, nonlinearity: str, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """One tanh/relu RNN layer's backward in the kernels, with its Jacobians built in them.
+
+    h (T, B, H) are the layer's outputs h_1..h_T, ``g_last`` (B, H) the gradient at h_T, ``u``
+    (T, B, H) or None the gradient reaching h_1..h_T from outside (its last row is already in
+    ``g_last``). The kernels read f'(z_t) off h_t (1 - h^2 or [h > 0]) instead of a stored chain,
+    take u shifted by one step instead of a copied offset tensor, and write only what the weight
+    gradients need: g_0 = dL/dh_0 (B, H) and delta_t = f'(z_t) * dL/dh_t for t = 1..T (T, B, H).
+    """
+    n, batch, hid = h.shape
+    g0 = g_last.new_empty((1, batch, hid))
+    delta = h.new_empty((n, batch, hid))
+    _launch((h.contiguous(),), w_hh, g_last, u, chunk, g0, delta, mode=ACTIVATIONS[nonlinearity], shift=1)
+    return g0[0], delta
+
+
+def rnn_layer_backward_ref(
+    h: Tensor, w_hh: Tensor, g_last: Tensor, u: Tensor | None, nonlinearity: str, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """``rnn_layer_backward`` in plain PyTorch: the chain of f'(z_t) and W_hh scanned, then the deltas."""
+    fp = 1 - h * h if nonlinearity == "tanh" else (h > 0).to(h.dtype)
+    g = chunked_scan(FactoredChain(fp.unsqueeze(2), w_hh.unsqueeze(0)), g_last, _shifted(u), chunk=chunk)
+    return g[0], g[1:] * fp
+
+
+def gru_layer_backward(
+    gi: Tensor, gh: Tensor, h_prev: Tensor, w_hh: Tensor, g_last: Tensor, u: Tensor | None, chunk: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One GRU layer's backward in the kernels, with its Jacobians built in them.
+
+    gi, gh (T, B, 3H) are the pre-activations W_ih x_t + b_ih and W_hh h_{t-1} + b_hh (rows r, z, n;
+    two GEMMs, kept outside the kernels), h_prev (T, B, H) the states h_0..h_{T-1}, ``g_last`` and
+    ``u`` as in ``rnn_layer_backward``. The kernels recompute the gates and the Jacobians from them
+    and write g_0 (B, H) and the pre-activation gradients of W_ih x + b_ih and W_hh h + b_hh
+    (``GRUCell.preactivation_grads``), each (T, B, 3H): views of one (T, B, 6H) buffer.
+    """
+    n, batch, hid = h_prev.shape
+    g0 = g_last.new_empty((1, batch, hid))
+    deltas = h_prev.new_empty((n, batch, 6 * hid))
+    sources = (gi.contiguous(), gh.contiguous(), h_prev.contiguous())
+    _launch(sources, w_hh, g_last, u, chunk, g0, deltas, mode=GRU, shift=1)
+    return g0[0], deltas[..., : 3 * hid], deltas[..., 3 * hid :]
+
+
+def gru_layer_backward_ref(
+    gi: Tensor, gh: Tensor, h_prev: Tensor, w_hh: Tensor, g_last: Tensor, u: Tensor | None, chunk: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``gru_layer_backward`` in plain PyTorch: the gates and factors as ``_element`` recomputes them,
+    the chain scanned, then the deltas as ``_walk_step`` writes them."""
+    hid = h_prev.shape[-1]
+    (i_r, i_z, i_n), (h_r, h_z, m) = gi.split(hid, -1), gh.split(hid, -1)
+    r, z = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
+    n = torch.tanh(i_n + r * m)
+    dn = (1 - z) * (1 - n * n)
+    s = (dn * m * r * (1 - r), (h_prev - n) * z * (1 - z), dn * r)
+    chain = FactoredChain(torch.stack(s, 2), w_hh.reshape(3, hid, hid), z)
+    g = chunked_scan(chain, g_last, _shifted(u), chunk=chunk)
+    y = g[1:]
+    return g[0], torch.cat((y * s[0], y * s[1], y * dn), -1), torch.cat([y * t for t in s], -1)
+
+
+def _shifted(u: Tensor | None) -> Tensor | None:
+    """The offsets of a layer's chain: the outside gradients one step late (none reaches h_0)."""
+    return None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))

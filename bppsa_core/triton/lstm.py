@@ -1,0 +1,304 @@
+"""The chunked scan of an LSTM's chain (``LSTMChain``, state (h, c) of 2H) in three Triton kernels,
+with its plain-PyTorch reference beside it (``lstm_scan_ref``).
+
+``_lstm_reduce``, ``_lstm_spine`` and ``_lstm_expand`` are organised as the factored chain's kernels
+(``bppsa_core.triton.chunk_scan``): a program holds the four gates' H x H weights and an aggregate as
+two (2H x H) column blocks, the h and the c columns; a step is four ``tl.dot`` for the h columns and
+two elementwise products for the c columns. The chain fits one program when 2H <= 64
+(``dispatch.lstm_kernels_take``). The kernels read an element from the tuple ``src_ptrs`` =
+(scales_h, scales_c, diag_hc, diag_cc[, diag_hh]).
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from bppsa_core.chain import LSTMChain
+from bppsa_core.scan import chunked_scan
+from bppsa_core.triton.launch import BY_DATA, Launch, padded, three_launches
+
+# ------------------------------------------------------------------------------ per-element helpers
+
+
+@triton.jit
+def _lstm_weights(w_ptr, H, HP: tl.constexpr):
+    """The four gates' H x H weights (W_i, W_f, W_g, W_o), padded to HP x HP, as a tuple."""
+    r = tl.arange(0, HP)
+    mat = (r < H)[:, None] & (r < H)[None, :]
+    offs = r[:, None] * H + r[None, :]
+    w0 = tl.load(w_ptr + offs, mask=mat, other=0.0)
+    w1 = tl.load(w_ptr + H * H + offs, mask=mat, other=0.0)
+    w2 = tl.load(w_ptr + 2 * H * H + offs, mask=mat, other=0.0)
+    w3 = tl.load(w_ptr + 3 * H * H + offs, mask=mat, other=0.0)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _lstm_element(src_ptrs, k, b, B, H, HAS_HH: tl.constexpr, HP: tl.constexpr):
+    """Element k of sample b: the four gates' h scales, their c scales (each a tuple of four) and the
+    diagonals h<-c, c<-c, h<-h."""
+    k = k.to(tl.int64)
+    r = tl.arange(0, HP)
+    vec = r < H
+    rows = (k * B + b) * 4 * H + r
+    sh = (
+        tl.load(src_ptrs[0] + rows, mask=vec, other=0.0),
+        tl.load(src_ptrs[0] + rows + H, mask=vec, other=0.0),
+        tl.load(src_ptrs[0] + rows + 2 * H, mask=vec, other=0.0),
+        tl.load(src_ptrs[0] + rows + 3 * H, mask=vec, other=0.0),
+    )
+    sc = (
+        tl.load(src_ptrs[1] + rows, mask=vec, other=0.0),
+        tl.load(src_ptrs[1] + rows + H, mask=vec, other=0.0),
+        tl.load(src_ptrs[1] + rows + 2 * H, mask=vec, other=0.0),
+        tl.load(src_ptrs[1] + rows + 3 * H, mask=vec, other=0.0),
+    )
+    row = (k * B + b) * H + r
+    d_hc = tl.load(src_ptrs[2] + row, mask=vec, other=0.0)
+    d_cc = tl.load(src_ptrs[3] + row, mask=vec, other=0.0)
+    d_hh = tl.zeros([HP], dtype=tl.float32)
+    if HAS_HH:
+        d_hh = tl.load(src_ptrs[4] + row, mask=vec, other=0.0)
+    return sh, sc, d_hc, d_cc, d_hh
+
+
+@triton.jit
+def _lstm_mat_step(a_h, a_c, f, w, HAS_HH: tl.constexpr):
+    """(a_h | a_c) @ M for one element (its factors ``f``, ``_lstm_element``): rows of the aggregate,
+    its h columns and its c columns."""
+    sh, sc, d_hc, d_cc, d_hh = f
+    out_h = tl.dot(a_h * sh[0][None, :] + a_c * sc[0][None, :], w[0], input_precision="ieee")
+    out_h += tl.dot(a_h * sh[1][None, :] + a_c * sc[1][None, :], w[1], input_precision="ieee")
+    out_h += tl.dot(a_h * sh[2][None, :] + a_c * sc[2][None, :], w[2], input_precision="ieee")
+    out_h += tl.dot(a_h * sh[3][None, :] + a_c * sc[3][None, :], w[3], input_precision="ieee")
+    if HAS_HH:
+        out_h += a_h * d_hh[None, :]
+    out_c = a_h * d_hc[None, :] + a_c * d_cc[None, :]
+    return out_h, out_c
+
+
+@triton.jit
+def _lstm_vec_step(y_h, y_c, f, w, HAS_HH: tl.constexpr):
+    """(y_h | y_c) @ M for one element and one row vector."""
+    sh, sc, d_hc, d_cc, d_hh = f
+    out_h = tl.sum((y_h * sh[0] + y_c * sc[0])[:, None] * w[0], axis=0)
+    out_h += tl.sum((y_h * sh[1] + y_c * sc[1])[:, None] * w[1], axis=0)
+    out_h += tl.sum((y_h * sh[2] + y_c * sc[2])[:, None] * w[2], axis=0)
+    out_h += tl.sum((y_h * sh[3] + y_c * sc[3])[:, None] * w[3], axis=0)
+    if HAS_HH:
+        out_h += y_h * d_hh
+    return out_h, y_h * d_hc + y_c * d_cc
+
+
+@triton.jit
+def _lstm_walk_step(
+    y_h, y_c, f, w, offsets_ptr, out_ptr, k, b, B, H, HAS_HH: tl.constexpr, HAS_B: tl.constexpr,
+    HP: tl.constexpr,
+):  # fmt: skip
+    """x_k from y = x_{k+1} through element k, stored into row k of ``out``."""
+    r = tl.arange(0, HP)
+    vec = r < H
+    y_h, y_c = _lstm_vec_step(y_h, y_c, f, w, HAS_HH)
+    k = k.to(tl.int64)
+    if HAS_B:
+        row = offsets_ptr + (k * B + b) * 2 * H + r
+        y_h += tl.load(row, mask=vec, other=0.0)
+        y_c += tl.load(row + H, mask=vec, other=0.0)
+    out = out_ptr + (k * B + b) * 2 * H + r
+    tl.store(out, y_h, mask=vec)
+    tl.store(out + H, y_c, mask=vec)
+    return y_h, y_c
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit(do_not_specialize=BY_DATA)
+def _lstm_reduce(
+    # pointers: the element's sources, the weights and offsets read; the chunk aggregates written
+    src_ptrs, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr,
+    # sizes: batch, hidden, chunk
+    B, H, C,
+    # meta-parameters
+    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
+):  # fmt: skip
+    """Chunk q (1..P-2) of sample b folded into one (2H x 2H) aggregate and its offset."""
+    q = tl.program_id(0) + 1
+    b = tl.program_id(1).to(tl.int64)
+    r = tl.arange(0, HP)
+    rr = tl.arange(0, 2 * HP)  # the aggregate's rows: h rows, then c rows
+    vec = r < H
+    w = _lstm_weights(w_ptr, H, HP)
+    a_h = tl.where(rr[:, None] == r[None, :], 1.0, 0.0)
+    a_c = tl.where(rr[:, None] == r[None, :] + HP, 1.0, 0.0)
+    o_h = tl.zeros([HP], dtype=tl.float32)
+    o_c = tl.zeros([HP], dtype=tl.float32)
+    for i in range(0, C):  # the chunk's last element is applied first
+        k = q * C + C - 1 - i
+        f = _lstm_element(src_ptrs, k, b, B, H, HAS_HH, HP)
+        a_h, a_c = _lstm_mat_step(a_h, a_c, f, w, HAS_HH)
+        if HAS_B:
+            o_h, o_c = _lstm_vec_step(o_h, o_c, f, w, HAS_HH)
+            row = offsets_ptr + (k.to(tl.int64) * B + b) * 2 * H + r
+            o_h += tl.load(row, mask=vec, other=0.0)
+            o_c += tl.load(row + H, mask=vec, other=0.0)
+    j = q - 1
+    # Stored whole, padding included (2HP x 2HP: h rows, c rows; h columns, c columns), as ``_reduce``.
+    base = agg_ptr + ((j * B + b) * 2 * HP + rr[:, None]) * 2 * HP
+    tl.store(base + r[None, :], a_h)
+    tl.store(base + HP + r[None, :], a_c)
+    out = agg_offsets_ptr + (j * B + b) * 2 * HP + r
+    tl.store(out, o_h)
+    tl.store(out + HP, o_c)
+
+
+@triton.jit(do_not_specialize=BY_DATA)
+def _lstm_spine(
+    # pointers: the element's sources, the weights, offsets, aggregates and x_n read; x written
+    src_ptrs, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr, x_last_ptr, out_ptr, entry_ptr,
+    # sizes: batch, hidden, chain length, remainder chunk, aggregate count
+    B, H, N, REM, NAGG,
+    # meta-parameters
+    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
+):  # fmt: skip
+    """Sample b's remainder chunk walked from x_n, then the chunk aggregates scanned: every chunk's
+    entry vector into ``entry``."""
+    b = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, HP)
+    vec = r < H
+    mat = vec[:, None] & vec[None, :]
+    w = _lstm_weights(w_ptr, H, HP)
+    y_h = tl.load(x_last_ptr + b * 2 * H + r, mask=vec, other=0.0)
+    y_c = tl.load(x_last_ptr + b * 2 * H + H + r, mask=vec, other=0.0)
+    last = out_ptr + (N * B + b) * 2 * H + r
+    tl.store(last, y_h, mask=vec)
+    tl.store(last + H, y_c, mask=vec)
+    for i in range(0, REM):
+        k = N - 1 - i
+        f = _lstm_element(src_ptrs, k, b, B, H, HAS_HH, HP)
+        y_h, y_c = _lstm_walk_step(y_h, y_c, f, w, offsets_ptr, out_ptr, k, b, B, H, HAS_HH, HAS_B, HP)
+    entry = entry_ptr + (NAGG * B + b) * 2 * H + r
+    tl.store(entry, y_h, mask=vec)
+    tl.store(entry + H, y_c, mask=vec)
+    for i in range(0, NAGG):  # aggregates of chunks P-2 .. 1
+        j = NAGG - 1 - i
+        base = agg_ptr + ((j * B + b) * 2 * HP + r[:, None]) * 2 * HP + r[None, :]  # see _lstm_reduce
+        a_hh = tl.load(base, mask=mat, other=0.0)
+        a_hc = tl.load(base + HP, mask=mat, other=0.0)
+        a_ch = tl.load(base + HP * 2 * HP, mask=mat, other=0.0)
+        a_cc = tl.load(base + HP * 2 * HP + HP, mask=mat, other=0.0)
+        off = agg_offsets_ptr + (j * B + b) * 2 * HP + r
+        new_h = tl.sum(y_h[:, None] * a_hh + y_c[:, None] * a_ch, axis=0) + tl.load(off, mask=vec, other=0.0)
+        new_c = tl.sum(y_h[:, None] * a_hc + y_c[:, None] * a_cc, axis=0) + tl.load(
+            off + HP, mask=vec, other=0.0
+        )
+        y_h = new_h
+        y_c = new_c
+        entry = entry_ptr + (j * B + b) * 2 * H + r
+        tl.store(entry, y_h, mask=vec)
+        tl.store(entry + H, y_c, mask=vec)
+
+
+@triton.jit(do_not_specialize=BY_DATA)
+def _lstm_expand(
+    # pointers: the element's sources, the weights, offsets and entry vectors read; x written
+    src_ptrs, w_ptr, offsets_ptr, entry_ptr, out_ptr,
+    # sizes: batch, hidden, chunk
+    B, H, C,
+    # meta-parameters
+    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
+):  # fmt: skip
+    """Chunk q (0..P-2) of sample b walked from its entry vector."""
+    q = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    r = tl.arange(0, HP)
+    vec = r < H
+    w = _lstm_weights(w_ptr, H, HP)
+    entry = entry_ptr + (q * B + b) * 2 * H + r
+    y_h = tl.load(entry, mask=vec, other=0.0)
+    y_c = tl.load(entry + H, mask=vec, other=0.0)
+    for i in range(0, C):
+        k = q * C + C - 1 - i
+        f = _lstm_element(src_ptrs, k, b, B, H, HAS_HH, HP)
+        y_h, y_c = _lstm_walk_step(y_h, y_c, f, w, offsets_ptr, out_ptr, k, b, B, H, HAS_HH, HAS_B, HP)
+
+
+# ------------------------------------------------------------------------------------------- launch
+
+
+def lstm_num_warps(hp: int) -> int:
+    """4 warps, or 8 at Hp = 32, where a program holds 4 x 32^2 weights and a 64 x 32 aggregate twice."""
+    return 8 if hp >= 32 else 4
+
+
+def lstm_launch_config(has_hh: bool, has_b: bool, hp: int) -> dict[str, Launch]:
+    """The three kernels of an LSTM launch by role, as ``lstm_scan`` runs them: ``has_hh``, the
+    h<-h diagonal (sequences of different lengths); ``has_b``, offsets; ``hp``, ``padded(H)``."""
+    settings = {"HAS_HH": has_hh, "HAS_B": has_b, "HP": hp}
+    warps = lstm_num_warps(hp)
+    sources = 5 if has_hh else 4
+    return {  # the reduce unpipelined, as ``chunk_scan.launch_config``'s
+        "reduce": Launch(_lstm_reduce, settings, warps, num_stages=1, sources=sources),
+        "spine": Launch(_lstm_spine, settings, warps, sources=sources),
+        "expand": Launch(_lstm_expand, settings, warps, sources=sources),
+    }
+
+
+# ------------------------------------------------------------------------------ entry point and ref
+
+
+def lstm_scan(
+    scales_h: Tensor,
+    scales_c: Tensor,
+    weights: Tensor,
+    diag_hc: Tensor,
+    diag_cc: Tensor,
+    diag_hh: Tensor | None,
+    x_last: Tensor,
+    offsets: Tensor | None,
+    chunk: int,
+) -> Tensor:
+    """The chunked scan of an LSTM chain (``LSTMChain``'s tensors, one per sample: B, not 1).
+
+    scales_h, scales_c (n, B, 4, H), weights (4, H, H), the diagonals (n, B, H), x_last (B, 2H),
+    offsets (n, B, 2H) or None. Returns x_0..x_n as (n + 1, B, 2H).
+    """
+    n, batch, _, h = scales_h.shape
+    p = math.ceil(n / chunk)
+    out = x_last.new_empty((n + 1, batch, 2 * h))
+    hp = padded(h)
+    agg = x_last.new_empty((max(p - 2, 1), batch, 2 * hp, 2 * hp))  # padded: see ``_lstm_reduce``
+    agg_offsets = x_last.new_empty((max(p - 2, 1), batch, 2 * hp))
+    entry = x_last.new_empty((max(p - 1, 1), batch, 2 * h))
+    tensors = (scales_h, scales_c, diag_hc, diag_cc) + (() if diag_hh is None else (diag_hh,))
+    sources = tuple(t.contiguous() for t in tensors)
+    common = {
+        "src_ptrs": sources,
+        "w_ptr": weights.contiguous(),
+        "offsets_ptr": sources[0] if offsets is None else offsets.contiguous(),  # not read without offsets
+        "B": batch,
+        "H": h,
+    }
+    kernels = lstm_launch_config(diag_hh is not None, offsets is not None, hp)
+    three_launches(kernels, common, {"out_ptr": out}, x_last, n, chunk, agg, agg_offsets, entry)
+    return out
+
+
+def lstm_scan_ref(
+    scales_h: Tensor,
+    scales_c: Tensor,
+    weights: Tensor,
+    diag_hc: Tensor,
+    diag_cc: Tensor,
+    diag_hh: Tensor | None,
+    x_last: Tensor,
+    offsets: Tensor | None,
+    chunk: int,
+) -> Tensor:
+    """``lstm_scan`` in plain PyTorch: ``bppsa_core.scan.chunked_scan`` over the same ``LSTMChain``."""
+    chain = LSTMChain(scales_h, scales_c, weights, diag_hc, diag_cc, diag_hh)
+    return chunked_scan(chain, x_last, offsets, chunk=chunk)
