@@ -134,8 +134,8 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
 def _peaks(runs: dict, model: torch.nn.Module, x: torch.Tensor, device: torch.device, meet) -> dict:
     """Each mode's peak memory (``_peak_since``) in one iteration after one of its own, BPPSA's
     first: BPTT's many small tensors leave the heap in a state that makes a later BPPSA iteration's
-    resident set grow by more than it allocates (two ranks: 105 MiB measured first, 150-185 MiB after
-    a BPTT iteration)."""
+    resident set grow by more than it allocates (``python -m benchmarks.distributed --ranks 2``
+    prints each mode's peak per rank)."""
     peak: dict[str, int | None] = {}
     for name, run in runs.items():
         for measured in (False, True):

@@ -2,7 +2,8 @@
 
 Workers: on the CPU, ``hardware.workers`` sets torch's thread count; left unset it is 1. PyTorch's
 OpenMP threads spin while they wait for one another, so with every core in use a single other busy
-process stalls them (measured: a 2-thread run's forward 16 times slower); one thread shares the
+process stalls them many times over (``python run.py hardware.workers=2`` beside a busy process,
+against the same run alone: records.csv's forward_s and other_load); one thread shares the
 machine gracefully, and more are the experiment's choice. On a GPU it confines the run
 to that many streaming multiprocessors through a CUDA green context
 (``torch.cuda.green_contexts``, beta; its API changed between torch 2.11 and 2.13, and both are
