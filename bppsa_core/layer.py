@@ -1,24 +1,24 @@
 """One recurrent layer in one direction: PyTorch's forward, a BPPSA backward and a BPPSA tangent.
 
-``bppsa_core.nn`` builds its modules from ``layer``, one call per layer and direction. Each call is
-an ``autograd.Function`` whose work is done by three operators registered with ``torch.library``, so
-that ``torch.compile`` and ``torch.jit.trace`` treat each as one opaque step:
+The maths of a layer call; ``bppsa_core.ops`` makes each of them a ``torch.library`` operator and
+ties them into one differentiable call (``ops.layer``), which ``bppsa_core.nn`` builds its modules
+from, one call per layer and direction:
 
-* ``bppsa::layer_forward``: PyTorch's fused kernel (cuDNN on a GPU) over the layer, in segments of at
-  most ``segment`` steps (default ``SEGMENT``) with the state passed across, and
-  over packed sequences when ``lengths`` is given; or, with a Newton ``solver``, the states solved
-  parallel in time (``bppsa_core.newton``), falling back to the fused kernel when they do not converge;
-* ``bppsa::layer_backward``: the per-step Jacobians recovered from the saved states
+* ``native_forward``: PyTorch's fused kernel (cuDNN on a GPU) over the layer, in segments of at most
+  ``segment`` steps (default ``SEGMENT``) with the state passed across, and over packed sequences
+  when ``lengths`` is given; ``solved_forward``: with a Newton ``solver``, the states solved parallel
+  in time (``bppsa_core.newton``), falling back to the fused kernel when they do not converge;
+* ``bppsa_backward``: the per-step Jacobians recovered from the saved states
   (``bppsa_core.jacobians``), the chain ``g_{t-1} = g_t @ J_t + u_{t-1}`` scanned
   (``bppsa_core.scan``), and every input, state, weight and bias gradient from a few large matmuls;
-* ``bppsa::layer_tangent``: forward-mode differentiation. A tangent of the state obeys the linear
+* ``bppsa_tangent``: forward-mode differentiation. A tangent of the state obeys the linear
   recurrence ``v_t = J_t v_{t-1} + c_t``, so the same factored Jacobians and the same scan, run over
   the transposed elements, give it.
 
 The backward is the BPPSA scan whenever the gradient itself is not differentiated. When it is
 (``create_graph=True``, ``torch.func.grad``, ``jacrev``, Hessians), the layer's gradient is taken
-through PyTorch's own differentiable forward instead, so that every higher derivative is exact; the
-values of the first derivative are the same. ``vmap`` runs the operators once per mapped index.
+through PyTorch's own differentiable forward instead (``differentiable_vjp``), so that every higher
+derivative is exact; the values of the first derivative are the same.
 
 Sequences of different lengths (``lengths``, sorted longest first, as packing leaves them) are
 padded to T steps: past a sequence's end its outputs are 0 and its Jacobians are identities, so the
@@ -31,7 +31,6 @@ import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,15 +57,10 @@ from bppsa_core.scan import forward_scan, scan
 
 log = logging.getLogger(__name__)
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
-# The steps of one call of PyTorch's fused forward; longer sequences run in segments, the state
-# passed across. cuDNN refuses more than 65,535 steps a call. On the CPU short segments are faster:
-# each segment's outputs are made in memory malloc already holds instead of fresh pages, and then
-# copied into the sequence's (RNN, B = 16, T = 100,000, one thread: 1,053 ms in 65,535-step
-# segments, 698-835 ms in 1,024-4,096, and the forward's peak falls from 1.65x its outputs to
-# about 1x). A segment's call holds about three times its own outputs beside the sequence's: the
-# forward's peak above its outputs is 8.2-8.6 MiB in segments of 2,048 steps (16 samples, H = 20),
-# 3.8-4.3 MiB in 1,024, at the same CPU speed; 2,048 keeps the paper's GRU sequences (T = 1034) in
-# one call on a GPU. A GPU runs a sequence of T steps in ceil(T / SEGMENT) calls.
+# The steps of one call of PyTorch's fused forward; longer sequences run in segments, the state passed
+# across (cuDNN refuses more than 65,535 steps a call). Short segments reuse memory malloc already holds,
+# faster on a CPU and with a peak near the outputs, while 2,048 keeps the paper's GRU sequences
+# (T = 1034) in one call; re-measured by ``python -m benchmarks.forward --T 100000``.
 SEGMENT = 2048
 
 _NATIVE = {
@@ -510,287 +504,10 @@ def bppsa_tangent(
         )
 
 
-# ----------------------------------------------------------------------------------------- operators
-# The work of one layer call as three operators of torch.library: opaque to torch.compile (which
-# sees their shapes through the fake implementations) and to tracing, and run once per index under
-# vmap. Optional results are returned as empty tensors (operators return tensors only); weights and
-# tangents are separate arguments, not lists, which vmap's fallback for batched gradients needs.
+# ------------------------------------------------------------------------------- higher derivatives
 
 
-def _empty(like: Tensor) -> Tensor:
-    return like.new_empty((0,))
-
-
-def _present(*tensors: Tensor | None) -> list[Tensor]:
-    return [t for t in tensors if t is not None]
-
-
-@torch.library.custom_op("bppsa::layer_forward", mutates_args=())
-def _forward_op(
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    w_ih: Tensor,
-    w_hh: Tensor,
-    b_ih: Tensor | None,
-    b_hh: Tensor | None,
-    lengths: Tensor | None,
-    guess: Tensor | None,
-    mode: str,
-    segment: int,
-    solver: str,
-    tol: float | None,
-    max_iters: int,
-    strategy: str,
-    chunk: int | None,
-    levels: int | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    config = LayerConfig(
-        mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, max_iters)
-    )
-    weights = _present(w_ih, w_hh, b_ih, b_hh)
-    out, h, c, stats = solved_forward(config, x, h0, c0, weights, lengths, guess)
-    return out, h.clone(), (_empty(h) if c is None else c.clone()), stats.as_tensor()
-
-
-@_forward_op.register_fake
-def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, guess, mode, segment, solver, tol, max_iters, *scan):
-    out = x.new_empty((x.shape[0], x.shape[1], w_hh.shape[1]))
-    stats = torch.empty((3,), dtype=torch.float64)  # on the CPU, as the real one
-    return out, h0.new_empty(h0.shape), (_empty(h0) if c0 is None else c0.new_empty(c0.shape)), stats
-
-
-@torch.library.custom_op("bppsa::layer_backward", mutates_args=())
-def _backward_op(
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    w_ih: Tensor,
-    w_hh: Tensor,
-    b_ih: Tensor | None,
-    b_hh: Tensor | None,
-    lengths: Tensor | None,
-    out: Tensor,
-    grad_out: Tensor | None,
-    grad_hn: Tensor | None,
-    grad_cn: Tensor | None,
-    mode: str,
-    strategy: str,
-    chunk: int | None,
-    levels: int | None,
-    need_input: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    config = LayerConfig(mode, options=ScanOptions(strategy, chunk, levels))
-    weights = _present(w_ih, w_hh, b_ih, b_hh)
-    dx, dh0, dc0, dw = bppsa_backward(
-        config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need_input
-    )
-    biases = dw[2:] if len(dw) == 4 else [_empty(h0), _empty(h0)]
-    return (
-        (_empty(h0) if dx is None else dx),
-        dh0,
-        (_empty(h0) if dc0 is None else dc0),
-        dw[0],
-        dw[1],
-        *biases,
-    )
-
-
-@_backward_op.register_fake
-def _(
-    x,
-    h0,
-    c0,
-    w_ih,
-    w_hh,
-    b_ih,
-    b_hh,
-    lengths,
-    out,
-    grad_out,
-    grad_hn,
-    grad_cn,
-    mode,
-    strategy,
-    chunk,
-    levels,
-    need_input,
-):
-    dtype = w_hh.dtype
-
-    def like(t: Tensor | None) -> Tensor:
-        return _empty(h0) if t is None else t.new_empty(t.shape, dtype=dtype)
-
-    return (
-        (like(x) if need_input else _empty(h0)),
-        like(h0),
-        like(c0),
-        like(w_ih),
-        like(w_hh),
-        like(b_ih),
-        like(b_hh),
-    )
-
-
-@torch.library.custom_op("bppsa::layer_tangent", mutates_args=())
-def _tangent_op(
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    w_ih: Tensor,
-    w_hh: Tensor,
-    b_ih: Tensor | None,
-    b_hh: Tensor | None,
-    lengths: Tensor | None,
-    out: Tensor,
-    dx: Tensor | None,
-    dh0: Tensor | None,
-    dc0: Tensor | None,
-    dw_ih: Tensor | None,
-    dw_hh: Tensor | None,
-    db_ih: Tensor | None,
-    db_hh: Tensor | None,
-    mode: str,
-    strategy: str,
-    chunk: int | None,
-    levels: int | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    config = LayerConfig(mode, options=ScanOptions(strategy, chunk, levels))
-    weights = _present(w_ih, w_hh, b_ih, b_hh)
-    tangents = [dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh]
-    d_out, d_h, d_c = bppsa_tangent(config, x, h0, c0, weights, lengths, out, tangents)
-    return d_out, d_h, _empty(d_h) if d_c is None else d_c
-
-
-@_tangent_op.register_fake
-def _(
-    x,
-    h0,
-    c0,
-    w_ih,
-    w_hh,
-    b_ih,
-    b_hh,
-    lengths,
-    out,
-    dx,
-    dh0,
-    dc0,
-    dw_ih,
-    dw_hh,
-    db_ih,
-    db_hh,
-    mode,
-    strategy,
-    chunk,
-    levels,
-):
-    dtype = w_hh.dtype
-    d_c = _empty(h0) if c0 is None else c0.new_empty(c0.shape, dtype=dtype)
-    return out.new_empty(out.shape, dtype=dtype), h0.new_empty(h0.shape, dtype=dtype), d_c
-
-
-def _loop_vmap(op: Any) -> Any:
-    """A vmap rule for ``op``: the operator once per mapped index, results stacked along dim 0."""
-
-    def rule(info: Any, in_dims: tuple, *args: Any) -> tuple[Any, Any]:
-        def take(i: int) -> list[Any]:
-            return [
-                a if d is None or a is None else a.select(d, i) for a, d in zip(args, in_dims, strict=True)
-            ]
-
-        results = [op(*take(i)) for i in range(info.batch_size)]
-        return tuple(torch.stack(r) for r in zip(*results, strict=True)), (0,) * len(results[0])
-
-    return rule
-
-
-for _op in (_forward_op, _backward_op, _tangent_op):
-    torch.library.register_vmap(_op, _loop_vmap(_op))
-
-
-# ---------------------------------------------------------------------------------------- autograd
-
-
-class _CompiledLayer(torch.autograd.Function):
-    """One layer call; inputs (x, h0, c0, lengths, guess, config, *weights), outputs (out, h_n, c_n,
-    stats), the last ``newton.SolveStats.as_tensor`` (not differentiable)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(
-        x: Tensor,
-        h0: Tensor,
-        c0: Tensor | None,
-        lengths: Tensor | None,
-        guess: Tensor | None,
-        config: LayerConfig,
-        *weights: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        w_ih, w_hh, b_ih, b_hh = (*weights, None, None)[:4]
-        o, s = config.options, config.solver
-        return torch.ops.bppsa.layer_forward(
-            x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, guess, config.mode, config.segment,
-            s.method, s.tol, s.max_iters, o.strategy, o.chunk, o.levels,
-        )  # fmt: skip
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        x, h0, c0, lengths, _guess, config, *weights = inputs
-        ctx.config = config
-        ctx.save_for_backward(x, h0, c0, lengths, output[0], *weights)
-        ctx.save_for_forward(x, h0, c0, lengths, output[0], *weights)
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*((output[2], output[3]) if c0 is None else (output[3],)))
-
-    @staticmethod
-    def backward(
-        ctx: Any, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None, _stats: Any
-    ) -> tuple:
-        x, h0, c0, lengths, out, *weights = ctx.saved_tensors
-        config: LayerConfig = ctx.config
-        if c0 is None:
-            grad_cn = None
-        if grad_out is None and grad_hn is None and grad_cn is None:
-            return (None,) * (6 + len(weights))
-        if torch.is_grad_enabled():  # the gradient will itself be differentiated
-            grads = _differentiable_vjp(config, x, h0, c0, lengths, weights, (grad_out, grad_hn, grad_cn))
-            return (*grads[:3], None, None, None, *grads[3:])
-        o = config.options
-        need = ctx.needs_input_grad
-        dx, dh0, dc0, *dw = torch.ops.bppsa.layer_backward(
-            x, h0, c0, *(*weights, None, None)[:4], lengths, out, grad_out, grad_hn, grad_cn,
-            config.mode, o.strategy, o.chunk, o.levels, need[0],
-        )  # fmt: skip
-        return (
-            dx if need[0] else None,
-            dh0,
-            dc0 if c0 is not None else None,
-            None,
-            None,
-            None,
-            *dw[: len(weights)],
-        )
-
-
-class _Layer(_CompiledLayer):
-    """``_CompiledLayer`` with forward-mode differentiation: the tangent is a scan too."""
-
-    @staticmethod
-    def jvp(ctx: Any, dx: Tensor | None, dh0: Tensor | None, dc0: Tensor | None, *rest: Any) -> tuple:
-        x, h0, c0, lengths, out, *weights = ctx.saved_tensors
-        config: LayerConfig = ctx.config
-        dweights = (*rest[3:], None, None)[:4]
-        o = config.options
-        d_out, d_h, d_c = torch.ops.bppsa.layer_tangent(
-            x, h0, c0, *(*weights, None, None)[:4], lengths, out, dx, dh0, dc0, *dweights,
-            config.mode, o.strategy, o.chunk, o.levels,
-        )  # fmt: skip
-        return d_out, d_h, (d_c if c0 is not None else None), None
-
-
-def _differentiable_vjp(
+def differentiable_vjp(
     config: LayerConfig,
     x: Tensor,
     h0: Tensor,
@@ -818,25 +535,3 @@ def _differentiable_vjp(
     if not lstm:
         return (result[0], result[1], None, *result[2:])
     return tuple(result)
-
-
-def layer(
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    weights: list[Tensor],
-    config: LayerConfig,
-    lengths: Tensor | None = None,
-    guess: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """One layer in one direction, differentiable by BPPSA: x (T, B, I) time-major, h0 and c0 (an
-    LSTM's, else None) (B, H), ``weights`` PyTorch's (w_ih, w_hh[, b_ih, b_hh]), ``lengths`` (B,)
-    sorted longest first or None, ``guess`` a Newton solver's first iterate of the outputs (T, B, H)
-    or None. Returns the outputs (T, B, H), the last h, the last c (or None) and what the forward
-    took (``newton.SolveStats.as_tensor``).
-    """
-    # torch.compile traces autograd.Functions, but not their jvp: compiled graphs get the same
-    # function without it (forward-mode differentiation of a compiled graph is not supported anyway).
-    function = _CompiledLayer if torch.compiler.is_compiling() else _Layer
-    out, h, c, stats = function.apply(x, h0, c0, lengths, guess, config, *weights)
-    return out, h, (c if c0 is not None else None), stats

@@ -37,8 +37,9 @@ from torch.nn.functional import dropout
 from torch.nn.utils.rnn import PackedSequence
 
 from bppsa_core.dispatch import ScanOptions
-from bppsa_core.layer import SEGMENT, LayerConfig, layer
+from bppsa_core.layer import SEGMENT, LayerConfig
 from bppsa_core.newton import DEFAULT_MAX_ITERS, SolverOptions, SolveStats
+from bppsa_core.ops import layer
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
 GUESSES: tuple[str, ...] = ("zeros", "previous")

@@ -1,0 +1,254 @@
+"""One layer call as ``torch`` operators: the glue between ``bppsa_core.layer``'s maths and PyTorch.
+
+``layer`` runs one layer in one direction as an ``autograd.Function`` whose work is done by three
+operators registered with ``torch.library``, so that ``torch.compile`` (which sees their shapes
+through the fake implementations) and ``torch.jit.trace`` treat each as one opaque step:
+
+* ``bppsa::layer_forward``: ``layer.solved_forward``, PyTorch's fused kernel in segments or a Newton
+  solve parallel in time;
+* ``bppsa::layer_backward``: ``layer.bppsa_backward``, the chain of Jacobians scanned;
+* ``bppsa::layer_tangent``: ``layer.bppsa_tangent``, forward-mode differentiation by the same scan
+  over the transposed elements.
+
+Under ``vmap`` each operator runs once per mapped index (``_loop_vmap``). Optional results are
+returned as empty tensors (operators return tensors only); weights and tangents are separate
+arguments, not lists, which vmap's fallback for batched gradients needs. A gradient that is itself
+differentiated goes through ``layer.differentiable_vjp`` instead of the operators.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bppsa_core import layer as bppsa_layer
+from bppsa_core.dispatch import ScanOptions
+from bppsa_core.layer import LayerConfig
+from bppsa_core.newton import SolverOptions
+
+# ----------------------------------------------------------------------------------------- operators
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty((0,))
+
+
+def _present(*tensors: Tensor | None) -> list[Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+@torch.library.custom_op("bppsa::layer_forward", mutates_args=())
+def _forward_op(
+    # the layer call's tensors
+    x: Tensor, h0: Tensor, c0: Tensor | None, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None,
+    b_hh: Tensor | None, lengths: Tensor | None, guess: Tensor | None,
+    # the layer, its forward's solver and the scan (``LayerConfig``)
+    mode: str, segment: int, solver: str, tol: float | None, max_iters: int,
+    strategy: str, chunk: int | None, levels: int | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    config = LayerConfig(
+        mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, max_iters)
+    )
+    weights = _present(w_ih, w_hh, b_ih, b_hh)
+    out, h, c, stats = bppsa_layer.solved_forward(config, x, h0, c0, weights, lengths, guess)
+    return out, h.clone(), (_empty(h) if c is None else c.clone()), stats.as_tensor()
+
+
+@_forward_op.register_fake
+def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, *rest):  # rest: lengths .. levels
+    out = x.new_empty((x.shape[0], x.shape[1], w_hh.shape[1]))
+    stats = torch.empty((3,), dtype=torch.float64)  # on the CPU, as the real one
+    return out, h0.new_empty(h0.shape), (_empty(h0) if c0 is None else c0.new_empty(c0.shape)), stats
+
+
+@torch.library.custom_op("bppsa::layer_backward", mutates_args=())
+def _backward_op(
+    # the layer call's tensors, its outputs and their gradients
+    x: Tensor, h0: Tensor, c0: Tensor | None, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None,
+    b_hh: Tensor | None, lengths: Tensor | None, out: Tensor,
+    grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None,
+    # the layer and the scan (``LayerConfig``), and whether x's gradient is needed
+    mode: str, strategy: str, chunk: int | None, levels: int | None, need_input: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    config = LayerConfig(mode, options=ScanOptions(strategy, chunk, levels))
+    weights = _present(w_ih, w_hh, b_ih, b_hh)
+    dx, dh0, dc0, dw = bppsa_layer.bppsa_backward(
+        config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need_input
+    )
+    biases = dw[2:] if len(dw) == 4 else [_empty(h0), _empty(h0)]
+    return (
+        (_empty(h0) if dx is None else dx),
+        dh0,
+        (_empty(h0) if dc0 is None else dc0),
+        dw[0],
+        dw[1],
+        *biases,
+    )
+
+
+@_backward_op.register_fake
+def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, *rest):  # rest: lengths .. levels, need_input
+    dtype, need_input = w_hh.dtype, rest[-1]
+
+    def like(t: Tensor | None) -> Tensor:
+        return _empty(h0) if t is None else t.new_empty(t.shape, dtype=dtype)
+
+    return (
+        (like(x) if need_input else _empty(h0)),
+        like(h0),
+        like(c0),
+        like(w_ih),
+        like(w_hh),
+        like(b_ih),
+        like(b_hh),
+    )
+
+
+@torch.library.custom_op("bppsa::layer_tangent", mutates_args=())
+def _tangent_op(
+    # the layer call's tensors and outputs, then the tangents of the tensors
+    x: Tensor, h0: Tensor, c0: Tensor | None, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None,
+    b_hh: Tensor | None, lengths: Tensor | None, out: Tensor,
+    dx: Tensor | None, dh0: Tensor | None, dc0: Tensor | None,
+    dw_ih: Tensor | None, dw_hh: Tensor | None, db_ih: Tensor | None, db_hh: Tensor | None,
+    # the layer and the scan (``LayerConfig``)
+    mode: str, strategy: str, chunk: int | None, levels: int | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    config = LayerConfig(mode, options=ScanOptions(strategy, chunk, levels))
+    weights = _present(w_ih, w_hh, b_ih, b_hh)
+    tangents = [dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh]
+    d_out, d_h, d_c = bppsa_layer.bppsa_tangent(config, x, h0, c0, weights, lengths, out, tangents)
+    return d_out, d_h, _empty(d_h) if d_c is None else d_c
+
+
+@_tangent_op.register_fake
+def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, out, *rest):  # rest: the tangents, then the scan's
+    dtype = w_hh.dtype
+    d_c = _empty(h0) if c0 is None else c0.new_empty(c0.shape, dtype=dtype)
+    return out.new_empty(out.shape, dtype=dtype), h0.new_empty(h0.shape, dtype=dtype), d_c
+
+
+def _loop_vmap(op: Any) -> Any:
+    """A vmap rule for ``op``: the operator once per mapped index, results stacked along dim 0."""
+
+    def rule(info: Any, in_dims: tuple, *args: Any) -> tuple[Any, Any]:
+        def take(i: int) -> list[Any]:
+            return [
+                a if d is None or a is None else a.select(d, i) for a, d in zip(args, in_dims, strict=True)
+            ]
+
+        results = [op(*take(i)) for i in range(info.batch_size)]
+        return tuple(torch.stack(r) for r in zip(*results, strict=True)), (0,) * len(results[0])
+
+    return rule
+
+
+for _op in (_forward_op, _backward_op, _tangent_op):
+    torch.library.register_vmap(_op, _loop_vmap(_op))
+
+
+# ------------------------------------------------------------------------------------------ autograd
+
+
+class _CompiledLayer(torch.autograd.Function):
+    """One layer call; inputs (x, h0, c0, lengths, guess, config, *weights), outputs (out, h_n, c_n,
+    stats), the last ``newton.SolveStats.as_tensor`` (not differentiable)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: Tensor,
+        h0: Tensor,
+        c0: Tensor | None,
+        lengths: Tensor | None,
+        guess: Tensor | None,
+        config: LayerConfig,
+        *weights: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        w_ih, w_hh, b_ih, b_hh = (*weights, None, None)[:4]
+        o, s = config.options, config.solver
+        return torch.ops.bppsa.layer_forward(
+            x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, guess, config.mode, config.segment,
+            s.method, s.tol, s.max_iters, o.strategy, o.chunk, o.levels,
+        )  # fmt: skip
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        x, h0, c0, lengths, _guess, config, *weights = inputs
+        ctx.config = config
+        ctx.save_for_backward(x, h0, c0, lengths, output[0], *weights)
+        ctx.save_for_forward(x, h0, c0, lengths, output[0], *weights)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*((output[2], output[3]) if c0 is None else (output[3],)))
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None, _stats: Any
+    ) -> tuple:
+        x, h0, c0, lengths, out, *weights = ctx.saved_tensors
+        config: LayerConfig = ctx.config
+        if c0 is None:
+            grad_cn = None
+        if grad_out is None and grad_hn is None and grad_cn is None:
+            return (None,) * (6 + len(weights))
+        if torch.is_grad_enabled():  # the gradient will itself be differentiated
+            grads = bppsa_layer.differentiable_vjp(
+                config, x, h0, c0, lengths, weights, (grad_out, grad_hn, grad_cn)
+            )
+            return (*grads[:3], None, None, None, *grads[3:])
+        o = config.options
+        need = ctx.needs_input_grad
+        dx, dh0, dc0, *dw = torch.ops.bppsa.layer_backward(
+            x, h0, c0, *(*weights, None, None)[:4], lengths, out, grad_out, grad_hn, grad_cn,
+            config.mode, o.strategy, o.chunk, o.levels, need[0],
+        )  # fmt: skip
+        return (
+            dx if need[0] else None,
+            dh0,
+            dc0 if c0 is not None else None,
+            None,
+            None,
+            None,
+            *dw[: len(weights)],
+        )
+
+
+class _Layer(_CompiledLayer):
+    """``_CompiledLayer`` with forward-mode differentiation: the tangent is a scan too."""
+
+    @staticmethod
+    def jvp(ctx: Any, dx: Tensor | None, dh0: Tensor | None, dc0: Tensor | None, *rest: Any) -> tuple:
+        x, h0, c0, lengths, out, *weights = ctx.saved_tensors
+        config: LayerConfig = ctx.config
+        dweights = (*rest[3:], None, None)[:4]
+        o = config.options
+        d_out, d_h, d_c = torch.ops.bppsa.layer_tangent(
+            x, h0, c0, *(*weights, None, None)[:4], lengths, out, dx, dh0, dc0, *dweights,
+            config.mode, o.strategy, o.chunk, o.levels,
+        )  # fmt: skip
+        return d_out, d_h, (d_c if c0 is not None else None), None
+
+
+def layer(
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    config: LayerConfig,
+    lengths: Tensor | None = None,
+    guess: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """One layer in one direction, differentiable by BPPSA: x (T, B, I) time-major, h0 and c0 (an
+    LSTM's, else None) (B, H), ``weights`` PyTorch's (w_ih, w_hh[, b_ih, b_hh]), ``lengths`` (B,)
+    sorted longest first or None, ``guess`` a Newton solver's first iterate of the outputs (T, B, H)
+    or None. Returns the outputs (T, B, H), the last h, the last c (or None) and what the forward
+    took (``newton.SolveStats.as_tensor``).
+    """
+    # torch.compile traces autograd.Functions, but not their jvp: compiled graphs get the same
+    # function without it (forward-mode differentiation of a compiled graph is not supported anyway).
+    function = _CompiledLayer if torch.compiler.is_compiling() else _Layer
+    out, h, c, stats = function.apply(x, h0, c0, lengths, guess, config, *weights)
+    return out, h, (c if c0 is not None else None), stats
