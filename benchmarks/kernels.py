@@ -41,19 +41,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from benchmarks.common import positive_int
-from bppsa_core.triton import (
-    GRU,
-    MODE_NAMES,
-    RELU,
-    SCALES,
-    SCALES_T,
-    TANH,
-    Launch,
-    chunk_scan,
-    launch_config,
-    lstm_launch_config,
-    padded,
-)
+from bppsa_core.triton import chunk_scan
+from bppsa_core.triton.launch import Launch, padded
+from bppsa_core.triton.lstm import lstm_launch_config
 from toolbox.cli import OneLineParser, cpu_cores
 from toolbox.errors import SuiteError
 from toolbox.files import output_file, write_atomic
@@ -145,20 +135,18 @@ def launch_configs() -> list[KernelConfig]:
     """
     from bppsa_core.dispatch import MAX_HIDDEN, MAX_LSTM_HIDDEN
 
-    scans = [(SCALES.value, k, diag, False) for k in (1, 2, 3) for diag in (False, True)]
-    scans += [
-        (SCALES_T.value, 1, False, False),
-        (SCALES_T.value, 1, True, False),
-        (SCALES_T.value, 3, True, False),
-    ]
-    scans += [(TANH.value, 1, False, True), (RELU.value, 1, False, True), (GRU.value, 3, True, True)]
+    cs = chunk_scan
+    scans = [(cs.SCALES.value, k, diag, False) for k in (1, 2, 3) for diag in (False, True)]
+    scans += [(cs.SCALES_T.value, 1, False, False), (cs.SCALES_T.value, 1, True, False)]
+    scans += [(cs.SCALES_T.value, 3, True, False), (cs.TANH.value, 1, False, True)]
+    scans += [(cs.RELU.value, 1, False, True), (cs.GRU.value, 3, True, True)]
     found: list[KernelConfig] = []
     for hidden in h_variants(MAX_HIDDEN):
         for mode, terms, diag, fused in scans:
             for affine in (False, True):
-                launches = launch_config(mode, terms, diag, affine, int(fused), fused, padded(hidden[0]))
+                launches = cs.launch_config(mode, terms, diag, affine, int(fused), fused, padded(hidden[0]))
                 found += [
-                    KernelConfig(role, MODE_NAMES[mode], terms, diag, affine, fused, hidden, launch)
+                    KernelConfig(role, cs.MODE_NAMES[mode], terms, diag, affine, fused, hidden, launch)
                     for role, launch in launches.items()
                 ]
     for hidden in h_variants(MAX_LSTM_HIDDEN):

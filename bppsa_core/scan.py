@@ -200,30 +200,8 @@ def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | N
     """The chunked scan in Triton kernels (``bppsa_core.triton``)."""
     from bppsa_core import triton as triton_kernels
 
-    if isinstance(chain, LSTMChain):
-        batch = x_last.shape[0]
-        tensors = [t.expand(chain.length, batch, *t.shape[2:]) for t in (chain.scales_h, chain.scales_c)]
-        diagonals = [
-            None if t is None else t.expand(chain.length, batch, -1)
-            for t in (chain.diag_hc, chain.diag_cc, chain.diag_hh)
-        ]
-        return triton_kernels.lstm_scan(
-            *tensors,
-            chain.weights,
-            *diagonals,
-            x_last,
-            offsets,
-            chunk or dispatch.default_chunk(chain.length),
-        )
-    return triton_kernels.factored_scan(
-        chain.scales,
-        chain.weights,
-        x_last,
-        offsets,
-        chunk or dispatch.default_chunk(chain.length),
-        chain.diagonal,
-        chain.transposed,
-    )
+    run = triton_kernels.lstm_scan if isinstance(chain, LSTMChain) else triton_kernels.factored_scan
+    return run(chain, x_last, offsets, chunk or dispatch.default_chunk(chain.length))
 
 
 # Captured scans: (shapes, dtypes, options) -> (graph, static inputs, static output). Bounded: a

@@ -442,46 +442,30 @@ def _launch(
 # ------------------------------------------------------------------------------ entry points and refs
 
 
-def factored_scan(
-    scales: Tensor,
-    weights: Tensor,
-    x_last: Tensor,
-    offsets: Tensor | None,
-    chunk: int,
-    diagonal: Tensor | None = None,
-    transposed: bool = False,
-) -> Tensor:
-    """The chunked scan of ``x_k = sum_j (x_{k+1} * s_kj) @ W_j + x_{k+1} * e_k + b_k``, or with
-    ``transposed`` of ``x_k = sum_j (x_{k+1} @ W_j^T) * s_kj + x_{k+1} * e_k + b_k``.
+def factored_scan(chain: FactoredChain, x_last: Tensor, offsets: Tensor | None, chunk: int) -> Tensor:
+    """The chunked scan of ``x_k = sum_j (x_{k+1} * s_kj) @ W_j + x_{k+1} * e_k + b_k``, or for a
+    transposed chain of ``x_k = sum_j (x_{k+1} @ W_j^T) * s_kj + x_{k+1} * e_k + b_k``.
 
-    scales (n, B or 1, K, H), weights (K, H, H), diagonal (n, B or 1, H) or None, x_last (B, H),
-    offsets (n, B, H) or None. Returns x_0..x_n as (n + 1, B, H).
+    ``chain``: scales (n, B or 1, K, H), weights (K, H, H), diagonal (n, B or 1, H) or None; x_last
+    (B, H), offsets (n, B, H) or None. Returns x_0..x_n as (n + 1, B, H).
     """
-    n, h = scales.shape[0], scales.shape[-1]
+    n, h = chain.length, chain.hidden
     batch = x_last.shape[0]
-    s = scales.contiguous()
+    s = chain.scales.contiguous()
+    diagonal = chain.diagonal
     sources = (s,) if diagonal is None else (s, diagonal.expand(n, batch, h).contiguous())
     out = x_last.new_empty((n + 1, batch, h))
     rows = (s.stride(0) // h, s.stride(1) // h if s.shape[1] == batch else 0)
-    mode = SCALES_T if transposed else SCALES
+    mode = SCALES_T if chain.transposed else SCALES
     _launch(
-        sources, weights, x_last, offsets, chunk, out,
+        sources, chain.weights, x_last, offsets, chunk, out,
         mode=mode, shift=0, has_diag=diagonal is not None, strides=rows,
     )  # fmt: skip
     return out
 
 
-def factored_scan_ref(
-    scales: Tensor,
-    weights: Tensor,
-    x_last: Tensor,
-    offsets: Tensor | None,
-    chunk: int,
-    diagonal: Tensor | None = None,
-    transposed: bool = False,
-) -> Tensor:
-    """``factored_scan`` in plain PyTorch: ``bppsa_core.scan.chunked_scan`` over the same chain."""
-    chain = FactoredChain(scales, weights, diagonal, transposed=transposed)
+def factored_scan_ref(chain: FactoredChain, x_last: Tensor, offsets: Tensor | None, chunk: int) -> Tensor:
+    """``factored_scan`` in plain PyTorch: ``bppsa_core.scan.chunked_scan``, the chunked twin."""
     return chunked_scan(chain, x_last, offsets, chunk=chunk)
 
 

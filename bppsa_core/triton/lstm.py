@@ -119,12 +119,9 @@ def _lstm_walk_step(
 
 @triton.jit(do_not_specialize=BY_DATA)
 def _lstm_reduce(
-    # pointers: the element's sources, the weights and offsets read; the chunk aggregates written
-    src_ptrs, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr,
-    # sizes: batch, hidden, chunk
-    B, H, C,
-    # meta-parameters
-    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
+    src_ptrs, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr,  # pointers: read, then the aggregates written
+    B, H, C,  # sizes: batch, hidden, chunk
+    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,  # meta-parameters
 ):  # fmt: skip
     """Chunk q (1..P-2) of sample b folded into one (2H x 2H) aggregate and its offset."""
     q = tl.program_id(0) + 1
@@ -158,15 +155,13 @@ def _lstm_reduce(
 
 @triton.jit(do_not_specialize=BY_DATA)
 def _lstm_spine(
-    # pointers: the element's sources, the weights, offsets, aggregates and x_n read; x written
+    # pointers: the sources, weights, offsets, aggregates and x_n read; x and the entry vectors written
     src_ptrs, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr, x_last_ptr, out_ptr, entry_ptr,
-    # sizes: batch, hidden, chain length, remainder chunk, aggregate count
-    B, H, N, REM, NAGG,
-    # meta-parameters
-    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
+    B, H, N, REM, NAGG,  # sizes: batch, hidden, chain length, remainder chunk, aggregate count
+    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,  # meta-parameters
 ):  # fmt: skip
-    """Sample b's remainder chunk walked from x_n, then the chunk aggregates scanned: every chunk's
-    entry vector into ``entry``."""
+    """``_spine`` of the factored chain over (h, c): sample b's remainder chunk walked from x_n, then
+    the chunk aggregates scanned into ``entry``."""
     b = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, HP)
     vec = r < H
@@ -205,14 +200,12 @@ def _lstm_spine(
 
 @triton.jit(do_not_specialize=BY_DATA)
 def _lstm_expand(
-    # pointers: the element's sources, the weights, offsets and entry vectors read; x written
-    src_ptrs, w_ptr, offsets_ptr, entry_ptr, out_ptr,
-    # sizes: batch, hidden, chunk
-    B, H, C,
-    # meta-parameters
-    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,
+    src_ptrs, w_ptr, offsets_ptr, entry_ptr, out_ptr,  # pointers: read, then x written
+    B, H, C,  # sizes: batch, hidden, chunk
+    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,  # meta-parameters
 ):  # fmt: skip
-    """Chunk q (0..P-2) of sample b walked from its entry vector."""
+    """Chunk q (0..P-2) of sample b walked from its entry vector, every x_k of the chunk written
+    (the entry vectors come from ``_lstm_spine``)."""
     q = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     r = tl.arange(0, HP)
@@ -251,54 +244,33 @@ def lstm_launch_config(has_hh: bool, has_b: bool, hp: int) -> dict[str, Launch]:
 # ------------------------------------------------------------------------------ entry point and ref
 
 
-def lstm_scan(
-    scales_h: Tensor,
-    scales_c: Tensor,
-    weights: Tensor,
-    diag_hc: Tensor,
-    diag_cc: Tensor,
-    diag_hh: Tensor | None,
-    x_last: Tensor,
-    offsets: Tensor | None,
-    chunk: int,
-) -> Tensor:
-    """The chunked scan of an LSTM chain (``LSTMChain``'s tensors, one per sample: B, not 1).
+def lstm_scan(chain: LSTMChain, x_last: Tensor, offsets: Tensor | None, chunk: int) -> Tensor:
+    """The chunked scan of an LSTM chain (not transposed).
 
-    scales_h, scales_c (n, B, 4, H), weights (4, H, H), the diagonals (n, B, H), x_last (B, 2H),
-    offsets (n, B, 2H) or None. Returns x_0..x_n as (n + 1, B, 2H).
+    ``chain``: scales_h, scales_c (n, B or 1, 4, H), weights (4, H, H), the diagonals (n, B or 1, H);
+    x_last (B, 2H), offsets (n, B, 2H) or None. Returns x_0..x_n as (n + 1, B, 2H).
     """
-    n, batch, _, h = scales_h.shape
+    n, h, batch = chain.length, chain.weights.shape[-1], x_last.shape[0]  # H: chain.hidden is 2H
     p = math.ceil(n / chunk)
     out = x_last.new_empty((n + 1, batch, 2 * h))
     hp = padded(h)
     agg = x_last.new_empty((max(p - 2, 1), batch, 2 * hp, 2 * hp))  # padded: see ``_lstm_reduce``
     agg_offsets = x_last.new_empty((max(p - 2, 1), batch, 2 * hp))
     entry = x_last.new_empty((max(p - 1, 1), batch, 2 * h))
-    tensors = (scales_h, scales_c, diag_hc, diag_cc) + (() if diag_hh is None else (diag_hh,))
-    sources = tuple(t.contiguous() for t in tensors)
+    tensors = [chain.scales_h, chain.scales_c, chain.diag_hc, chain.diag_cc, chain.diag_hh]
+    sources = tuple(t.expand(n, batch, *t.shape[2:]).contiguous() for t in tensors if t is not None)
     common = {
         "src_ptrs": sources,
-        "w_ptr": weights.contiguous(),
+        "w_ptr": chain.weights.contiguous(),
         "offsets_ptr": sources[0] if offsets is None else offsets.contiguous(),  # not read without offsets
         "B": batch,
         "H": h,
     }
-    kernels = lstm_launch_config(diag_hh is not None, offsets is not None, hp)
+    kernels = lstm_launch_config(chain.diag_hh is not None, offsets is not None, hp)
     three_launches(kernels, common, {"out_ptr": out}, x_last, n, chunk, agg, agg_offsets, entry)
     return out
 
 
-def lstm_scan_ref(
-    scales_h: Tensor,
-    scales_c: Tensor,
-    weights: Tensor,
-    diag_hc: Tensor,
-    diag_cc: Tensor,
-    diag_hh: Tensor | None,
-    x_last: Tensor,
-    offsets: Tensor | None,
-    chunk: int,
-) -> Tensor:
-    """``lstm_scan`` in plain PyTorch: ``bppsa_core.scan.chunked_scan`` over the same ``LSTMChain``."""
-    chain = LSTMChain(scales_h, scales_c, weights, diag_hc, diag_cc, diag_hh)
+def lstm_scan_ref(chain: LSTMChain, x_last: Tensor, offsets: Tensor | None, chunk: int) -> Tensor:
+    """``lstm_scan`` in plain PyTorch: ``bppsa_core.scan.chunked_scan``, the chunked twin."""
     return chunked_scan(chain, x_last, offsets, chunk=chunk)

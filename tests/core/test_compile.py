@@ -154,6 +154,7 @@ def test_every_configuration_compiles_for_both_archs_without_spills(tmp_path) ->
 BOUNDS_CHECK = r"""
 import json, torch, triton
 from bppsa_core import triton as ts
+from bppsa_core.chain import FactoredChain, LSTMChain
 from benchmarks import kernels as K
 
 def calls(n, b, chunk):
@@ -161,12 +162,12 @@ def calls(n, b, chunk):
     r = lambda *s: torch.rand(*s, generator=g)
     return {
         "scales K=3 H=20": lambda: ts.factored_scan(
-            r(n, 1, 3, 20), r(3, 20, 20), r(b, 20), r(n, b, 20), chunk, r(n, 1, 20)),
+            FactoredChain(r(n, 1, 3, 20), r(3, 20, 20), r(n, 1, 20)), r(b, 20), r(n, b, 20), chunk),
         "tanh H=64": lambda: ts.rnn_layer_backward(r(n, b, 64), r(64, 64), r(b, 64), None, "tanh", chunk),
         "gru H=1": lambda: ts.gru_layer_backward(
             r(n, b, 3), r(n, b, 3), r(n, b, 1), r(3, 1), r(b, 1), r(n, b, 1), chunk),
         "lstm H=32": lambda: ts.lstm_scan(
-            r(n, b, 4, 32), r(n, b, 4, 32), r(4, 32, 32), r(n, b, 32), r(n, b, 32), None, r(b, 64), None,
+            LSTMChain(r(n, b, 4, 32), r(n, b, 4, 32), r(4, 32, 32), r(n, b, 32), r(n, b, 32)), r(b, 64), None,
             chunk),
     }
 
