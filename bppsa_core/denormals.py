@@ -3,7 +3,7 @@
 A long chain of Jacobians whose norms are below 1 multiplies down into the subnormal range
 (below 2^-126 in float32), where a CPU's arithmetic takes a microcode assist per operation, one to
 two orders of magnitude slower. The chunked scan's aggregates reach it first, after a few hundred
-steps, and a backward at T = 100,000 then runs about 9 times slower than it should.
+steps, and a long backward then runs several times slower than it should.
 ``flush_denormals()`` turns on the CPU's flush-to-zero and denormals-are-zero modes (x86 MXCSR
 FTZ and DAZ; AArch64 FPCR FZ) for the duration of a ``with`` block, in the calling thread and in
 every worker thread of PyTorch's OpenMP pool (where its GEMMs run), and afterwards puts the calling

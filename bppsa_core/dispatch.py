@@ -41,9 +41,9 @@ MAX_LSTM_HIDDEN = MAX_HIDDEN // 2
 
 # Below this many elements, a chunked scan has too few chunks to pay for its extra matrix work.
 _MIN_PARALLEL_LENGTH = 16
-# Multiply-adds a 2-core CPU does in large GEMMs in the time one small tensor op costs in overhead
-# (measured: ~5 us per op, ~70 GFLOP/s). Sets where the scan's O(H) extra work stops paying for its
-# shorter dependency chain.
+# Multiply-adds a CPU does in large GEMMs in the time one small tensor op costs in overhead: where the
+# scan's O(H) extra work stops paying for its shorter dependency chain (re-measured by
+# ``python -m benchmarks.backward --tables scan``).
 _CPU_FLOPS_PER_OP = 2.0e5
 # Bytes a chunked scan's reduce step may work on (one element per chunk, scaled copy included)
 # before it takes fewer chunks: about what stays in a server CPU's cache.
@@ -84,7 +84,7 @@ def default_chunk(n: int, element_bytes: int = 0) -> int:
     op count is ~2·C + n/C: minimal near C = sqrt(n / 2). Each reduce step also works on one
     element per chunk (``element_bytes`` each, with its GEMM's scaled copy: B·K·H²·itemsize); when
     those would pass ``_CHUNK_WORKING_SET``, fewer, longer chunks keep a step's working set in the
-    CPU's cache (measured: a GRU chain at T = 300,000 ran 1.6 times slower per step without this).
+    CPU's cache (re-measured by ``python -m benchmarks.backward --suite long --model gru``).
     """
     c = max(1, round(math.sqrt(n / 2)))
     if element_bytes:

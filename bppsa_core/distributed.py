@@ -104,28 +104,21 @@ from bppsa_core.scan import fold
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
-# The backward's sample groups on more than one rank. The pipeline's fill is 1/m of a slice's
-# backward; each group adds an all-gather and its own calls. On two one-thread CPU ranks (B = 16,
-# H = 20, T = 100,000, outputs batch-major) 16 groups of one sample are fastest: the backward 1.47-1.53
-# times faster than one rank's in the same processes (RNN, three runs), 1.67 times (GRU); 8 groups of
-# two (each block copied side by side) 1.13-1.45 and 1.48, and 8 groups out of time-major outputs
-# 1.39-1.42 and 1.50 (docs/PERFORMANCE.md, runs 58-61). A GPU
-# rank's group may cost nearly what the whole batch does (a launch per product, whatever the
-# samples): there, measure (``benchmarks.distributed --device cuda --micro-batches``, or the
-# ``ranks`` step of ``benchmarks.gpu_check`` on two GPUs or more, which runs 1 to 16 groups).
+# The backward's sample groups on more than one rank: the pipeline's fill is 1/m of a slice's backward,
+# and each group adds an all-gather and its own calls; on CPU ranks groups of one sample pay best. A GPU
+# rank's group may cost nearly what the whole batch does (a launch per product, whatever the samples).
+# Re-measured by ``python -m benchmarks.distributed --micro-batches M`` (``--device cuda`` on GPUs, or
+# the ``ranks`` step of ``benchmarks.gpu_check`` on two GPUs or more, which runs 1 to 16 groups).
 MICRO_BATCHES = 16
-# Samples a middle rank folds at once on a CPU (``slice_fold``). On one CPU thread (H = 20,
-# T = 100,000, B = 16) the RNN's fold takes 0.40, 0.36, 0.34 and 0.49 µs per step and sample folding
-# 1, 2, 4 and 16 samples at once, the GRU's 1.86, 1.92, 1.94 and 2.16: beyond a few samples its
-# products leave the cache. On a GPU each product is a kernel launch, whatever the samples, so the
-# batch is folded whole there.
+# Samples a middle rank folds at once on a CPU (``slice_fold``): a few keep a fold's products in the
+# cache, more leave it (re-measured by the ``fold`` column of ``python -m benchmarks.distributed``). On
+# a GPU each product is a kernel launch, whatever the samples, so the batch is folded whole there.
 FOLD_SAMPLES = 2
 # Bytes of temporaries a CPU rank's walk may use per block of time steps where the group has several
 # ranks (``jacobians.block_budget``): half of one process's. Ranks started on one machine share its
-# last-level cache, and the blocks' scratch is a larger part of a rank's peak than of one process's.
-# On two one-thread CPU ranks (B = 16, H = 20, T = 100,000) a rank's peak fell from 72 to 69 MiB
-# (RNN) and from 78 to 74 MiB (GRU), while the backward took 0.92-1.08 times as long as with 8 MiB
-# (RNN, five runs; the GRU's 0.94 and 1.02): no gain or loss of time that the runs can tell apart.
+# last-level cache, and the blocks' scratch is a larger part of a rank's peak than of one process's; the
+# smaller blocks lower a rank's peak a little at no measurable cost in time (re-measured by
+# ``python -m benchmarks.distributed --ranks 2``).
 RANK_BLOCK_BYTES = 4 << 20
 
 

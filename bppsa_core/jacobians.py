@@ -52,9 +52,8 @@ from bppsa_core.scan import elementwise_recurrence
 # scope overrides. On a CPU, GRUCell.factors and layer_grads work block by block so that the
 # temporaries stay in the cache. On a GPU no cache is at stake and a block costs its launches, a
 # handful whatever its size (the fused kernels have made every step's gradient before the first
-# block): 8 MiB blocks cut a one-GPU RNN backward (B = 16, H = 20, T = 100,000) into 78 blocks of about
-# six launches, 468 of its 479 launches, in front of 7.5 ms of GPU work (docs/PERFORMANCE.md); blocks
-# of 256 MiB take it in 3.
+# block), so its blocks are large: small ones would put most of a long backward's launches in front of
+# its GPU work (re-measured by ``python -m benchmarks.backward --device cuda --suite long --block-mib N``).
 BLOCK_BYTES = {"cpu": 8 << 20, "gpu": 256 << 20}
 
 # this thread's scopes: ``kept``, the buffers of its ``reusing_buffers`` scope by name; ``block_bytes``,
@@ -100,9 +99,10 @@ def reusing_buffers() -> Iterator[None]:
     Why: a block's scratch is a few MB, and glibc hands such blocks back to the system when they are
     freed (it unmaps them, or trims the heap's top), so every block's scratch arrives as fresh pages
     that fault in on first touch, a few thousand per call. Where a sequence-parallel rank walks its
-    slice in several groups of samples, those faults cost it about a sixth of its backward on a CPU
-    (docs/PERFORMANCE.md). A scope inside a scope is the same scope; the buffers are freed when the
-    outermost one ends. Walks in one scope must run one after another: they share the buffers."""
+    slice in several groups of samples, those faults cost it a good part of its backward on a CPU
+    (re-measured by ``python -m benchmarks.distributed --ranks 2``). A scope inside a scope is the
+    same scope; the buffers are freed when the outermost one ends. Walks in one scope must run one
+    after another: they share the buffers."""
     if getattr(_scope, "kept", None) is not None:
         yield
         return
@@ -140,9 +140,8 @@ class LayerWeights:
 def _affine(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """x @ w^T + b over all leading dimensions at once, as one GEMM. A strided x (a group of samples
     viewed out of the batch, as a sequence-parallel rank walks it) is copied first: given weights
-    that need no gradient, PyTorch 2.13 runs it as one small product per step instead (16 times
-    slower for a GRU's two-sample group of 3,745 steps, and rounded differently from the group's
-    copy)."""
+    that need no gradient, PyTorch 2.13 runs it as one small product per step instead (much slower,
+    and rounded differently from the group's copy)."""
     return torch.nn.functional.linear(x.contiguous(), w, b)
 
 
@@ -520,8 +519,8 @@ class PreviousStates:
     ``reusing_buffers``, the scope's: the next group's walk takes it over), of which the block's
     previous states (``self[lo:hi]``) and outputs (``outputs(lo, hi)``) are both views, valid until
     the next block is taken. The block's work then reads memory in order, and a rank holds one
-    block's copy instead of its group's whole slice (8 MB per rank in docs/PERFORMANCE.md's
-    two-rank benchmark, for 3-6 % more backward time)."""
+    block's copy instead of its group's whole slice, for a little more backward time (re-measured by
+    ``python -m benchmarks.distributed --ranks 2``)."""
 
     def __init__(self, h0: Tensor, h: Tensor) -> None:
         self.h0, self.h = h0, h

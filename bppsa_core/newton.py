@@ -24,7 +24,8 @@ overflows to inf and NaN: plain DEER diverges there. So a correction that is not
 dropped, and every iterate is projected onto the box the cell's states provably lie in
 (``Cell.bounds``: tanh's [-1, 1], a GRU's convex combinations, an LSTM's |c_t| <= |c_0| + t). Both
 are inactive at the solution, so the fixed point and the first-k-exact property are unchanged, and
-a trained model's solve converges where the plain one stops at NaN (docs/PERFORMANCE.md).
+a trained model's solve converges where the plain one stops at NaN (re-measured by
+``python -m benchmarks.forward --weights trained``).
 
 Iterations stop when the error estimate of the last change, ``max |h_new - h|``, is at most
 ``tol * max(1, max |h|)``: the change itself for Newton (quadratic: the error left is far smaller),

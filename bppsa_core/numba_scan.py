@@ -57,7 +57,8 @@ def _vec_step(y, s, e, w, n_terms, has_diag, out, tiny):
     """out = y @ M for one element given as its factors (the j loop innermost: it vectorizes), with
     results below ``tiny`` in magnitude flushed to 0 (module docstring). The rows of M are taken four
     at a time and their products summed in pairs, so each out[j] waits on a chain of H / 4 additions
-    instead of H: a walk at H = 20 runs 1.5 times faster (docs/PERFORMANCE.md)."""
+    instead of H, which makes a walk faster (re-measured by
+    ``python -m benchmarks.backward --strategies numba chunked``)."""
     hid = y.shape[0]
     for j in range(hid):
         out[j] = y[j] * e[j] if has_diag else 0.0
