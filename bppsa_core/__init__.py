@@ -2,6 +2,7 @@
 
 ``bppsa_core.nn``: drop-in ``RNN`` / ``GRU`` / ``LSTM`` modules with a scan-based backward (re-exported here).
 ``bppsa_core.layer``: one layer in one direction: PyTorch's forward, the BPPSA backward and tangent.
+``bppsa_core.ops``: a layer call as ``torch.library`` operators, differentiable (``autograd.Function``).
 ``bppsa_core.scan``: the scans (sequential reference twin, Blelloch, chunked; on a GPU Triton kernels
 (``bppsa_core.triton``) and a CUDA-graph capture).
 ``bppsa_core.chain``: dense and factored chains of Jacobian elements, as the scans consume them.

@@ -30,6 +30,7 @@ def test_pip_install_gives_the_library_and_the_readme_example_runs_outside_the_t
     install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
     subprocess.run([*install, "--target", str(target), str(source)], check=True, capture_output=True)
     assert (target / "bppsa_core" / "scan.py").is_file()
+    assert (target / "bppsa_core" / "triton" / "chunk_scan.py").is_file()  # the subpackage too
     assert not any((target / name).exists() for name in ("experiments", "datasets", "analysis", "tests"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)}
 
