@@ -5,7 +5,7 @@ back with cuobjdump (``benchmarks.kernels``).
 The compiles run in a child process without ``TRITON_INTERPRET`` (conftest sets it for this process
 when there is no GPU, and the kernels are then loaded for the interpreter, which cannot compile). The
 default run compiles every configuration at H = 1, 20, 32 and 64 (``kernels.listed``: each mode,
-affine or not, fused or not, warps as launched) for both archs; the ``slow`` test compiles every
+affine or not, fused or not, warps as launched) for both archs; the ``extended`` test compiles every
 configuration (every H from 1 to 64).
 
 Spills: no compile may use local memory or a stack frame. Three of the launches' compile settings
@@ -136,7 +136,7 @@ def test_the_estimate_is_the_loops_instructions_times_their_iterations(listed_ro
             assert kernels.loop_estimate(shortest, [2 * r["chunk"]], warps) == 2 * r["estimate"]
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_every_configuration_compiles_for_both_archs_without_spills(tmp_path) -> None:
     """As the default run, over every configuration (about 4 to 8 minutes on 2 cores)."""
     rows = compile_rows(tmp_path, "all")

@@ -1,4 +1,4 @@
-"""Fault injection (``-m slow``): kills at random moments, concurrent writers, a full disk, damaged
+"""Fault injection (``-m extended``): kills at random moments, concurrent writers, a full disk, damaged
 caches. Whatever happens, finished results stay whole and a resumed run ends where an
 uninterrupted one does."""
 
@@ -20,7 +20,7 @@ from helpers import ROOT, run_py, write_tree
 from datasets.irmas import extract
 from experiments import records
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.extended
 
 RUN = ["dataset.seq_len=40", "dataset.num_samples=480", "trainer.epochs=5", "logger=csv"]
 MEASURED = [

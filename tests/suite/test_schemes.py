@@ -631,7 +631,7 @@ def test_bytes_sent_do_not_depend_on_the_interconnects_speed(kind: str) -> None:
     assert len(set(sent.values())) == 1 and next(iter(sent.values())) > 0
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_the_schemes_page_redraws_to_its_committed_tables(tmp_path: Path) -> None:
     """docs/schemes/run.sh, run on a copy of its folder without its outputs, writes every table
     (csv, md) of docs/SCHEMES.md byte for byte as committed (the model is deterministic) and every
