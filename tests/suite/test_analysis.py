@@ -67,15 +67,15 @@ def write_sweep(folder: Path, table: list[dict], merged: bool = True) -> Path:
 def t_sweep() -> list[dict]:
     table = []
     for t in (10, 100, 1000):
-        table += rows("bptt", t, 16, "GPU-A", epoch_s=0.002 * t, bwd_iter=1e-4 * t)
-        table += rows("bppsa", t, 16, "GPU-A", epoch_s=0.001 * t, bwd_iter=1e-5 * t)
+        table += rows("bptt", t, 16, "H100", epoch_s=0.002 * t, bwd_iter=1e-4 * t)
+        table += rows("bppsa", t, 16, "H100", epoch_s=0.001 * t, bwd_iter=1e-5 * t)
     return table
 
 
 def test_speedups_are_ratios_of_medians_per_configuration_and_device() -> None:
-    data = load_results_from(t_sweep() + rows("bptt", 10, 16, "GPU-B", 1.0, 1.0))  # GPU-B has no BPPSA run
+    data = load_results_from(t_sweep() + rows("bptt", 10, 16, "A100", 1.0, 1.0))  # A100 has no BPPSA run
     table = speedups(data).sort_values("seq_len")
-    assert table["device_name"].unique().tolist() == ["GPU-A"]
+    assert table["device_name"].unique().tolist() == ["H100"]
     assert table["seq_len"].tolist() == [10, 100, 1000]
     assert table["overall_speedup"].round(6).tolist() == [2.0, 2.0, 2.0]
     assert table["backward_speedup"].round(6).tolist() == [10.0, 10.0, 10.0]
@@ -87,7 +87,7 @@ def test_speedups_are_ratios_of_medians_per_configuration_and_device() -> None:
 def test_names_and_hashes_are_read_as_text(tmp_path: Path) -> None:
     table = [
         {**r, "config_hash": "50804039871846e7", "comparison_key": "00012345"}
-        for r in rows("bptt", 10, 16, "GPU-A", 1.0, 1e-3) + rows("bppsa", 10, 16, "GPU-A", 1.0, 1e-4)
+        for r in rows("bptt", 10, 16, "H100", 1.0, 1e-3) + rows("bppsa", 10, 16, "H100", 1.0, 1e-4)
     ]
     data = load_results_from(table, tmp_path)
     assert set(data["config_hash"]) == {"50804039871846e7"} and set(data["comparison_key"]) == {"00012345"}
@@ -95,8 +95,8 @@ def test_names_and_hashes_are_read_as_text(tmp_path: Path) -> None:
 
 
 def test_the_bootstrap_interval_is_seeded(monkeypatch) -> None:
-    table = rows("bptt", 10, 16, "GPU-A", 1.0, 1e-3, epochs=20) + rows(
-        "bppsa", 10, 16, "GPU-A", 1.0, 1e-4, epochs=20
+    table = rows("bptt", 10, 16, "H100", 1.0, 1e-3, epochs=20) + rows(
+        "bppsa", 10, 16, "H100", 1.0, 1e-4, epochs=20
     )
     for i, row in enumerate(table):  # twenty distinct times a side, so that draws differ
         row["backward_s"] *= 1 + 0.013 * (i % 20)
@@ -113,7 +113,7 @@ def test_runs_that_differ_in_any_configuration_key_are_compared_apart() -> None:
     """Two depths, two learning rates, two BPPSA strategies: one speedup row each, never pooled."""
     table = []
     for key, lr in (("k-lr-a", 1e-3), ("k-lr-b", 1e-2)):
-        for r in rows("bptt", 100, 16, "GPU-A", 2.0, 1e-2) + rows("bppsa", 100, 16, "GPU-A", 1.0, 1e-3):
+        for r in rows("bptt", 100, 16, "H100", 2.0, 1e-2) + rows("bppsa", 100, 16, "H100", 1.0, 1e-3):
             table.append(
                 {
                     **r,
@@ -125,7 +125,7 @@ def test_runs_that_differ_in_any_configuration_key_are_compared_apart() -> None:
             )
     table += [
         {**r, "comparison_key": "k-lr-a", "lr": 1e-3, "strategy": "blelloch", "run": "blelloch"}
-        for r in rows("bppsa", 100, 16, "GPU-A", 4.0, 4e-3)
+        for r in rows("bppsa", 100, 16, "H100", 4.0, 4e-3)
     ]
     data = load_results_from(table)
     found = speedups(data)
@@ -348,7 +348,7 @@ def test_gru_figures_split_by_feature_setting(tmp_path: Path) -> None:
     for frames, t in (("s", 259), ("m", 517), ("l", 1034)):
         for batch in (16, 32):
             for mode, bwd in (("bptt", 0.02), ("bppsa", 0.01)):
-                for r in rows(mode, t, batch, "GPU-A", 1.0, bwd):
+                for r in rows(mode, t, batch, "H100", 1.0, bwd):
                     table.append(
                         {
                             **r,
@@ -395,11 +395,11 @@ def tick_labels(axis) -> list[str]:
 def test_figure_8_says_what_each_panel_holds_fixed_and_reads_plainly() -> None:
     table = t_sweep()
     for b in (4, 8, 32):  # a batch sweep at T = 100 beside the T sweep at B = 16
-        table += rows("bptt", 100, b, "GPU-A", 0.2, 1e-2) + rows("bppsa", 100, b, "GPU-A", 0.1, 1e-3)
+        table += rows("bptt", 100, b, "H100", 0.2, 1e-2) + rows("bppsa", 100, b, "H100", 0.1, 1e-3)
     fig = figures.fig8(load_results_from(table))
     a, b, c, d, e, f = fig.axes[:6]
     assert "(B = 16)" in a.get_title(loc="left") and "(T = 100)" in b.get_title(loc="left")
-    assert e.get_title(loc="left").endswith("(B = 16, GPU-A)") and "GPU-A" not in e.get_ylabel()
+    assert e.get_title(loc="left").endswith("(B = 16, H100)") and "H100" not in e.get_ylabel()
     for ax in (a, b, c, d, e, f):
         for axis in (ax.xaxis, ax.yaxis):
             labels = tick_labels(axis)
