@@ -385,12 +385,10 @@ def launch_config(
     # below HP = 64 or with offsets, where the unpipelined compile spills; the GRU's reduce at HP = 64
     # and its expand at HP = 16, both without offsets, get a register cap that keeps ptxas from spilling.
     unpipelined = not gru or (hp == 64 and not has_b)
-    reduce = Launch(
-        _reduce, chain, warps, 1 if unpipelined else None, 128 if gru and unpipelined else None, sources
-    )
+    stages, reduce_cap = (1, 128 if gru else None) if unpipelined else (None, None)
     expand_cap = 64 if gru and hp == 16 and not has_b else None
     return {
-        "reduce": reduce,
+        "reduce": Launch(_reduce, chain, warps, num_stages=stages, maxnreg=reduce_cap, sources=sources),
         "spine": Launch(_spine, walks, warps, sources=sources),
         "expand": Launch(_expand, walks, warps, maxnreg=expand_cap, sources=sources),
     }
