@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks import memory
@@ -110,3 +112,14 @@ def markdown_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
         else:
             i += 1
     return tables
+
+
+def extended_except(values: Iterable, *keep, first: int = 0) -> list:
+    """``values`` for ``pytest.mark.parametrize``, all but ``keep`` and the ``first`` few marked
+    ``extended``: the default run takes a few cases of a wide test, ``.ci/run`` all of them."""
+    return [
+        v
+        if v in keep or i < first
+        else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.extended)
+        for i, v in enumerate(values)
+    ]

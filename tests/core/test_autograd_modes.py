@@ -185,6 +185,7 @@ class _Classifier(torch.nn.Module):
         return self.head(self.rnn(x)[0][-1])
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     ("kind", "fullgraph", "backend"),
     [("gru", False, "aot_eager"), ("lstm", True, "aot_eager"), ("gru", True, "inductor")],

@@ -98,6 +98,7 @@ def check_rows(rows: list[dict]) -> None:
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.extended
 def test_every_kernel_mode_and_listed_h_compiles_for_both_archs_without_spills(listed_rows) -> None:
     rows = listed_rows
     for arch in ARCHS:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import extended_except
 from torch import nn
 
 from bppsa_core import GRU, LSTM, RNN
@@ -149,7 +150,7 @@ def _exact(rank: int, size: int) -> None:
                     )
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("size", extended_except([1, 2, 3, 4], 2))
 def test_gradients_equal_single_process_autograd(size: int) -> None:
     _ranks(size, _exact)
 
@@ -219,6 +220,7 @@ def _folds_in_the_forward(rank: int, size: int) -> None:
         assert folds.call_count == 2 * middle, f"rank {rank}: distributed BPTT folded"
 
 
+@pytest.mark.extended
 def test_a_middle_rank_folds_in_the_forward_only() -> None:
     _ranks(4, _folds_in_the_forward)
 
@@ -252,6 +254,7 @@ def _spans(rank: int, size: int) -> None:
         assert what == "walk" and walked >= gathered
 
 
+@pytest.mark.extended
 def test_the_timeline_records_each_ranks_spans_only_when_on() -> None:
     _ranks(3, _spans)
 
@@ -295,6 +298,7 @@ def _order(rank: int, size: int) -> None:
         assert events == expected, f"rank {rank}, loss on every output {every_output}: {events}"
 
 
+@pytest.mark.extended
 def test_ranks_whose_share_needs_no_walk_start_every_all_gather_before_walking() -> None:
     _ranks(3, _order)
 
@@ -320,6 +324,7 @@ def _one_scratch(rank: int, size: int) -> None:
     assert len({w.untyped_storage().data_ptr() for w in walks}) == 1, f"rank {rank}: a buffer per group"
 
 
+@pytest.mark.extended
 def test_a_ranks_sample_groups_share_the_walks_scratch() -> None:
     _ranks(2, _one_scratch)
 
@@ -358,6 +363,7 @@ def _rank_blocks(rank: int, size: int) -> None:
     assert max(lengths) == (2 if size > 1 else 4), f"rank {rank} of {size}: blocks of {lengths} steps"
 
 
+@pytest.mark.extended
 def test_a_cpu_rank_of_several_stores_its_outputs_batch_major_and_walks_in_blocks_of_its_own_budget() -> None:
     _ranks(1, _rank_blocks)
     _ranks(2, _rank_blocks)
@@ -386,6 +392,7 @@ def _data_and_sequence(rank: int, size: int) -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10, msg=f"rank {rank}: {name}")
 
 
+@pytest.mark.extended
 def test_sequence_parallel_composes_with_distributed_data_parallel() -> None:
     _ranks(4, _data_and_sequence)
 
@@ -428,6 +435,7 @@ def test_modules_it_cannot_split_are_refused_at_construction(module, kwargs, mes
 # --- the benchmark --------------------------------------------------------------------------------
 
 
+@pytest.mark.extended
 def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_path, capsys) -> None:
     import pandas as pd
 
@@ -473,6 +481,7 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     assert alone["speedup_same_processes"].isna().all()  # nor is one rank run alongside
 
 
+@pytest.mark.extended
 def test_the_benchmark_prints_each_ranks_timeline_when_asked(capsys) -> None:
     from benchmarks import distributed as bench
 
@@ -688,6 +697,7 @@ def test_the_benchmark_refuses_more_gpu_ranks_than_gpus(gpus, message, tmp_path,
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+@pytest.mark.extended
 def test_the_benchmark_stacks_layers_but_writes_only_what_the_one_layer_model_prices(
     tmp_path, capsys
 ) -> None:

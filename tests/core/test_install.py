@@ -18,6 +18,7 @@ def readme_module_snippet() -> str:
     return re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
 
 
+@pytest.mark.extended
 def test_pip_install_gives_the_library_and_the_readme_example_runs_outside_the_tree(tmp_path: Path) -> None:
     # Built without isolation (no download), so with this environment's setuptools: from 70.1 on it
     # builds a wheel without the separate wheel package (Python 3.11's venv ships 65.5).

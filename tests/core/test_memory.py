@@ -32,6 +32,7 @@ def backward_peak(kind: str, strategy: str) -> int:
     return int(run_child(CHILD, kind, strategy))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(("kind", "bound"), [("rnn", 0.25), ("gru", 0.5)])
 def test_chunked_backward_stays_far_below_one_dense_chain(kind: str, bound: float) -> None:
     # Measured: 0.14 (RNN) and 0.28 (GRU, whose per-step vectors are several times the RNN's).
@@ -62,6 +63,7 @@ print(peak_bytes() - before)
 """
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(("kind", "bound"), [("rnn", 8), ("gru", 12), ("lstm", 20)])
 def test_a_million_steps_back_propagate_in_memory_linear_in_the_states(kind: str, bound: int) -> None:
     """T = 1,000,000, B = 1, H = 20 on the CPU: the backward's peak, counted in units of the layer's
@@ -91,6 +93,7 @@ print((peak_bytes() - before) / out.nbytes)
 """
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
 def test_a_forward_in_segments_holds_its_outputs_once(layout: str) -> None:
     """Each segment's outputs go into the whole sequence's as they are made, in either layout.

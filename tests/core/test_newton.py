@@ -113,6 +113,7 @@ def _chaotic(solver: str, iters: int) -> tuple[torch.nn.Module, torch.nn.Module]
     return ref, ours
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("model", ["rnn", "gru"])
 def test_a_trained_layer_converges_to_the_native_states(model: str) -> None:
     """The benchmark's trained weights (300 Adam steps of the bitstream task; the RNN's recurrence is

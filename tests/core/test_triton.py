@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import extended_except, rel_err
 from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case, fused_gru_case, fused_rnn_case
 
 pytest.importorskip("triton")
@@ -58,7 +58,7 @@ def run(
     assert kernel_err < max(1e-5, 4 * twin_err), (kernel_err, twin_err)
 
 
-@pytest.mark.parametrize(ARGS, CASES)
+@pytest.mark.parametrize(ARGS, extended_except(CASES, *CASES[::9]))
 def test_kernels_match_the_chunked_twin_on_the_cpu(n, batch, hidden, chunk, affine, terms) -> None:
     run("cpu", n, batch, hidden, chunk, affine, terms)
 
@@ -68,6 +68,7 @@ def test_kernels_match_the_chunked_twin_on_the_cpu(n, batch, hidden, chunk, affi
 WIDE_CASES = [(37, 2, 64, 4, True, 3), (37, 3, 64, 5, False, 1), (200, 2, 64, 22, True, 1)]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(ARGS, WIDE_CASES)
 @pytest.mark.parametrize("transposed", [False, True])
 def test_kernels_match_the_chunked_twin_at_the_widest_hidden_size_on_the_cpu(
@@ -98,7 +99,7 @@ def test_kernels_match_the_chunked_twin_on_a_gpu(n, batch, hidden, chunk, affine
 TRANSPOSED_CASES = [c for c in CASES if c[3] == 4]
 
 
-@pytest.mark.parametrize(ARGS, TRANSPOSED_CASES)
+@pytest.mark.parametrize(ARGS, extended_except(TRANSPOSED_CASES, *TRANSPOSED_CASES[::9]))
 def test_kernels_match_the_chunked_twin_on_transposed_chains(n, batch, hidden, chunk, affine, terms) -> None:
     run("cpu", n, batch, hidden, chunk, affine, terms, transposed=True)
 
@@ -113,6 +114,7 @@ def test_kernels_match_the_chunked_twin_on_transposed_chains_on_a_gpu(
     run("cuda", n, batch, hidden, chunk, affine, terms, transposed=True)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("kind", ["RNN", "GRU"])
 def test_newton_iterations_and_tangents_take_the_transposed_kernels(monkeypatch, kind) -> None:
     """With strategy="triton", a Newton forward's solves and a tangent are the SCALES_T kernels."""
@@ -165,7 +167,7 @@ def run_lstm(device: str, n: int, batch: int, hidden: int, chunk: int, affine: b
 LSTM_ARGS = ("n", "batch", "hidden", "chunk", "affine", "past_end")
 
 
-@pytest.mark.parametrize(LSTM_ARGS, LSTM_CASES)
+@pytest.mark.parametrize(LSTM_ARGS, extended_except(LSTM_CASES, *LSTM_CASES[::7]))
 def test_lstm_kernels_match_the_chunked_twin_on_the_cpu(n, batch, hidden, chunk, affine, past_end) -> None:
     run_lstm("cpu", n, batch, hidden, chunk, affine, past_end)
 

@@ -167,6 +167,7 @@ def test_figure_8_has_log_axes_labels_a_1x_line_and_says_what_is_missing() -> No
     plt.close(fig)
 
 
+@pytest.mark.extended
 def test_every_figure_is_written_and_reproducible_byte_for_byte(tmp_path: Path) -> None:
     data = load_results_from(t_sweep(), tmp_path)
     first = figures.make_figures(data, tmp_path / "a")
@@ -392,6 +393,7 @@ def tick_labels(axis) -> list[str]:
     ]
 
 
+@pytest.mark.extended
 def test_figure_8_says_what_each_panel_holds_fixed_and_reads_plainly() -> None:
     table = t_sweep()
     for b in (4, 8, 32):  # a batch sweep at T = 100 beside the T sweep at B = 16

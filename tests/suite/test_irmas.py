@@ -32,6 +32,7 @@ def small(tree: Path, tmp_path_factory) -> irmas.IRMASFeatures:
     return extract(tree, "s", tmp_path_factory.mktemp("cache"), workers=1, progress=False)
 
 
+@pytest.mark.extended
 def test_shapes_labels_and_reported_misfits(small: irmas.IRMASFeatures) -> None:
     n = 11 * 2 + 2  # the resampled and the padded clip are kept
     assert small.features.shape == (n, SETTINGS["s"].frames, SETTINGS["s"].features) == (n, 259, 38)
@@ -284,6 +285,7 @@ def test_a_damaged_or_foreign_cache_is_extracted_anew(tmp_path: Path, caplog, da
     assert extract(tmp_path, "l", tmp_path / "cache", workers=1, progress=False).from_cache  # rewritten
 
 
+@pytest.mark.extended
 def test_killing_the_extraction_ends_its_workers(tmp_path: Path) -> None:
     tree = write_tree(tmp_path / "tree", per_class=6)
     command = [sys.executable, "-m", "datasets.irmas", "--root", str(tree), "--workers", "2"]

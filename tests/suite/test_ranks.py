@@ -33,6 +33,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.extended
 def test_a_ranks_sweep_trains_as_one_process_does_and_resumes(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     done = run_py("-m", *SMALL, "hardware.ranks=1,2", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
@@ -73,6 +74,7 @@ def test_a_ranks_sweep_trains_as_one_process_does_and_resumes(tmp_path: Path) ->
     assert abs(resumed.loc[2, "loss"] - two.loc[2, "loss"]) <= 1e-6 * two.loc[2, "loss"]
 
 
+@pytest.mark.extended
 def test_torchrun_launches_one_writer_and_records_the_ranks(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done = subprocess.run(
@@ -97,6 +99,7 @@ def test_torchrun_launches_one_writer_and_records_the_ranks(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # the follower wrote nothing
 
 
+@pytest.mark.extended
 def test_slurm_tasks_run_as_ranks_of_one_run(tmp_path: Path) -> None:
     """What submitit's tasks see: SLURM's variables, one command each, one run folder."""
     run_dir = tmp_path / "run"
@@ -124,6 +127,7 @@ def test_slurm_tasks_run_as_ranks_of_one_run(tmp_path: Path) -> None:
     assert pd.read_csv(run_dir / "records.csv")["ranks"].tolist() == [2, 2]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     ("args", "message", "every_rank"),
     [
@@ -158,12 +162,14 @@ def test_a_launch_that_does_not_add_up_fails_in_one_line_on_every_rank(
     assert not run_dir.exists()
 
 
+@pytest.mark.extended
 def test_the_rank_count_must_be_a_positive_integer(tmp_path: Path) -> None:
     done = run_py(*TINY, "hardware.ranks=0", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip() == "run.py: error: hardware.ranks must be a positive integer or null, got 0"
 
 
+@pytest.mark.extended
 def test_a_rank_that_dies_fails_the_run_in_one_line_and_keeps_the_finished_epochs(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["dataset.seq_len=50", "dataset.num_samples=400", "trainer.epochs=30", "logger=csv"]

@@ -40,6 +40,7 @@ def test_each_committed_table_holds_completed_runs_of_both_methods(table: str, p
     assert not frame["contended"].any()
 
 
+@pytest.mark.extended
 def test_the_committed_report_and_figures_are_drawn_from_the_committed_tables(
     tmp_path: Path, monkeypatch
 ) -> None:

@@ -67,6 +67,7 @@ def test_a_named_sweep_has_a_stable_folder_and_an_unnamed_one_its_own() -> None:
     assert composed(hydra=True).hydra.sweep.dir.startswith("multirun/main/")
 
 
+@pytest.mark.extended
 def test_an_irmas_sweep_with_a_path_merges_every_job(tmp_path: Path) -> None:
     """The README's IRMAS sweep: dataset.root is a path, so its '/' must not make folders."""
     tree = write_tree(tmp_path / "IRMAS-TrainingData", per_class=1)
@@ -84,6 +85,7 @@ def test_an_irmas_sweep_with_a_path_merges_every_job(tmp_path: Path) -> None:
     assert len(table) == 1 and table["frames"].tolist() == ["l"]
 
 
+@pytest.mark.extended
 def test_a_sweep_exits_0_when_its_own_jobs_completed_whatever_else_the_folder_holds(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     stale = sweep / "run_dataset.seq_len=5"  # a failed job of an earlier sweep of the same name
@@ -97,6 +99,7 @@ def test_a_sweep_exits_0_when_its_own_jobs_completed_whatever_else_the_folder_ho
     assert (jobs.drop(stale.name)["outcome"] == "completed").all()
 
 
+@pytest.mark.extended
 def test_a_job_whose_interpolation_does_not_resolve_is_refused_and_the_sweep_merged(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     done = run_py("-m", *TINY, *CSV, "optimizer.lr=0.001,${oops}", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
@@ -105,6 +108,7 @@ def test_a_job_whose_interpolation_does_not_resolve_is_refused_and_the_sweep_mer
     assert len(pd.read_csv(sweep / "records.csv")) == 2
 
 
+@pytest.mark.extended
 def test_keys_that_do_not_change_results_keep_the_folders_and_duplicates_are_merged_once(
     tmp_path: Path,
 ) -> None:
@@ -142,6 +146,7 @@ def test_the_merge_writes_every_cell_back_as_it_was(tmp_path: Path) -> None:
     assert sorted(set(frame["config_hash"])) == ["00012345", "50804039871846e7"]
 
 
+@pytest.mark.extended
 def test_a_sweep_and_a_run_never_write_into_each_others_folder(tmp_path: Path) -> None:
     """A sweep's merge would replace a run's records.csv, and a run would replace a sweep's merged
     table: either is refused in one line, and both folders stay as they were."""
@@ -163,6 +168,7 @@ def test_a_sweep_and_a_run_never_write_into_each_others_folder(tmp_path: Path) -
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -200,6 +206,7 @@ def test_an_output_folder_that_would_be_the_current_one_or_above_it_is_refused(
 # --------------------------------------------------------------------------------- resume, re-run
 
 
+@pytest.mark.extended
 def test_resume_extends_the_epochs_and_another_configuration_is_refused(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     here = [*TINY, *CSV, f"hydra.run.dir={run_dir}"]
@@ -228,6 +235,7 @@ def test_resume_extends_the_epochs_and_another_configuration_is_refused(tmp_path
     assert "trainer.epochs=1 is below the 3 epochs the run in" in one_line_error(fewer)
 
 
+@pytest.mark.extended
 def test_a_second_run_in_a_busy_folder_is_refused(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["dataset.seq_len=50", "dataset.num_samples=400", "trainer.epochs=100000", *CSV]
@@ -249,6 +257,7 @@ def test_a_second_run_in_a_busy_folder_is_refused(tmp_path: Path) -> None:
         first.wait()
 
 
+@pytest.mark.extended
 def test_a_refused_command_leaves_a_completed_folder_untouched(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     assert run_py(*TINY, *CSV, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
@@ -259,6 +268,7 @@ def test_a_refused_command_leaves_a_completed_folder_untouched(tmp_path: Path) -
     assert snapshot(run_dir) == before and not (run_dir / ".hydra").exists()
 
 
+@pytest.mark.extended
 def test_a_corrupt_checkpoint_is_named_and_left_alone(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     assert run_py(*TINY, *CSV, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
@@ -273,6 +283,7 @@ def test_a_corrupt_checkpoint_is_named_and_left_alone(tmp_path: Path) -> None:
     assert snapshot(run_dir) == before
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("resume", [False, True])
 def test_a_completed_run_whose_records_were_deleted_runs_again(tmp_path: Path, resume: bool) -> None:
     run_dir = tmp_path / "run"
@@ -299,6 +310,7 @@ def test_stale_temporaries_of_killed_writers_are_removed(tmp_path: Path) -> None
 # ----------------------------------------------------------------------------- failures, one line
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -330,6 +342,7 @@ def test_values_that_would_crash_later_are_refused_in_one_line(tmp_path: Path, a
     assert not run_dir.exists()
 
 
+@pytest.mark.extended
 def test_an_output_folder_that_cannot_be_made_is_named(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
@@ -382,6 +395,7 @@ def test_a_run_whose_records_cannot_be_written_fails_naming_the_file(tmp_path: P
     assert records.read_json(tmp_path / "summary.json")["error"] == outcome.error
 
 
+@pytest.mark.extended
 def test_a_job_killed_at_any_point_leaves_whole_files(tmp_path: Path) -> None:
     """SIGKILL a run after it starts, several times at different moments, the last as soon as its
     first table is written: every file it leaves is whole (the summary parses; the records table

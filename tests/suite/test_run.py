@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from helpers import CONF, ROOT, TINY, composed, run_py
+from helpers import CONF, ROOT, TINY, composed, extended_except, run_py
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
@@ -169,6 +169,7 @@ def test_the_workers_preset_fits_the_machine() -> None:
     ] == worker_counts("cpu")
 
 
+@pytest.mark.extended
 def test_a_warm_up_longer_than_an_epoch_is_said(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done = run_py(*TINY, "logger=csv", "trainer.warmup_iters=100", f"hydra.run.dir={run_dir}", cwd=tmp_path)
@@ -251,6 +252,7 @@ def test_the_slurm_launcher_off_a_cluster_is_refused_in_one_line_before_any_fold
         _check_launcher(composed("hydra/launcher=slurm", hydra=True))
 
 
+@pytest.mark.extended
 def test_a_sweep_over_one_missing_or_empty_irmas_root_is_refused_once_before_any_job(tmp_path: Path) -> None:
     """The README's IRMAS sweep with a bad root: one line and status 2 instead of 18 failed jobs, no
     folder made. A sweep that varies the root or the dataset, or goes to SLURM, is left to its jobs."""
@@ -312,6 +314,7 @@ def test_the_default_job_runs_and_records(tmp_path: Path) -> None:
     assert not (ROOT / "outputs").exists() or not any((ROOT / "outputs").rglob(run_dir.name))
 
 
+@pytest.mark.extended
 def test_a_newton_forward_runs_and_records_its_iterations(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done = run_py(
@@ -356,6 +359,7 @@ def test_a_sweep_merges_its_jobs_and_skips_them_when_rerun(tmp_path: Path) -> No
     assert len(pd.read_csv(sweep / "records.csv")) == 4
 
 
+@pytest.mark.extended
 def test_a_failed_job_is_recorded_and_the_others_kept(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     done = run_py(
@@ -371,6 +375,7 @@ def test_a_failed_job_is_recorded_and_the_others_kept(tmp_path: Path) -> None:
     assert pd.read_csv(sweep / "records.csv")["seq_len"].unique().tolist() == [6]
 
 
+@pytest.mark.extended
 def test_resume_continues_a_killed_run_without_duplicate_rows(tmp_path: Path) -> None:
     """Killed once it has finished an epoch (however long that takes), resumed: the same rows."""
     run_dir = tmp_path / "run"
@@ -404,6 +409,7 @@ def records_of(run_dir: Path) -> pd.DataFrame | None:
     return read_table(run_dir / "records.csv")
 
 
+@pytest.mark.extended
 def test_ctrl_c_says_in_one_line_what_was_kept_and_how_to_go_on(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["dataset.seq_len=50", "dataset.num_samples=400", "trainer.epochs=1000", "logger=csv"]
@@ -473,50 +479,51 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
     assert not (tmp_path / "records.csv").exists()  # no epoch finished
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["model=elman"], "unknown model 'elman'; accepted: gru, lstm, rnn"),
-        (["dataset=mnist"], "unknown dataset 'mnist'; accepted: bitstream, irmas"),
-        (["dataset.seq_len=0"], "dataset.seq_len must be a positive integer, got 0"),
-        (["trainer.batch_size=-4"], "trainer.batch_size must be a positive integer, got -4"),
-        (["trainer.batch_size=abc"], "trainer.batch_size must be a positive integer, got 'abc'"),
-        (["dataset=irmas"], "dataset.root is required"),
-        (["dataset=irmas", "dataset.root=/no/such/irmas"], "IRMAS root '/no/such/irmas' does not exist"),
-        (["hardware.device=tpu"], "unknown hardware.device 'tpu'; accepted: auto, cpu, cuda"),
-        (["hardware.workers=999"], "hardware.workers=999 is more than the "),
-        (["hardware.data_workers=999"], "hardware.data_workers=999 is more than the "),
-        (["model=rnn", "-m"], "unrecognized arguments: logger=csv hydra.run.dir="),
-        (["model=rnn", "-m"], "; accepted: flags such as -m before the key=value overrides"),
-        (["--cfg", "nope"], "argument --cfg/-c: invalid choice: 'nope'"),
-        (["name=ü"], "cannot read the override 'name=ü'; accepted: key=value, a value of ASCII letters"),
-        (["model=["], "cannot read the override 'model=['"),
-        (["trainer.foo=1"], "unknown key trainer.foo; accepted: epochs, batch_size, warmup_iters"),
-        (["foo=1"], "unknown key foo; accepted: name, model, dataset, backward, optimizer, trainer, logger"),
-        (["trainer.epochs=1e26"], "trainer.epochs must be a positive integer, got 1e+26"),
-        (["optimizer.lr=fast"], "optimizer.lr must be a finite positive number, got 'fast'"),
-        (["optimizer.lr=inf"], "optimizer.lr must be a finite positive number, got inf"),
-        (["optimizer=adamw"], "unknown optimizer 'adamw'; accepted: adam, sgd"),
-        (
-            ["model.forward_solver=jacobi"],
-            "model.forward_solver must be one of native, newton, quasi-newton, got 'jacobi'",
-        ),
-        (
-            ["backward=bptt", "model.forward_solver=newton"],
-            "model.forward_solver=newton needs backward=bppsa; accepted with backward=bptt: "
-            "model.forward_solver=native",
-        ),
-        (["model.newton_iters=0"], "model.newton_iters must be a positive integer, got 0"),
-        (["model.newton_tol=2"], "model.newton_tol must be a number strictly between 0 and 1 or null, got 2"),
-        (["model="], "unknown model ''; accepted: gru, lstm, rnn"),
-        (["hydra/launcher=nope"], "unknown hydra/launcher 'nope'; accepted: basic"),
-        (["--config-name=nope"], "unknown config 'nope'; accepted: config"),
-        (
-            ["hardware.device=cpu", "backward.strategy=graph"],
-            "backward.strategy='graph' needs a CUDA device, and this device is cpu; accepted here: auto",
-        ),
-    ],
-)
+# Bad input and the one line it fails with; the default run takes the first three, .ci/run all.
+BAD_INPUT = [
+    (["model=elman"], "unknown model 'elman'; accepted: gru, lstm, rnn"),
+    (["dataset=mnist"], "unknown dataset 'mnist'; accepted: bitstream, irmas"),
+    (["dataset.seq_len=0"], "dataset.seq_len must be a positive integer, got 0"),
+    (["trainer.batch_size=-4"], "trainer.batch_size must be a positive integer, got -4"),
+    (["trainer.batch_size=abc"], "trainer.batch_size must be a positive integer, got 'abc'"),
+    (["dataset=irmas"], "dataset.root is required"),
+    (["dataset=irmas", "dataset.root=/no/such/irmas"], "IRMAS root '/no/such/irmas' does not exist"),
+    (["hardware.device=tpu"], "unknown hardware.device 'tpu'; accepted: auto, cpu, cuda"),
+    (["hardware.workers=999"], "hardware.workers=999 is more than the "),
+    (["hardware.data_workers=999"], "hardware.data_workers=999 is more than the "),
+    (["model=rnn", "-m"], "unrecognized arguments: logger=csv hydra.run.dir="),
+    (["model=rnn", "-m"], "; accepted: flags such as -m before the key=value overrides"),
+    (["--cfg", "nope"], "argument --cfg/-c: invalid choice: 'nope'"),
+    (["name=ü"], "cannot read the override 'name=ü'; accepted: key=value, a value of ASCII letters"),
+    (["model=["], "cannot read the override 'model=['"),
+    (["trainer.foo=1"], "unknown key trainer.foo; accepted: epochs, batch_size, warmup_iters"),
+    (["foo=1"], "unknown key foo; accepted: name, model, dataset, backward, optimizer, trainer, logger"),
+    (["trainer.epochs=1e26"], "trainer.epochs must be a positive integer, got 1e+26"),
+    (["optimizer.lr=fast"], "optimizer.lr must be a finite positive number, got 'fast'"),
+    (["optimizer.lr=inf"], "optimizer.lr must be a finite positive number, got inf"),
+    (["optimizer=adamw"], "unknown optimizer 'adamw'; accepted: adam, sgd"),
+    (
+        ["model.forward_solver=jacobi"],
+        "model.forward_solver must be one of native, newton, quasi-newton, got 'jacobi'",
+    ),
+    (
+        ["backward=bptt", "model.forward_solver=newton"],
+        "model.forward_solver=newton needs backward=bppsa; accepted with backward=bptt: "
+        "model.forward_solver=native",
+    ),
+    (["model.newton_iters=0"], "model.newton_iters must be a positive integer, got 0"),
+    (["model.newton_tol=2"], "model.newton_tol must be a number strictly between 0 and 1 or null, got 2"),
+    (["model="], "unknown model ''; accepted: gru, lstm, rnn"),
+    (["hydra/launcher=nope"], "unknown hydra/launcher 'nope'; accepted: basic"),
+    (["--config-name=nope"], "unknown config 'nope'; accepted: config"),
+    (
+        ["hardware.device=cpu", "backward.strategy=graph"],
+        "backward.strategy='graph' needs a CUDA device, and this device is cpu; accepted here: auto",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), extended_except(BAD_INPUT, first=3))
 def test_bad_input_fails_in_one_line_and_leaves_no_files(tmp_path: Path, args, message: str) -> None:
     run_dir = tmp_path / "run"
     done = run_py(*args, "logger=csv", f"hydra.run.dir={run_dir}", cwd=tmp_path)
@@ -526,6 +533,7 @@ def test_bad_input_fails_in_one_line_and_leaves_no_files(tmp_path: Path, args, m
     assert not run_dir.exists()
 
 
+@pytest.mark.extended
 def test_a_refusal_leaves_the_users_own_folder_as_it_was(tmp_path: Path) -> None:
     empty, kept = tmp_path / "empty", tmp_path / "kept"
     empty.mkdir()
@@ -541,6 +549,7 @@ def test_a_refusal_leaves_the_users_own_folder_as_it_was(tmp_path: Path) -> None
     assert done.returncode == 2 and empty.is_dir() and not any(empty.iterdir())
 
 
+@pytest.mark.extended
 def test_a_refusal_in_the_default_folders_leaves_no_empty_folders_behind(tmp_path: Path) -> None:
     for args in (["dataset.seq_len=0"], ["-m", "model=rnn,elman"]):
         done = run_py(*args, "logger=csv", cwd=tmp_path)
@@ -564,6 +573,7 @@ def test_a_sweep_refused_whole_leaves_no_folder(tmp_path: Path) -> None:
     assert not sweep.exists()
 
 
+@pytest.mark.extended
 def test_an_empty_irmas_folder_is_refused(tmp_path: Path) -> None:
     (tmp_path / "irmas").mkdir()
     done = run_py(
@@ -576,6 +586,7 @@ def test_an_empty_irmas_folder_is_refused(tmp_path: Path) -> None:
     assert done.returncode == 2 and "holds no class folder with .wav clips" in done.stderr
 
 
+@pytest.mark.extended
 def test_gru_on_irmas_trains_from_a_generated_tree(tmp_path: Path) -> None:
     from helpers import write_tree
 
@@ -599,6 +610,7 @@ def test_gru_on_irmas_trains_from_a_generated_tree(tmp_path: Path) -> None:
     assert records[["seq_len", "features", "frames"]].iloc[0].tolist() == [1034, 12, "l"]
 
 
+@pytest.mark.extended
 def test_wandb_runs_offline_in_the_run_folder_with_one_cpu_thread(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env_free = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}

@@ -394,6 +394,7 @@ def test_pipeline_memory_counts_stashed_weights_and_activations_in_flight() -> N
 # --- the command ----------------------------------------------------------------------------------
 
 
+@pytest.mark.extended
 def test_the_command_writes_the_table_and_a_reproducible_figure(tmp_path: Path, capsys) -> None:
     measured = tmp_path / "measured.csv"
     pd.DataFrame({"scheme": ["sequential", "data"], "p": [1, 2], "time": [0.2, 0.11]}).to_csv(
@@ -580,6 +581,7 @@ def test_the_benchmark_cuts_vgg11_where_the_model_does() -> None:
         split_at(build_vgg11(), 9)
 
 
+@pytest.mark.extended
 def test_the_benchmark_measures_three_schemes_on_two_processes(tmp_path: Path, capsys) -> None:
     from benchmarks import schemes as bench
 
