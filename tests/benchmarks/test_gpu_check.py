@@ -156,6 +156,7 @@ def test_worker_scaling_times_both_methods_at_every_count() -> None:
     assert rows[0][0] == "1" and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
 
 
+@pytest.mark.extended
 def test_the_dry_run_goes_end_to_end(tmp_path) -> None:
     """Every step on the CPU, the report whole: the tables of each tool inside it (about 90 s)."""
     out = tmp_path / "report.md"

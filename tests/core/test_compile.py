@@ -4,9 +4,9 @@ back with cuobjdump (``benchmarks.kernels``).
 
 The compiles run in a child process without ``TRITON_INTERPRET`` (conftest sets it for this process
 when there is no GPU, and the kernels are then loaded for the interpreter, which cannot compile). The
-default run compiles every configuration at H = 1, 20, 32 and 64 (``kernels.listed``: each mode,
-affine or not, fused or not, warps as launched) for both archs; the ``extended`` test compiles every
-configuration (every H from 1 to 64).
+default run compiles one launch for both archs; the ``extended`` tests compile every configuration at
+H = 1, 20, 32 and 64 (``kernels.listed``: each mode, affine or not, fused or not, warps as launched),
+and every configuration at every H from 1 to 64.
 
 Spills: no compile may use local memory or a stack frame. Three of the launches' compile settings
 (``bppsa_core.triton.launch_config``: unpipelined reduce loops, two register caps) are there for this:
@@ -120,6 +120,7 @@ def test_every_kernel_mode_and_listed_h_compiles_for_both_archs_without_spills(l
     check_rows(rows)
 
 
+@pytest.mark.extended
 def test_the_checks_catch_a_kernel_that_spills_or_flushes_subnormals(listed_rows) -> None:
     for field, value, message in (("ftz", 2, "2 flush-to-zero instructions"), ("local", 8, "spills")):
         bad = dict(listed_rows[0], **{field: value})
@@ -127,6 +128,7 @@ def test_the_checks_catch_a_kernel_that_spills_or_flushes_subnormals(listed_rows
             check_rows([bad])
 
 
+@pytest.mark.extended
 def test_the_estimate_is_the_loops_instructions_times_their_iterations(listed_rows) -> None:
     for r in listed_rows:
         shortest, warps = r["loops_shortest"], r["warps"]
