@@ -183,7 +183,8 @@ def test_lstm_kernels_match_the_chunked_twin_on_a_gpu(n, batch, hidden, chunk, a
 
 
 @pytest.mark.parametrize(
-    ("ref_cls", "our_cls"), [(torch.nn.RNN, bnn.RNN), (torch.nn.GRU, bnn.GRU), (torch.nn.LSTM, bnn.LSTM)]
+    ("ref_cls", "our_cls"),
+    extended_except([(torch.nn.RNN, bnn.RNN), (torch.nn.GRU, bnn.GRU), (torch.nn.LSTM, bnn.LSTM)], first=1),
 )
 def test_a_recurrent_net_trains_with_the_triton_backward(ref_cls, our_cls) -> None:
     torch.manual_seed(0)
@@ -231,7 +232,9 @@ def test_chains_the_kernels_do_not_take_are_refused(chain, why) -> None:
 
 
 @pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
-@pytest.mark.parametrize(("n", "batch", "hidden", "chunk"), [(37, 3, 5, 4), (9, 1, 20, 2), (7, 2, 3, 8)])
+@pytest.mark.parametrize(
+    ("n", "batch", "hidden", "chunk"), extended_except([(37, 3, 5, 4), (9, 1, 20, 2), (7, 2, 3, 8)], first=1)
+)
 @pytest.mark.parametrize("outside", [False, True])
 def test_the_fused_rnn_backward_matches_its_reference(nonlinearity, n, batch, hidden, chunk, outside) -> None:
     """Jacobians built in the kernels from h, offsets read shifted, only g_0 and the deltas written;
@@ -247,7 +250,8 @@ def test_the_fused_rnn_backward_matches_its_reference(nonlinearity, n, batch, hi
 
 
 @pytest.mark.parametrize(
-    ("n", "batch", "hidden", "chunk"), [(37, 3, 5, 4), (9, 1, 20, 2), (7, 2, 3, 8), (11, 2, 64, 3)]
+    ("n", "batch", "hidden", "chunk"),
+    extended_except([(37, 3, 5, 4), (9, 1, 20, 2), (7, 2, 3, 8), (11, 2, 64, 3)], first=1),
 )
 @pytest.mark.parametrize("outside", [False, True])
 def test_the_fused_gru_backward_matches_its_reference(n, batch, hidden, chunk, outside) -> None:

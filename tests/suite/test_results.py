@@ -295,6 +295,7 @@ def test_a_completed_run_whose_records_were_deleted_runs_again(tmp_path: Path, r
     assert pd.read_csv(run_dir / "records.csv")["epoch"].tolist() == [1, 2]
 
 
+@pytest.mark.extended
 def test_stale_temporaries_of_killed_writers_are_removed(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
