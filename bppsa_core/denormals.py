@@ -64,8 +64,13 @@ class _Runtime:
         return env
 
     def set_everywhere(self, env: ctypes.Array) -> None:
-        """``fesetenv(env)`` in the calling thread and each worker of a pool as large as torch's."""
-        self.gomp.GOMP_parallel(self.fesetenv, ctypes.cast(env, ctypes.c_void_p), torch.get_num_threads(), 0)
+        """``fesetenv(env)`` in the calling thread and each worker of a pool as large as torch's
+        (with one thread, in the calling thread alone: no parallel region to open)."""
+        threads = torch.get_num_threads()
+        if threads == 1:
+            self.libm.fesetenv(env)
+        else:
+            self.gomp.GOMP_parallel(self.fesetenv, ctypes.cast(env, ctypes.c_void_p), threads, 0)
 
     def flushing(self, env: ctypes.Array) -> ctypes.Array:
         """A copy of ``env`` with the flush bits set."""

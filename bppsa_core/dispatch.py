@@ -25,7 +25,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from typing import TypeVar
 
 import torch
@@ -154,11 +154,12 @@ def lstm_kernels_take(hidden: int, *dtypes: torch.dtype) -> bool:
     return hidden <= MAX_LSTM_HIDDEN and all(d == torch.float32 for d in dtypes) and triton_installed()
 
 
-def numba_takes(terms: int, *dtypes: torch.dtype) -> bool:
+def numba_takes(terms: int, *dtypes: torch.dtype, lstm: bool = False) -> bool:
     """Whether the compiled CPU kernels (``bppsa_core.numba_scan``) take a factored chain of
-    ``terms`` weights whose tensors have ``dtypes``: one dtype, float32 or float64, terms <= 3."""
+    ``terms`` weights (or, ``lstm``, an LSTM's chain) whose tensors have ``dtypes``: one dtype,
+    float32 or float64, terms <= 3."""
     return (
-        terms <= MAX_TERMS
+        (lstm or terms <= MAX_TERMS)
         and len(set(dtypes)) == 1
         and dtypes[0] in (torch.float32, torch.float64)
         and numba_installed()
@@ -166,11 +167,13 @@ def numba_takes(terms: int, *dtypes: torch.dtype) -> bool:
 
 
 NUMBA_REFUSED = (
-    f"strategy='numba' takes a factored chain of at most {MAX_TERMS} terms (an RNN's or a GRU's), "
+    f"strategy='numba' takes a factored chain of at most {MAX_TERMS} terms (an RNN's or a GRU's) "
+    "or an LSTM's, "
     "float32 or float64, not transposed; accepted for this chain: auto, sequential, blelloch, chunked"
 )
 
 
+@lru_cache(maxsize=1024)  # a pure function of its counts, asked once per layer backward
 def numba_chunk(n: int, batch: int, hidden: int, terms: int, threads: int) -> int:
     """Chunk size of the compiled CPU scan: the one whose three phases finish first on ``threads``.
 

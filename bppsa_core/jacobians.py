@@ -427,6 +427,15 @@ class LSTMCell:
         c_max = c0.abs() + steps
         return torch.cat((h0.clamp(max=-1.0), -c_max), -1), torch.cat((h0.clamp(min=1.0), c_max), -1)
 
+    def activations(self, x: Tensor, h_prev: Tensor, w: LayerWeights) -> Tensor:
+        """The gates i, f, g, o of every step as one (T, B, 4, H) tensor, from the two GEMMs."""
+        pre = _affine(x, w.w_ih, w.b_ih).add_(_affine(h_prev, w.w_hh, w.b_hh))
+        pre = pre.unflatten(-1, (4, h_prev.shape[-1]))
+        g = torch.tanh(pre[..., 2, :])
+        pre.sigmoid_()
+        pre[..., 2, :] = g
+        return pre
+
     def _gates(self, x: Tensor, h_prev: Tensor, w: LayerWeights) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The gates i, f, g, o of a block of steps, from the two pre-activation GEMMs."""
         pre = (
@@ -595,27 +604,34 @@ def layer_grads(
     rows = w.w_ih.shape[0]  # gates x H
     # per step and sample: both deltas and their making (4 rows), the input and the previous state
     block = _block_steps(batch * (4 * rows + x.shape[-1] + hidden) * x.element_size(), x.device)
-    d_w_ih, d_w_hh = torch.zeros_like(w.w_ih), torch.zeros_like(w.w_hh)
-    d_b_ih = None if w.b_ih is None else torch.zeros_like(w.b_ih)
-    d_b_hh = None if w.b_hh is None else torch.zeros_like(w.b_hh)
     dx = x.new_empty((*x.shape[:-1], w.w_ih.shape[1])) if need_input else None
+    d_w_ih = d_w_hh = d_b_ih = d_b_hh = None  # the first block's products start each sum (no zero fill)
     shared = False
     for s in reversed(range(0, steps, block)):
         t = slice(s, s + block)
         gi, gh = deltas(t)
         shared = gh is gi  # an RNN: both sides share one pre-activation
         gi2, gh2 = gi.flatten(0, -2), gh.flatten(0, -2)
-        d_w_ih.addmm_(gi2.t(), x[t].flatten(0, -2))
-        d_w_hh.addmm_(gh2.t(), h_prev[t].flatten(0, -2))
-        if d_b_ih is not None:
-            d_b_ih += gi2.sum(0)
-        if d_b_hh is not None and not shared:
-            d_b_hh += gh2.sum(0)
+        d_w_ih = _add_product(d_w_ih, gi2.t(), x[t].flatten(0, -2))
+        d_w_hh = _add_product(d_w_hh, gh2.t(), h_prev[t].flatten(0, -2))
+        if w.b_ih is not None:
+            d_b_ih = gi2.sum(0) if d_b_ih is None else d_b_ih.add_(gi2.sum(0))
+        if w.b_hh is not None and not shared:
+            d_b_hh = gh2.sum(0) if d_b_hh is None else d_b_hh.add_(gh2.sum(0))
         if dx is not None:
             torch.matmul(gi, w.w_ih, out=dx[t])
-    if d_b_hh is not None and shared:  # summed once, copied (H,)
+    if steps == 0:  # no block: nothing reached the weights
+        d_w_ih, d_w_hh = torch.zeros_like(w.w_ih), torch.zeros_like(w.w_hh)
+        d_b_ih = None if w.b_ih is None else torch.zeros_like(w.b_ih)
+        d_b_hh = None if w.b_hh is None else torch.zeros_like(w.b_hh)
+    if w.b_hh is not None and shared:  # summed once, copied (H,)
         d_b_hh = d_b_ih.clone() if d_b_ih is not None else _sum_shared(deltas, steps, block)
     return dx, LayerWeights(d_w_ih, d_w_hh, d_b_ih, d_b_hh)
+
+
+def _add_product(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
+    """``total += a @ b`` in place, or ``a @ b`` itself for the first block (no zero fill)."""
+    return torch.mm(a, b) if total is None else total.addmm_(a, b)
 
 
 def _sum_shared(deltas: Deltas, steps: int, block: int) -> Tensor:

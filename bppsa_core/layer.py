@@ -263,9 +263,12 @@ def _native_call(
     bias = len(weights) == 4
     packed = () if batch_sizes is None else (batch_sizes,)
     flags = (bias, 1, 0.0, torch.is_grad_enabled(), False) + (() if packed else (False,))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not part of single contiguous chunk of memory.*")
+    if x.device.type != "cuda":  # the warning is cuDNN's; catching warnings costs as much as a short layer
         result = _NATIVE[mode](x, *packed, hx, weights, *flags)
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*not part of single contiguous chunk of memory.*")
+            result = _NATIVE[mode](x, *packed, hx, weights, *flags)
     if c is not None:
         return result[0], result[1][0], result[2][0]
     return result[0], result[1][0], None
@@ -307,7 +310,8 @@ def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_
     # dtype (autograd casts each returned gradient back to its input's dtype).
     dtype = weights[0].dtype
     x, h0, h, grad_out, grad_hn, c0, grad_cn = (
-        None if t is None else t.to(dtype) for t in (x, h0, out, grad_out, grad_hn, c0, grad_cn)
+        t if t is None or t.dtype == dtype else t.to(dtype)
+        for t in (x, h0, out, grad_out, grad_hn, c0, grad_cn)
     )
     cell, w = cell_of(config.mode), LayerWeights(*weights)
     steps, _batch, hidden = h.shape
@@ -316,8 +320,10 @@ def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_
         grad_out = grad_out * keep  # outputs past a sequence's end are constants
     h_prev: Tensor | PreviousStates = PreviousStates(h0, h)
     g_last = _last_grad(grad_out, grad_hn, h)
-    fused = None if keep is not None else _fused_layer(config, cell, x, h_prev, h, w, grad_out, g_last)
-    g_c0 = None
+    g_c_last = None if c0 is None else (torch.zeros_like(g_last) if grad_cn is None else grad_cn)
+    fused = None
+    if keep is None:
+        fused = _fused_layer(config, cell, x, h_prev, h, w, grad_out, g_last, c0, g_c_last)
     if fused is not None:  # made block by block: the previous states too
         deltas, first = fused
     else:
@@ -325,20 +331,20 @@ def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_
         factors = cell.factors(x, h_prev, h, w, c0, keep)
         offsets, start = injected(grad_out), g_last
         if c0 is not None:  # an LSTM's state is (h, c): c gets gradient only from c_n
-            start = torch.cat((g_last, torch.zeros_like(g_last) if grad_cn is None else grad_cn), -1)
+            start = torch.cat((g_last, g_c_last), -1)
             offsets = None if offsets is None else torch.cat((offsets, torch.zeros_like(offsets)), -1)
         o = config.options
         g = scan(cell.chain(factors, w), start, offsets, strategy=o.strategy, chunk=o.chunk, levels=o.levels)
-        g_h0, g_c0 = g[0, :, :hidden].clone(), (g[0, :, hidden:].clone() if c0 is not None else None)
 
         def deltas(t: slice, g=g[1:]) -> tuple[Tensor, Tensor]:
             return cell.preactivation_grads(g[t], tuple(f[t] for f in factors))
 
-        def first(g_h0=g_h0) -> Tensor:
-            return g_h0
+        def first(g0=g[0]) -> Tensor:
+            return g0
 
     dx, dw = layer_grads(deltas, x, h_prev, w, need_input)
-    g_h0 = first()  # a walk made block by block knows g_0 once layer_grads has taken every block
+    g0 = first()  # a walk made block by block knows g_0 once layer_grads has taken every block
+    g_h0, g_c0 = (g0[:, :hidden].clone(), g0[:, hidden:].clone()) if c0 is not None else (g0.clone(), None)
     grads = [t for t in (dw.w_ih, dw.w_hh, dw.b_ih, dw.b_hh) if t is not None]
     return dx, g_h0, g_c0, grads
 
@@ -366,27 +372,40 @@ def _fused_layer(
     w: LayerWeights,
     u: Tensor | None,
     g_last: Tensor,
+    c0: Tensor | None,
+    g_c_last: Tensor | None,
 ) -> tuple[Deltas, Callable[[], Tensor]] | None:
-    """An RNN or GRU layer's input- and hidden-side pre-activation gradients (``deltas(t)`` for
-    slices of steps) and its g_0 (``first()``, once ``layer_grads`` has taken the deltas), or None.
+    """A layer's input- and hidden-side pre-activation gradients (``deltas(t)`` for slices of steps)
+    and its g_0 (``first()``, once ``layer_grads`` has taken the deltas; an LSTM's (dL/dh_0,
+    dL/dc_0)), or None. ``g_last``, ``g_c_last``: the gradients of h_T and (an LSTM) c_T.
 
     Where the layer's strategy resolves to "triton" (``dispatch.resolve``: "triton" itself, or
     "auto" on a GPU) and the kernels take the layer and run on its device: the fused Triton kernels
-    (``bppsa_core.triton.rnn_layer_backward`` / ``gru_layer_backward``). Where it resolves to "numba"
-    ("auto" on the CPU) and the compiled scan is one chunk: the layer walked block by block
-    (``_walked``). Everything else goes through ``scan``, which also gives the strategies' errors.
+    of an RNN or a GRU (``bppsa_core.triton.rnn_layer_backward`` / ``gru_layer_backward``). Where it
+    resolves to "numba" ("auto" on the CPU): an LSTM's fused compiled backward
+    (``numba_scan.lstm_layer_backward``), and an RNN or GRU walked block by block (``_walked``) where
+    the compiled scan is one chunk. Everything else goes through ``scan``, which also gives the
+    strategies' errors.
     """
-    if isinstance(cell, LSTMCell):
-        return None
     steps, batch, hidden = h.shape
-    fits = dispatch.kernels_take(cell.gates, hidden, h.dtype, w.w_hh.dtype)
-    compiled = dispatch.numba_takes(cell.gates, h.dtype, w.w_hh.dtype, g_last.dtype)
+    lstm = isinstance(cell, LSTMCell)
+    if lstm:
+        fits = dispatch.lstm_kernels_take(hidden, h.dtype, w.w_hh.dtype)
+    else:
+        fits = dispatch.kernels_take(cell.gates, hidden, h.dtype, w.w_hh.dtype)
+    compiled = dispatch.numba_takes(cell.gates, h.dtype, w.w_hh.dtype, g_last.dtype, lstm=lstm)
     strategy, chunk = config.options.strategy, config.options.chunk
     chosen = dispatch.resolve(strategy, steps, batch, hidden, h.device, fits, compiled)
     if chosen == "numba" and compiled and dispatch.runs_on("numba", h.device):
+        if lstm:
+            from bppsa_core import numba_scan
+
+            gates = cell.activations(x, h_prev.whole(), w)
+            delta, g0 = numba_scan.lstm_layer_backward(gates, c0, w.w_hh, g_last, g_c_last, u)
+            return (lambda t: (delta[t], delta[t])), (lambda: g0)
         chunk = chunk or dispatch.numba_chunk(steps, batch, hidden, cell.gates, torch.get_num_threads())
         return _walked(cell, x, h_prev, w, u, g_last) if chunk >= steps else None
-    if chosen != "triton" or not fits or not dispatch.kernels_run_on(h.device):
+    if lstm or chosen != "triton" or not fits or not dispatch.kernels_run_on(h.device):
         return None
     from bppsa_core import triton as triton_kernels
 

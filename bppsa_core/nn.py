@@ -29,6 +29,7 @@ Not taken: an LSTM with ``proj_size > 0`` (refused at construction; ``backward="
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -94,10 +95,11 @@ class _BPPSAMixin:
         self._guesses: dict[int, Tensor] = {}
 
     def _config(self) -> LayerConfig:
-        solver = SolverOptions(self.forward_solver, self.newton_tol, self.newton_iters)
-        return LayerConfig(
-            self.mode, self.segment, ScanOptions(self.strategy, self.chunk, self.levels), solver
-        )
+        """The layer calls' config from the options as they are now (they may be set at any time)."""
+        return _layer_config(
+            self.mode, self.segment, self.strategy, self.chunk, self.levels,
+            self.forward_solver, self.newton_tol, self.newton_iters,
+        )  # fmt: skip
 
     @property
     def solver_stats(self) -> list[SolveStats]:
@@ -222,6 +224,15 @@ class _BPPSAMixin:
             if self.forward_solver != "native":
                 s += f", forward_solver={self.forward_solver!r}"
         return s
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _layer_config(
+    mode: str, segment: int, strategy: str, chunk: int | None, levels: int | None,
+    solver: str, tol: float | None, iters: int,
+) -> LayerConfig:  # fmt: skip
+    """A ``LayerConfig``, checked once per set of options: checking costs as much as a short layer."""
+    return LayerConfig(mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, iters))
 
 
 def _reverse(x: Tensor, lengths: Tensor | None) -> Tensor:

@@ -36,6 +36,7 @@ from numba import njit, prange
 from torch import Tensor
 
 from bppsa_core import dispatch
+from bppsa_core.chain import LSTMChain
 
 
 @njit(cache=True)
@@ -147,18 +148,129 @@ def _scan(n_terms, has_diag, has_b, tiny, chunk, scales, diag, w, offsets, x_las
         )
 
 
-def _compiled(fn: Callable, name: str, parallel: bool) -> Callable:
+@njit(cache=True)
+def _lstm_walk(has_hh, has_b, tiny, b, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out):
+    """Walk an LSTM chain's elements n - 1 down to 0 for sample b from out[n, b] = (x_h, x_c),
+    storing every x_k into ``out``: the four gates' rows (x_h * scales_h + x_c * scales_c) against
+    the stacked (4H, H) weights, four rows at a time as in ``_vec_step``; c's part is diagonal."""
+    n, hid = scales_h.shape[0], w.shape[1]
+    rows = 4 * hid
+    y = out[n, b, :].copy()
+    pre = np.empty(rows, y.dtype)
+    nxt = np.empty(2 * hid, y.dtype)
+    for k in range(n - 1, -1, -1):
+        for j in range(4):
+            for i in range(hid):
+                pre[j * hid + i] = y[i] * scales_h[k, b, j, i] + y[hid + i] * scales_c[k, b, j, i]
+        for col in range(hid):
+            nxt[col] = y[col] * diag_hh[k, b, col] if has_hh else 0.0
+            nxt[hid + col] = y[col] * diag_hc[k, b, col] + y[hid + col] * diag_cc[k, b, col]
+        for r in range(0, rows, 4):  # rows = 4H: four at a time, summed in pairs
+            a0, a1, a2, a3 = pre[r], pre[r + 1], pre[r + 2], pre[r + 3]
+            for col in range(hid):
+                nxt[col] += (a0 * w[r, col] + a1 * w[r + 1, col]) + (a2 * w[r + 2, col] + a3 * w[r + 3, col])
+        for col in range(2 * hid):
+            if has_b:
+                nxt[col] += offsets[k, b, col]
+            if abs(nxt[col]) < tiny:
+                nxt[col] = 0.0
+        out[k, b, :] = nxt
+        y[:] = nxt
+
+
+def _lstm_scan(has_hh, has_b, tiny, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out):
+    """Every sample's walk from its x_n (out[n]), the samples as parallel tasks."""
+    for b_ in prange(out.shape[1]):
+        b = np.int64(b_)
+        _lstm_walk(has_hh, has_b, tiny, b, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out)
+
+
+def _lstm_cells(gates, c0, c):
+    """c_t = f_t c_{t-1} + i_t g_t for every sample (a task each), from the activated gates
+    (T, B, 4, H) in the order i, f, g, o and c0 (B, H), into c (T, B, H)."""
+    steps, batch, _, hid = gates.shape
+    for b_ in prange(batch):
+        b = np.int64(b_)
+        for j in range(hid):
+            c[0, b, j] = gates[0, b, 1, j] * c0[b, j] + gates[0, b, 0, j] * gates[0, b, 2, j]
+        for t in range(1, steps):
+            for j in range(hid):
+                c[t, b, j] = gates[t, b, 1, j] * c[t - 1, b, j] + gates[t, b, 0, j] * gates[t, b, 2, j]
+
+
+def _lstm_layer(has_u, one, tiny, gates, c0, c, tc, w_t, u, g_h, g_c, g0):
+    """An LSTM layer's backward walk, each sample a task, from its last state's gradient (g_h,
+    g_c) (B, H) back to g0 = (dL/dh_0, dL/dc_0) (B, 2H). At step t (gates (T, B, 4H) in rows
+    i, f, g, o; c and tanh(c) = tc of that step) the gates' pre-activation gradients d overwrite
+    the gates, then dL/dh_{t-1} = d @ W_hh + u[t-1] (the outputs' gradient, when ``has_u``) as H
+    dot products of length 4H against ``w_t`` = W_hh^T (H, 4H), and dL/dc_{t-1} = dc f, both
+    flushed below ``tiny`` (module docstring). ``one`` and ``tiny`` come in the arrays' dtype, so
+    that no step widens to float64; elements are indexed, not sliced (a view per step costs its
+    reference counting)."""
+    steps, batch, rows = gates.shape
+    hid = rows // 4
+    zero = one - one
+    for b_ in prange(batch):
+        b = np.int64(b_)
+        dh, dc = g_h[b].copy(), g_c[b].copy()
+        d = np.empty(rows, dh.dtype)
+        for t in range(steps - 1, -1, -1):
+            for j in range(hid):
+                i, f = gates[t, b, j], gates[t, b, hid + j]
+                g, o = gates[t, b, 2 * hid + j], gates[t, b, 3 * hid + j]
+                tj = tc[t, b, j]
+                c_prev = c[t - 1, b, j] if t > 0 else c0[b, j]
+                dcj = dc[j] + dh[j] * o * (one - tj * tj)
+                d[j] = dcj * g * i * (one - i)
+                d[hid + j] = dcj * c_prev * f * (one - f)
+                d[2 * hid + j] = dcj * i * (one - g * g)
+                d[3 * hid + j] = dh[j] * tj * o * (one - o)
+                nc = dcj * f
+                dc[j] = nc if abs(nc) >= tiny else zero
+            for r in range(rows):
+                gates[t, b, r] = d[r]
+            for col in range(hid):
+                acc = u[t - 1, b, col] if has_u and t > 0 else zero
+                for r in range(rows):
+                    acc += d[r] * w_t[col, r]
+                dh[col] = acc if abs(acc) >= tiny else zero
+        g0[b, :hid] = dh
+        g0[b, hid:] = dc
+
+
+def _compiled(fn: Callable, name: str, parallel: bool, reassociate: bool = False) -> Callable:
     """``fn`` compiled under its own name, so that numba's on-disk cache keeps the serial and the
-    parallel build apart (the cache is keyed by the function's name, not by its options)."""
+    parallel build apart (the cache is keyed by the function's name, not by its options).
+    ``reassociate``: sums may be reordered, so that a dot product vectorizes (its rounding changes
+    by a few ulps; no other fast-math assumption, so NaN and infinity propagate as usual)."""
     renamed = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
     renamed.__qualname__ = name
-    return njit(parallel=parallel, cache=True)(renamed)
+    fastmath = {"reassoc", "contract"} if reassociate else False
+    return njit(parallel=parallel, cache=True, fastmath=fastmath)(renamed)
 
 
 # One thread runs the serial build in the calling thread (no pool to wake, no worker spinning
 # beside other work, each prange a plain loop); more threads run the parallel one.
 _scan_serial = _compiled(_scan, "_scan_serial", parallel=False)
 _scan_parallel = _compiled(_scan, "_scan_parallel", parallel=True)
+_lstm_scan_serial = _compiled(_lstm_scan, "_lstm_scan_serial", parallel=False)
+_lstm_scan_parallel = _compiled(_lstm_scan, "_lstm_scan_parallel", parallel=True)
+_lstm_cells_serial = _compiled(_lstm_cells, "_lstm_cells_serial", parallel=False)
+_lstm_cells_parallel = _compiled(_lstm_cells, "_lstm_cells_parallel", parallel=True)
+_lstm_layer_serial = _compiled(_lstm_layer, "_lstm_layer_serial", parallel=False, reassociate=True)
+_lstm_layer_parallel = _compiled(_lstm_layer, "_lstm_layer_parallel", parallel=True, reassociate=True)
+
+
+def _threads() -> int:
+    """The threads the kernels take: torch's, within numba's pool (set to them when more than one)."""
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if threads > 1:
+        numba.set_num_threads(threads)
+    return threads
+
+
+def _arrays(*tensors: Tensor) -> list[np.ndarray]:
+    return [t.detach().contiguous().numpy() for t in tensors]
 
 
 def chunked_scan(
@@ -184,19 +296,71 @@ def chunked_scan(
     out = x_last.new_empty((n + 1, batch, hid)) if out is None else out
     if n == 0:
         return out.copy_(x_last.unsqueeze(0))
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if threads > 1:
-        numba.set_num_threads(threads)
     placeholder = x_last.new_zeros((1, 1, 1))
-    (_scan_parallel if threads > 1 else _scan_serial)(
+    (_scan_parallel if _threads() > 1 else _scan_serial)(
         terms,
         diagonal is not None,
         offsets is not None,
         torch.finfo(x_last.dtype).tiny if flush else 0.0,
         min(chunk, n),
-        *(t.detach().contiguous().numpy() for t in (scales, placeholder if diagonal is None else diagonal)),
-        *(t.detach().contiguous().numpy() for t in (weights, placeholder if offsets is None else offsets)),
-        x_last.detach().contiguous().numpy(),
+        *_arrays(scales, placeholder if diagonal is None else diagonal, weights),
+        *_arrays(placeholder if offsets is None else offsets, x_last),
         out.numpy(),
     )
     return out
+
+
+def lstm_scan(chain: LSTMChain, x_last: Tensor, offsets: Tensor | None, *, flush: bool = True) -> Tensor:
+    """The scan of an LSTM's chain (``chain.LSTMChain``, not transposed) over its state (h, c):
+    every sample walked from its x_n (B, 2H) through all n elements, the samples in parallel, with
+    offsets (n, B, 2H) or None; one dtype (float32 or float64). ``flush``: flush subnormal results
+    to 0. Returns x_0..x_n as (n + 1, B, 2H)."""
+    n = chain.length
+    out = x_last.new_empty((n + 1, *x_last.shape))
+    out[n] = x_last
+    if n == 0:
+        return out
+    placeholder = x_last.new_zeros((1, 1, 1))
+    hidden = chain.weights.shape[-1]
+    (_lstm_scan_parallel if _threads() > 1 else _lstm_scan_serial)(
+        chain.diag_hh is not None,
+        offsets is not None,
+        torch.finfo(x_last.dtype).tiny if flush else 0.0,
+        *_arrays(chain.scales_h, chain.scales_c, chain.weights.reshape(4 * hidden, hidden)),
+        *_arrays(chain.diag_hc, chain.diag_cc, placeholder if chain.diag_hh is None else chain.diag_hh),
+        *_arrays(placeholder if offsets is None else offsets),
+        out.numpy(),
+    )
+    return out
+
+
+def lstm_layer_backward(
+    gates: Tensor, c0: Tensor, w_hh: Tensor, g_h: Tensor, g_c: Tensor, u: Tensor | None, *, flush: bool = True
+) -> tuple[Tensor, Tensor]:
+    """An LSTM layer's backward in two compiled calls around one vectorized tanh: its cell states
+    c_1..c_T from the activated ``gates`` (T, B, 4, H; i, f, g, o) and c0 (B, H), then every sample
+    walked from (g_h, g_c) (B, H), the gradients of h_T and c_T, with ``u`` (T, B, H) the outputs'
+    gradients (or None). The walk forms each step's factors from its gates on the fly (no factor
+    tensors), so this is the whole chain and its pre-activation gradients in one pass.
+
+    ``gates`` is overwritten by the gates' pre-activation gradients (shared by the input and hidden
+    sides); returns them (T, B, 4H) and g_0 = (dL/dh_0, dL/dc_0) (B, 2H). One dtype, float32 or
+    float64; ``flush``: flush subnormal results to 0. The plain-PyTorch twin is the layer's generic
+    path (``LSTMCell.factors``, ``LSTMChain`` and ``scan``), which the tests compare it with.
+    """
+    steps, batch, _, hidden = gates.shape
+    c = torch.empty_like(gates[:, :, 0])
+    parallel = _threads() > 1
+    (_lstm_cells_parallel if parallel else _lstm_cells_serial)(*_arrays(gates, c0), c.numpy())
+    g0 = g_h.new_empty((batch, 2 * hidden))
+    placeholder = g_h.new_zeros((1, 1, 1))
+    scalar = np.float32 if g_h.dtype == torch.float32 else np.float64
+    (_lstm_layer_parallel if parallel else _lstm_layer_serial)(
+        u is not None,
+        scalar(1.0),
+        scalar(torch.finfo(g_h.dtype).tiny if flush else 0.0),
+        gates.view(steps, batch, 4 * hidden).numpy(),
+        *_arrays(c0, c, torch.tanh(c), w_hh.t(), placeholder if u is None else u, g_h, g_c),
+        g0.numpy(),
+    )
+    return gates.flatten(-2), g0

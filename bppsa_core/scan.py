@@ -151,6 +151,8 @@ def _run(chosen: str, chain: Chain, x_last: Tensor, offsets: Tensor | None, opti
             raise ValueError(dispatch.NUMBA_REFUSED)
         from bppsa_core import numba_scan
 
+        if isinstance(chain, LSTMChain):  # walked whole, the samples in parallel: no chunks
+            return numba_scan.lstm_scan(chain, x_last, offsets)
         return numba_scan.chunked_scan(
             chain.scales, chain.weights, x_last, offsets, options.chunk, chain.diagonal
         )
@@ -188,12 +190,13 @@ def _kernels_take(chain: Chain) -> bool:
 
 
 def _numba_takes(chain: Chain, x_last: Tensor, offsets: Tensor | None) -> bool:
-    """Whether the compiled CPU kernels take this chain: a factored one, not transposed, that
-    ``dispatch.numba_takes`` with the start vector and offsets of its dtype."""
-    if not isinstance(chain, FactoredChain) or chain.transposed:
+    """Whether the compiled CPU kernels take this chain: a factored one or an LSTM's, not
+    transposed, that ``dispatch.numba_takes`` with the start vector and offsets of its dtype."""
+    lstm = isinstance(chain, LSTMChain)
+    if not (lstm or isinstance(chain, FactoredChain)) or chain.transposed:
         return False
     tensors = (*chain.tensors(), x_last) + (() if offsets is None else (offsets,))
-    return dispatch.numba_takes(chain.weights.shape[0], *(t.dtype for t in tensors))
+    return dispatch.numba_takes(chain.weights.shape[0], *(t.dtype for t in tensors), lstm=lstm)
 
 
 def _triton(chain: Chain, x_last: Tensor, offsets: Tensor | None, chunk: int | None) -> Tensor:

@@ -54,6 +54,32 @@ def test_threads_change_nothing(monkeypatch) -> None:
     assert torch.equal(one, two)
 
 
+def test_threads_change_nothing_in_an_lstm_layer(monkeypatch) -> None:
+    """The fused LSTM backward's samples are independent tasks: its serial and parallel builds agree
+    bit for bit."""
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has one thread here (NUMBA_NUM_THREADS)")
+    ran = []
+    for build in ("_lstm_layer_serial", "_lstm_layer_parallel"):
+        kernel = getattr(numba_scan, build)
+        monkeypatch.setattr(numba_scan, build, lambda *a, k=kernel, n=build: ran.append(n) or k(*a))
+    gates = torch.rand(9, 3, 4, 5, dtype=F64)
+    c0, g_h, g_c = (torch.randn(3, 5, dtype=F64) for _ in range(3))
+    w_hh, u = torch.randn(20, 5, dtype=F64), torch.randn(9, 3, 5, dtype=F64)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(numba_scan.lstm_layer_backward(gates.clone(), c0, w_hh, g_h, g_c, u))
+    finally:
+        torch.set_num_threads(before)
+    assert ran == ["_lstm_layer_serial", "_lstm_layer_parallel"]
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
 @pytest.mark.parametrize("kind", ["RNN", "GRU"])
 @pytest.mark.parametrize(
     ("strategy", "chunk", "block", "walked"),
@@ -174,29 +200,105 @@ def test_packed_sequences_scan_in_the_kernels() -> None:
         FactoredChain(torch.rand(4, 2, 1, 3), torch.randn(1, 3, 3), transposed=True),
         FactoredChain(torch.rand(4, 2, 4, 3), torch.randn(4, 3, 3)),
         LSTMChain(
-            torch.rand(4, 2, 4, 3),
-            torch.rand(4, 2, 4, 3),
+            *(torch.rand(4, 2, 4, 3) for _ in range(2)),
             torch.randn(4, 3, 3),
-            torch.rand(4, 2, 3),
-            torch.rand(4, 2, 3),
+            *(torch.rand(4, 2, 3) for _ in range(2)),
+            transposed=True,
         ),
     ],
-    ids=["dense", "transposed", "four terms", "lstm"],
+    ids=["dense", "transposed", "four terms", "transposed lstm"],
 )
 def test_chains_the_kernels_do_not_take_are_refused(chain) -> None:
     with pytest.raises(ValueError, match=r"^strategy='numba' takes a factored chain of at most 3 terms"):
         scan(chain, torch.zeros(2, chain.hidden, dtype=chain.tensors()[0].dtype), strategy="numba")
 
 
-def test_an_lstm_is_refused_by_the_numba_strategy_and_taken_elsewhere_by_auto() -> None:
-    x = torch.randn(5, 2, 3)
-    with pytest.raises(ValueError, match="strategy='numba' takes a factored chain"):
-        bnn.LSTM(3, 4, strategy="numba")(x)[0].sum().backward()
-    ref, ours = torch.nn.LSTM(3, 4), bnn.LSTM(3, 4)
+def _lstm_chain(n: int, batch: int, hidden: int, dtype: torch.dtype, past_end: bool) -> LSTMChain:
+    g = torch.Generator().manual_seed(n)
+    scales = [torch.rand(n, batch, 4, hidden, generator=g, dtype=dtype) * 0.5 for _ in range(2)]
+    diags = [torch.rand(n, batch, hidden, generator=g, dtype=dtype) for _ in range(3 if past_end else 2)]
+    return LSTMChain(*scales, torch.randn(4, hidden, hidden, generator=g, dtype=dtype) * 0.3, *diags)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize(("past_end", "offsets"), [(False, False), (False, True), (True, True)])
+def test_an_lstm_chain_walked_in_the_kernels_matches_the_sequential_twin(dtype, past_end, offsets) -> None:
+    """The LSTM's chain over (h, c), with h's identity past a sequence's end (diag_hh) and offsets."""
+    chain = _lstm_chain(23, 3, 5, dtype, past_end)
+    x = torch.randn(3, 10, dtype=dtype)
+    b = torch.randn(23, 3, 10, dtype=dtype) if offsets else None
+    out = scan(chain, x, b, strategy="numba")
+    assert out.shape == (24, 3, 10) and out.dtype == dtype
+    assert rel_err(scan(chain, x, b, strategy="sequential"), out) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("outputs", [False, True])
+def test_the_fused_lstm_layer_backward_matches_the_generic_path(dtype, outputs) -> None:
+    """``numba_scan.lstm_layer_backward`` (cell states, factors and walk in two compiled calls)
+    against its plain-PyTorch twin: ``LSTMCell.factors``, the ``LSTMChain`` scanned sequentially and
+    ``preactivation_grads``."""
+    torch.manual_seed(3)
+    steps, batch, hidden, features = 17, 3, 5, 2
+    cell = jacobians.LSTMCell()
+    shapes = ((20, features), (20, hidden), (20,), (20,))
+    w = LayerWeights(*(torch.randn(s, dtype=dtype) * 0.4 for s in shapes))
+    x = torch.randn(steps, batch, features, dtype=dtype)
+    h0, c0 = torch.randn(batch, hidden, dtype=dtype), torch.randn(batch, hidden, dtype=dtype)
+    out = layer_mod.native_forward("LSTM", x, h0, c0, [w.w_ih, w.w_hh, w.b_ih, w.b_hh], None)[0]
+    h_prev = torch.cat((h0.unsqueeze(0), out[:-1]))
+    g_h, g_c = torch.randn(batch, hidden, dtype=dtype), torch.randn(batch, hidden, dtype=dtype)
+    u = torch.randn(steps, batch, hidden, dtype=dtype) if outputs else None
+
+    factors = cell.factors(x, h_prev, out, w, c0)
+    offsets = None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))
+    offsets = None if offsets is None else torch.cat((offsets, torch.zeros_like(offsets)), -1)
+    g = scan(cell.chain(factors, w), torch.cat((g_h, g_c), -1), offsets, strategy="sequential")
+    twin, _ = cell.preactivation_grads(g[1:], factors)
+
+    delta, g0 = numba_scan.lstm_layer_backward(cell.activations(x, h_prev, w), c0, w.w_hh, g_h, g_c, u)
+    assert delta.shape == (steps, batch, 20) and g0.shape == (batch, 2 * hidden)
+    assert rel_err(twin, delta) < TOL[dtype]
+    assert rel_err(g[0], g0) < TOL[dtype]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_layers": 2, "bidirectional": True},
+        {"num_layers": 2, "dropout": 0.0, "batch_first": True},
+    ],
+    ids=["bidirectional", "two layers"],
+)
+@pytest.mark.parametrize("strategy", ["numba", "auto"])
+def test_an_lstm_on_the_cpu_takes_the_fused_kernels_and_gives_autograds_gradients(
+    monkeypatch, strategy, kwargs
+) -> None:
+    """float64, loss on every output, on h_n and on c_n: exact to 1e-10, through the fused layer
+    backward for every layer and direction; packed input takes the stored chain walked in the
+    kernels (identities past each end)."""
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(3, 4, **kwargs).double()
+    ours = bnn.LSTM(3, 4, strategy=strategy, **kwargs).double()
     ours.load_state_dict(ref.state_dict())
+    fused, walks = [], []
+    real_fused, real_walk = numba_scan.lstm_layer_backward, numba_scan.lstm_scan
+    monkeypatch.setattr(numba_scan, "lstm_layer_backward", lambda *a: fused.append(1) or real_fused(*a))
+    monkeypatch.setattr(numba_scan, "lstm_scan", lambda *a: walks.append(1) or real_walk(*a))
+    shape = (2, 6, 3) if kwargs.get("batch_first") else (6, 2, 3)
+    seqs = [torch.randn(t, 3, dtype=F64) for t in (7, 5, 2)]
+    grads = []
     for m in (ref, ours):
-        m(x)[0].sum().backward()
-    assert rel_err(ref.weight_hh_l0.grad, ours.weight_hh_l0.grad) < 1e-5
+        x = torch.randn(shape, dtype=F64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        out, (h_n, c_n) = m(x)
+        (out.sin().sum() + h_n.pow(2).sum() + c_n.cos().sum()).backward()
+        packed_out, (ph, pc) = m(torch.nn.utils.rnn.pack_sequence(seqs))
+        (packed_out.data.sum() + ph.sum() + pc.sum()).backward()
+        grads.append([x.grad, *(p.grad for p in m.parameters())])
+    for a, b in zip(*grads, strict=True):
+        assert rel_err(a, b) < 1e-10
+    calls = kwargs["num_layers"] * (2 if kwargs.get("bidirectional") else 1)
+    assert len(fused) == calls and len(walks) == calls
 
 
 def test_the_chunk_follows_the_threads() -> None:

@@ -1,0 +1,160 @@
+"""Host-path benchmark: one short layer's forward and backward, BPPSA's modules against torch.nn's.
+
+    python -m benchmarks.host                          # RNN, GRU, LSTM at T = 10, B = 16, H = 20
+    python -m benchmarks.host --device cuda            # the same on a GPU, eager wall-clock
+
+At T = 10, B = 16, H = 20 a layer's arithmetic is a few microseconds, so what is timed is the work
+around it that does not grow with T: Python, dispatch, allocations and launches. For each model one
+torch.nn module and one ``bppsa_core`` module with the same weights run, taking turns, the training
+forward (``forward``) and the forward with the backward of a loss on h_T (``step``); each cell is
+the median of ``--repeats`` rounds after ``--warmup``, all in one process, with ``--threads`` CPU
+threads (default one: the host path, not the parallel work, is what is measured). The last column
+is the largest relative difference of the two modules' gradients, a check that both computed the
+same thing.
+
+Prints Markdown; progress goes to stderr. Imports nothing beyond torch, so it runs on a bare GPU
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from benchmarks.common import (
+    Progress,
+    device_arg,
+    fmt_ms,
+    machine_line,
+    markdown,
+    non_negative_int,
+    parser,
+    positive_int,
+    run_tool,
+    threads_arg,
+)
+from bppsa_core import nn as bnn
+from experiments.timing import time_ms
+
+MODELS = {"rnn": (torch.nn.RNN, bnn.RNN), "gru": (torch.nn.GRU, bnn.GRU), "lstm": (torch.nn.LSTM, bnn.LSTM)}
+FEATURES = 1  # the paper's bitstream input
+
+
+@dataclass
+class Row:
+    model: str
+    steps: int
+    batch: int
+    hidden: int
+    forward_ms: tuple[float, float]  # torch.nn's, BPPSA's
+    step_ms: tuple[float, float]
+    grad_diff: float
+
+
+def _step(module: torch.nn.Module, x: Tensor) -> None:
+    out, _ = module(x)
+    out[-1].sum().backward()
+
+
+def bench(
+    model: str,
+    steps: int,
+    batch: int,
+    hidden: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    warmup: int,
+    repeats: int,
+) -> Row:
+    """One row: both modules' forward and step, taking turns on the same input."""
+    ref_cls, ours_cls = MODELS[model]
+    torch.manual_seed(0)
+    ref = ref_cls(FEATURES, hidden).to(device, dtype)
+    ours = ours_cls(FEATURES, hidden).to(device, dtype)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(steps, batch, FEATURES, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    work: dict[str, Callable[[], object]] = {
+        "nn forward": lambda: ref(x),
+        "bppsa forward": lambda: ours(x),
+        "nn step": lambda: _step(ref, x),
+        "bppsa step": lambda: _step(ours, x),
+    }
+    times: dict[str, list[float]] = {name: [] for name in work}
+    for r in range(warmup + repeats):
+        for m in (ref, ours):
+            m.zero_grad(set_to_none=True)
+        for name, fn in work.items():
+            ms = time_ms(fn, device)
+            if r >= warmup:
+                times[name].append(ms)
+    diff = max(
+        ((a.grad - b.grad).norm() / b.grad.norm().clamp_min(1e-30)).item()
+        for a, b in zip(ours.parameters(), ref.parameters(), strict=True)
+    )
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return Row(
+        model, steps, batch, hidden,
+        (med["nn forward"], med["bppsa forward"]), (med["nn step"], med["bppsa step"]), diff,
+    )  # fmt: skip
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """Markdown: per model, each module's forward and step time and BPPSA's ratio to torch.nn's."""
+    head = ["model", "T", "B", "H", "nn forward ms", "BPPSA forward ms", "forward ratio"]
+    head += ["nn step ms", "BPPSA step ms", "step ratio", "grad rel. diff"]
+    body = []
+    for r in rows:
+        cells = [r.model, str(r.steps), str(r.batch), str(r.hidden)]
+        for nn_ms, ours_ms in (r.forward_ms, r.step_ms):
+            cells += [fmt_ms(nn_ms), fmt_ms(ours_ms), f"{ours_ms / nn_ms:.2f}"]
+        body.append([*cells, f"{r.grad_diff:.1e}"])
+    return markdown(head, body)
+
+
+LEGEND = (
+    "'forward': the training forward of one layer; 'step': that forward and the backward of a loss on "
+    "h_T; 'ratio': BPPSA's time over torch.nn's (below 1: BPPSA is faster); 'grad rel. diff': the "
+    "largest relative difference of the parameter gradients between the two modules."
+)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: a bad value ends the tool with one line and status 2."""
+    p = parser("benchmarks.host", __doc__)
+    p.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS), help="models")
+    p.add_argument("--T", type=positive_int, nargs="+", default=[10], help="sequence lengths")
+    p.add_argument("--B", type=positive_int, default=16, help="batch size")
+    p.add_argument("--H", type=positive_int, default=20, help="hidden size")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--threads", type=threads_arg, default=1, help="CPU threads")
+    p.add_argument("--repeats", type=positive_int, default=200, help="timed rounds (the median is shown)")
+    p.add_argument("--warmup", type=non_negative_int, default=20, help="untimed rounds before them")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the table once every model is measured."""
+    args = parse_args(argv)
+    progress = Progress("host")
+    torch.set_num_threads(args.threads)
+    device, dtype = args.device, getattr(torch, args.dtype)
+    print(machine_line(device))
+    print(f"{args.dtype}, median of {args.repeats} after {args.warmup} warm-up rounds, taking turns")
+    rows = []
+    for model in args.models:
+        for t in args.T:
+            progress(f"{model} T={t} ...")
+            rows.append(bench(model, t, args.B, args.H, device, dtype, args.warmup, args.repeats))
+    print(f"\n{LEGEND}\n\n{format_table(rows)}", flush=True)
+    progress("done")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_tool("benchmarks.host", main))

@@ -1,0 +1,52 @@
+"""The host-path benchmark: what a row measures, what it prints, its bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import markdown_tables
+
+from benchmarks import host
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("model", list(host.MODELS))
+def test_a_row_times_both_modules_and_checks_their_gradients(model) -> None:
+    row = host.bench(model, 6, 3, 5, CPU, torch.float64, 1, 2)
+    assert (row.model, row.steps, row.batch, row.hidden) == (model, 6, 3, 5)
+    assert min(*row.forward_ms, *row.step_ms) > 0
+    assert row.grad_diff < 1e-10  # float64: the two modules' gradients are the same
+
+
+def test_the_run_prints_one_row_per_model_and_length(capsys) -> None:
+    argv = ["--models", "rnn", "lstm", "--T", "3", "5", "--B", "2", "--H", "4"]
+    argv += ["--repeats", "2", "--warmup", "0"]
+    threads = torch.get_num_threads()
+    try:
+        assert host.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # the tool's one thread, not the tests' after it
+    out = capsys.readouterr().out
+    assert out.startswith("device: cpu") and ", 1 threads)" in out.splitlines()[0]
+    ((head, rows),) = markdown_tables(out)
+    assert head[:5] == ["model", "T", "B", "H", "nn forward ms"]
+    assert head[-2:] == ["step ratio", "grad rel. diff"]
+    assert [(r[0], r[1]) for r in rows] == [("rnn", "3"), ("rnn", "5"), ("lstm", "3"), ("lstm", "5")]
+    assert max(float(r[-1]) for r in rows) < 1e-4  # float32
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--T", "0"], "argument --T: 0 is not positive; accepted: positive integers"),
+        (["--models", "transformer"], "argument --models: invalid choice: 'transformer'"),
+        (["--threads", "100000"], "argument --threads: 100000 is more than the"),
+    ],
+)
+def test_bad_arguments_end_it_in_one_line(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        host.parse_args(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
