@@ -401,7 +401,7 @@ def _fused_layer(
             from bppsa_core import numba_scan
 
             gates = cell.activations(x, h_prev.whole(), w)
-            delta, g0 = numba_scan.lstm_layer_backward(gates, c0, w.w_hh, g_last, g_c_last, u)
+            delta, g0 = numba_scan.lstm_layer_backward(gates, h, c0, w.w_hh, g_last, g_c_last, u)
             return (lambda t: (delta[t], delta[t])), (lambda: g0)
         chunk = chunk or dispatch.numba_chunk(steps, batch, hidden, cell.gates, torch.get_num_threads())
         return _walked(cell, x, h_prev, w, u, g_last) if chunk >= steps else None

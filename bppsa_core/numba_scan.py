@@ -185,52 +185,46 @@ def _lstm_scan(has_hh, has_b, tiny, scales_h, scales_c, w, diag_hc, diag_cc, dia
         _lstm_walk(has_hh, has_b, tiny, b, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out)
 
 
-def _lstm_cells(gates, c0, c):
-    """c_t = f_t c_{t-1} + i_t g_t for every sample (a task each), from the activated gates
-    (T, B, 4, H) in the order i, f, g, o and c0 (B, H), into c (T, B, H)."""
-    steps, batch, _, hid = gates.shape
-    for b_ in prange(batch):
-        b = np.int64(b_)
-        for j in range(hid):
-            c[0, b, j] = gates[0, b, 1, j] * c0[b, j] + gates[0, b, 0, j] * gates[0, b, 2, j]
-        for t in range(1, steps):
-            for j in range(hid):
-                c[t, b, j] = gates[t, b, 1, j] * c[t - 1, b, j] + gates[t, b, 0, j] * gates[t, b, 2, j]
+def _lstm_layer(has_u, one, tiny, gates, h, c, w_t, u, g_h, g_c, g0):
+    """An LSTM layer's backward, each sample a task, from the activated gates (T, B, 4H; rows
+    i, f, g, o), its outputs h_1..h_T (T, B, H) and c (T + 1, B, H) holding c_0 in its first row.
+    First the cell states c_t = f_t c_{t-1} + i_t g_t into c's other rows; then the walk from the
+    last state's gradient (g_h, g_c) (B, H) back to g0 = (dL/dh_0, dL/dc_0) (B, 2H). At step t the
+    gates' pre-activation gradients d overwrite the gates, then dL/dh_{t-1} = d @ W_hh + u[t-1] (the
+    outputs' gradient, when ``has_u``) as H dot products of length 4H against ``w_t`` = W_hh^T
+    (H, 4H), and dL/dc_{t-1} = dc f, both flushed below ``tiny`` (module docstring).
 
-
-def _lstm_layer(has_u, one, tiny, gates, c0, c, tc, w_t, u, g_h, g_c, g0):
-    """An LSTM layer's backward walk, each sample a task, from its last state's gradient (g_h,
-    g_c) (B, H) back to g0 = (dL/dh_0, dL/dc_0) (B, 2H). At step t (gates (T, B, 4H) in rows
-    i, f, g, o; c and tanh(c) = tc of that step) the gates' pre-activation gradients d overwrite
-    the gates, then dL/dh_{t-1} = d @ W_hh + u[t-1] (the outputs' gradient, when ``has_u``) as H
-    dot products of length 4H against ``w_t`` = W_hh^T (H, 4H), and dL/dc_{t-1} = dc f, both
-    flushed below ``tiny`` (module docstring). ``one`` and ``tiny`` come in the arrays' dtype, so
-    that no step widens to float64; elements are indexed, not sliced (a view per step costs its
-    reference counting)."""
+    tanh(c_t) is h_t / o_t (0 where o_t is): a division, where a scalar tanh would cost most of the
+    walk; it enters only multiplied by o_t, so its rounding near o_t = 0 does not carry. ``one`` and
+    ``tiny`` come in the arrays' dtype, so that no step widens to float64; elements are indexed, not
+    sliced (a view per step costs its reference counting); the inner loops have no branches."""
     steps, batch, rows = gates.shape
     hid = rows // 4
     zero = one - one
     for b_ in prange(batch):
         b = np.int64(b_)
+        for t in range(steps):
+            for j in range(hid):
+                c[t + 1, b, j] = gates[t, b, hid + j] * c[t, b, j] + gates[t, b, j] * gates[t, b, 2 * hid + j]
         dh, dc = g_h[b].copy(), g_c[b].copy()
         d = np.empty(rows, dh.dtype)
         for t in range(steps - 1, -1, -1):
             for j in range(hid):
                 i, f = gates[t, b, j], gates[t, b, hid + j]
                 g, o = gates[t, b, 2 * hid + j], gates[t, b, 3 * hid + j]
-                tj = tc[t, b, j]
-                c_prev = c[t - 1, b, j] if t > 0 else c0[b, j]
+                tj = h[t, b, j] / o if o != zero else zero
                 dcj = dc[j] + dh[j] * o * (one - tj * tj)
                 d[j] = dcj * g * i * (one - i)
-                d[hid + j] = dcj * c_prev * f * (one - f)
+                d[hid + j] = dcj * c[t, b, j] * f * (one - f)
                 d[2 * hid + j] = dcj * i * (one - g * g)
                 d[3 * hid + j] = dh[j] * tj * o * (one - o)
                 nc = dcj * f
                 dc[j] = nc if abs(nc) >= tiny else zero
             for r in range(rows):
                 gates[t, b, r] = d[r]
+            inject = has_u and t > 0
             for col in range(hid):
-                acc = u[t - 1, b, col] if has_u and t > 0 else zero
+                acc = u[t - 1, b, col] if inject else zero
                 for r in range(rows):
                     acc += d[r] * w_t[col, r]
                 dh[col] = acc if abs(acc) >= tiny else zero
@@ -255,8 +249,6 @@ _scan_serial = _compiled(_scan, "_scan_serial", parallel=False)
 _scan_parallel = _compiled(_scan, "_scan_parallel", parallel=True)
 _lstm_scan_serial = _compiled(_lstm_scan, "_lstm_scan_serial", parallel=False)
 _lstm_scan_parallel = _compiled(_lstm_scan, "_lstm_scan_parallel", parallel=True)
-_lstm_cells_serial = _compiled(_lstm_cells, "_lstm_cells_serial", parallel=False)
-_lstm_cells_parallel = _compiled(_lstm_cells, "_lstm_cells_parallel", parallel=True)
 _lstm_layer_serial = _compiled(_lstm_layer, "_lstm_layer_serial", parallel=False, reassociate=True)
 _lstm_layer_parallel = _compiled(_lstm_layer, "_lstm_layer_parallel", parallel=True, reassociate=True)
 
@@ -335,32 +327,43 @@ def lstm_scan(chain: LSTMChain, x_last: Tensor, offsets: Tensor | None, *, flush
 
 
 def lstm_layer_backward(
-    gates: Tensor, c0: Tensor, w_hh: Tensor, g_h: Tensor, g_c: Tensor, u: Tensor | None, *, flush: bool = True
+    gates: Tensor,
+    h: Tensor,
+    c0: Tensor,
+    w_hh: Tensor,
+    g_h: Tensor,
+    g_c: Tensor,
+    u: Tensor | None,
+    *,
+    flush: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """An LSTM layer's backward in two compiled calls around one vectorized tanh: its cell states
-    c_1..c_T from the activated ``gates`` (T, B, 4, H; i, f, g, o) and c0 (B, H), then every sample
-    walked from (g_h, g_c) (B, H), the gradients of h_T and c_T, with ``u`` (T, B, H) the outputs'
-    gradients (or None). The walk forms each step's factors from its gates on the fly (no factor
-    tensors), so this is the whole chain and its pre-activation gradients in one pass.
+    """An LSTM layer's backward in one compiled call: its cell states c_1..c_T from the activated
+    ``gates`` (T, B, 4, H; i, f, g, o) and c0 (B, H), then every sample walked from (g_h, g_c)
+    (B, H), the gradients of h_T and c_T, with ``h`` the layer's outputs h_1..h_T (T, B, H) and
+    ``u`` (T, B, H) the outputs' gradients (or None). The walk forms each step's factors from its
+    gates on the fly (no factor tensors), so this is the whole chain and its pre-activation
+    gradients in one pass.
 
-    ``gates`` is overwritten by the gates' pre-activation gradients (shared by the input and hidden
-    sides); returns them (T, B, 4H) and g_0 = (dL/dh_0, dL/dc_0) (B, 2H). One dtype, float32 or
-    float64; ``flush``: flush subnormal results to 0. The plain-PyTorch twin is the layer's generic
-    path (``LSTMCell.factors``, ``LSTMChain`` and ``scan``), which the tests compare it with.
+    ``gates`` (contiguous) is overwritten by the gates' pre-activation gradients (shared by the
+    input and hidden sides); returns them (T, B, 4H) and g_0 = (dL/dh_0, dL/dc_0) (B, 2H). One
+    dtype, float32 or float64; ``flush``: flush subnormal results to 0. The plain-PyTorch twin is
+    the layer's generic path (``LSTMCell.factors``, ``LSTMChain`` and ``scan``), which the tests
+    compare it with.
     """
     steps, batch, _, hidden = gates.shape
-    c = torch.empty_like(gates[:, :, 0])
-    parallel = _threads() > 1
-    (_lstm_cells_parallel if parallel else _lstm_cells_serial)(*_arrays(gates, c0), c.numpy())
+    delta = gates.view(steps, batch, 4 * hidden)
+    c = gates.new_empty((steps + 1, batch, hidden))
+    c[0] = c0
     g0 = g_h.new_empty((batch, 2 * hidden))
-    placeholder = g_h.new_zeros((1, 1, 1))
     scalar = np.float32 if g_h.dtype == torch.float32 else np.float64
-    (_lstm_layer_parallel if parallel else _lstm_layer_serial)(
+    (_lstm_layer_parallel if _threads() > 1 else _lstm_layer_serial)(
         u is not None,
         scalar(1.0),
         scalar(torch.finfo(g_h.dtype).tiny if flush else 0.0),
-        gates.view(steps, batch, 4 * hidden).numpy(),
-        *_arrays(c0, c, torch.tanh(c), w_hh.t(), placeholder if u is None else u, g_h, g_c),
+        delta.numpy(),
+        *_arrays(h),
+        c.numpy(),
+        *_arrays(w_hh.t(), g_h.new_zeros((1, 1, 1)) if u is None else u, g_h, g_c),
         g0.numpy(),
     )
-    return gates.flatten(-2), g0
+    return delta, g0

@@ -65,7 +65,7 @@ def test_threads_change_nothing_in_an_lstm_layer(monkeypatch) -> None:
     for build in ("_lstm_layer_serial", "_lstm_layer_parallel"):
         kernel = getattr(numba_scan, build)
         monkeypatch.setattr(numba_scan, build, lambda *a, k=kernel, n=build: ran.append(n) or k(*a))
-    gates = torch.rand(9, 3, 4, 5, dtype=F64)
+    gates, h = torch.rand(9, 3, 4, 5, dtype=F64), torch.rand(9, 3, 5, dtype=F64)
     c0, g_h, g_c = (torch.randn(3, 5, dtype=F64) for _ in range(3))
     w_hh, u = torch.randn(20, 5, dtype=F64), torch.randn(9, 3, 5, dtype=F64)
     before = torch.get_num_threads()
@@ -73,7 +73,7 @@ def test_threads_change_nothing_in_an_lstm_layer(monkeypatch) -> None:
         results = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append(numba_scan.lstm_layer_backward(gates.clone(), c0, w_hh, g_h, g_c, u))
+            results.append(numba_scan.lstm_layer_backward(gates.clone(), h, c0, w_hh, g_h, g_c, u))
     finally:
         torch.set_num_threads(before)
     assert ran == ["_lstm_layer_serial", "_lstm_layer_parallel"]
@@ -256,7 +256,7 @@ def test_the_fused_lstm_layer_backward_matches_the_generic_path(dtype, outputs) 
     g = scan(cell.chain(factors, w), torch.cat((g_h, g_c), -1), offsets, strategy="sequential")
     twin, _ = cell.preactivation_grads(g[1:], factors)
 
-    delta, g0 = numba_scan.lstm_layer_backward(cell.activations(x, h_prev, w), c0, w.w_hh, g_h, g_c, u)
+    delta, g0 = numba_scan.lstm_layer_backward(cell.activations(x, h_prev, w), out, c0, w.w_hh, g_h, g_c, u)
     assert delta.shape == (steps, batch, 20) and g0.shape == (batch, 2 * hidden)
     assert rel_err(twin, delta) < TOL[dtype]
     assert rel_err(g[0], g0) < TOL[dtype]
