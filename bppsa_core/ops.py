@@ -11,8 +11,8 @@ through the fake implementations) and ``torch.jit.trace`` treat each as one opaq
   over the transposed elements.
 
 In plain eager work (``_plain``: no compiler, tracer, ``torch.func`` transform, dispatch mode, tensor
-subclass or meta device) the call skips the operators: an ``_EagerLayer`` runs their
-implementations directly (``_Direct``), since their dispatch costs as much as a short layer's work.
+subclass or meta device) the call skips the operators: an ``_EagerLayer`` runs ``bppsa_core.layer``'s
+maths directly, since the operators' dispatch costs as much as a short layer's work.
 
 Under ``vmap`` each operator runs once per mapped index (``_loop_vmap``). Optional results are
 returned as empty tensors (operators return tensors only); weights and tangents are separate
@@ -44,7 +44,8 @@ def _present(*tensors: Tensor | None) -> list[Tensor]:
     return [t for t in tensors if t is not None]
 
 
-def _forward(
+@torch.library.custom_op("bppsa::layer_forward", mutates_args=())
+def _forward_op(
     # the layer call's tensors
     x: Tensor, h0: Tensor, c0: Tensor | None, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None,
     b_hh: Tensor | None, lengths: Tensor | None, guess: Tensor | None,
@@ -60,9 +61,6 @@ def _forward(
     return out, h.clone(), (_empty(h) if c is None else c.clone()), stats.as_tensor()
 
 
-_forward_op = torch.library.custom_op("bppsa::layer_forward", mutates_args=())(_forward)
-
-
 @_forward_op.register_fake
 def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, *rest):  # rest: lengths .. levels
     out = x.new_empty((x.shape[0], x.shape[1], w_hh.shape[1]))
@@ -70,7 +68,8 @@ def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, *rest):  # rest: lengths .. levels
     return out, h0.new_empty(h0.shape), (_empty(h0) if c0 is None else c0.new_empty(c0.shape)), stats
 
 
-def _backward(
+@torch.library.custom_op("bppsa::layer_backward", mutates_args=())
+def _backward_op(
     # the layer call's tensors, its outputs and their gradients
     x: Tensor, h0: Tensor, c0: Tensor | None, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None,
     b_hh: Tensor | None, lengths: Tensor | None, out: Tensor,
@@ -94,9 +93,6 @@ def _backward(
     )
 
 
-_backward_op = torch.library.custom_op("bppsa::layer_backward", mutates_args=())(_backward)
-
-
 @_backward_op.register_fake
 def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, *rest):  # rest: lengths .. levels, need_input
     dtype, need_input = w_hh.dtype, rest[-1]
@@ -115,7 +111,8 @@ def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, *rest):  # rest: lengths .. levels, nee
     )
 
 
-def _tangent(
+@torch.library.custom_op("bppsa::layer_tangent", mutates_args=())
+def _tangent_op(
     # the layer call's tensors and outputs, then the tangents of the tensors
     x: Tensor, h0: Tensor, c0: Tensor | None, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None,
     b_hh: Tensor | None, lengths: Tensor | None, out: Tensor,
@@ -129,9 +126,6 @@ def _tangent(
     tangents = [dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh]
     d_out, d_h, d_c = bppsa_layer.bppsa_tangent(config, x, h0, c0, weights, lengths, out, tangents)
     return d_out, d_h, _empty(d_h) if d_c is None else d_c
-
-
-_tangent_op = torch.library.custom_op("bppsa::layer_tangent", mutates_args=())(_tangent)
 
 
 @_tangent_op.register_fake
@@ -160,23 +154,15 @@ for _op in (_forward_op, _backward_op, _tangent_op):
     torch.library.register_vmap(_op, _loop_vmap(_op))
 
 
-class _Direct:
-    """The operators' implementations called as plain functions: the eager path (``_calls``)."""
-
-    layer_forward = staticmethod(_forward)
-    layer_backward = staticmethod(_backward)
-    layer_tangent = staticmethod(_tangent)
-
-
 def _plain(*tensors: Tensor | None) -> bool:
-    """Whether a layer call is plain eager work, which calls the operators' implementations directly
-    (``_Direct``) from an ``_EagerLayer``: the operators' dispatch (schema binding, redispatch
-    through the autograd keys) and ``Function.apply``'s argument binding cost as much as a short
-    layer's work (re-measured by ``python -m benchmarks.host``). The operators stay wherever
-    something must see one opaque step: ``torch.compile``, ``jit.trace``, the ``torch.func``
-    transforms and the older vmap of ``autograd.functional`` (their batching rules), a dispatch mode
-    (fake tensors, flop counters), a tensor subclass and the meta device; ``tensors``: the call's
-    inputs besides the weights (None for one not given)."""
+    """Whether a layer call is plain eager work, which runs ``bppsa_core.layer``'s maths directly
+    (from an ``_EagerLayer``): the operators' dispatch (schema binding, redispatch through the
+    autograd keys, the config rebuilt from its fields) and ``Function.apply``'s argument binding
+    cost as much as a short layer's work (re-measured by ``python -m benchmarks.host``). The
+    operators stay wherever something must see one opaque step: ``torch.compile``, ``jit.trace``,
+    the ``torch.func`` transforms and the older vmap of ``autograd.functional`` (their batching
+    rules), a dispatch mode (fake tensors, flop counters), a tensor subclass and the meta device;
+    ``tensors``: the call's inputs besides the weights (None for one not given)."""
     if (
         torch.compiler.is_compiling()
         or torch.jit.is_tracing()
@@ -193,31 +179,7 @@ def _plain(*tensors: Tensor | None) -> bool:
 _legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
-def _calls(*tensors: Tensor | None) -> Any:
-    """What runs a layer call's step now: the implementations in plain eager work, else the operators."""
-    return _Direct if _plain(*tensors) else torch.ops.bppsa
-
-
 # ------------------------------------------------------------------------------------------ autograd
-
-
-def _run_forward(
-    calls: Any,
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    lengths: Tensor | None,
-    guess: Tensor | None,
-    config: LayerConfig,
-    weights: tuple[Tensor, ...],
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The forward step of a layer call by ``calls`` (the operators or ``_Direct``)."""
-    w_ih, w_hh, b_ih, b_hh = (*weights, None, None)[:4]
-    o, s = config.options, config.solver
-    return calls.layer_forward(
-        x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, guess, config.mode, config.segment,
-        s.method, s.tol, s.max_iters, o.strategy, o.chunk, o.levels,
-    )  # fmt: skip
 
 
 class _CompiledLayer(torch.autograd.Function):
@@ -236,7 +198,12 @@ class _CompiledLayer(torch.autograd.Function):
         config: LayerConfig,
         *weights: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return _run_forward(torch.ops.bppsa, x, h0, c0, lengths, guess, config, weights)
+        w_ih, w_hh, b_ih, b_hh = (*weights, None, None)[:4]
+        o, s = config.options, config.solver
+        return torch.ops.bppsa.layer_forward(
+            x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, guess, config.mode, config.segment,
+            s.method, s.tol, s.max_iters, o.strategy, o.chunk, o.levels,
+        )  # fmt: skip
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -262,12 +229,17 @@ class _CompiledLayer(torch.autograd.Function):
                 config, x, h0, c0, lengths, weights, (grad_out, grad_hn, grad_cn)
             )
             return (*grads[:3], None, None, None, *grads[3:])
-        o = config.options
         need = ctx.needs_input_grad
-        dx, dh0, dc0, *dw = _calls(x, h0, grad_out, grad_hn, grad_cn).layer_backward(
-            x, h0, c0, *(*weights, None, None)[:4], lengths, out, grad_out, grad_hn, grad_cn,
-            config.mode, o.strategy, o.chunk, o.levels, need[0],
-        )  # fmt: skip
+        if _plain(x, h0, grad_out, grad_hn, grad_cn):
+            dx, dh0, dc0, dw = bppsa_layer.bppsa_backward(
+                config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need[0]
+            )
+        else:
+            o = config.options
+            dx, dh0, dc0, *dw = torch.ops.bppsa.layer_backward(
+                x, h0, c0, *(*weights, None, None)[:4], lengths, out, grad_out, grad_hn, grad_cn,
+                config.mode, o.strategy, o.chunk, o.levels, need[0],
+            )  # fmt: skip
         return (
             dx if need[0] else None,
             dh0,
@@ -287,23 +259,28 @@ class _Layer(_CompiledLayer):
         x, h0, c0, lengths, out, *weights = ctx.saved_tensors
         config: LayerConfig = ctx.config
         dweights = (*rest[3:], None, None)[:4]
-        o = config.options
-        d_out, d_h, d_c = _calls(x, h0, dx, dh0, dc0).layer_tangent(
-            x, h0, c0, *(*weights, None, None)[:4], lengths, out, dx, dh0, dc0, *dweights,
-            config.mode, o.strategy, o.chunk, o.levels,
-        )  # fmt: skip
+        if _plain(x, h0, dx, dh0, dc0):
+            tangents = [dx, dh0, dc0, *dweights]
+            d_out, d_h, d_c = bppsa_layer.bppsa_tangent(config, x, h0, c0, weights, lengths, out, tangents)
+        else:
+            o = config.options
+            d_out, d_h, d_c = torch.ops.bppsa.layer_tangent(
+                x, h0, c0, *(*weights, None, None)[:4], lengths, out, dx, dh0, dc0, *dweights,
+                config.mode, o.strategy, o.chunk, o.levels,
+            )  # fmt: skip
         return d_out, d_h, (d_c if c0 is not None else None), None
 
 
 class _EagerLayer(torch.autograd.Function):
-    """``_Layer`` with the context passed to its forward, so that ``apply`` does not bind the
-    arguments to the forward's signature; not usable under the ``torch.func`` transforms, which
-    ``_plain`` rules out."""
+    """``_Layer`` in plain eager work (``_plain``): its forward runs ``layer.solved_forward`` itself
+    and takes its context, so that ``apply`` does not bind the arguments to the forward's signature;
+    not usable under the ``torch.func`` transforms, which ``_plain`` rules out."""
 
     @staticmethod
     def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         x, h0, c0, lengths, guess, config, *weights = inputs
-        output = _run_forward(_Direct, x, h0, c0, lengths, guess, config, weights)
+        out, h, c, stats = bppsa_layer.solved_forward(config, x, h0, c0, weights, lengths, guess)
+        output = out, h, (_empty(h) if c is None else c), stats.as_tensor()
         _Layer.setup_context(ctx, inputs, output)
         return output
 
