@@ -537,9 +537,12 @@ class PreviousStates:
         self._strided = not h.is_contiguous()  # blocks copied side by side (class docstring)
         self._block: tuple[int, int] | None = None  # the steps lo, hi the buffer holds
         self._buffer: Tensor | None = None
+        self._whole: Tensor | None = None  # ``whole()``'s copy, once made: every block is a view of it
 
     def __getitem__(self, t: slice) -> Tensor:
         lo, hi = self._steps(t)
+        if self._whole is not None:
+            return self._whole[lo:hi]
         if self._strided and hi > lo:
             return self._side_by_side(lo, hi)[:-1]
         return self._joined(lo, hi)
@@ -552,8 +555,11 @@ class PreviousStates:
         return self.h[lo:hi]
 
     def whole(self) -> Tensor:
-        """Every step's previous state as one (T, B, H) tensor (a copy)."""
-        return self._joined(0, self.shape[0])
+        """Every step's previous state as one (T, B, H) tensor (a copy, made once: later blocks are
+        views of it, no second copy)."""
+        if self._whole is None:
+            self._whole = self._joined(0, self.shape[0])
+        return self._whole
 
     def _steps(self, t: slice) -> tuple[int, int]:
         lo, hi, stride = t.indices(self.shape[0])

@@ -218,9 +218,12 @@ def _graphed(chain: Chain, x_last: Tensor, offsets: Tensor | None, options: Scan
 
     The inputs are copied into the graph's static buffers and the result is copied out, so the
     caller may keep or overwrite it. Blelloch's scan is captured (with ``levels``), or the chunked
-    one when Blelloch's up-sweep would not fit (``dispatch.eager_strategy``).
+    one when Blelloch's up-sweep would not fit (``dispatch.eager_strategy``). Inside a capture the
+    caller runs (a whole training step captured), the eager scan runs as it is, captured with the rest.
     """
     inner = dispatch.eager_strategy(chain.length, x_last.shape[0], chain.hidden, x_last.device)
+    if torch.cuda.is_current_stream_capturing():  # a whole step being captured: graphs do not nest
+        return _eager(inner, chain, x_last, offsets, options)
     tensors = [*chain.tensors(), x_last] + ([] if offsets is None else [offsets])
     key = (type(chain), tuple((tuple(t.shape), t.dtype, t.device) for t in tensors), inner, options)
     n_chain = len(chain.tensors())

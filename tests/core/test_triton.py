@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from helpers import extended_except, rel_err
 from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case, fused_gru_case, fused_rnn_case
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
 from bppsa_core import dispatch
 from bppsa_core import nn as bnn
+from bppsa_core import ops as bppsa_ops
 from bppsa_core.chain import DenseChain, FactoredChain, LSTMChain
 from bppsa_core.scan import chunked_scan, scan
 
@@ -289,6 +293,66 @@ def test_a_net_with_the_triton_strategy_takes_the_fused_path(monkeypatch, kind, 
     assert len(calls) == ours.num_layers
     for a, b in zip(*grads, strict=True):
         assert rel_err(a, b) < 1e-4
+
+
+# What one layer's backward launches on a GPU with strategy "triton" (T = 30, B = 16, H = 20, a
+# gradient on every output and none on h_n): Triton kernels and kernel-launching torch ops, as
+# docs/DESIGN.md ("Launches of a layer backward") lists them. The test fails above them.
+LAYER_LAUNCHES = {"RNN": (3, 6), "GRU": (3, 8), "LSTM": (3, 84)}
+# torch ops that launch no kernel: allocations, views and metadata.
+NO_KERNEL = {
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view", "t", "transpose",
+    "unsqueeze", "squeeze", "select", "slice", "expand", "as_strided", "detach", "alias", "_reshape_alias",
+    "_unsafe_view", "permute", "unbind", "split", "narrow", "unflatten", "reshape", "flatten", "lift_fresh",
+}  # fmt: skip
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the kernel-launching torch ops run under it, the layer's operators included from the
+    inside (their implementations run under the mode), and nothing Triton's interpreter runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if func.namespace == "bppsa":  # ops._backward_op and its kin: counted from the inside
+            with self:
+                return getattr(bppsa_ops, f"_{name.removeprefix('layer_')}_op")._init_fn(*args, **kwargs)
+        if not self.paused and name not in NO_KERNEL:
+            self.ops[name] += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kind", list(LAYER_LAUNCHES))
+def test_a_layer_backward_launches_no_more_than_documented(monkeypatch, kind) -> None:
+    from bppsa_core.triton.launch import Launch
+
+    counter, kernels = LaunchCounter(), []
+    real = Launch.run
+
+    def run(self, grid, **args):
+        kernels.append(grid)
+        counter.paused = True  # the interpreter's own tensor work is no launch
+        try:
+            return real(self, grid, **args)
+        finally:
+            counter.paused = False
+
+    monkeypatch.setattr(Launch, "run", run)
+    torch.manual_seed(0)
+    layer = getattr(bnn, kind)(1, 20, strategy="triton")
+    out, _ = layer(torch.randn(30, 16, 1))
+    grad = torch.randn_like(out)
+    with counter:
+        torch.autograd.backward(out, grad)
+    triton_launches, torch_launches = LAYER_LAUNCHES[kind]
+    assert len(kernels) <= triton_launches, kernels
+    assert sum(counter.ops.values()) <= torch_launches, dict(counter.ops)
+    assert layer.weight_hh_l0.grad is not None
 
 
 def test_a_gru_too_wide_for_the_kernels_is_refused_by_the_triton_strategy() -> None:
