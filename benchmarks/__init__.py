@@ -3,6 +3,9 @@ and their helpers. ``gpu_check`` runs every GPU check and table in one report.
 
 * ``backward``: BPPSA's backward against PyTorch's BPTT, the scan alone against its peers, and a
   training epoch; ``--suite paper`` runs the paper's shapes, ``--suite long`` long sequences.
+* ``capture``: the backward against cuDNN's, eager and as CUDA-graph-captured training steps, and
+  against a naive loop of cells, over T and H, with its peak memory.
+* ``host``: a short layer's forward and step against ``torch.nn``'s: the host path.
 * ``forward``: the Newton forwards (parallel in time) against the native sequential one.
 * ``jacobian_table``: the paper's Table 1, CSR transposed Jacobians against autograd row by row.
 * ``pruned_vgg``: the pruned VGG-11 study, the sparse scan's FLOPs (``analysis.fig10`` draws it).

@@ -7,22 +7,28 @@ librosa; jax is used where installed. Steps, each a section of the report with i
 and its output (or why it failed, or was skipped):
 
 1. ``tests``: the ``gpu`` tests (the Triton kernels, the graph scan and every module path against
-   cuDNN; the sparse Jacobians; sequence parallel over NCCL, a rank per GPU);
-2. ``backward``: the paper's backward tables, cuDNN's BPTT against every BPPSA strategy (PyTorch
+   cuDNN; a whole training step captured in a CUDA graph; the sparse Jacobians; sequence parallel
+   over NCCL, a rank per GPU);
+2. ``capture``: BPPSA's backward against cuDNN's, eager (wall-clock) and as captured training steps
+   (GPU time), and against a naive loop of ``torch.nn``'s cells, with the backward's peak memory:
+   RNN, GRU and LSTM, H = 20, 64, 128, 256, T = 1,000 and 10,000 (``benchmarks.capture``);
+3. ``host``: short layers (T = 10, 100, 1,000) against ``torch.nn``'s, the host path
+   (``benchmarks.host``);
+4. ``backward``: the paper's backward tables, cuDNN's BPTT against every BPPSA strategy (PyTorch
    picks cuDNN's persistent small-hidden algorithm for these shapes: the baseline to beat);
-3. ``epoch``: one training epoch of the bitstream RNN, BPTT against BPPSA;
-4. ``scan``: the scan alone against ``torch``'s and ``jax``'s ``associative_scan``;
-5. ``chunk``: the Triton kernels' chunk-size sweep at T = 1000 and 30,000;
-6. ``blocks``: the BPPSA backward's blocks of time steps (``--block-mib`` 8, 32 and 256: a CPU's
+5. ``epoch``: one training epoch of the bitstream RNN, BPTT against BPPSA;
+6. ``scan``: the scan alone against ``torch``'s and ``jax``'s ``associative_scan``;
+7. ``chunk``: the Triton kernels' chunk-size sweep at T = 1000 and 30,000;
+8. ``blocks``: the BPPSA backward's blocks of time steps (``--block-mib`` 8, 32 and 256: a CPU's
    budget, and larger ones that take fewer launches) at T = 1,000, 30,000 and 100,000, which sets
    the GPU's own (``bppsa_core.jacobians.BLOCK_BYTES``);
-7. ``workers``: BPPSA's and cuDNN's backward confined to 1, 2, 4, ... SMs (CUDA green contexts);
-8. ``forward``: the Newton forwards (``forward_solver="newton"``, ``"quasi-newton"``) against cuDNN's
+9. ``workers``: BPPSA's and cuDNN's backward confined to 1, 2, 4, ... SMs (CUDA green contexts);
+10. ``forward``: the Newton forwards (``forward_solver="newton"``, ``"quasi-newton"``) against cuDNN's
    sequential forward, T = 100 ... 100,000, at initialization and trained (``benchmarks.forward``);
-9. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
+11. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
    kernels at H = 1, 20, 32 and 64, for this GPU's architecture, to set beside the measured times
-   of steps 2, 5 and 6;
-10. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
+   of steps 4, 7 and 8;
+12. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
     of one thread per core (``benchmarks.distributed`` at T = 100,000): the measured 3- and
     4-rank points of docs/SCHEMES.md, which a 2-core machine cannot give. Its ``measured.csv``
     and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report. Then the same
@@ -67,12 +73,22 @@ from experiments.timing import time_ms
 from toolbox.cli import OneLineParser
 from toolbox.files import output_file, write_atomic
 
-STEPS = ("tests", "backward", "epoch", "scan", "chunk", "blocks", "workers", "forward", "kernels", "ranks")
+STEPS = (
+    "tests", "capture", "host", "backward", "epoch", "scan", "chunk", "blocks", "workers", "forward",
+    "kernels", "ranks",
+)  # fmt: skip
 CHUNKS = (8, 16, 32, 64, 128)
 BLOCK_MIBS = (8, 32, 256)  # the BPPSA backward's blocks of time steps (``--block-mib``)
-GPU_TEST_FILES = ("tests/core/test_triton.py", "tests/core/test_sparse.py", "tests/core/test_distributed.py")
+GPU_TEST_FILES = (
+    "tests/core/test_triton.py",
+    "tests/core/test_capture.py",
+    "tests/core/test_sparse.py",
+    "tests/core/test_distributed.py",
+)
 TITLES = {
     "tests": "GPU tests",
+    "capture": "Backward against cuDNN: eager, captured, naive loop; over T and H",
+    "host": "Host path: short layers against torch.nn",
     "backward": "Full backward against cuDNN",
     "epoch": "End-to-end training epoch",
     "scan": "Scan only, against associative_scan",
@@ -120,6 +136,13 @@ def plan(
         block_shape = ["--T", "1000", "30000", "100000", "--strategies", "triton", "auto"]
     return {
         "tests": gpu_only if dry else [[sys.executable, "-m", "pytest", "-q", "-m", "gpu", *GPU_TEST_FILES]],
+        "capture": [
+            [
+                sys.executable, "-m", "benchmarks.capture", *device,
+                *(["--T", "30", "--H", "8", "20", "--naive-max-T", "30"] if dry else []),
+            ]
+        ],
+        "host": [[sys.executable, "-m", "benchmarks.host", *device, "--T", "10", "100", "1000"]],
         "backward": [_bench(*suite, "--tables", "backward", *device)],
         "epoch": [_bench(*suite, "--tables", "epoch", "--epoch-samples", "64" if dry else "3200", *device)],
         "scan": [_bench(*suite, "--tables", "scan", "--peers", "torch", "jax", *device)],

@@ -23,6 +23,11 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
             assert argv[1:3] == ["-m", "benchmarks.backward"]
             assert "--device" in argv and argv[argv.index("--device") + 1] == "cuda"
             assert "--quick" not in argv
+    (capture,) = steps["capture"]
+    assert capture[1:3] == ["-m", "benchmarks.capture"] and capture[capture.index("--device") + 1] == "cuda"
+    assert "--T" not in capture and "--H" not in capture  # the tool's defaults: T = 1,000 and 10,000, four H
+    (host,) = steps["host"]
+    assert host[1:3] == ["-m", "benchmarks.host"] and host[host.index("--device") + 1] == "cuda"
     (forward,) = steps["forward"]
     assert forward[1:3] == ["-m", "benchmarks.forward"] and "--quick" not in forward
     assert forward[forward.index("--device") + 1] == "cuda"

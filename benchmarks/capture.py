@@ -1,0 +1,278 @@
+"""Captured-step benchmark: BPPSA's backward against cuDNN's eager, captured in CUDA graphs, and
+against a naive sequential loop, over T and H.
+
+    python -m benchmarks.capture --device cuda           # RNN, GRU, LSTM; H = 20 ... 256; T = 1,000, 10,000
+    python -m benchmarks.capture --T 100 --H 20          # the CPU: the eager and naive columns only
+
+For each model, T and H, one ``torch.nn`` module and one ``bppsa_core`` module with the same weights
+(strategy ``auto``) and a loss on h_T, every cell the median of ``--repeats`` after ``--warmup``,
+the methods taking turns, all in one process:
+
+* ``eager``: the backward's wall-clock time (the forward excluded), as a training loop sees it;
+* ``naive``: the backward of a sequential loop of ``torch.nn``'s cells (``RNNCell``, ``GRUCell``,
+  ``LSTMCell``), one autograd node per step: the baseline DEER and ParaRNN quote; run where
+  T <= ``--naive-max-T``;
+* ``captured``: the GPU time of a whole training step (forward, backward, an SGD step) captured once
+  in a CUDA graph (``torch.cuda.graph``, the capture PyTorch documents) and replayed, on both sides:
+  what is left once no host work is; CUDA only;
+* ``peak MiB``: the memory the backward allocates beyond what was allocated before it, on both
+  sides; CUDA only.
+
+A cell a method cannot fill says why under the table. Prints Markdown; progress goes to stderr.
+Imports nothing beyond torch, so it runs on a bare GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from benchmarks.common import (
+    Progress,
+    device_arg,
+    failure,
+    fmt_ms,
+    machine_line,
+    markdown,
+    non_negative_int,
+    notes_lines,
+    parser,
+    positive_int,
+    run_tool,
+    threads_arg,
+)
+from bppsa_core import nn as bnn
+from experiments.timing import Interval, time_ms
+
+MODELS = {
+    "rnn": (torch.nn.RNN, bnn.RNN, torch.nn.RNNCell),
+    "gru": (torch.nn.GRU, bnn.GRU, torch.nn.GRUCell),
+    "lstm": (torch.nn.LSTM, bnn.LSTM, torch.nn.LSTMCell),
+}
+FEATURES = 1  # the paper's bitstream input
+DEFAULT_T = (1000, 10_000)
+DEFAULT_H = (20, 64, 128, 256)  # cuDNN's persistent kernels end at H = 256 (RNN), 128 (GRU, LSTM)
+Cell = str | float  # a time in ms, or the text of a cell that could not be measured
+
+
+@dataclass
+class Row:
+    model: str
+    steps: int
+    batch: int
+    hidden: int
+    cells: dict[str, Cell] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+def _loss(module: torch.nn.Module, x: Tensor) -> Tensor:
+    """The paper's loss shape: the last state, summed."""
+    h_n = module(x)[1]
+    return (h_n[0] if isinstance(h_n, tuple) else h_n).sum()
+
+
+def _naive(cell: torch.nn.Module, x: Tensor, hidden: int) -> Tensor:
+    """The sequential loop of ``torch.nn``'s cell over x (T, B, F): one autograd node per step."""
+    h = x.new_zeros((x.shape[1], hidden))
+    state = (h, h.clone()) if isinstance(cell, torch.nn.LSTMCell) else h
+    for t in range(x.shape[0]):
+        state = cell(x[t], state)
+    return (state[0] if isinstance(state, tuple) else state).sum()
+
+
+def _cell_from(module: torch.nn.Module, cell_cls: type) -> torch.nn.Module:
+    """The one-layer module's weights in a cell of ``cell_cls``."""
+    cell = cell_cls(module.input_size, module.hidden_size).to(module.weight_hh_l0)
+    cell.load_state_dict({k.removesuffix("_l0"): v for k, v in module.state_dict().items()})
+    return cell
+
+
+def captured_step_ms(module: torch.nn.Module, x: Tensor, warmup: int, repeats: int) -> float:
+    """GPU ms of one training step (forward, backward, SGD step) captured once in a CUDA graph and
+    replayed: warm-up on a side stream, capture with the gradients allocated in the graph's pool,
+    then the median of ``repeats`` timed replays."""
+    device = x.device
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-6)
+    static_x = x.clone()
+
+    def step() -> None:
+        _loss(module, static_x).backward()
+        optimizer.step()
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 3)):  # the kernels compiled and cuDNN's plans chosen outside the capture
+            optimizer.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    optimizer.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(max(warmup, 1)):
+        graph.replay()
+    times = []
+    for _ in range(repeats):
+        with Interval(device) as it:
+            graph.replay()
+        times.append(it.seconds * 1e3)
+    return statistics.median(times)
+
+
+def backward_peak_mib(module: torch.nn.Module, x: Tensor) -> float:
+    """MiB the backward allocates on the GPU beyond what is allocated when it starts."""
+    module.zero_grad(set_to_none=True)
+    loss = _loss(module, x)
+    torch.cuda.synchronize(x.device)
+    before = torch.cuda.memory_allocated(x.device)
+    torch.cuda.reset_peak_memory_stats(x.device)
+    loss.backward()
+    torch.cuda.synchronize(x.device)
+    return (torch.cuda.max_memory_allocated(x.device) - before) / 2**20
+
+
+def bench(
+    model: str,
+    steps: int,
+    batch: int,
+    hidden: int,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    naive_max_t: int,
+) -> Row:
+    """One row: every method of the module docstring that runs here, on the same weights and input."""
+    ref_cls, ours_cls, cell_cls = MODELS[model]
+    torch.manual_seed(0)
+    ref = ref_cls(FEATURES, hidden).to(device)
+    ours = ours_cls(FEATURES, hidden).to(device)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.bernoulli(torch.full((steps, batch, FEATURES), 0.5)).to(device)
+    row = Row(model, steps, batch, hidden)
+    eager: dict[str, Callable[[], Tensor]] = {
+        "cuDNN eager": lambda: _loss(ref, x),
+        "BPPSA eager": lambda: _loss(ours, x),
+    }
+    if steps <= naive_max_t:
+        cell = _cell_from(ref, cell_cls)
+        eager["naive eager"] = lambda: _naive(cell, x, hidden)
+    else:
+        row.notes["naive eager"] = f"run where T <= {naive_max_t} (--naive-max-T)"
+    times: dict[str, list[float]] = {name: [] for name in eager}
+    for r in range(warmup + repeats):
+        for name, forward in list(eager.items()):
+            try:
+                loss = forward()
+                ms = time_ms(loss.backward, device)
+            except (ValueError, RuntimeError) as exc:
+                row.cells[name], row.notes[name] = failure(exc)
+                del eager[name]
+                continue
+            if r >= warmup:
+                times[name].append(ms)
+    for name in eager:
+        row.cells[name] = statistics.median(times[name])
+    for side, module in (("cuDNN", ref), ("BPPSA", ours)):
+        for what, measure in (
+            ("captured", lambda m=module: captured_step_ms(m, x, warmup, repeats)),
+            ("peak MiB", lambda m=module: backward_peak_mib(m, x)),
+        ):
+            name = f"{side} {what}"
+            if device.type != "cuda":
+                row.cells[name], row.notes[what] = "n/a", "needs a CUDA device"
+                continue
+            try:
+                row.cells[name] = measure()
+            except (ValueError, RuntimeError) as exc:
+                row.cells[name], row.notes[name] = failure(exc)
+    return row
+
+
+COLUMNS = (
+    "cuDNN eager", "BPPSA eager", "naive eager", "cuDNN captured", "BPPSA captured", "cuDNN peak MiB",
+    "BPPSA peak MiB",
+)  # fmt: skip
+
+
+def _ratio(a: Cell | None, b: Cell | None) -> str:
+    return f"{a / b:.3g}" if isinstance(a, float) and isinstance(b, float) and b > 0 else "–"
+
+
+def format_table(rows: Sequence[Row], device: torch.device) -> str:
+    """Markdown: per row the times, and BPPSA's speedup over cuDNN and over the naive loop."""
+    baseline = "cuDNN" if device.type == "cuda" else "torch.nn"
+    head = ["model", "T", "B", "H"]
+    head += [c.replace("cuDNN", baseline) + ("" if "MiB" in c else " ms") for c in COLUMNS[:5]]
+    head += [f"{baseline} / BPPSA eager", "naive / BPPSA eager", f"{baseline} / BPPSA captured"]
+    head += [c.replace("cuDNN", baseline) for c in COLUMNS[5:]]
+    body = []
+    for r in rows:
+        c = r.cells
+        cells = [r.model, str(r.steps), str(r.batch), str(r.hidden)]
+        cells += [fmt_ms(c.get(k, "–")) for k in COLUMNS[:5]]
+        cells += [
+            _ratio(c.get("cuDNN eager"), c.get("BPPSA eager")),
+            _ratio(c.get("naive eager"), c.get("BPPSA eager")),
+            _ratio(c.get("cuDNN captured"), c.get("BPPSA captured")),
+        ]
+        cells += [f"{v:.3g}" if isinstance(v, float) else v for v in (c.get(k, "–") for k in COLUMNS[5:])]
+        body.append(cells)
+    return markdown(head, body)
+
+
+LEGEND = (
+    "'eager': the backward's wall-clock time (forward excluded); 'naive': the backward of a loop of "
+    "torch.nn's cells; 'captured': GPU time of a whole training step (forward, backward, SGD step) "
+    "replayed from a CUDA graph; a ratio above 1 means BPPSA is faster; 'peak MiB': what the backward "
+    "allocates beyond what was allocated before it."
+)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: a bad value ends the tool with one line and status 2."""
+    p = parser("benchmarks.capture", __doc__)
+    p.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS), help="models")
+    p.add_argument("--T", type=positive_int, nargs="+", default=list(DEFAULT_T), help="sequence lengths")
+    p.add_argument("--H", type=positive_int, nargs="+", default=list(DEFAULT_H), help="hidden sizes")
+    p.add_argument("--B", type=positive_int, default=16, help="batch size")
+    p.add_argument(
+        "--naive-max-T", type=non_negative_int, default=1000, help="the longest T the naive loop runs"
+    )
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--repeats", type=positive_int, default=10, help="timed rounds (the median is shown)")
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed rounds before them")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print one table per model, each as soon as it is measured."""
+    args = parse_args(argv)
+    progress = Progress("capture")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(machine_line(args.device))
+    print(f"float32, median of {args.repeats} after {args.warmup} warm-up rounds; loss on h_T\n\n{LEGEND}")
+    for model in args.models:
+        rows = []
+        for hidden in args.H:
+            for steps in args.T:
+                progress(f"{model} T={steps} H={hidden} ...")
+                timing = (args.warmup, args.repeats, args.naive_max_T)
+                rows.append(bench(model, steps, args.B, hidden, args.device, *timing))
+        notes = notes_lines(rows)
+        print(f"\n### {model.upper()}\n\n{format_table(rows, args.device)}", flush=True)
+        if notes:
+            print("\n" + "\n".join(notes), flush=True)
+    progress("done")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_tool("benchmarks.capture", main))

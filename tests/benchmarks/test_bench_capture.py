@@ -1,0 +1,67 @@
+"""The captured-step benchmark: what a row measures on the CPU, what it prints, its bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import markdown_tables
+
+from benchmarks import capture
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("model", list(capture.MODELS))
+def test_a_row_on_the_cpu_times_the_eager_and_naive_backwards(model) -> None:
+    row = capture.bench(model, 12, 3, 5, CPU, 0, 2, naive_max_t=12)
+    assert all(isinstance(row.cells[k], float) and row.cells[k] > 0 for k in capture.COLUMNS[:3])
+    assert all(row.cells[k] == "n/a" for k in capture.COLUMNS[3:])
+    assert row.notes["captured"] == row.notes["peak MiB"] == "needs a CUDA device"
+
+
+def test_the_naive_loop_gives_the_modules_gradients() -> None:
+    """The baseline computes what the modules do: a loop of cells with their weights."""
+    for model, (ref_cls, _, cell_cls) in capture.MODELS.items():
+        torch.manual_seed(0)
+        ref = ref_cls(1, 4).double()
+        cell = capture._cell_from(ref, cell_cls)
+        x = torch.randn(7, 3, 1, dtype=torch.float64)
+        expected = torch.autograd.grad(capture._loss(ref, x), list(ref.parameters()))
+        got = torch.autograd.grad(capture._naive(cell, x, 4), list(cell.parameters()))
+        for a, b in zip(expected, got, strict=True):
+            assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), model
+
+
+def test_a_length_past_the_naive_limit_says_so() -> None:
+    row = capture.bench("rnn", 12, 2, 4, CPU, 0, 1, naive_max_t=5)
+    assert "naive eager" not in row.cells and "T <= 5" in row.notes["naive eager"]
+
+
+def test_the_run_prints_a_table_per_model_and_the_reasons(capsys) -> None:
+    argv = ["--models", "rnn", "gru", "--T", "8", "--H", "4", "6", "--B", "2"]
+    argv += ["--repeats", "1", "--warmup", "0"]
+    assert capture.main(argv) == 0
+    out = capsys.readouterr().out
+    titles = [line[4:] for line in out.splitlines() if line.startswith("### ")]
+    assert titles == ["RNN", "GRU"]
+    tables = markdown_tables(out)
+    for head, rows in tables:
+        assert head[:5] == ["model", "T", "B", "H", "torch.nn eager ms"] and "naive / BPPSA eager" in head
+        assert [(r[1], r[3]) for r in rows] == [("8", "4"), ("8", "6")]
+    assert "- captured: needs a CUDA device" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--H", "0"], "argument --H: 0 is not positive; accepted: positive integers"),
+        (["--models", "transformer"], "argument --models: invalid choice: 'transformer'"),
+        (["--naive-max-T", "-1"], "argument --naive-max-T: -1 is negative"),
+    ],
+)
+def test_bad_arguments_end_it_in_one_line(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        capture.parse_args(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err

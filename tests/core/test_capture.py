@@ -1,0 +1,148 @@
+"""A whole training step with BPPSA modules, compiled or captured: the fast path on a GPU.
+
+On the CPU: ``torch.compile(model, mode="reduce-overhead")`` (Dynamo sees each layer's operators as
+opaque steps, AOTAutograd compiles the backward around them) trains as the eager model does. With
+the ``gpu`` marker: forward, backward and an optimizer step captured once in a CUDA graph
+(``torch.cuda.graph``) and replayed, and ``make_graphed_callables``, against the same steps run
+eagerly: nothing in them needs the host.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from helpers import extended_except, rel_err
+
+from bppsa_core import nn as bnn
+
+MODULES = {"rnn": bnn.RNN, "gru": bnn.GRU, "lstm": bnn.LSTM}
+
+
+class Net(torch.nn.Module):
+    """Two recurrent layers and a linear head on h_T: the paper's classifier."""
+
+    def __init__(self, kind: str, hidden: int = 8, **kwargs) -> None:
+        super().__init__()
+        self.rnn = MODULES[kind](3, hidden, num_layers=2, **kwargs)
+        self.head = torch.nn.Linear(hidden, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][-1])
+
+
+def _train(net: torch.nn.Module, step_fn, batches) -> list[torch.Tensor]:
+    """The parameters after each step of ``step_fn`` over ``batches``."""
+    after = []
+    for x, y in batches:
+        step_fn(x, y)
+        after.append(torch.cat([p.detach().flatten().clone() for p in net.parameters()]))
+    return after
+
+
+def _batches(device: str, n: int = 3, steps: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(steps, 5, 3, generator=g).to(device), torch.randint(0, 4, (5,), generator=g).to(device))
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("kind", extended_except(list(MODULES), first=1))
+def test_a_compiled_model_trains_as_the_eager_one(kind) -> None:
+    """``mode="reduce-overhead"`` on the CPU (inductor; CUDA graphs only on a GPU): three SGD steps
+    give the eager model's parameters."""
+    if not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("inductor needs a C++ compiler on the CPU")
+    torch.manual_seed(0)
+    eager, compiled_net = Net(kind), Net(kind)
+    compiled_net.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_net, mode="reduce-overhead")
+    results = []
+    for net, model in ((eager, eager), (compiled_net, compiled)):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x, y, model=model, optimizer=optimizer) -> None:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+        results.append(_train(net, step, _batches("cpu")))
+    for a, b in zip(*results, strict=True):
+        assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(MODULES))
+@pytest.mark.parametrize("strategy", ["auto", "triton", "graph", "chunked"])
+def test_a_whole_step_is_captured_in_a_cuda_graph(kind, strategy) -> None:
+    """Forward, backward and an Adam step captured once (PyTorch's whole-network recipe: warm-up on
+    a side stream, gradients allocated in the graph's pool) and replayed over new batches copied
+    into the static input: the eager steps' parameters. The ``graph`` strategy's own graphs cannot
+    nest in the capture: its scan is captured as eager ops instead."""
+    device = "cuda"
+    torch.manual_seed(0)
+    eager, captured = Net(kind, strategy=strategy).to(device), Net(kind, strategy=strategy).to(device)
+    captured.load_state_dict(eager.state_dict())
+    batches = _batches(device, n=4)
+    opt_eager = torch.optim.Adam(eager.parameters(), lr=1e-2, capturable=True)
+    opt_captured = torch.optim.Adam(captured.parameters(), lr=1e-2, capturable=True)
+
+    def eager_step(x, y) -> None:
+        opt_eager.zero_grad(set_to_none=False)
+        torch.nn.functional.cross_entropy(eager(x), y).backward()
+        opt_eager.step()
+
+    static_x, static_y = (t.clone() for t in batches[0])
+
+    def captured_body() -> None:
+        torch.nn.functional.cross_entropy(captured(static_x), static_y).backward()
+        opt_captured.step()
+
+    # warm-up on a side stream: the first step of each side is the same eager step
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        opt_captured.zero_grad(set_to_none=True)
+        captured_body()
+    torch.cuda.current_stream().wait_stream(side)
+    eager_step(*batches[0])
+    graph = torch.cuda.CUDAGraph()
+    opt_captured.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        captured_body()
+
+    def replay(x, y) -> None:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()  # its gradients are written, not accumulated: set to None before the capture
+
+    expected = _train(eager, eager_step, batches[1:])
+    got = _train(captured, replay, batches[1:])
+    for a, b in zip(expected, got, strict=True):
+        assert rel_err(a, b) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(MODULES))
+def test_make_graphed_callables_takes_a_bppsa_model(kind) -> None:
+    """``torch.cuda.make_graphed_callables``: the forward and the backward each one graph."""
+    device = "cuda"
+    torch.manual_seed(0)
+    eager, net = Net(kind).to(device), Net(kind).to(device)
+    net.load_state_dict(eager.state_dict())
+    batches = _batches(device)
+    graphed = torch.cuda.make_graphed_callables(net, (batches[0][0].clone(),))
+    results = []
+    for model, params in ((eager, eager.parameters()), (graphed, net.parameters())):
+        optimizer = torch.optim.SGD(params, lr=0.1)
+
+        def step(x, y, model=model, optimizer=optimizer) -> None:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+        results.append(_train(eager if model is eager else net, step, batches))
+    for a, b in zip(*results, strict=True):
+        assert rel_err(a, b) < 1e-4
