@@ -130,14 +130,15 @@ def test_a_documented_command_is_taken(doc: str, line: str, argv: list[str], mon
 
 def test_the_readme_python_examples_run() -> None:
     """Each Python block of the README runs, in order, in one namespace (as a reader pastes them),
-    except the sequence-parallel one, which needs torchrun, and the scan's, whose elements are the
-    reader's; those must still be valid Python. What the examples make is what they promise."""
+    except the sequence-parallel one, which needs torchrun, the captured step's, which needs CUDA
+    (tests/core/test_capture.py runs it with the ``gpu`` marker), and the scan's, whose elements are
+    the reader's; those must still be valid Python. What the examples make is what they promise."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     for block in blocks:
         compile(block, "README.md", "exec")
     namespace: dict = {}
     for block in blocks:
-        if "init_process_group" not in block and "scan(elements" not in block:
+        if not any(needs in block for needs in ("init_process_group", "torch.cuda.graph", "scan(elements")):
             exec(block, namespace)
     assert namespace["rnn"].weight_hh_l0.grad.shape == (20, 20)
     assert namespace["output"].shape == (16, 1000, 20)  # the Newton forward's GRU
