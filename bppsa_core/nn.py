@@ -108,8 +108,10 @@ class _BPPSAMixin:
         return [SolveStats.from_tensor(t) for t in self._stats]
 
     def forward(self, input: Tensor | PackedSequence, hx: State | None = None) -> tuple[Any, State]:
-        """Same contract as ``torch.nn``'s forward; the backward is BPPSA in ``bppsa`` mode."""
-        if self.backward_mode == "bptt":
+        """Same contract as ``torch.nn``'s forward; the backward is BPPSA in ``bppsa`` mode. While a
+        model is exported (``torch.export``, ``torch.onnx.export``) it is ``torch.nn``'s forward,
+        exported as ``torch.nn``'s is: an exported graph is run, not differentiated by BPPSA."""
+        if self.backward_mode == "bptt" or torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
             return super().forward(input, hx)
         self._update_flat_weights()  # weights swapped by functional_call or a parametrization
         lstm = self.mode == "LSTM"
@@ -298,3 +300,8 @@ class LSTM(_BPPSAMixin, torch.nn.LSTM):
     """
 
     _RANK_MESSAGE = "LSTM: Expected input to be 2D or 3D, got {dim}D instead"
+
+
+# Whole-model checkpoints: ``torch.load``'s default (``weights_only=True``) unpickles only allowed
+# classes; these hold nothing but torch.nn's state and plain options (strings, numbers, tensors).
+torch.serialization.add_safe_globals([RNN, GRU, LSTM])

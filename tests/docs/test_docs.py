@@ -137,9 +137,16 @@ def test_the_readme_python_examples_run() -> None:
     for block in blocks:
         compile(block, "README.md", "exec")
     namespace: dict = {}
-    for block in blocks:
-        if not any(needs in block for needs in ("init_process_group", "torch.cuda.graph", "scan(elements")):
-            exec(block, namespace)
+    modules = torch.nn.RNN, torch.nn.GRU, torch.nn.LSTM
+    not_here = ("init_process_group", "torch.cuda.graph", "scan(elements")
+    try:
+        for block in blocks:
+            if not any(needs in block for needs in not_here):
+                exec(block, namespace)
+        swapped = torch.nn.RNN, torch.nn.GRU, torch.nn.LSTM  # the swap into a torch.nn program
+    finally:
+        torch.nn.RNN, torch.nn.GRU, torch.nn.LSTM = modules  # the other tests' torch.nn
+    assert [m.__module__ for m in swapped] == ["bppsa_core.nn"] * 3
     assert namespace["rnn"].weight_hh_l0.grad.shape == (20, 20)
     assert namespace["output"].shape == (16, 1000, 20)  # the Newton forward's GRU
     assert all(s.converged for s in namespace["gru"].solver_stats)
