@@ -115,6 +115,10 @@ class _BPPSAMixin:
             return super().forward(input, hx)
         self._update_flat_weights()  # weights swapped by functional_call or a parametrization
         lstm = self.mode == "LSTM"
+        if lstm and hx is not None and not (isinstance(hx, tuple | list) and len(hx) == 2):
+            raise IndexError(  # torch.nn's class for it: its hx[1] of a one-layer bare tensor
+                f"LSTM: hx must be a tuple (h_0, c_0) of two tensors, got {_described(hx)}"
+            )
         if isinstance(input, PackedSequence):
             data, batch_sizes, sorted_indices, unsorted_indices = input
             if hx is None:
@@ -122,6 +126,7 @@ class _BPPSAMixin:
             else:
                 hx = self.permute_hidden(hx, sorted_indices)
             self.check_forward_args(data, hx, batch_sizes)
+            self._check_devices(data, hx)
             index, lengths = _packing(batch_sizes, data.device)
             out, state = self._layers(_unpack(data, index, lengths), hx, lengths, index)
             packed = PackedSequence(_pack(out, index), batch_sizes, sorted_indices, unsorted_indices)
@@ -137,6 +142,7 @@ class _BPPSAMixin:
         else:
             hx = self._check_state_rank(hx, batched)
         self.check_forward_args(input, hx, None)
+        self._check_devices(input, hx)
         x = input.transpose(0, 1) if self.batch_first else input
         out, state = self._layers(x, hx)
         if not self.bidirectional:  # the top layer keeps its output for its backward: in-place ops on a copy
@@ -147,6 +153,22 @@ class _BPPSAMixin:
             out = out.squeeze(batch_dim)
             state = (state[0].squeeze(1), state[1].squeeze(1)) if lstm else state.squeeze(1)
         return out, state
+
+    def _check_devices(self, x: Tensor, hx: State) -> None:
+        """torch.nn's device checks, in its words (its fused kernel makes them; the layers run theirs
+        one by one, some as operators a meta tensor passes through unchecked)."""
+        weight = self._flat_weights[0]
+        if x.device != weight.device:
+            raise RuntimeError(
+                "Input and parameter tensors are not at the same device, found input tensor at "
+                f"{x.device} and parameter tensor at {weight.device}"
+            )
+        for h in hx if isinstance(hx, tuple) else (hx,):
+            if h.device != x.device:
+                raise RuntimeError(
+                    "Input and hidden tensors are not at the same device, found input tensor at "
+                    f"{x.device} and hidden tensor at {h.device}"
+                )
 
     @property
     def _directions(self) -> int:
@@ -235,6 +257,15 @@ def _layer_config(
 ) -> LayerConfig:  # fmt: skip
     """A ``LayerConfig``, checked once per set of options: checking costs as much as a short layer."""
     return LayerConfig(mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, iters))
+
+
+def _described(value: object) -> str:
+    """A value in an error message: a tensor by its shape, anything else by its type."""
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, tuple | list):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
 
 
 def _reverse(x: Tensor, lengths: Tensor | None) -> Tensor:

@@ -314,3 +314,40 @@ def test_the_native_forward_runs_in_training_mode_only_where_autograd_records(mo
     assert seen == [False, True] and weights[1].grad is not None
     bnn.GRU(1, 2)(torch.randn(4, 3, 1))[0].sum().backward()  # the module's forward: no_grad inside
     assert seen[2:] == [False] * (mode == "GRU")
+
+
+# --------------------------------------------------------------------------------------- bad input
+
+
+def _error(module: torch.nn.Module, *args) -> tuple[type, str]:
+    with pytest.raises(Exception) as caught:
+        module(*args)
+    return caught.type, str(caught.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("packed", [False, True])
+def test_tensors_on_another_device_than_the_weights_are_refused_as_torch_nn_does(kind, packed) -> None:
+    """Meta input with CPU weights, or a meta initial state with CPU input: torch.nn's error, word
+    for word (the meta device stands in for any other; the layers' operators let meta through);
+    packed, torch.nn's class (its words come from its packed kernel)."""
+    ref, ours = pair(kind, 3, 4)
+    x = torch.randn(5, 2, 3, dtype=F64)
+    meta_h = torch.zeros(1, 2, 4, dtype=F64, device="meta")
+    meta_hx = (meta_h, meta_h) if kind == "lstm" else meta_h
+    inputs = [(x.to("meta"),), (x, meta_hx)]
+    if packed:
+        inputs = [(pack_sequence([t.to("meta") for t in (x[:, 0], x[:3, 1])]),)]
+    for args in inputs:
+        got, expected = _error(ours, *args), _error(ref, *args)
+        assert got[0] is expected[0] and (packed or got[1] == expected[1]), (got, expected)
+
+
+@pytest.mark.parametrize("state", ["bare", "one", "three"])
+def test_an_lstm_state_that_is_not_a_pair_is_refused_naming_it(state) -> None:
+    lstm = bnn.LSTM(3, 4)
+    h = torch.zeros(1, 2, 4)
+    hx = {"bare": h, "one": (h,), "three": (h, h, h)}[state]
+    kind, message = _error(lstm, torch.randn(5, 2, 3), hx)
+    assert kind is IndexError  # torch.nn's class for a bare one-layer state
+    assert message.startswith("LSTM: hx must be a tuple (h_0, c_0) of two tensors, got ")
