@@ -51,6 +51,9 @@ NON_RESULT_KEYS = (
     ("hardware", "data_workers"),
     ("dataset", "cache_dir"),
 )
+# Result keys that are not part of a run's identity (config_hash, comparison_key): how many epochs a
+# run has is how far it has gone, not what it is.
+IDENTITY_FREE = ("trainer.epochs",)
 # Overrides that name or place the sweep, not one of its jobs: left out of job folder names.
 SWEEP_KEYS = ("name", "experiment", "sweep", "hydra")
 # The model's keys of the forward solver (conf/forward/solver.yaml): BPPSA variants, as the backward's are.
@@ -110,16 +113,23 @@ def _result_keys(config: dict) -> dict[str, Any]:
     return flat
 
 
+def _identity_keys(config: dict) -> dict[str, Any]:
+    """The keys that make a run's identity: its result keys less ``IDENTITY_FREE``. An epoch's
+    results do not depend on how many epochs follow it (each epoch's order is seeded by its index),
+    so a run extended to more epochs (``trainer.resume=true``) stays one run."""
+    return {k: v for k, v in _result_keys(config).items() if k not in IDENTITY_FREE}
+
+
 def config_hash(config: dict) -> str:
-    """Identity of a resolved configuration, less the keys in NON_RESULT_KEYS."""
-    return hashlib.sha256(json.dumps(_result_keys(config), sort_keys=True).encode()).hexdigest()[:16]
+    """Identity of a resolved configuration, less the keys in NON_RESULT_KEYS and IDENTITY_FREE."""
+    return hashlib.sha256(json.dumps(_identity_keys(config), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def comparison_key(config: dict) -> str:
     """What a BPTT and a BPPSA run must share to be compared: the configuration's identity less its
     backward group and the forward solver, which only a BPPSA run may change (``analysis.data.speedups``
     pairs runs by it)."""
-    keys = {k: v for k, v in _result_keys(config).items() if not k.startswith(("backward.", *SOLVER_KEYS))}
+    keys = {k: v for k, v in _identity_keys(config).items() if not k.startswith(("backward.", *SOLVER_KEYS))}
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 

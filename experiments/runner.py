@@ -324,9 +324,8 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
             model = Classifier(layer, data.classes, split).to(device)
             optimizer = build(cfg.optimizer, params=model.parameters())
             rows: list[dict] = []
-            resumed = ranks.together(
-                (lambda: _resume(cfg, run_dir, model, optimizer)) if plan == "resume" else None, BAD_INPUT
-            )
+            resume = (lambda: _resume(cfg, config, run_dir, model, optimizer)) if plan == "resume" else None
+            resumed = ranks.together(resume, BAD_INPUT)
             if resumed:
                 state, rows = resumed
             if ranks.size > 1:  # every rank starts from the leader's weights, optimizer and counters
@@ -389,9 +388,15 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
     return outcome
 
 
-def _resume(cfg: DictConfig, run_dir: Path, model: Classifier, optimizer) -> tuple[TrainState, list[dict]]:
-    """The state and records of the run in ``run_dir``, loaded into the model and optimizer."""
+def _resume(
+    cfg: DictConfig, config: dict, run_dir: Path, model: Classifier, optimizer
+) -> tuple[TrainState, list[dict]]:
+    """The state and records of the run in ``run_dir``, loaded into the model and optimizer; its
+    rows keyed by ``config``'s identity (a run extended to more epochs is the same run: rows written
+    under an identity that still counted the epochs take the one without)."""
     state, rows = load_checkpoint(run_dir / records.CHECKPOINT, model, optimizer)
+    identity = {"config_hash": records.config_hash(config), "comparison_key": records.comparison_key(config)}
+    rows = [{**row, **{k: v for k, v in identity.items() if k in row}} for row in rows]
     if state.epoch > cfg.trainer.epochs:
         raise ConfigError(
             f"trainer.epochs={cfg.trainer.epochs} is below the {state.epoch} epochs the run in "

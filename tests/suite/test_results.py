@@ -225,9 +225,12 @@ def test_resume_extends_the_epochs_and_another_configuration_is_refused(tmp_path
 
     extended = run_py(*here, "trainer.epochs=3", "trainer.resume=true", cwd=tmp_path)
     assert extended.returncode == 0, extended.stderr
-    rows = pd.read_csv(run_dir / "records.csv")
+    rows = pd.read_csv(run_dir / "records.csv", dtype={"config_hash": str, "comparison_key": str})
     assert rows["epoch"].tolist() == [1, 2, 3]
     assert rows.loc[:1, "loss"].tolist() == first["loss"].tolist()
+    # the same run, extended: one identity for every epoch, the summary's too
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(rows["config_hash"]) == {summary["config_hash"]} and rows["comparison_key"].nunique() == 1
     fewer = run_py(
         *TINY, *CSV, f"hydra.run.dir={run_dir}", "trainer.epochs=1", "trainer.resume=true", cwd=tmp_path
     )
