@@ -95,6 +95,24 @@ def test_a_changed_tree_or_setting_recomputes(tmp_path: Path) -> None:
     assert not other.from_cache and other.features.shape[1:] == (517, 24)
 
 
+def test_a_clip_replaced_with_its_size_and_mtime_kept_is_extracted_anew(tmp_path: Path) -> None:
+    folder = one_class(tmp_path / "tree")
+    soundfile.write(tmp_path / "tree" / "pia" / "other.wav", stereo_clip(9), RATE)
+    cache = tmp_path / "cache"
+    first = extract(tmp_path / "tree", "l", cache, workers=1, progress=False)
+    clip = folder / "good.wav"
+    before = clip.stat()
+    soundfile.write(clip, stereo_clip(8), RATE)  # another clip, the same 16-bit wav size
+    os.utime(clip, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (clip.stat().st_size, clip.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    again = extract(tmp_path / "tree", "l", cache, workers=1, progress=False)
+    assert not again.from_cache and again.cache_path != first.cache_path
+    assert again.files == first.files == ["pia/good.wav", "pia/other.wav"]
+    assert not torch.allclose(again.features[0], first.features[0], atol=1e-3)  # the new clip's
+    assert torch.equal(again.features[1], first.features[1])  # the untouched clip's, the same
+    assert extract(tmp_path / "tree", "l", cache, workers=1, progress=False).from_cache
+
+
 def test_a_killed_write_leaves_no_cache_that_reads_as_complete(tmp_path: Path, monkeypatch) -> None:
     root = tmp_path / "tree"
     (root / "pia").mkdir(parents=True)
@@ -213,6 +231,21 @@ def test_faulty_files_are_skipped_counted_and_named(tmp_path: Path, caplog) -> N
     assert data.skipped["truncated"] == ["pia/cut.wav"]
     assert "skipped 1 truncated IRMAS file(s): pia/cut.wav" in caplog.text
     assert "2 unreadable, 1 truncated, 2 non-finite samples" in irmas.report(data)
+
+
+def test_finite_samples_that_give_non_finite_features_are_skipped(tmp_path: Path, caplog) -> None:
+    """Samples of 1e30 are finite, but their power spectrum overflows float32: NaN MFCCs."""
+    tree = tmp_path / "tree"
+    one_class(tree, "pia")
+    one_class(tree, "voi")
+    soundfile.write(tree / "voi" / "huge.wav", stereo_clip(8) * 1e30, RATE, subtype="FLOAT")
+    data = extract(tree, "s", tmp_path / "cache", workers=1, progress=False)
+    assert data.files == ["pia/good.wav", "voi/good.wav"]
+    assert {k: v for k, v in data.skipped.items() if v} == {"non-finite features": ["voi/huge.wav"]}
+    assert "skipped 1 non-finite features IRMAS file(s): voi/huge.wav" in caplog.text
+    assert "skipped: 1 non-finite features;" in irmas.report(data)
+    cached = torch.load(data.cache_path, weights_only=True)
+    assert cached["features"].shape[0] == 2 and torch.isfinite(cached["features"]).all()
 
 
 def test_a_clip_is_cut_to_its_length_before_it_is_resampled(tmp_path: Path, monkeypatch) -> None:
