@@ -1,7 +1,8 @@
 """The composed configuration: its range checks, Hydra's errors in one line, and building its objects.
 
 Types and unknown keys are refused by Hydra while it composes (``experiments.schema``); ``check``
-then refuses values out of range, before a run writes anything. Either way the user reads one line
+then refuses values out of range, and keys added with ``+`` that the schema does not know (Hydra lets
+``+`` add any key), before a run writes anything. Either way the user reads one line
 that names the key, the value and what is accepted: ``one_line`` turns Hydra's and OmegaConf's
 multi-line reports into that line, and ``refusing_in_one_line`` wraps ``run.py``'s entry point.
 """
@@ -49,6 +50,12 @@ def check(cfg: DictConfig) -> None:
     nodes = [("", cfg)] + [(f"{group}.", cfg[group]) for group in schema.OPTIONS if group in cfg]
     for prefix, node in nodes:
         node_type = OmegaConf.get_type(node)
+        if dataclasses.is_dataclass(node_type):  # a key added with ``+`` passes Hydra's struct check
+            known = [f.name for f in dataclasses.fields(node_type)]
+            extra = [k for k in node if k not in known and not (prefix == "" and k == "hydra")]
+            if extra:
+                shown = [k for k in known if not k.startswith("_")]
+                raise ConfigError(f"unknown key {prefix}{extra[0]}; accepted: {', '.join(shown)}")
         for key, rule in _rules(node_type).items():
             if OmegaConf.is_missing(node, key):
                 raise ConfigError(f"{prefix}{key} is required{rule.hint}; accepted: {rule.what}")
