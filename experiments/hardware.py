@@ -145,6 +145,33 @@ def check_data_workers(workers: int) -> None:
         )
 
 
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_sample_count(samples: int | None, train_fraction: float) -> None:
+    """Refuse a sample count whose training split this machine cannot shuffle: the shuffle is one
+    permutation of 8 bytes a sample, made before the first batch."""
+    have = available_memory()
+    if samples is None or have is None:
+        return
+    need = 8 * round(samples * train_fraction)
+    if need > have:
+        most = int(have / 8 / train_fraction)
+        raise HardwareError(
+            f"dataset.num_samples={samples} needs {need / 2**30:.3g} GiB to shuffle its training split, "
+            f"more than the {have / 2**30:.3g} GiB available here; accepted: at most {most}"
+        )
+
+
 def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 

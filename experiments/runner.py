@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from experiments.hardware import (
     HardwareError,
     LoadMeter,
     check_data_workers,
+    check_sample_count,
     check_strategy,
     contended,
     describe,
@@ -305,6 +307,7 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
         device = resolve_device(cfg.hardware.device, local_rank=ranks.local_rank if ranks.size > 1 else None)
         check_strategy(cfg.backward.mode, cfg.backward.get("strategy", "auto"), device)
         check_data_workers(cfg.hardware.data_workers)
+        check_sample_count(cfg.dataset.get("num_samples"), cfg.dataset.get("train_fraction", 1.0))
         torch.manual_seed(cfg.trainer.seed)
         with limit_workers(device, cfg.hardware.workers) as used:
             summary["device"] = info = describe(device, used)
@@ -442,6 +445,11 @@ def _train(job: Job, state: TrainState, rows: list[dict]) -> None:
         row["initial_loss"] = state.initial_loss
         if trainer.eval and len(job.test.dataset):
             row["test_loss"], row["test_accuracy"] = evaluate(job.model, job.test, job.device)
+            if not math.isfinite(row["test_loss"]):  # a result nobody can compare: the epoch is not kept
+                raise NonFiniteLossError(
+                    f"test loss became {row['test_loss']} at epoch {epoch + 1}: the test data or the model "
+                    "holds values that are not finite; the run stops"
+                )
         state.epoch = epoch + 1
         rows.append({**job.columns, **row})
         job.ranks.together((lambda: _record(job, state, rows)) if job.ranks.leader else None)

@@ -62,6 +62,11 @@ POSITIVE_NUMBER = Rule(  # inf is no learning rate: its first step makes the los
     lambda v: isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf,
     "a finite positive number",
 )
+# A learning rate multiplies float32 gradients: one beyond float32's range cannot be applied at all.
+LEARNING_RATE = Rule(
+    lambda v: POSITIVE_NUMBER.ok(v) and v <= 3.4028234663852886e38,
+    "a finite positive number a float32 holds (at most 3.4e+38)",
+)
 FRACTION = Rule(lambda v: isinstance(v, int | float) and 0 < v < 1, "a number strictly between 0 and 1")
 NON_EMPTY = Rule(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
 # The epoch's shuffle seed is seed * 1,000,003 + epoch.
@@ -165,7 +170,7 @@ class Optimizer:
     """A ``torch.optim`` optimizer; the parameters come from the model."""
 
     _target_: str = MISSING
-    lr: float = checked(POSITIVE_NUMBER)
+    lr: float = checked(LEARNING_RATE)
 
 
 @dataclass

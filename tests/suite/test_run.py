@@ -479,6 +479,7 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
     assert not (tmp_path / "records.csv").exists()  # no epoch finished
 
 
+LR = "a finite positive number a float32 holds (at most 3.4e+38)"
 # Bad input and the one line it fails with; the default run takes the first three, .ci/run all.
 BAD_INPUT = [
     (["model=elman"], "unknown model 'elman'; accepted: gru, lstm, rnn"),
@@ -499,8 +500,12 @@ BAD_INPUT = [
     (["trainer.foo=1"], "unknown key trainer.foo; accepted: epochs, batch_size, warmup_iters"),
     (["foo=1"], "unknown key foo; accepted: name, model, dataset, backward, optimizer, trainer, logger"),
     (["trainer.epochs=1e26"], "trainer.epochs must be a positive integer, got 1e+26"),
-    (["optimizer.lr=fast"], "optimizer.lr must be a finite positive number, got 'fast'"),
-    (["optimizer.lr=inf"], "optimizer.lr must be a finite positive number, got inf"),
+    (["optimizer.lr=fast"], f"optimizer.lr must be {LR}, got 'fast'"),
+    (["optimizer.lr=inf"], f"optimizer.lr must be {LR}, got inf"),
+    (["optimizer=sgd", "optimizer.lr=1e308"], f"optimizer.lr must be {LR}, got 1e+308"),
+    (["+foo=1"], "unknown key foo; accepted: name, model, dataset, backward, optimizer, trainer, logger"),
+    (["+trainer.foo=1"], "unknown key trainer.foo; accepted: epochs, batch_size, warmup_iters"),
+    (["dataset.num_samples=9223372036854775807"], "GiB to shuffle its training split, more than the "),
     (["optimizer=adamw"], "unknown optimizer 'adamw'; accepted: adam, sgd"),
     (
         ["model.forward_solver=jacobi"],
