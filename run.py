@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from experiments import ranks, records, schema  # noqa: F401  (schema: registers what the config files use)
 from experiments.config import refusing_in_one_line
-from experiments.runner import follow, run_job, say_follower
+from experiments.runner import TERMINATED, follow, run_job, say_follower
 from experiments.summary import print_summary
 
 CONF = Path(__file__).resolve().parent / "conf"
@@ -52,7 +52,7 @@ def main(cfg: DictConfig) -> None:
         print(f"job {run_dir.name}: {line}", flush=True)
     if outcome.status == "interrupted":
         print(f"run.py: {outcome.error}; {continuation(hc, run_dir, sweeping)}", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(143 if outcome.error.startswith(TERMINATED) else 130)  # as a shell reports SIGTERM, SIGINT
     if not outcome.lockstep:  # the ranks parted at different places: the launch is over
         print(f"run.py: error: {outcome.error}", file=sys.stderr)
         sys.exit(1)

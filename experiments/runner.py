@@ -21,8 +21,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,7 +157,7 @@ def run_job(cfg: DictConfig, run_dir: Path, launch: Ranks | None = None) -> Outc
     """
     run_dir = Path(run_dir)
     try:
-        with records.folder_lock(run_dir):
+        with records.folder_lock(run_dir), terminate_as_interrupt():
             records.remove_stale_temporaries(run_dir)
             outcome = _run(cfg, run_dir, launch)
             if outcome.bad_input:
@@ -165,6 +168,33 @@ def run_job(cfg: DictConfig, run_dir: Path, launch: Ranks | None = None) -> Outc
         if launch is not None:  # the followers wait for the leader's decision
             launch.broadcast({"outcome": vars(outcome)})
         return outcome
+
+
+TERMINATED = "terminated (SIGTERM)"  # how an Outcome's error begins when SIGTERM stopped the run
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what SLURM and most schedulers send first), taken as Ctrl-C is: the run stops after
+    recording what it finished."""
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises ``Terminated`` in the main thread, so a run it stops is
+    recorded ``interrupted`` with its finished epochs, as after Ctrl-C; elsewhere (a thread, a
+    platform without signals) the block runs unchanged. The previous handler comes back after."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGTERM"):
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _holds_results(run_dir: Path) -> bool:
@@ -360,9 +390,10 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
     except RankError as exc:  # agreed by every rank
         summary.update(status="failed", error=str(exc))
         outcome = Outcome("failed", str(exc), bad_input=exc.bad_input and not started_run)
-    except KeyboardInterrupt:  # Ctrl-C: the finished epochs are kept, and the caller says how to go on
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: finished epochs kept; the caller says what next
         summary.update(status="interrupted")
-        outcome = Outcome("interrupted", f"interrupted after epoch {state.epoch} of {cfg.trainer.epochs}")
+        how = TERMINATED if isinstance(exc, Terminated) else "interrupted"
+        outcome = Outcome("interrupted", f"{how} after epoch {state.epoch} of {cfg.trainer.epochs}")
     except Exception as exc:  # record any failure; the sweep goes on
         left = left_the_run(exc, ranks)
         if not isinstance(exc, NonFiniteLossError | WriteError) and left is None and not out_of_memory(exc):

@@ -410,7 +410,15 @@ def records_of(run_dir: Path) -> pd.DataFrame | None:
 
 
 @pytest.mark.extended
-def test_ctrl_c_says_in_one_line_what_was_kept_and_how_to_go_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sent", "status", "said"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ctrl_c_or_sigterm_says_in_one_line_what_was_kept_and_how_to_go_on(
+    tmp_path: Path, sent, status, said
+) -> None:
+    """Ctrl-C, and SIGTERM (what SLURM sends first), stop a run after recording what it finished."""
     run_dir = tmp_path / "run"
     args = ["dataset.seq_len=50", "dataset.num_samples=400", "trainer.epochs=1000", "logger=csv"]
     proc = subprocess.Popen(
@@ -425,11 +433,11 @@ def test_ctrl_c_says_in_one_line_what_was_kept_and_how_to_go_on(tmp_path: Path) 
     while records_of(run_dir) is None:
         assert proc.poll() is None, "the run ended before it finished an epoch"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sent)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130
+    assert proc.returncode == status
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("run.py: interrupted after epoch ")
+    assert len(lines) == 1 and lines[0].startswith(f"run.py: {said} after epoch "), lines
     assert f"kept in {run_dir}: records.csv, checkpoint.pt" in lines[0]
     command = lines[0].split("to continue: python run.py ")[1]
     assert command.endswith(f"trainer.resume=true hydra.run.dir={run_dir}")
@@ -477,6 +485,24 @@ def test_a_nan_loss_stops_the_run_and_records_it_failed(tmp_path: Path, monkeypa
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and "loss became nan" in summary["error"]
     assert not (tmp_path / "records.csv").exists()  # no epoch finished
+
+
+def test_a_non_finite_test_loss_fails_the_run(tmp_path: Path, monkeypatch) -> None:
+    """A test loss that is not finite (features with NaN, a diverged model) is no result: the run
+    is recorded failed, and that epoch not kept."""
+    real, calls = runner.evaluate, []
+
+    def nan_on_test(model, loader, device):
+        calls.append(loader)
+        loss, accuracy = real(model, loader, device)
+        return (float("nan"), accuracy) if len(calls) > 1 else (loss, accuracy)  # the first: t = 0
+
+    monkeypatch.setattr(runner, "evaluate", nan_on_test)
+    outcome = runner.run_job(composed(*TINY, "logger=none"), tmp_path)
+    assert outcome.status == "failed" and not outcome.bad_input
+    assert "test loss became nan at epoch 1" in outcome.error
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+    assert not (tmp_path / "records.csv").exists()
 
 
 LR = "a finite positive number a float32 holds (at most 3.4e+38)"
