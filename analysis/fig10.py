@@ -26,7 +26,7 @@ from analysis.data import (
     require_flags,
     require_rows,
 )
-from analysis.figures import plt, save
+from analysis.figures import output_made, plt, save
 from toolbox.cli import OneLineParser
 from toolbox.files import output_folder
 
@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AnalysisError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
-    for path in save(fig10(products), Path(args.out), "fig10"):
+    for path in save(fig10(products), output_made(parser, Path(args.out)), "fig10"):
         print(path)
     return 0
 

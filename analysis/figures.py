@@ -35,9 +35,17 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from analysis.data import PHASES, AnalysisError, load_results, speedups
+from analysis.data import (
+    BACKWARD_COLUMNS,
+    PHASES,
+    AnalysisError,
+    identity_columns,
+    load_results,
+    speedups,
+    telling_apart,
+)
 from toolbox.cli import OneLineParser
-from toolbox.files import output_folder
+from toolbox.files import nearest_folder, output_folder
 
 sns.set_theme(style="whitegrid")  # every figure of the suite, fig. 10 included, in one style
 plt.rcParams.update({"svg.hashsalt": "bppsa", "pdf.compression": 6})
@@ -50,6 +58,7 @@ METHOD_COLOURS = {"bptt": "#4C72B0", "bppsa": "#DD8452"}
 METHOD_STYLES = {"bptt": "--", "bppsa": "-"}
 PHASE_COLOURS = {"forward": "#55A868", "backward": "#C44E52", "step": "#8172B3"}
 LINE_STYLES = ("-", "--", ":", "-.")
+VARIANT = BACKWARD_COLUMNS[1:]  # a BPPSA run's strategy, chunk, levels and forward solver
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 
 
@@ -76,6 +85,58 @@ def _sweep(data: pd.DataFrame, x: str, fixed: str) -> pd.DataFrame:
 
 def _medians(data: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return data.groupby(keys, dropna=False)[[*list(PHASE_COLUMNS.values()), "epoch_s"]].median().reset_index()
+
+
+def _configurations(rows: pd.DataFrame, given: Sequence[str]) -> list[str]:
+    """The keys beside ``given`` that tell the runs of ``rows`` apart (their configuration's and
+    BPPSA's variant, ``analysis.data.telling_apart``): a panel draws one line per their values, so
+    no median is taken over two configurations."""
+    return telling_apart(rows, given, [*identity_columns(rows), *VARIANT])
+
+
+def key_text(value: object) -> str:
+    """A key's value as plain as it reads (0.001, 2, chunked); '-' where the run did not set it."""
+    if value is None or (not isinstance(value, str) and pd.isna(value)):
+        return "-"
+    return _number(value) if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
+
+
+def _line_label(lines: Sequence[str], key: object) -> str:
+    """A line's legend entry: its device, then its other keys ('H100, num_layers = 2')."""
+    values = key if isinstance(key, tuple) else (key,)
+    return ", ".join(p for p in (str(values[0]), _keys_text(lines[1:], values[1:])) if p)
+
+
+def _keys_text(columns: Sequence[str], values: Sequence[object]) -> str:
+    """'num_layers = 2, lr = 0.01' for a line's keys."""
+    return ", ".join(f"{c} = {key_text(v)}" for c, v in zip(columns, values, strict=True))
+
+
+def _matching(rows: pd.DataFrame, columns: Sequence[str], values: Sequence[object]) -> pd.Series:
+    """Which rows hold ``values`` in ``columns``, an empty cell matching an empty value."""
+    match = pd.Series(True, index=rows.index)
+    for column, value in zip(columns, values, strict=True):
+        match &= rows[column].isna() if pd.isna(value) else rows[column] == value
+    return match
+
+
+def _most_runs(rows: pd.DataFrame, given: Sequence[str]) -> tuple[pd.DataFrame, str]:
+    """The rows of one configuration where ``rows`` hold several beside ``given``: the one with the
+    most epoch rows (and of BPPSA's variants, the one with the most BPPSA rows; BPTT has none), for
+    a figure that draws one; and its keys as text ('' where there was one)."""
+    keys = _configurations(rows, given)
+    config = [c for c in keys if c not in VARIANT]
+    variant = [c for c in keys if c in VARIANT]
+    picked: list[object] = []
+    for columns, side in ((config, rows.index), (variant, rows.index[rows["backward"] == "bppsa"])):
+        if not columns or side.empty:
+            continue
+        values = rows.loc[side].groupby(columns, dropna=False).size().idxmax()
+        values = values if isinstance(values, tuple) else (values,)
+        chosen = _matching(rows, columns, values)
+        rows = rows[chosen | (~rows.index.isin(side))]  # a variant leaves BPTT's rows as they are
+        picked += zip(columns, values, strict=True)
+    return rows, _keys_text([c for c, _ in picked], [v for _, v in picked])
 
 
 def _number(value: float, _pos: object = None) -> str:
@@ -133,18 +194,22 @@ def _devices(rows: pd.DataFrame) -> str:
 def _loss_curves(ax: plt.Axes, rows: pd.DataFrame) -> None:
     """Training loss against cumulative training time, one line per run, from t = 0 (figs. 7, 13).
 
-    Colour: the method (BPTT, BPPSA); line style and marker: the configuration (T, B), so runs of
-    different lengths or batch sizes read apart; the legend names both.
+    Colour: the method (BPTT, BPPSA); line style and marker: the configuration (T, B, and any other
+    key that tells runs apart), so runs of different lengths or batch sizes read apart; the legend
+    names both.
     """
-    configs = sorted(rows.groupby(["seq_len", "batch_size"]).groups)
-    for _, part in rows.sort_values("epoch").groupby("run", sort=True):
+    keys = ["seq_len", "batch_size", *_configurations(rows, ["backward", "seq_len", "batch_size"])]
+    style = rows.groupby(keys, dropna=False, sort=True).ngroup()  # one per configuration
+    run = "run_path" if "run_path" in rows.columns else "run"  # one line per run folder
+    for _, part in rows.sort_values("epoch").groupby(run, sort=True):
         method = part["backward"].iloc[0]
-        config = (part["seq_len"].iloc[0], part["batch_size"].iloc[0])
-        k = configs.index(config)
+        config = tuple(part[keys].iloc[0])
+        k = int(style[part.index[0]])
         wall, loss = part["wall_s"].tolist(), part["loss"].tolist()
         if "initial_loss" in part.columns and pd.notna(part["initial_loss"].iloc[0]):
             wall, loss = [0.0, *wall], [float(part["initial_loss"].iloc[0]), *loss]
         label = f"{METHOD_LABELS.get(method, method)}, T = {_number(config[0])}, B = {_number(config[1])}"
+        label += f", {_keys_text(keys[2:], config[2:])}" if len(keys) > 2 else ""
         ax.plot(
             wall,
             loss,
@@ -181,20 +246,21 @@ def _runtime_panel(ax: plt.Axes, rows: pd.DataFrame, x: str, label: str) -> None
     if bppsa[x].nunique() < 2:
         _no_data(ax, f"BPPSA runs at 2+ values of {label}")
         return
-    med = _medians(bppsa, [x, "device_name"])
-    for k, (device, part) in enumerate(med.sort_values(x).groupby("device_name", sort=True)):
+    lines = ["device_name", *_configurations(bppsa, [x, "device_name"])]
+    med = _medians(bppsa, [x, *lines])
+    for k, (key, part) in enumerate(med.sort_values(x).groupby(lines, sort=True, dropna=False)):
         ax.plot(
             part[x],
             part["backward_per_iter_s"],
             color=METHOD_COLOURS["bppsa"],
             linestyle=LINE_STYLES[k % len(LINE_STYLES)],
             marker=MARKERS[k % len(MARKERS)],
-            label=device,
+            label=_line_label(lines, key),
         )
     _log_log(ax, 2 if x == "batch_size" else 10)
     ax.set_xlabel(label)
     ax.set_ylabel("BPPSA backward per iteration (s)")
-    _legend_beside(ax, title="device")
+    _legend_beside(ax, title="device" + (", configuration" if len(lines) > 1 else ""))
 
 
 def _speedup_panel(ax: plt.Axes, rows: pd.DataFrame, x: str, label: str) -> None:
@@ -202,7 +268,8 @@ def _speedup_panel(ax: plt.Axes, rows: pd.DataFrame, x: str, label: str) -> None
     if table.empty or table[x].nunique() < 2:
         _no_data(ax, f"BPTT and BPPSA runs at 2+ values of {label}")
         return
-    for k, (device, part) in enumerate(table.sort_values(x).groupby("device_name", sort=True)):
+    lines = ["device_name", *_configurations(table, [x, "device_name"])]
+    for k, (key, part) in enumerate(table.sort_values(x).groupby(lines, sort=True, dropna=False)):
         spread = part[["backward_lo", "backward_hi"]].notna().all(axis=1)
         low = (part["backward_speedup"] - part["backward_lo"]).where(spread, 0.0)
         high = (part["backward_hi"] - part["backward_speedup"]).where(spread, 0.0)
@@ -214,23 +281,24 @@ def _speedup_panel(ax: plt.Axes, rows: pd.DataFrame, x: str, label: str) -> None
             linestyle=LINE_STYLES[k % len(LINE_STYLES)],
             marker=MARKERS[k % len(MARKERS)],
             capsize=3,
-            label=device,
+            label=_line_label(lines, key),
         )
     ax.axhline(1.0, linestyle="--", color="gray", linewidth=1)
     _log_log(ax, 2 if x == "batch_size" else 10)
     ax.set_xlabel(label)
     ax.set_ylabel("backward speedup (BPTT / BPPSA)")
-    _legend_beside(ax, title="device")
+    _legend_beside(ax, title="device" + (", configuration" if len(lines) > 1 else ""))
 
 
 def _breakdown_panel(ax: plt.Axes, rows: pd.DataFrame, x: str, label: str) -> str | None:
     """Per-iteration time of each phase (colour) for each method (line style), on the device with
-    the most runs; returns that device's name."""
+    the most runs and of its configuration with the most (``_most_runs``); returns their names."""
     if rows[x].nunique() < 2:
         _no_data(ax, f"runs at 2+ values of {label}")
         return None
     device = rows["device_name"].value_counts().idxmax()
-    med = _medians(rows[rows["device_name"] == device], [x, "backward"]).sort_values(x)
+    on, config = _most_runs(rows[rows["device_name"] == device], [x, "backward"])
+    med = _medians(on, [x, "backward"]).sort_values(x)
     for phase, column in PHASE_COLUMNS.items():
         for method in METHODS:
             part = med[med["backward"] == method]
@@ -248,7 +316,7 @@ def _breakdown_panel(ax: plt.Axes, rows: pd.DataFrame, x: str, label: str) -> st
     ax.set_xlabel(label)
     ax.set_ylabel("time per iteration (s)")
     _legend_beside(ax, title="phase, method")
-    return str(device)
+    return ", ".join(p for p in (str(device), config) if p)
 
 
 def fig8(data: pd.DataFrame) -> plt.Figure:
@@ -292,6 +360,7 @@ def fig9(data: pd.DataFrame) -> plt.Figure:
         return fig
     device = gru["device_name"].value_counts().idxmax()
     gru = gru[gru["device_name"] == device].assign(frames=gru["frames"].fillna("?"))
+    gru, config = _most_runs(gru, ["frames", "batch_size", "backward"])  # one configuration's bars
     med = _medians(gru, ["frames", "batch_size", "backward"])
     med["order"] = med["frames"].map({"s": 0, "m": 1, "l": 2})  # the paper's order, not the alphabet's
     med = med.sort_values(["order", "batch_size", "backward"]).reset_index(drop=True)
@@ -314,7 +383,8 @@ def fig9(data: pd.DataFrame) -> plt.Figure:
     ax.set_ylabel("time per iteration (s)")
     ax.set_xlabel("feature setting, batch size, method")
     _legend_beside(ax, title="phase")
-    ax.set_title(f"Fig. 9: GRU runtime breakdown per iteration ({device})", fontsize=10)
+    where = ", ".join(p for p in (str(device), config) if p)
+    ax.set_title(f"Fig. 9: GRU runtime breakdown per iteration ({where})", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -369,11 +439,13 @@ def _backward_against(
         _no_data(ax, missing)
     else:
         lines = ["backward", "device_name", *(["workers_used"] if per_rank else [])]
-        med = _medians(rows, [x, *lines]).sort_values(x)
-        for k, (key, part) in enumerate(med.groupby(lines, sort=True)):
+        extra = _configurations(rows, [x, *lines])
+        med = _medians(rows, [x, *lines, *extra]).sort_values(x)
+        for k, (key, part) in enumerate(med.groupby([*lines, *extra], sort=True, dropna=False)):
             method, device = key[0], key[1]
             label = f"{METHOD_LABELS.get(method, method)}, {device}"
             label += f", {key[2]:g} per rank" if per_rank else ""
+            label += f", {_keys_text(extra, key[len(lines) :])}" if extra else ""
             ax.plot(
                 part[x],
                 part["backward_per_iter_s"],
@@ -385,7 +457,8 @@ def _backward_against(
         _log_log(ax, 2)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("backward per iteration (s)")
-        _legend_beside(ax, title="method, device" + (", workers" if per_rank else ""))
+        keys = ["method, device", *(["workers"] if per_rank else []), *(["configuration"] if extra else [])]
+        _legend_beside(ax, title=", ".join(keys))
         held = _fixed(rows, ("seq_len", "T"), ("batch_size", "B"))
         title += f" ({held})" if held else ""
     ax.set_title(title, fontsize=10)
@@ -415,6 +488,35 @@ def make_figures(data: pd.DataFrame, out: Path) -> list[Path]:
     return written
 
 
+def made_folder(out: Path) -> Path:
+    """``out``, made if missing; AnalysisError naming it where it cannot be. ``output_folder`` asks
+    for write permission, which a superuser has also where no folder can be made (/proc, /sys)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AnalysisError(
+            f"cannot make {out} in {nearest_folder(out)} ({exc.strerror or exc}); "
+            "accepted: a folder (made if missing) where files can be written"
+        ) from None
+    return out
+
+
+def output_made(parser: OneLineParser, out: Path) -> Path:
+    """``out`` made (``made_folder``) before anything is written in it, or the parser's one-line
+    refusal of ``--out`` (exit status 2), as for any other bad argument."""
+    try:
+        return made_folder(out)
+    except AnalysisError as exc:
+        parser.error(f"argument --out: {exc}")
+
+
+def tell_notes(prog: str, data: pd.DataFrame) -> None:
+    """Each note of ``load_results`` (what a sweep's reading added, replaced or skipped) as a line on
+    stderr, so that nothing is left out unseen."""
+    for note in data.attrs.get("notes", []):
+        print(f"{prog}: {note}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(
         prog="python -m analysis.figures",
@@ -431,7 +533,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AnalysisError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
-    for path in make_figures(data, Path(args.out)):
+    out = output_made(parser, Path(args.out))
+    tell_notes(parser.prog, data)
+    for path in make_figures(data, out):
         print(path)
     return 0
 

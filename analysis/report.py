@@ -15,18 +15,40 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.data import AnalysisError, load_results, provenance, speedups
-from analysis.figures import FIGURES, make_figures
+from analysis.data import (
+    BACKWARD_COLUMNS,
+    AnalysisError,
+    identity_columns,
+    load_results,
+    provenance,
+    speedups,
+    telling_apart,
+)
+from analysis.figures import FIGURES, key_text, made_folder, make_figures, output_made, tell_notes
 from toolbox.cli import OneLineParser
 from toolbox.files import output_folder
 
+# What every row of the table shows: its configuration's main keys, its device and its BPPSA variant.
+ALWAYS = ("model", "dataset", "frames", "seq_len", "batch_size", "device_name", "ranks")
+VARIANT = BACKWARD_COLUMNS[1:]
+
+
+def distinguishing(table: pd.DataFrame) -> list[str]:
+    """The columns beside the always shown ones that ``table``'s rows need to be told apart: every
+    key that varies among rows alike in what is shown (``analysis.data.telling_apart``); then the
+    name of the sweep a row came from, and last its comparison key: a difference no column names."""
+    candidates = [*identity_columns(table), "name", "comparison_key"]
+    return telling_apart(table, [c for c in (*ALWAYS, *VARIANT) if c in table.columns], candidates)
+
 
 def speedup_markdown(table: pd.DataFrame) -> str:
-    """The speedup table as Markdown: one row per configuration and device."""
+    """The speedup table as Markdown: one row per configuration and device, with a column for
+    every key that tells two rows apart (``distinguishing``), so no two rows read alike."""
     if table.empty:
         return "_No configuration has both a BPTT and a BPPSA run yet._"
-    head = ["model", "dataset", "frames", "T", "B", "device (ranks)", "BPPSA"]
-    head += ["overall speedup", "backward speedup", "epochs"]
+    extra = distinguishing(table)
+    head = ["model", "dataset", "frames", "T", "B", *(c.replace("_", " ") for c in extra)]
+    head += ["device (ranks)", "BPPSA", "overall speedup", "backward speedup", "epochs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table.itertuples():
         frames = r.frames if isinstance(r.frames, str) else "-"
@@ -36,6 +58,7 @@ def speedup_markdown(table: pd.DataFrame) -> str:
             frames,
             str(int(r.seq_len)),
             str(int(r.batch_size)),
+            *(key_text(getattr(r, c)) for c in extra),
             str(r.device_name) + (f", {int(r.ranks)} ranks" if getattr(r, "ranks", 1) > 1 else ""),
             _variant(r),
             _speedup_cell(r, "overall"),
@@ -82,15 +105,20 @@ def _variant(row) -> str:
     return ", ".join(parts)
 
 
-def write_report(paths: Sequence[str | Path], out: Path, keep_contended: bool = False) -> Path:
-    data = load_results(paths, keep_contended)
-    out.mkdir(parents=True, exist_ok=True)
+def write_report(
+    paths: Sequence[str | Path], out: Path, keep_contended: bool = False, data: pd.DataFrame | None = None
+) -> Path:
+    """``report.md``, ``speedups.csv`` and the figures of the results under ``paths``, into ``out``;
+    ``data``: those results, where ``load_results`` has read them already."""
+    data = load_results(paths, keep_contended) if data is None else data
+    made_folder(out)
     make_figures(data, out)
     table = speedups(data)
     origin = provenance(paths, data)
     parts = [
         "# BPPSA results",
         "Sources: " + ", ".join(f"`{p}`" for p in paths),
+        *[f"Read: {note}." for note in data.attrs.get("notes", [])],
         "## Speedups of BPPSA over BPTT",
         "Median over epochs, 95 % bootstrap interval in brackets; overall = epoch time, backward = "
         "backward time per iteration (BPPSA's Jacobian building included); epochs = BPTT / BPPSA.",
@@ -120,11 +148,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        report = write_report(args.paths, Path(args.out), args.keep_contended)
+        data = load_results(args.paths, args.keep_contended)
     except AnalysisError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
-    print(report)
+    out = output_made(parser, Path(args.out))
+    tell_notes(parser.prog, data)
+    print(write_report(args.paths, out, data=data))
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -570,3 +571,143 @@ def test_an_axis_over_more_than_three_decades_shows_only_the_powers_of_ten() -> 
     fig.canvas.draw()
     assert tick_labels(ax.xaxis) == ["10", "100", "1000", "10000"]
     plt.close(fig)
+
+
+def finished(run: Path, status: str = "completed", config_hash: str | None = None, when: str = "01") -> None:
+    """A run folder's summary.json as the runner leaves it: its status, identity and finishing time."""
+    summary = {"status": status, "config_hash": config_hash or run.name, "finished": f"2025-01-{when}"}
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_a_stale_merged_table_gives_way_to_the_finished_run_folders(tmp_path: Path, capsys) -> None:
+    """A sweep re-run with more values and killed before its merge: the run folders are read, and
+    one line says what the merged table lacked, what replaced it, what it kept and what was skipped."""
+    table = t_sweep()
+    sweep = write_sweep(tmp_path / "sweep", table, merged=False)
+    for run in sweep.iterdir():
+        finished(run)
+    shortened = [r for r in table if r["run"] == "bptt-10-16-H100" and r["epoch"] > 2]  # merged at 2 of 4
+    stale = [r for r in table if r["seq_len"] < 1000 and r not in shortened]
+    pd.DataFrame(stale).to_csv(sweep / "records.csv", index=False)
+    rerun = sweep / "bppsa-100-16-H100"  # started over after the merge, then killed: 1 epoch
+    pd.DataFrame(rows("bppsa", 100, 16, "H100", 9.0, 9.0, epochs=1)).to_csv(rerun / "records.csv")
+    finished(rerun, "interrupted")
+    later = (("bptt-10000-16-H100", "running", "01"), ("bptt-1000-copy", "completed", "00"))
+    for name, status, when in later:
+        (sweep / name).mkdir()
+        seq_len = 10000 if status == "running" else 1000
+        pd.DataFrame(rows("bptt", seq_len, 16, "H100", 5.0, 5.0)).to_csv(sweep / name / "records.csv")
+        finished(sweep / name, status, "bptt-1000-16-H100" if name.endswith("copy") else None, when)
+    assert report.main([str(sweep), "--out", str(tmp_path / "report")]) == 0
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"python -m analysis.report: {sweep}: records.csv is stale")
+    assert "added 2 run(s) it lacks: bppsa-1000-16-H100, bptt-1000-16-H100" in line
+    assert "replaced 1 run(s) by their folders' rows: bptt-10-16-H100" in line
+    assert "kept the merged table's rows of 1 run(s) unfinished now: bppsa-100-16-H100 (interrupted)" in line
+    assert "bptt-10000-16-H100 (running)" in line
+    assert "bptt-1000-copy (the configuration of bptt-1000-16-H100, finished later)" in line
+    found = pd.read_csv(tmp_path / "report" / "speedups.csv")
+    assert found["seq_len"].tolist() == [10, 100, 1000]
+    assert found["epochs_bptt"].tolist() == found["epochs_bppsa"].tolist() == [4, 4, 4]
+    assert found["backward_speedup"].round(6).tolist() == [10.0, 10.0, 10.0]  # no rows of the re-run
+    assert f"Read: {sweep}: records.csv is stale" in (tmp_path / "report" / "report.md").read_text()
+    (sweep / "records.csv").unlink()  # cut short before any merge: the same runs, only the skips said
+    data = load_results([sweep])
+    assert sorted(data["run"].unique()) == sorted({r["run"] for r in table} - {"bppsa-100-16-H100"})
+    assert data.attrs["notes"] == [
+        f"{sweep}: skipped 3 run(s): bppsa-100-16-H100 (interrupted), bptt-10000-16-H100 (running), "
+        "bptt-1000-copy (the configuration of bptt-1000-16-H100, finished later)"
+    ]
+
+
+def layered(layers: tuple[int, ...] = (1, 2)) -> list[dict]:
+    """A T sweep per layer count (each its own comparison_key), BPPSA twice as slow with two layers."""
+    table = []
+    for n in layers:
+        for r in t_sweep():
+            slower = 2.0 if n == 2 and r["backward"] == "bppsa" else 1.0
+            table.append(
+                {
+                    **r,
+                    "num_layers": n,
+                    "lr": 1e-3,
+                    "comparison_key": f"{r['seq_len']}-{n}",
+                    "backward_s": r["backward_s"] * slower,
+                    "run": f"{r['run']}-{n}",
+                }
+            )
+    return table
+
+
+def test_the_report_shows_every_key_that_tells_its_rows_apart(tmp_path: Path) -> None:
+    sweep = write_sweep(tmp_path / "sweep", layered())
+    text = report.write_report([sweep], tmp_path / "report").read_text()
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[:6] == ["model", "dataset", "frames", "T", "B", "num layers"] and "lr" not in head
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
+    assert [(c[3], c[5]) for c in cells] == [(t, n) for t in ("10", "100", "1000") for n in ("1", "2")]
+    assert len({tuple(c[:8]) for c in cells}) == len(cells)  # no two rows read alike
+    assert pd.read_csv(tmp_path / "report" / "speedups.csv")["num_layers"].tolist() == [1, 2] * 3
+    hidden = [  # two configurations no column names (e.g. dataset.num_samples): the comparison key says
+        {**r, "comparison_key": f"{r['comparison_key']}-{k}", "run": f"{r['run']}-{k}"}
+        for k in ("a", "b")
+        for r in layered((1,))
+    ]
+    table = speedups(load_results_from(hidden, tmp_path))
+    assert report.distinguishing(table) == ["comparison_key"]
+    assert "| comparison key |" in report.speedup_markdown(table)
+
+
+def test_figure_8_draws_one_line_per_configuration() -> None:
+    fig = figures.fig8(load_results_from(layered()))
+    runtime, speedup, breakdown = fig.axes[0], fig.axes[2], fig.axes[4]
+    lines = {line.get_label(): list(line.get_ydata()) for line in runtime.get_lines()}
+    assert sorted(lines) == ["H100, num_layers = 1", "H100, num_layers = 2"]
+    assert [b / a for a, b in zip(*lines.values(), strict=True)] == pytest.approx([2, 2, 2])  # not pooled
+    assert runtime.get_legend().get_title().get_text() == "device, configuration"
+    found = {t.get_text(): t for t in speedup.get_legend().get_texts()}
+    assert sorted(found) == ["H100, num_layers = 1", "H100, num_layers = 2"]
+    assert breakdown.get_title(loc="left").endswith("(B = 16, H100, num_layers = 1)")  # one configuration
+    plt.close(fig)
+
+
+def test_a_run_reached_twice_counts_once_and_two_sweeps_of_one_configuration_count_twice(
+    tmp_path: Path,
+) -> None:
+    """One run is one run folder: reached through its sweep, its merged table and itself, once; the
+    same configuration measured in two sweep folders (same config_hash, same folder names), twice."""
+    table = [{**r, "config_hash": r["run"]} for r in t_sweep()]
+    first = write_sweep(tmp_path / "main" / "1", table)
+    for run in (p for p in first.iterdir() if p.is_dir()):
+        finished(run)
+    run = first / "bptt-10-16-H100"
+    earlier = [{**r, "epoch_s": 3 * r["epoch_s"]} if r["run"] == run.name else r for r in table]
+    pd.DataFrame(earlier).to_csv(first / "records.csv", index=False)  # merged before it started over
+    once = load_results([first, run, tmp_path / "main" / "1" / "." / run.name, first / "records.csv"])
+    assert len(once) == len(table) and once["run_path"].nunique() == 6
+    ours = once[once["run"] == run.name]
+    assert ours["epoch_s"].tolist() == [r["epoch_s"] for r in table if r["run"] == run.name]
+    again = [{**r, "config_hash": r["run"], "epoch_s": r["epoch_s"] * 1.1} for r in t_sweep()]
+    second = write_sweep(tmp_path / "main" / "2", again)
+    both = load_results([first, second, run])
+    assert len(both) == 2 * len(t_sweep()) and both["run_path"].nunique() == 12
+    assert speedups(both)["epochs_bptt"].tolist() == [8, 8, 8]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc and /sys")
+@pytest.mark.parametrize(("tool", "out"), [(report, "/proc/nope/out"), (figures, "/sys/nope")])
+def test_an_output_folder_that_cannot_be_made_is_refused_in_one_line(
+    tmp_path: Path, tool, out: str, capsys
+) -> None:
+    """Refused like any bad argument (a superuser passes the permission check there, so the folder is
+    made first), before anything is written."""
+    sweep = write_sweep(tmp_path / "sweep", t_sweep())
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as exit_:
+        tool.main([str(sweep), "--out", out])
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"python -m {tool.__name__}: error: argument --out: ")
+    assert out.split("/")[1] in line and "accepted: a folder (made if missing)" in line
+    assert sorted(tmp_path.rglob("*")) == before and not Path(out).exists()
