@@ -107,7 +107,7 @@ def _onnx_outputs(model: torch.nn.Module, args: tuple, path, dynamo: bool) -> li
     return session.run(None, dict(zip(names, (t.numpy() for t in flat), strict=True)))
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", extended_except(list(KINDS), first=1))
 @pytest.mark.parametrize("dynamo", extended_except([True, False], first=1), ids=["torch.export", "trace"])
 def test_an_exported_model_runs_as_the_module(tmp_path, kind, dynamo) -> None:
     """``torch.onnx.export`` exports the layers as torch.nn's are (the native forward while
