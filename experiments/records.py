@@ -70,6 +70,23 @@ def write_json(path: Path, payload: dict) -> None:
     write_atomic(path, lambda p: p.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str)))
 
 
+def overwrite_json(path: Path, payload: dict) -> bool:
+    """Rewrite the JSON file at ``path`` in place, where ``write_json``'s temporary file found no
+    room (a full disk): only when the new text takes no more of the disk's blocks than the file
+    already holds, so the write cannot stop half-way. Whether it was written."""
+    text = json.dumps(payload, indent=2, sort_keys=True, default=str).encode()
+    try:
+        held = path.stat().st_blocks * 512
+        if len(text) > held:
+            return False
+        with open(path, "r+b") as f:
+            f.write(text)
+            f.truncate()
+        return True
+    except OSError:
+        return False
+
+
 def write_table(path: Path, rows: pd.DataFrame | Iterable[dict]) -> None:
     frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
     write_atomic(path, lambda p: frame.to_csv(p, index=False))

@@ -419,6 +419,8 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
                 records.write_json(run_dir / records.SUMMARY, summary)
             except WriteError as exc:
                 outcome = Outcome("failed", str(exc))
+                if summary["status"] != "running":  # a full disk: still say how the run ended, if it fits
+                    records.overwrite_json(run_dir / records.SUMMARY, summary)
     return outcome
 
 

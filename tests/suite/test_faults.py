@@ -4,6 +4,7 @@ uninterrupted one does."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -102,6 +103,9 @@ def test_a_full_disk_ends_the_run_in_one_line_naming_the_file(tmp_path: Path) ->
         lines = done.stderr.strip().splitlines()
         assert done.returncode in (1, 2) and len(lines) == 1, done.stderr
         assert lines[0].startswith(f"run.py: error: cannot write {disk}")
+        summary = disk / "run" / "summary.json"
+        if summary.exists():  # written as running when the run began: it says how the run ended
+            assert json.loads(summary.read_text())["status"] == "failed"
     finally:
         subprocess.run(["umount", str(disk)], check=False)
 
