@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import extended_except, rel_err
 from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case
 
 pytest.importorskip("numba")
@@ -54,6 +54,7 @@ def test_threads_change_nothing(monkeypatch) -> None:
     assert torch.equal(one, two)
 
 
+@pytest.mark.extended  # a serial float64 build of its own to compile
 def test_threads_change_nothing_in_an_lstm_layer(monkeypatch) -> None:
     """The fused LSTM backward's samples are independent tasks: its serial and parallel builds agree
     bit for bit."""
@@ -220,7 +221,7 @@ def _lstm_chain(n: int, batch: int, hidden: int, dtype: torch.dtype, past_end: b
     return LSTMChain(*scales, torch.randn(4, hidden, hidden, generator=g, dtype=dtype) * 0.3, *diags)
 
 
-@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("dtype", extended_except([F64, F32], first=1))  # a build per dtype to compile
 @pytest.mark.parametrize(("past_end", "offsets"), [(False, False), (False, True), (True, True)])
 def test_an_lstm_chain_walked_in_the_kernels_matches_the_sequential_twin(dtype, past_end, offsets) -> None:
     """The LSTM's chain over (h, c), with h's identity past a sequence's end (diag_hh) and offsets."""
@@ -232,7 +233,7 @@ def test_an_lstm_chain_walked_in_the_kernels_matches_the_sequential_twin(dtype, 
     assert rel_err(scan(chain, x, b, strategy="sequential"), out) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("dtype", extended_except([F64, F32], first=1))  # a build per dtype to compile
 @pytest.mark.parametrize("outputs", [False, True])
 def test_the_fused_lstm_layer_backward_matches_the_generic_path(dtype, outputs) -> None:
     """``numba_scan.lstm_layer_backward`` (cell states, factors and walk in two compiled calls)
