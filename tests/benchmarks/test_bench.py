@@ -95,6 +95,7 @@ def test_the_chunk_option_reaches_every_chunked_scan(monkeypatch, no_jax) -> Non
     assert seen == [3, 3, 3]  # the backward's one timed run; the scan's check run and one timed run
 
 
+@pytest.mark.extended  # the epoch's one-thread builds of the compiled kernels: seconds to compile cold
 def test_the_epoch_comparison_trains_both_models_alike() -> None:
     row = epoch_comparison(20, 4, 5, 12, CPU, warmup=0)
     assert (row.samples, row.iterations, row.strategy) == (12, 3, "auto")

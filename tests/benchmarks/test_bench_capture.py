@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import markdown_tables
+from helpers import extended_except, markdown_tables
 
 from benchmarks import capture
 
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("model", list(capture.MODELS))
+@pytest.mark.parametrize("model", extended_except(list(capture.MODELS), first=1))
 def test_a_row_on_the_cpu_times_the_eager_and_naive_backwards(model) -> None:
     row = capture.bench(model, 12, 3, 5, CPU, 0, 2, naive_max_t=12)
     assert all(isinstance(row.cells[k], float) and row.cells[k] > 0 for k in capture.COLUMNS[:3])
@@ -37,6 +37,7 @@ def test_a_length_past_the_naive_limit_says_so() -> None:
     assert "naive eager" not in row.cells and "T <= 5" in row.notes["naive eager"]
 
 
+@pytest.mark.extended
 def test_the_run_prints_a_table_per_model_and_the_reasons(capsys) -> None:
     argv = ["--models", "rnn", "gru", "--T", "8", "--H", "4", "6", "--B", "2"]
     argv += ["--repeats", "1", "--warmup", "0"]
