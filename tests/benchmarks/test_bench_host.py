@@ -19,6 +19,7 @@ def test_a_row_times_both_modules_and_checks_their_gradients(model) -> None:
     assert row.grad_diff < 1e-10  # float64: the two modules' gradients are the same
 
 
+@pytest.mark.extended
 def test_the_run_prints_one_row_per_model_and_length(capsys) -> None:
     argv = ["--models", "rnn", "lstm", "--T", "3", "5", "--B", "2", "--H", "4", "--dtype", "float64"]
     argv += ["--repeats", "2", "--warmup", "0", "--threads", "2"]  # the kernels the other tests compile

@@ -107,8 +107,9 @@ def _onnx_outputs(model: torch.nn.Module, args: tuple, path, dynamo: bool) -> li
     return session.run(None, dict(zip(names, (t.numpy() for t in flat), strict=True)))
 
 
-@pytest.mark.parametrize("kind", extended_except(list(KINDS), first=1))
-@pytest.mark.parametrize("dynamo", extended_except([True, False], first=1), ids=["torch.export", "trace"])
+@pytest.mark.extended  # an export traces the model: seconds each
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dynamo", [True, False], ids=["torch.export", "trace"])
 def test_an_exported_model_runs_as_the_module(tmp_path, kind, dynamo) -> None:
     """``torch.onnx.export`` exports the layers as torch.nn's are (the native forward while
     exporting), and onnxruntime's outputs are the module's."""
@@ -122,6 +123,7 @@ def test_an_exported_model_runs_as_the_module(tmp_path, kind, dynamo) -> None:
     assert rel_err(expected, torch.from_numpy(got[0])) < 1e-5
 
 
+@pytest.mark.extended
 def test_after_an_export_the_module_trains_by_bppsa_again(tmp_path, monkeypatch) -> None:
     torch.manual_seed(0)
     model = _Tagger("GRU")

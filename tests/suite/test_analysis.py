@@ -639,6 +639,7 @@ def layered(layers: tuple[int, ...] = (1, 2)) -> list[dict]:
     return table
 
 
+@pytest.mark.extended
 def test_the_report_shows_every_key_that_tells_its_rows_apart(tmp_path: Path) -> None:
     sweep = write_sweep(tmp_path / "sweep", layered())
     text = report.write_report([sweep], tmp_path / "report").read_text()
