@@ -437,14 +437,9 @@ class LSTMCell:
         return pre
 
     def _gates(self, x: Tensor, h_prev: Tensor, w: LayerWeights) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The gates i, f, g, o of a block of steps, from the two pre-activation GEMMs."""
-        pre = (
-            _affine(x, w.w_ih, w.b_ih)
-            .add_(_affine(h_prev, w.w_hh, w.b_hh))
-            .unflatten(-1, (4, h_prev.shape[-1]))
-        )
-        i, f, o = (torch.sigmoid(pre[..., j, :]) for j in (0, 1, 3))
-        return i, f, torch.tanh(pre[..., 2, :]), o
+        """The gates i, f, g, o of a block of steps (``activations``' rows)."""
+        i, f, g, o = self.activations(x, h_prev, w).unbind(-2)
+        return i, f, g, o
 
     def _factors(
         self,

@@ -57,8 +57,26 @@ def _forward_op(
         mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, max_iters)
     )
     weights = _present(w_ih, w_hh, b_ih, b_hh)
+    return _solved(config, x, h0, c0, weights, lengths, guess, copies=True)
+
+
+def _solved(
+    config: LayerConfig,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    lengths: Tensor | None,
+    guess: Tensor | None,
+    copies: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward's four results (``layer.solved_forward``, no c as an empty tensor, the solve's
+    stats as a tensor); ``copies``: the last states copied, as an operator's results may not be
+    views of its others."""
     out, h, c, stats = bppsa_layer.solved_forward(config, x, h0, c0, weights, lengths, guess)
-    return out, h.clone(), (_empty(h) if c is None else c.clone()), stats.as_tensor()
+    if copies:
+        h, c = h.clone(), (None if c is None else c.clone())
+    return out, h, (_empty(h) if c is None else c), stats.as_tensor()
 
 
 @_forward_op.register_fake
@@ -279,8 +297,7 @@ class _EagerLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         x, h0, c0, lengths, guess, config, *weights = inputs
-        out, h, c, stats = bppsa_layer.solved_forward(config, x, h0, c0, weights, lengths, guess)
-        output = out, h, (_empty(h) if c is None else c), stats.as_tensor()
+        output = _solved(config, x, h0, c0, weights, lengths, guess, copies=False)
         _Layer.setup_context(ctx, inputs, output)
         return output
 

@@ -478,7 +478,7 @@ def _train(job: Job, state: TrainState, rows: list[dict]) -> None:
         row["initial_loss"] = state.initial_loss
         if trainer.eval and len(job.test.dataset):
             row["test_loss"], row["test_accuracy"] = evaluate(job.model, job.test, job.device)
-            if not math.isfinite(row["test_loss"]):  # a result nobody can compare: the epoch is not kept
+            if not math.isfinite(row["test_loss"]):  # no result: the run fails before recording the epoch
                 raise NonFiniteLossError(
                     f"test loss became {row['test_loss']} at epoch {epoch + 1}: the test data or the model "
                     "holds values that are not finite; the run stops"

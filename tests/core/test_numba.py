@@ -30,27 +30,35 @@ def test_kernels_match_the_chunked_twin(n, batch, hidden, chunk, affine, terms, 
     assert rel_err(twin, out) < TOL[dtype]
 
 
-def test_threads_change_nothing(monkeypatch) -> None:
-    """Every task of a phase is independent, so 2 threads give the 1-thread result bit for bit, with
-    all three phases running (chunk 3 of 37 elements: reduce, spine and expand)."""
+def _at_one_and_two_threads(monkeypatch, builds: tuple[str, str], run) -> list:
+    """``run()``'s results at one thread and at two, checking that the serial and then the parallel
+    build of ``builds`` ran."""
     import numba
 
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba has one thread here (NUMBA_NUM_THREADS)")
     ran = []
-    for build in ("_scan_serial", "_scan_parallel"):
+    for build in builds:
         kernel = getattr(numba_scan, build)
         monkeypatch.setattr(numba_scan, build, lambda *a, k=kernel, n=build: ran.append(n) or k(*a))
-    chain, x, b = chain_case(37, 3, 5, True, 3, F64)
     before = torch.get_num_threads()
+    results = []
     try:
-        torch.set_num_threads(1)
-        one = scan(chain, x, b, strategy="numba", chunk=3)
-        torch.set_num_threads(2)
-        two = scan(chain, x, b, strategy="numba", chunk=3)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(run())
     finally:
         torch.set_num_threads(before)
-    assert ran == ["_scan_serial", "_scan_parallel"]
+    assert ran == list(builds)
+    return results
+
+
+def test_threads_change_nothing(monkeypatch) -> None:
+    """Every task of a phase is independent, so 2 threads give the 1-thread result bit for bit, with
+    all three phases running (chunk 3 of 37 elements: reduce, spine and expand)."""
+    chain, x, b = chain_case(37, 3, 5, True, 3, F64)
+    run = lambda: scan(chain, x, b, strategy="numba", chunk=3)  # noqa: E731
+    one, two = _at_one_and_two_threads(monkeypatch, ("_scan_serial", "_scan_parallel"), run)
     assert torch.equal(one, two)
 
 
@@ -58,26 +66,13 @@ def test_threads_change_nothing(monkeypatch) -> None:
 def test_threads_change_nothing_in_an_lstm_layer(monkeypatch) -> None:
     """The fused LSTM backward's samples are independent tasks: its serial and parallel builds agree
     bit for bit."""
-    import numba
-
-    if numba.config.NUMBA_NUM_THREADS < 2:
-        pytest.skip("numba has one thread here (NUMBA_NUM_THREADS)")
-    ran = []
-    for build in ("_lstm_layer_serial", "_lstm_layer_parallel"):
-        kernel = getattr(numba_scan, build)
-        monkeypatch.setattr(numba_scan, build, lambda *a, k=kernel, n=build: ran.append(n) or k(*a))
     gates, h = torch.rand(9, 3, 4, 5, dtype=F64), torch.rand(9, 3, 5, dtype=F64)
     c0, g_h, g_c = (torch.randn(3, 5, dtype=F64) for _ in range(3))
     w_hh, u = torch.randn(20, 5, dtype=F64), torch.randn(9, 3, 5, dtype=F64)
-    before = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            results.append(numba_scan.lstm_layer_backward(gates.clone(), h, c0, w_hh, g_h, g_c, u))
-    finally:
-        torch.set_num_threads(before)
-    assert ran == ["_lstm_layer_serial", "_lstm_layer_parallel"]
+    builds = ("_lstm_layer_serial", "_lstm_layer_parallel")
+    results = _at_one_and_two_threads(
+        monkeypatch, builds, lambda: numba_scan.lstm_layer_backward(gates.clone(), h, c0, w_hh, g_h, g_c, u)
+    )
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
