@@ -46,14 +46,9 @@ from benchmarks.common import (
     run_tool,
     threads_arg,
 )
-from bppsa_core import nn as bnn
+from benchmarks.scan import MODULES, module_pair
 from experiments.timing import Interval, time_ms
 
-MODELS = {
-    "rnn": (torch.nn.RNN, bnn.RNN, torch.nn.RNNCell),
-    "gru": (torch.nn.GRU, bnn.GRU, torch.nn.GRUCell),
-    "lstm": (torch.nn.LSTM, bnn.LSTM, torch.nn.LSTMCell),
-}
 FEATURES = 1  # the paper's bitstream input
 DEFAULT_T = (1000, 10_000)
 DEFAULT_H = (20, 64, 128, 256)  # cuDNN's persistent kernels end at H = 256 (RNN), 128 (GRU, LSTM)
@@ -85,9 +80,12 @@ def _naive(cell: torch.nn.Module, x: Tensor, hidden: int) -> Tensor:
     return (state[0] if isinstance(state, tuple) else state).sum()
 
 
-def _cell_from(module: torch.nn.Module, cell_cls: type) -> torch.nn.Module:
-    """The one-layer module's weights in a cell of ``cell_cls``."""
-    cell = cell_cls(module.input_size, module.hidden_size).to(module.weight_hh_l0)
+def _cell_from(module: torch.nn.Module) -> torch.nn.Module:
+    """The one-layer module's weights in torch.nn's cell of its kind (``RNNCell``, ``GRUCell``,
+    ``LSTMCell``)."""
+    cell_cls = getattr(torch.nn, f"{type(module).__name__}Cell")
+    kwargs = {"nonlinearity": module.nonlinearity} if isinstance(module, torch.nn.RNN) else {}
+    cell = cell_cls(module.input_size, module.hidden_size, **kwargs).to(module.weight_hh_l0)
     cell.load_state_dict({k.removesuffix("_l0"): v for k, v in module.state_dict().items()})
     return cell
 
@@ -148,11 +146,8 @@ def bench(
     naive_max_t: int,
 ) -> Row:
     """One row: every method of the module docstring that runs here, on the same weights and input."""
-    ref_cls, ours_cls, cell_cls = MODELS[model]
     torch.manual_seed(0)
-    ref = ref_cls(FEATURES, hidden).to(device)
-    ours = ours_cls(FEATURES, hidden).to(device)
-    ours.load_state_dict(ref.state_dict())
+    ref, ours = module_pair(model, FEATURES, hidden, device)
     x = torch.bernoulli(torch.full((steps, batch, FEATURES), 0.5)).to(device)
     row = Row(model, steps, batch, hidden)
     eager: dict[str, Callable[[], Tensor]] = {
@@ -160,7 +155,7 @@ def bench(
         "BPPSA eager": lambda: _loss(ours, x),
     }
     if steps <= naive_max_t:
-        cell = _cell_from(ref, cell_cls)
+        cell = _cell_from(ref)
         eager["naive eager"] = lambda: _naive(cell, x, hidden)
     else:
         row.notes["naive eager"] = f"run where T <= {naive_max_t} (--naive-max-T)"
@@ -237,7 +232,7 @@ LEGEND = (
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line, checked: a bad value ends the tool with one line and status 2."""
     p = parser("benchmarks.capture", __doc__)
-    p.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS), help="models")
+    p.add_argument("--models", nargs="+", choices=tuple(MODULES), default=list(MODULES), help="models")
     p.add_argument("--T", type=positive_int, nargs="+", default=list(DEFAULT_T), help="sequence lengths")
     p.add_argument("--H", type=positive_int, nargs="+", default=list(DEFAULT_H), help="hidden sizes")
     p.add_argument("--B", type=positive_int, default=16, help="batch size")

@@ -38,10 +38,9 @@ from benchmarks.common import (
     run_tool,
     threads_arg,
 )
-from bppsa_core import nn as bnn
+from benchmarks.scan import MODULES, module_pair
 from experiments.timing import time_ms
 
-MODELS = {"rnn": (torch.nn.RNN, bnn.RNN), "gru": (torch.nn.GRU, bnn.GRU), "lstm": (torch.nn.LSTM, bnn.LSTM)}
 FEATURES = 1  # the paper's bitstream input
 
 
@@ -72,11 +71,8 @@ def bench(
     repeats: int,
 ) -> Row:
     """One row: both modules' forward and step, taking turns on the same input."""
-    ref_cls, ours_cls = MODELS[model]
     torch.manual_seed(0)
-    ref = ref_cls(FEATURES, hidden).to(device, dtype)
-    ours = ours_cls(FEATURES, hidden).to(device, dtype)
-    ours.load_state_dict(ref.state_dict())
+    ref, ours = module_pair(model, FEATURES, hidden, device, dtype)
     x = torch.randn(steps, batch, FEATURES, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     work: dict[str, Callable[[], object]] = {
         "nn forward": lambda: ref(x),
@@ -126,7 +122,7 @@ LEGEND = (
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line, checked: a bad value ends the tool with one line and status 2."""
     p = parser("benchmarks.host", __doc__)
-    p.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS), help="models")
+    p.add_argument("--models", nargs="+", choices=tuple(MODULES), default=list(MODULES), help="models")
     p.add_argument("--T", type=positive_int, nargs="+", default=[10], help="sequence lengths")
     p.add_argument("--B", type=positive_int, default=16, help="batch size")
     p.add_argument("--H", type=positive_int, default=20, help="hidden size")

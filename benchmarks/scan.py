@@ -30,6 +30,7 @@ from torch import Tensor
 
 from benchmarks.common import failure, fmt_ms, markdown
 from benchmarks.floors import Floors
+from bppsa_core import nn as bnn
 from bppsa_core.chain import Chain
 from bppsa_core.jacobians import LayerWeights
 from bppsa_core.layer import cell_of
@@ -72,6 +73,17 @@ def layer_chain(
 # The benchmarks' models: torch.nn's modules by name (the weight terms of their chains: ``TERMS``).
 MODULES = {"rnn": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}
 TERMS = {"rnn": 1, "gru": 3, "lstm": 4}
+
+
+def module_pair(
+    model: str, features: int, hidden: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """torch.nn's one-layer module of ``model`` and ``bppsa_core``'s with the same weights (from the
+    seed set now)."""
+    ref = MODULES[model](features, hidden).to(device, dtype)
+    ours = getattr(bnn, MODULES[model].__name__)(features, hidden).to(device, dtype)
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
 
 
 def _as_double(chain: Chain) -> Chain:

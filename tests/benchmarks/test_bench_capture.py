@@ -7,11 +7,12 @@ import torch
 from helpers import extended_except, markdown_tables
 
 from benchmarks import capture
+from benchmarks.scan import MODULES
 
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("model", extended_except(list(capture.MODELS), first=1))
+@pytest.mark.parametrize("model", extended_except(list(MODULES), first=1))
 def test_a_row_on_the_cpu_times_the_eager_and_naive_backwards(model) -> None:
     row = capture.bench(model, 12, 3, 5, CPU, 0, 2, naive_max_t=12)
     assert all(isinstance(row.cells[k], float) and row.cells[k] > 0 for k in capture.COLUMNS[:3])
@@ -21,10 +22,10 @@ def test_a_row_on_the_cpu_times_the_eager_and_naive_backwards(model) -> None:
 
 def test_the_naive_loop_gives_the_modules_gradients() -> None:
     """The baseline computes what the modules do: a loop of cells with their weights."""
-    for model, (ref_cls, _, cell_cls) in capture.MODELS.items():
+    for model, ref_cls in MODULES.items():
         torch.manual_seed(0)
         ref = ref_cls(1, 4).double()
-        cell = capture._cell_from(ref, cell_cls)
+        cell = capture._cell_from(ref)
         x = torch.randn(7, 3, 1, dtype=torch.float64)
         expected = torch.autograd.grad(capture._loss(ref, x), list(ref.parameters()))
         got = torch.autograd.grad(capture._naive(cell, x, 4), list(cell.parameters()))

@@ -7,11 +7,12 @@ import torch
 from helpers import extended_except, markdown_tables
 
 from benchmarks import host
+from benchmarks.scan import MODULES
 
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("model", extended_except(list(host.MODELS), first=1))
+@pytest.mark.parametrize("model", extended_except(list(MODULES), first=1))
 def test_a_row_times_both_modules_and_checks_their_gradients(model) -> None:
     row = host.bench(model, 6, 3, 5, CPU, torch.float64, 1, 2)
     assert (row.model, row.steps, row.batch, row.hidden) == (model, 6, 3, 5)
