@@ -1,21 +1,27 @@
-"""Forward benchmark: the native sequential forward against the Newton solves, parallel in time.
+"""Forward benchmark: the sequential forward, compiled or PyTorch's, and the Newton solves.
 
     python -m benchmarks.forward                       # RNN and GRU, T = 100 ... 100,000
     python -m benchmarks.forward --device cuda          # the same on a GPU
     python -m benchmarks.forward --quick                # seconds on a CPU
+    python -m benchmarks.forward --tables compiled --models rnn gru lstm --H 20 64 256 --T 1000
 
-For each model, weights and sequence length: the native forward's time (PyTorch's fused kernel,
-cuDNN on a GPU) and, per solver (``forward_solver="newton"`` and ``"quasi-newton"``,
-``bppsa_core.newton``), the iterations it took, its time, its ratio to the native time, and the
-largest difference of its outputs from the native ones. Every method runs the training forward of
-the same module weights on the same batch, the methods take turns (one call each per round), and
-each cell is the median of ``--repeats`` rounds after ``--warmup``, all in one process.
+Two tables per model and width. ``compiled`` (CPU): torch.nn's training forward against the
+module's with ``strategy="numba"`` (the recurrence compiled, ``bppsa_core.numba_forward``), their
+ratio, what ``strategy="auto"`` picks there, and the largest difference of the outputs. ``newton``:
+for each weights and sequence length, the native forward's time (the module's sequential forward:
+compiled on a CPU where "auto" picks it, else PyTorch's fused kernel, cuDNN on a GPU) and, per
+solver (``forward_solver="newton"`` and ``"quasi-newton"``, ``bppsa_core.newton``), the iterations
+it took, its time, its ratio to the native time, and the largest difference of its outputs from
+the native ones. Every method runs the training forward of the same module weights on the same
+batch, the methods take turns (one call each per round), and each cell is the median of
+``--repeats`` rounds after ``--warmup``, all in one process.
 
-Models: the paper's RNN (bitstream, one input feature, H = 20) and the GRU at the IRMAS setting
-m's width (24 features, H = 20). Weights: ``init`` (PyTorch's initialization) and ``trained``
-(``--train-steps`` Adam steps of the bitstream task at T = 100 through BPTT; the GRU's extra
-features are Gaussian noise). Newton's iterations grow as training makes the recurrence less
-contractive, which is why both are measured. The input is a batch of the same task at each T.
+Models: the paper's RNN (bitstream, one input feature, H = 20), the GRU at the IRMAS setting m's
+width (24 features, H = 20) and the LSTM at the GRU's (``--models lstm``). Weights: ``init``
+(PyTorch's initialization) and ``trained`` (``--train-steps`` Adam steps of the bitstream task at
+T = 100 through BPTT; the extra features are Gaussian noise). Newton's iterations grow as training
+makes the recurrence less contractive, which is why both are measured. The input is a batch of the
+same task at each T.
 
 Prints Markdown; progress goes to stderr. Imports nothing beyond torch, so it runs on a bare GPU
 machine.
@@ -43,12 +49,14 @@ from benchmarks.common import (
     run_tool,
     threads_arg,
 )
+from bppsa_core import dispatch
 from bppsa_core import nn as bnn
 from bppsa_core.newton import DEFAULT_MAX_ITERS, SOLVERS
 from experiments.timing import time_ms
 
 NEWTON = tuple(s for s in SOLVERS if s != "native")
-MODELS = {"rnn": (bnn.RNN, 1), "gru": (bnn.GRU, 24)}  # class, input features
+MODELS = {"rnn": (bnn.RNN, 1), "gru": (bnn.GRU, 24), "lstm": (bnn.LSTM, 24)}  # class, input features
+TABLES = ("compiled", "newton")
 WEIGHTS = ("init", "trained")
 CLASSES = 10
 TRAIN_T = 100
@@ -146,6 +154,63 @@ def bench(
     return row
 
 
+@dataclass
+class CompiledRow:
+    model: str
+    steps: int
+    batch: int
+    hidden: int
+    torch_ms: float
+    compiled_ms: float
+    auto: str
+    max_diff: float
+
+
+def bench_compiled(
+    model: str, steps: int, batch: int, hidden: int, dtype: torch.dtype, warmup: int, repeats: int
+) -> CompiledRow:
+    """One row of the compiled table: torch.nn's training forward and ours with the recurrence
+    compiled (``strategy="numba"``), the same weights and batch, taking turns."""
+    cls, features = MODELS[model]
+    x = task_batch(steps, batch, features, torch.device("cpu"), seed=10_000)[0].to(dtype)
+    torch.manual_seed(0)
+    ours = cls(features, hidden, batch_first=True, strategy="numba").to(dtype)
+    ref = getattr(torch.nn, cls.__name__)(features, hidden, batch_first=True).to(dtype)
+    ref.load_state_dict(ours.state_dict())
+    modules = {"torch": ref, "compiled": ours}
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    outputs = {}
+    for r in range(warmup + repeats):
+        for name, m in modules.items():
+            ms = time_ms(lambda m=m, name=name: outputs.__setitem__(name, m(x)[0]), torch.device("cpu"))
+            if r >= warmup:
+                times[name].append(ms)
+    picks = dispatch.compiled_forward("auto", ours.mode, hidden, x)
+    return CompiledRow(
+        model, steps, batch, hidden,
+        statistics.median(times["torch"]), statistics.median(times["compiled"]),
+        "compiled" if picks else "PyTorch's", (outputs["torch"] - outputs["compiled"]).abs().max().item(),
+    )  # fmt: skip
+
+
+def format_compiled(rows: Sequence[CompiledRow]) -> str:
+    head = ["model", "T", "B", "H", "torch.nn ms", "compiled ms", "compiled / torch.nn", "auto", "max diff"]
+    body = [
+        [r.model, str(r.steps), str(r.batch), str(r.hidden), fmt_ms(r.torch_ms), fmt_ms(r.compiled_ms),
+         f"{r.compiled_ms / r.torch_ms:.3g}", r.auto, f"{r.max_diff:.1e}"]
+        for r in rows
+    ]  # fmt: skip
+    return markdown(head, body)
+
+
+COMPILED_LEGEND = (
+    "Training forward of one layer (the module call; torch.nn's records for its backward, ours runs "
+    "no autograd: its backward is BPPSA's); 'compiled / torch.nn' < 1 means the compiled forward is "
+    "faster; 'auto': the forward strategy='auto' takes at that width; 'max diff': the largest "
+    "absolute difference of the outputs."
+)
+
+
 def format_table(rows: Sequence[Row], solvers: Sequence[str]) -> str:
     """Markdown: native time, and per solver its iterations, time, ratio to native and difference."""
     head = ["model", "weights", "T", "B", "H", "F", "native ms"]
@@ -174,12 +239,13 @@ LEGEND = (
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line, checked: a bad value ends the tool with one line and status 2."""
     p = parser("benchmarks.forward", __doc__)
-    p.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS), help="models")
+    p.add_argument("--tables", nargs="+", choices=TABLES, default=None, help="tables (default: the device's)")
+    p.add_argument("--models", nargs="+", choices=tuple(MODELS), default=["rnn", "gru"], help="models")
     p.add_argument("--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS), help="weights to time")
     p.add_argument("--solvers", nargs="+", choices=NEWTON, default=list(NEWTON), help="solvers to time")
     p.add_argument("--T", type=positive_int, nargs="+", default=None, help=f"lengths (default: {DEFAULT_T})")
     p.add_argument("--B", type=positive_int, default=None, help="batch size (default: 16)")
-    p.add_argument("--H", type=positive_int, default=None, help="hidden size (default: 20)")
+    p.add_argument("--H", type=positive_int, nargs="+", default=None, help="hidden sizes (default: 20)")
     p.add_argument("--train-steps", type=positive_int, default=None, help="Adam steps (default: 300)")
     p.add_argument("--max-iters", type=positive_int, default=DEFAULT_MAX_ITERS, help="newton_iters")
     p.add_argument("--quick", action="store_true", help="small shapes, seconds on a CPU")
@@ -189,11 +255,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=positive_int, default=3, help="timed rounds (the median is shown)")
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed rounds before them")
     args = p.parse_args(argv)
+    cpu = args.device.type == "cpu"
+    if args.tables is None:
+        args.tables = list(TABLES) if cpu else ["newton"]
+    elif "compiled" in args.tables and not cpu:
+        p.error(f"--tables compiled runs on the CPU, not on {args.device}; accepted there: newton")
     size = QUICK if args.quick else {"T": DEFAULT_T, "B": 16, "H": 20, "train_steps": 300}
     args.T = args.T or list(size["T"])
-    args.B, args.H = args.B or size["B"], args.H or size["H"]
+    args.B, args.H = args.B or size["B"], args.H or [size["H"]]
     args.train_steps = size["train_steps"] if args.train_steps is None else args.train_steps
     return args
+
+
+def newton_table(
+    model: str, hidden: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, progress
+) -> None:
+    """The native forward against each Newton solver, per weights and length: one table."""
+    cls, features = MODELS[model]
+    states = {}
+    if "init" in args.weights:
+        torch.manual_seed(0)
+        states["init"] = cls(features, hidden).state_dict()
+    if "trained" in args.weights:
+        progress(f"training {model} for {args.train_steps} steps ...")
+        state, first, last = trained_state(model, hidden, args.B, args.train_steps, device)
+        states["trained"] = state
+        print(f"\n{model}: training loss {first:.4f} at the first step, {last:.4f} over the last ten")
+    rows = []
+    timing = (args.warmup, args.repeats, args.max_iters)
+    for label, state in states.items():
+        for t in args.T:
+            progress(f"{model} {label} T={t} ...")
+            rows.append(bench(model, state, label, t, args.B, hidden, device, dtype, args.solvers, *timing))
+    title = f"{model.upper()} (F = {features}, B = {args.B}, H = {hidden})"
+    print(f"\n### Forward: {title}\n\n{format_table(rows, args.solvers)}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -208,28 +303,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.dtype}, median of {args.repeats} after {args.warmup} warm-up rounds; newton_iters "
         f"{args.max_iters}; trained: {args.train_steps} Adam steps (lr {TRAIN_LR:g}) at T = {TRAIN_T}"
     )
-    print(f"\n{LEGEND}")
-    for model in args.models:
-        cls, features = MODELS[model]
-        states = {}
-        if "init" in args.weights:
-            torch.manual_seed(0)
-            states["init"] = cls(features, args.H).state_dict()
-        if "trained" in args.weights:
-            progress(f"training {model} for {args.train_steps} steps ...")
-            state, first, last = trained_state(model, args.H, args.B, args.train_steps, device)
-            states["trained"] = state
-            print(f"\n{model}: training loss {first:.4f} at the first step, {last:.4f} over the last ten")
-        rows = []
-        timing = (args.warmup, args.repeats, args.max_iters)
-        for label, state in states.items():
-            for t in args.T:
-                progress(f"{model} {label} T={t} ...")
-                rows.append(
-                    bench(model, state, label, t, args.B, args.H, device, dtype, args.solvers, *timing)
-                )
-        title = f"{model.upper()} (F = {features}, B = {args.B}, H = {args.H})"
-        print(f"\n### Forward: {title}\n\n{format_table(rows, args.solvers)}", flush=True)
+    if "compiled" in args.tables:
+        print(f"\n{COMPILED_LEGEND}")
+        for model in args.models:
+            rows = []
+            for hidden in args.H:
+                for t in args.T:
+                    progress(f"{model} compiled H={hidden} T={t} ...")
+                    rows.append(bench_compiled(model, t, args.B, hidden, dtype, args.warmup, args.repeats))
+            features = MODELS[model][1]
+            print(
+                f"\n### Compiled forward: {model.upper()} (F = {features})\n\n{format_compiled(rows)}",
+                flush=True,
+            )
+    if "newton" in args.tables:
+        print(f"\n{LEGEND}")
+        for model in args.models:
+            for hidden in args.H:
+                newton_table(model, hidden, args, device, dtype, progress)
     progress("done")
     return 0
 

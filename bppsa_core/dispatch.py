@@ -166,6 +166,32 @@ def numba_takes(terms: int, *dtypes: torch.dtype, lstm: bool = False) -> bool:
     )
 
 
+# Widest state at which the compiled CPU forward (``bppsa_core.numba_forward``) beats PyTorch's fused
+# kernel, per mode: its per-step loop wins while a step's multiply-adds are few, PyTorch's GEMMs
+# beyond; PyTorch's LSTM kernel is the faster at every width (re-measured by
+# ``python -m benchmarks.forward --tables compiled``).
+_COMPILED_FORWARD_MAX_HIDDEN = {"RNN_TANH": 128, "RNN_RELU": 128, "GRU": 128, "LSTM": 0}
+
+
+def compiled_forward(strategy: str, mode: str, hidden: int, *tensors: torch.Tensor | None) -> bool:
+    """Whether a layer's forward runs compiled (``bppsa_core.numba_forward``) rather than by
+    PyTorch's fused kernel: CPU tensors of one dtype, float32 or float64, numba installed, nothing
+    recorded for autograd and no autocast; then always under "numba", and under "auto" where it is
+    the faster (``_COMPILED_FORWARD_MAX_HIDDEN``). Other strategies keep PyTorch's forward."""
+    present = [t for t in tensors if t is not None]
+    if strategy not in ("auto", "numba") or not present or present[0].device.type != "cpu":
+        return False
+    if strategy == "auto" and hidden > _COMPILED_FORWARD_MAX_HIDDEN[mode]:
+        return False
+    return (
+        len({t.dtype for t in present}) == 1
+        and present[0].dtype in (torch.float32, torch.float64)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in present))
+        and not torch.is_autocast_enabled("cpu")
+        and numba_installed()
+    )
+
+
 NUMBA_REFUSED = (
     f"strategy='numba' takes a factored chain of at most {MAX_TERMS} terms (an RNN's or a GRU's) "
     "or an LSTM's, "

@@ -189,7 +189,7 @@ def solved_forward(
     """
     solver = config.solver
     if solver.method == "native" or x.shape[0] == 0:
-        return *native_forward(config.mode, x, h0, c0, weights, lengths, config.segment), newton.NATIVE
+        return *_forward(config, x, h0, c0, weights, lengths), newton.NATIVE
     hidden = h0.shape[-1]
     s0 = h0 if c0 is None else torch.cat((h0, c0), -1)
     keep = _keep(lengths, x.shape[0], x)
@@ -207,11 +207,31 @@ def solved_forward(
             stats.change,
             solver.tolerance(x.dtype),
         )
-        return *native_forward(config.mode, x, h0, c0, weights, lengths, config.segment), stats
+        return *_forward(config, x, h0, c0, weights, lengths), stats
     out = states[..., :hidden]
     out = out * keep if keep is not None else out.contiguous()
     c = states[-1, :, hidden:].clone() if c0 is not None else None
     return out, states[-1, :, :hidden].clone(), c, stats
+
+
+def _forward(
+    config: LayerConfig,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    lengths: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The sequential forward: compiled where ``dispatch.compiled_forward`` says so, else PyTorch's."""
+    hidden = h0.shape[-1]
+    if x.shape[0] and dispatch.compiled_forward(
+        config.options.strategy, config.mode, hidden, x, h0, c0, *weights
+    ):
+        from bppsa_core import numba_forward
+
+        out = x.new_empty((*x.shape[:2], hidden))
+        return numba_forward.layer_forward(config.mode, x, h0, c0, weights, lengths, config.segment, out)
+    return native_forward(config.mode, x, h0, c0, weights, lengths, config.segment)
 
 
 def stepwise_forward(

@@ -35,13 +35,30 @@ def test_training_lowers_the_loss() -> None:
     assert last < first
 
 
+def test_a_compiled_row_times_torch_nn_against_the_compiled_forward() -> None:
+    row = forward.bench_compiled("gru", 40, 3, 6, torch.float64, 0, 1)
+    assert row.torch_ms > 0 and row.compiled_ms > 0 and row.auto == "compiled"
+    assert row.max_diff < 1e-12
+    assert forward.bench_compiled("lstm", 5, 2, 4, torch.float32, 0, 1).auto == "PyTorch's"
+
+
 def test_the_quick_run_prints_a_table_per_model(capsys) -> None:
     assert forward.main(["--quick", "--repeats", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("device: cpu")
     titles = [line[4:] for line in out.splitlines() if line.startswith("### ")]
-    assert titles == ["Forward: RNN (F = 1, B = 4, H = 8)", "Forward: GRU (F = 24, B = 4, H = 8)"]
-    for head, rows in markdown_tables(out):
+    assert titles == [
+        "Compiled forward: RNN (F = 1)",
+        "Compiled forward: GRU (F = 24)",
+        "Forward: RNN (F = 1, B = 4, H = 8)",
+        "Forward: GRU (F = 24, B = 4, H = 8)",
+    ]
+    tables = markdown_tables(out)
+    for head, rows in tables[:2]:
+        assert head[:4] == ["model", "T", "B", "H"] and "compiled / torch.nn" in head
+        assert [(r[1], r[3], r[7]) for r in rows] == [("30", "8", "compiled"), ("300", "8", "compiled")]
+        assert max(float(r[-1]) for r in rows) <= 1e-5
+    for head, rows in tables[2:]:
         assert head[:7] == ["model", "weights", "T", "B", "H", "F", "native ms"]
         assert "newton / native" in head and "quasi-newton its" in head
         assert [(r[1], r[2]) for r in rows] == [
@@ -58,7 +75,8 @@ def test_the_quick_run_prints_a_table_per_model(capsys) -> None:
     ("argv", "message"),
     [
         (["--T", "0"], "argument --T: 0 is not positive; accepted: positive integers"),
-        (["--models", "lstm"], "argument --models: invalid choice: 'lstm'"),
+        (["--models", "cnn"], "argument --models: invalid choice: 'cnn'"),
+        (["--tables", "scan"], "argument --tables: invalid choice: 'scan'"),
         (["--solvers", "native"], "argument --solvers: invalid choice: 'native'"),
         (["--weights", "random"], "argument --weights: invalid choice: 'random'"),
         (["--max-iters", "0"], "argument --max-iters: 0 is not positive"),

@@ -168,7 +168,11 @@ def test_a_solve_that_does_not_converge_falls_back_to_the_native_forward(solver:
     assert not stats.converged and stats.iterations == 10
     assert f"{solver} forward did not converge in 10 iterations" in caplog.text
     assert "native sequential forward instead" in caplog.text
-    for a, b in zip(flat(ref(x)), got, strict=True):  # the fallback is the native forward: exact
+    ours.forward_solver = "native"
+    for a, b in zip(flat(ours(x)), got, strict=True):  # the fallback is the native forward, bit for bit
+        assert torch.equal(a, b)
+    # torch.nn's differ in their rounding only, which a chaotic recurrence grows: equal at first
+    for a, b in zip(flat(ref(x[:5])), flat(ours(x[:5])), strict=True):
         assert (a - b).abs().max().item() <= 1e-12
 
 

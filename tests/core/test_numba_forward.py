@@ -1,0 +1,178 @@
+"""The compiled CPU forward (numba) against its plain-PyTorch twin, PyTorch's fused kernel, and the
+modules that take it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from helpers import rel_err
+from recurrent import pair
+
+pytest.importorskip("numba")
+
+from bppsa_core import dispatch, numba_forward
+from bppsa_core import nn as bnn
+from bppsa_core.layer import MODES, native_forward
+
+F32, F64 = torch.float32, torch.float64
+TOL = {F64: 1e-12, F32: 1e-5}
+GATES = {"GRU": 3, "LSTM": 4}
+
+
+def layer_case(mode: str, steps: int, batch: int, inputs: int, hidden: int, dtype, bias: bool = True):
+    """Random (x, h0, c0, weights) of one layer, the weights large enough that the states saturate
+    in places and the inputs far enough from 0 that every activation's range is used."""
+    rows = GATES.get(mode, 1) * hidden
+    w = [torch.randn(rows, inputs, dtype=dtype), torch.randn(rows, hidden, dtype=dtype) / math.sqrt(hidden)]
+    if bias:
+        w += [torch.randn(rows, dtype=dtype), torch.randn(rows, dtype=dtype)]
+    x = 2 * torch.randn(steps, batch, inputs, dtype=dtype)
+    h0 = torch.randn(batch, hidden, dtype=dtype)
+    c0 = torch.randn(batch, hidden, dtype=dtype) if mode == "LSTM" else None
+    return x, h0, c0, w
+
+
+def compiled(mode, x, h0, c0, w, lengths=None, segment=2048):
+    out = x.new_empty((*x.shape[:2], h0.shape[-1]))
+    return numba_forward.layer_forward(mode, x, h0, c0, w, lengths, segment, out)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "lengths, segment, bias",
+    [(None, 2048, True), (None, 7, False), ([30, 30, 17, 1, 0], 2048, True), ([30, 12, 12, 5, 0], 7, True)],
+)
+def test_the_compiled_forward_is_pytorchs(mode, dtype, lengths, segment, bias) -> None:
+    """Outputs, last h and last c equal the fused kernel's to the dtype's rounding: one segment or
+    several, with and without biases, and packed lengths (a sample ending mid-segment, one of
+    length 0) whose outputs are 0 past the end and whose state is the last valid one."""
+    torch.manual_seed(0)
+    x, h0, c0, w = layer_case(mode, 30, 5, 3, 6, dtype, bias)
+    lengths = None if lengths is None else torch.tensor(lengths)
+    expected = native_forward(mode, x, h0, c0, w, lengths, segment)
+    got = compiled(mode, x, h0, c0, w, lengths, segment)
+    for e, g in zip(expected, got, strict=True):
+        assert (e is None) == (g is None)
+        if e is not None:
+            assert g.dtype == dtype and g.shape == e.shape
+            assert rel_err(e, g) < TOL[dtype]
+    if lengths is not None:
+        for b, n in enumerate(lengths.tolist()):
+            assert not got[0][n:, b].any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_threads_give_the_one_thread_result_bit_for_bit(mode) -> None:
+    """Samples run in groups, one a thread; each sample's arithmetic is the same in any group."""
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has one thread here (NUMBA_NUM_THREADS)")
+    torch.manual_seed(1)
+    case = layer_case(mode, 20, 5, 3, 6, F32)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(compiled(mode, *case))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_activations_are_accurate_to_a_few_ulps(dtype) -> None:
+    """tanh, sigmoid and expm1 against float64 references (math's, or float128's where there is
+    one): at most 4 ulps of the dtype, over the whole range, with NaN and infinities as PyTorch's."""
+    import numba
+
+    expm1, tanh, sigmoid = numba_forward._ACTIVATIONS[dtype]
+
+    @numba.njit(error_model="numpy")
+    def apply(f, a, out):
+        for i in range(a.size):
+            out[i] = f(a[i])
+
+    grid = np.concatenate([np.linspace(-50, 50, 20001), np.geomspace(1e-30, 30, 4001)])
+    grid = np.concatenate([grid, -grid]).astype(dtype)
+    wide = grid.astype(np.longdouble)
+    references = {
+        tanh: np.tanh(wide),
+        sigmoid: 1 / (1 + np.exp(-wide)),
+        expm1: np.expm1(np.clip(wide, -20, 80)),
+    }
+    for f, ref in references.items():
+        x = np.clip(grid, -20, 80).astype(dtype) if f is expm1 else grid
+        out = np.empty_like(x)
+        apply(f, x, out)
+        ulp = np.spacing(np.abs(ref.astype(dtype)))
+        normal = np.abs(ref) > np.finfo(dtype).tiny
+        assert (np.abs(out - ref)[normal] / ulp[normal]).max() <= 4, f
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], dtype)
+    for f, torch_f in ((tanh, torch.tanh), (sigmoid, torch.sigmoid)):
+        out = np.empty_like(special)
+        apply(f, special, out)
+        np.testing.assert_array_equal(out, torch_f(torch.from_numpy(special)).numpy())
+
+
+def test_a_nan_input_reaches_the_outputs_from_its_step_on() -> None:
+    torch.manual_seed(2)
+    x, h0, c0, w = layer_case("GRU", 10, 2, 3, 4, F32)
+    x[4, 0, 1] = float("nan")
+    out, h, _ = compiled("GRU", x, h0, c0, w)
+    assert not out[:4].isnan().any() and out[4:, 0].isnan().all() and not out[:, 1].isnan().any()
+    assert h[0].isnan().all()
+
+
+def _recording(monkeypatch) -> list[str]:
+    """The modes whose layers run the compiled forward from now on."""
+    ran: list[str] = []
+    real = numba_forward.layer_forward
+    monkeypatch.setattr(numba_forward, "layer_forward", lambda mode, *a: ran.append(mode) or real(mode, *a))
+    return ran
+
+
+@pytest.mark.parametrize(
+    "kind, strategy, hidden, takes",
+    [
+        ("tanh", "auto", 8, True),
+        ("relu", "auto", 8, True),
+        ("gru", "auto", 8, True),
+        ("tanh", "auto", 512, False),  # wider than it wins at: PyTorch's GEMMs
+        ("lstm", "auto", 8, False),  # PyTorch's LSTM kernel is the faster
+        ("lstm", "numba", 8, True),
+        ("tanh", "sequential", 8, False),  # the plain-PyTorch strategies keep PyTorch's forward
+    ],
+)
+def test_the_modules_take_it_where_auto_says_and_keep_autograds_gradients(
+    kind, strategy, hidden, takes, monkeypatch
+) -> None:
+    ref, ours = pair(kind, 3, hidden, num_layers=2, bidirectional=True, strategy=strategy)
+    ran = _recording(monkeypatch)
+    x = torch.randn(9, 4, 3, dtype=F64, requires_grad=True)
+    out, _ = ours(x)
+    assert bool(ran) == takes and len(ran) in (0, 4)
+    expected, _ = ref(x)
+    assert rel_err(expected, out) < 1e-12
+    (g,) = torch.autograd.grad(out.square().sum(), x)
+    (e,) = torch.autograd.grad(expected.square().sum(), x)
+    assert rel_err(e, g) < 1e-10
+
+
+def test_a_forward_autograd_records_or_autocast_runs_is_pytorchs(monkeypatch) -> None:
+    """BPTT (autograd records the forward) and CPU autocast (bfloat16 GEMMs) keep PyTorch's kernel."""
+    ran = _recording(monkeypatch)
+    x = torch.randn(5, 2, 3)
+    bnn.RNN(3, 4, backward="bptt")(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bnn.RNN(3, 4)(x)
+    assert ran == []
+    assert dispatch.compiled_forward("auto", "RNN_TANH", 4, x) and not dispatch.compiled_forward(
+        "auto", "RNN_TANH", 4, x.requires_grad_()
+    )
