@@ -170,7 +170,7 @@ def numba_takes(terms: int, *dtypes: torch.dtype, lstm: bool = False) -> bool:
 # kernel, per mode: its per-step loop wins while a step's multiply-adds are few, PyTorch's GEMMs
 # beyond; PyTorch's LSTM kernel is the faster at every width (re-measured by
 # ``python -m benchmarks.forward --tables compiled``).
-_COMPILED_FORWARD_MAX_HIDDEN = {"RNN_TANH": 128, "RNN_RELU": 128, "GRU": 128, "LSTM": 0}
+_COMPILED_FORWARD_MAX_HIDDEN = {"RNN_TANH": 256, "RNN_RELU": 256, "GRU": 128, "LSTM": 0}
 
 
 def compiled_forward(strategy: str, mode: str, hidden: int, *tensors: torch.Tensor | None) -> bool:

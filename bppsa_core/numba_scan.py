@@ -6,8 +6,12 @@ K <= 3 terms (an RNN's one, a GRU's three and a diagonal) and optional offsets, 
 ``x_k = x_{k+1} @ M_k + offsets[k]`` from x_n. One compiled call runs the three phases:
 
 1. reduce: one task per (chunk 1..P-2, sample) folds its chunk into an H x H aggregate and offset;
-2. spine: one task per sample walks the last chunk from x_n, then the chunk aggregates;
-3. expand: one task per (chunk 0..P-2, sample) walks its chunk from its entry vector.
+2. spine: one task per group of samples walks the last chunk from x_n; then one task per sample
+   applies the chunk aggregates;
+3. expand: one task per (chunk 0..P-2, group of samples) walks its chunk from its entry vectors.
+
+A walk steps its group's samples side by side (one group per thread), each step one indexed call
+(``_apply``) for all of them.
 
 Each phase is a ``prange`` over its tasks, so CPU threads are real workers across chunks and
 samples (``torch.get_num_threads()`` of them; with one, a serial build runs in the calling thread).
@@ -39,66 +43,59 @@ from bppsa_core import dispatch
 from bppsa_core.chain import LSTMChain
 
 
-@njit(cache=True)
-def _element(k, b, n_terms, has_diag, scales, diag, s, e):
-    """Element k of sample b into s (3, H) (the scales of W_0..W_2) and e (H) (the diagonal)."""
-    hid = s.shape[1]
-    bs = b if scales.shape[1] > 1 else 0
-    for j in range(n_terms):
-        for i in range(hid):
-            s[j, i] = scales[k, bs, j, i]
-    if has_diag:
+@njit(cache=True, inline="always")
+def _apply(k, b0, per_row, n_terms, has_diag, tiny, scales, diag, w, ys, u, acc):
+    """acc[i] = ys[i] @ M_k[b] for every row i, b = b0 + i·per_row (a walk's rows are samples side by
+    side, an aggregate's the rows of one sample's), with results below ``tiny`` in magnitude flushed
+    to 0 (module docstring); u (rows, H) is scratch. Indexed, never sliced (a view per step costs
+    its reference counting), and a step's rows side by side: each row's work is a few short loops,
+    whose entry costs as much as their body. The rows of M are taken four at a time and their
+    products summed in pairs, so each result waits on a chain of H / 4 additions instead of H
+    (re-measured by ``python -m benchmarks.backward --strategies numba chunked``)."""
+    rows, hid = ys.shape
+    zero = ys.dtype.type(0)
+    quads = hid - hid % 4
+    for i in range(rows):
+        b = b0 + i * per_row
+        bs = b if scales.shape[1] > 1 else 0
         bd = b if diag.shape[1] > 1 else 0
-        for i in range(hid):
-            e[i] = diag[k, bd, i]
+        for j in range(hid):
+            acc[i, j] = ys[i, j] * diag[k, bd, j] if has_diag else zero
+        for t in range(n_terms):
+            for r in range(hid):
+                u[i, r] = ys[i, r] * scales[k, bs, t, r]
+            for r in range(0, quads, 4):
+                a0, a1, a2, a3 = u[i, r], u[i, r + 1], u[i, r + 2], u[i, r + 3]
+                for j in range(hid):
+                    acc[i, j] += (a0 * w[t, r, j] + a1 * w[t, r + 1, j]) + (
+                        a2 * w[t, r + 2, j] + a3 * w[t, r + 3, j]
+                    )
+            for r in range(quads, hid):
+                a = u[i, r]
+                for j in range(hid):
+                    acc[i, j] += a * w[t, r, j]
+        for j in range(hid):
+            if abs(acc[i, j]) < tiny:
+                acc[i, j] = zero
 
 
 @njit(cache=True)
-def _vec_step(y, s, e, w, n_terms, has_diag, out, tiny):
-    """out = y @ M for one element given as its factors (the j loop innermost: it vectorizes), with
-    results below ``tiny`` in magnitude flushed to 0 (module docstring). The rows of M are taken four
-    at a time and their products summed in pairs, so each out[j] waits on a chain of H / 4 additions
-    instead of H, which makes a walk faster (re-measured by
-    ``python -m benchmarks.backward --strategies numba chunked``)."""
-    hid = y.shape[0]
-    for j in range(hid):
-        out[j] = y[j] * e[j] if has_diag else 0.0
-    for t in range(n_terms):
-        quads = hid - hid % 4
-        for i in range(0, quads, 4):  # four rows at a time, summed in pairs: a shorter chain per out[j]
-            a0, a1 = y[i] * s[t, i], y[i + 1] * s[t, i + 1]
-            a2, a3 = y[i + 2] * s[t, i + 2], y[i + 3] * s[t, i + 3]
-            for j in range(hid):
-                out[j] += (a0 * w[t, i, j] + a1 * w[t, i + 1, j]) + (
-                    a2 * w[t, i + 2, j] + a3 * w[t, i + 3, j]
-                )
-        for i in range(quads, hid):
-            a = y[i] * s[t, i]
-            for j in range(hid):
-                out[j] += a * w[t, i, j]
-    for j in range(hid):
-        if abs(out[j]) < tiny:
-            out[j] = 0.0
-
-
-@njit(cache=True)
-def _walk(n_terms, has_diag, has_b, tiny, lo, hi, b, y, scales, diag, w, offsets, out):
-    """Walk elements hi - 1 down to lo of sample b from y = x_hi, storing every x_k into ``out``."""
-    hid = y.shape[0]
-    s = np.zeros((3, hid), y.dtype)
-    e = np.zeros(hid, y.dtype)
-    nxt = np.empty(hid, y.dtype)
+def _walk(n_terms, has_diag, has_b, tiny, lo, hi, b0, ys, scales, diag, w, offsets, out):
+    """Walk elements hi - 1 down to lo of samples b0 .. b0 + len(ys) - 1 from ys (one x_hi a row),
+    side by side, storing every x_k into ``out``."""
+    nb, hid = ys.shape
+    u = np.empty_like(ys)
+    nxt = np.empty_like(ys)
     for k in range(hi - 1, lo - 1, -1):
-        _element(k, b, n_terms, has_diag, scales, diag, s, e)
-        _vec_step(y, s, e, w, n_terms, has_diag, nxt, tiny)
-        if has_b:
+        _apply(k, b0, 1, n_terms, has_diag, tiny, scales, diag, w, ys, u, nxt)
+        for i in range(nb):
             for j in range(hid):
-                nxt[j] += offsets[k, b, j]
-        out[k, b, :] = nxt
-        y[:] = nxt
+                v = nxt[i, j] + offsets[k, b0 + i, j] if has_b else nxt[i, j]
+                out[k, b0 + i, j] = v
+                ys[i, j] = v
 
 
-def _scan(n_terms, has_diag, has_b, tiny, chunk, scales, diag, w, offsets, x_last, out):
+def _scan(n_terms, has_diag, has_b, tiny, chunk, groups, scales, diag, w, offsets, x_last, out):
     """The three phases (module docstring); chunk P-1 (the remainder) is walked by the spine."""
     n = scales.shape[0]
     batch, hid = x_last.shape
@@ -109,30 +106,29 @@ def _scan(n_terms, has_diag, has_b, tiny, chunk, scales, diag, w, offsets, x_las
     entry = np.empty((max(p - 1, 1), batch, hid), x_last.dtype)
     for task in prange(nagg * batch):  # reduce: chunk q = 1..P-2, last element applied first
         q, b = np.int64(task) // batch + 1, np.int64(task) % batch  # a prange index is unsigned
-        s = np.zeros((3, hid), x_last.dtype)
-        e = np.zeros(hid, x_last.dtype)
         a = np.eye(hid, dtype=x_last.dtype)
-        nxt = np.empty((hid, hid), x_last.dtype)
-        c = agg_off[q - 1, b]
-        c_nxt = np.empty(hid, x_last.dtype)
+        u, nxt = np.empty_like(a), np.empty_like(a)
+        c = np.zeros((1, hid), x_last.dtype)
+        cu, c_nxt = np.empty_like(c), np.empty_like(c)
         for k in range(q * chunk + chunk - 1, q * chunk - 1, -1):
-            _element(k, b, n_terms, has_diag, scales, diag, s, e)
-            for r in range(hid):
-                _vec_step(a[r], s, e, w, n_terms, has_diag, nxt[r], tiny)
-            a[:, :] = nxt
+            _apply(k, b, 0, n_terms, has_diag, tiny, scales, diag, w, a, u, nxt)
+            a, nxt = nxt, a
             if has_b:
-                _vec_step(c, s, e, w, n_terms, has_diag, c_nxt, tiny)
+                _apply(k, b, 0, n_terms, has_diag, tiny, scales, diag, w, c, cu, c_nxt)
                 for j in range(hid):
-                    c_nxt[j] += offsets[k, b, j]
-                c[:] = c_nxt
+                    c[0, j] = c_nxt[0, j] + offsets[k, b, j]
         agg[q - 1, b] = a
-    for b_ in prange(batch):  # spine: the remainder chunk from x_n, then the aggregates
-        b = np.int64(b_)
-        y = x_last[b].copy()
-        out[n, b, :] = y
-        _walk(n_terms, has_diag, has_b, tiny, (p - 1) * chunk, n, b, y, scales, diag, w, offsets, out)
+        agg_off[q - 1, b] = c[0]
+    for g in prange(groups):  # spine: the remainder chunk from x_n, a group of samples a task
+        b0, b1 = g * batch // groups, (g + 1) * batch // groups
+        ys = x_last[b0:b1].copy()
+        out[n, b0:b1, :] = ys
+        _walk(n_terms, has_diag, has_b, tiny, (p - 1) * chunk, n, b0, ys, scales, diag, w, offsets, out)
         if p > 1:
-            entry[nagg, b] = y
+            entry[nagg, b0:b1] = ys
+    for b_ in prange(batch if nagg else 0):  # then the aggregates, a sample a task
+        b = np.int64(b_)
+        y = entry[nagg, b].copy()
         for j in range(nagg - 1, -1, -1):
             y2 = agg_off[j, b].copy()
             for i in range(hid):
@@ -140,19 +136,19 @@ def _scan(n_terms, has_diag, has_b, tiny, chunk, scales, diag, w, offsets, x_las
                     y2[col] += y[i] * agg[j, b, i, col]
             y = y2
             entry[j, b] = y
-    for task in prange((p - 1) * batch):  # expand: chunk q = 0..P-2 from its entry vector
-        q, b = np.int64(task) // batch, np.int64(task) % batch
-        y = entry[q, b].copy()
-        _walk(
-            n_terms, has_diag, has_b, tiny, q * chunk, q * chunk + chunk, b, y, scales, diag, w, offsets, out
-        )
+    for task in prange((p - 1) * groups):  # expand: chunk q = 0..P-2 from its entry vectors
+        q, g = np.int64(task) // groups, np.int64(task) % groups
+        b0, b1 = g * batch // groups, (g + 1) * batch // groups
+        ys = entry[q, b0:b1].copy()
+        lo = q * chunk
+        _walk(n_terms, has_diag, has_b, tiny, lo, lo + chunk, b0, ys, scales, diag, w, offsets, out)
 
 
 @njit(cache=True)
 def _lstm_walk(has_hh, has_b, tiny, b, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out):
     """Walk an LSTM chain's elements n - 1 down to 0 for sample b from out[n, b] = (x_h, x_c),
     storing every x_k into ``out``: the four gates' rows (x_h * scales_h + x_c * scales_c) against
-    the stacked (4H, H) weights, four rows at a time as in ``_vec_step``; c's part is diagonal."""
+    the stacked (4H, H) weights, four rows at a time as in ``_apply``; c's part is diagonal."""
     n, hid = scales_h.shape[0], w.shape[1]
     rows = 4 * hid
     y = out[n, b, :].copy()
@@ -289,12 +285,14 @@ def chunked_scan(
     if n == 0:
         return out.copy_(x_last.unsqueeze(0))
     placeholder = x_last.new_zeros((1, 1, 1))
-    (_scan_parallel if _threads() > 1 else _scan_serial)(
+    threads = _threads()
+    (_scan_parallel if threads > 1 else _scan_serial)(
         terms,
         diagonal is not None,
         offsets is not None,
         torch.finfo(x_last.dtype).tiny if flush else 0.0,
         min(chunk, n),
+        min(threads, batch),
         *_arrays(scales, placeholder if diagonal is None else diagonal, weights),
         *_arrays(placeholder if offsets is None else offsets, x_last),
         out.numpy(),
