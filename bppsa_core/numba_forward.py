@@ -311,36 +311,35 @@ def layer_forward(
     only a segment's of it exists). Returns (out, h_T, c_T), c_T None but for an LSTM."""
     steps, batch = x.shape[:2]
     hidden = h0.shape[-1]
-    w_ih, w_hh = weights[0], weights[1]
+    w_ih, w_hh, *biases = (t.detach() for t in weights)
     rows = w_hh.shape[0]
-    bias = x.new_zeros(rows) if len(weights) < 4 else weights[2] + weights[3]
-    b_hn = x.new_zeros(hidden)
-    if mode == "GRU" and len(weights) == 4:  # b_hn is applied inside r (W_hn h + b_hn)
-        bias[2 * hidden :] = weights[2][2 * hidden :]
-        b_hn = weights[3][2 * hidden :]
-    w_t = w_hh.detach().t().contiguous().numpy()
+    bias = biases[0] + biases[1] if biases else x.new_zeros(rows)
+    b_hn = biases[1][2 * hidden :] if biases else x.new_zeros(hidden)
+    if mode == "GRU" and biases:  # b_hn is applied inside r (W_hn h + b_hn)
+        bias[2 * hidden :] = biases[0][2 * hidden :]
+    w_t = w_hh.t().contiguous().numpy()
     threads = _threads()
-    parallel, groups = threads > 1, min(threads, batch)
+    groups = min(threads, batch)
     cell = {"GRU": "gru", "LSTM": "lstm"}.get(mode, "rnn")
-    kernel = _kernel(cell, x.dtype, parallel)
-    h = h0.detach().contiguous().clone()
-    c = None if c0 is None else c0.detach().contiguous().clone()
-    h_last, c_last = torch.empty_like(h), (None if c is None else torch.empty_like(c))
+    kernel = _kernel(cell, x.dtype, threads > 1)
+    # each segment reads the state its predecessor wrote: (h, c) in, fresh (h, c) out
+    h = h0.detach().contiguous()
+    c = None if c0 is None else c0.detach().contiguous()
     flat = x.detach().reshape(steps * batch, x.shape[-1])
+    ends = None if lengths is None else lengths.to("cpu", torch.int64).numpy()
     for s in range(0, steps, segment):
         e = min(steps, s + segment)
-        seg = torch.full((batch,), e - s, dtype=torch.int64)
-        if lengths is not None:
-            seg = (lengths.to("cpu", torch.int64) - s).clamp(0, e - s)
-        xw = torch.addmm(bias.detach(), flat[s * batch : e * batch], w_ih.detach().t())
-        xw = xw.view(e - s, batch, rows).numpy()
-        o = out[s:e].numpy()
+        seg = np.full(batch, e - s, np.int64) if ends is None else np.clip(ends - s, 0, e - s)
+        xw = torch.addmm(bias, flat[s * batch : e * batch], w_ih.t()).view(e - s, batch, rows).numpy()
+        h_next = torch.empty_like(h)
+        args = (groups, xw, w_t, h.numpy(), seg, out[s:e].numpy(), h_next.numpy())
         if cell == "rnn":
-            kernel(mode == "RNN_RELU", groups, xw, w_t, h.numpy(), seg.numpy(), o, h_last.numpy())
+            kernel(mode == "RNN_RELU", *args)
         elif cell == "gru":
-            kernel(groups, xw, w_t, b_hn.detach().numpy(), h.numpy(), seg.numpy(), o, h_last.numpy())
+            kernel(groups, xw, w_t, b_hn.numpy(), *args[3:])
         else:
-            kernel(groups, xw, w_t, h.numpy(), c.numpy(), seg.numpy(), o, h_last.numpy(), c_last.numpy())
-            c, c_last = c_last, c
-        h, h_last = h_last, h
+            c_next = torch.empty_like(c)
+            kernel(groups, xw, w_t, h.numpy(), c.numpy(), seg, *args[5:], c_next.numpy())
+            c = c_next
+        h = h_next
     return out, h, c
