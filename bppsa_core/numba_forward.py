@@ -40,7 +40,7 @@ from numba.core import types as nbtypes
 from numba.extending import intrinsic
 from torch import Tensor
 
-from bppsa_core.numba_scan import _threads
+from bppsa_core.numba_scan import _add_hidden, _threads
 
 # ------------------------------------------------------------------------------------- activations
 
@@ -148,24 +148,6 @@ _ACTIVATIONS = {np.float32: _make_activations(np.float32), np.float64: _make_act
 _, _tanh, _sigmoid = _ACTIVATIONS[np.float64]
 
 # ------------------------------------------------------------------------------------------ kernels
-
-
-@njit(inline="always", error_model="numpy")
-def _add_hidden(acc, h, w_t):
-    """acc (N, R) += h (N, H) @ w_t (H, R): per sample, four rows of w_t at a time, so that each
-    pass over a row of R costs four multiply-adds an element (entering a loop over a short row
-    costs about as much as the row's work)."""
-    hid, cols = w_t.shape
-    k4 = hid - hid % 4
-    for b in range(h.shape[0]):
-        for k in range(0, k4, 4):
-            a0, a1, a2, a3 = h[b, k], h[b, k + 1], h[b, k + 2], h[b, k + 3]
-            for j in range(cols):
-                acc[b, j] += a0 * w_t[k, j] + a1 * w_t[k + 1, j] + a2 * w_t[k + 2, j] + a3 * w_t[k + 3, j]
-        for k in range(k4, hid):
-            hk = h[b, k]
-            for j in range(cols):
-                acc[b, j] += hk * w_t[k, j]
 
 
 def _rnn(relu, groups, xw, w_t, h0, steps, out, h_last):

@@ -181,62 +181,88 @@ def _lstm_scan(has_hh, has_b, tiny, scales_h, scales_c, w, diag_hc, diag_cc, dia
         _lstm_walk(has_hh, has_b, tiny, b, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out)
 
 
-def _lstm_layer(has_u, one, tiny, gates, h, c, w_t, u, g_h, g_c, g0):
-    """An LSTM layer's backward, each sample a task, from the activated gates (T, B, 4H; rows
-    i, f, g, o), its outputs h_1..h_T (T, B, H) and c (T + 1, B, H) holding c_0 in its first row.
-    First the cell states c_t = f_t c_{t-1} + i_t g_t into c's other rows; then the walk from the
-    last state's gradient (g_h, g_c) (B, H) back to g0 = (dL/dh_0, dL/dc_0) (B, 2H). At step t the
-    gates' pre-activation gradients d overwrite the gates, then dL/dh_{t-1} = d @ W_hh + u[t-1] (the
-    outputs' gradient, when ``has_u``) as H dot products of length 4H against ``w_t`` = W_hh^T
-    (H, 4H), and dL/dc_{t-1} = dc f, both flushed below ``tiny`` (module docstring).
+@njit(inline="always", error_model="numpy")
+def _add_hidden(acc, h, w_t):
+    """acc (N, R) += h (N, K) @ w_t (K, R): per row of h, four rows of w_t at a time, so that each
+    pass over a row of R costs four multiply-adds an element (entering a loop over a short row
+    costs about as much as the row's work). The compiled forward's recurrence and the LSTM's walk."""
+    hid, cols = w_t.shape
+    k4 = hid - hid % 4
+    for b in range(h.shape[0]):
+        for k in range(0, k4, 4):
+            a0, a1, a2, a3 = h[b, k], h[b, k + 1], h[b, k + 2], h[b, k + 3]
+            for j in range(cols):
+                acc[b, j] += a0 * w_t[k, j] + a1 * w_t[k + 1, j] + a2 * w_t[k + 2, j] + a3 * w_t[k + 3, j]
+        for k in range(k4, hid):
+            hk = h[b, k]
+            for j in range(cols):
+                acc[b, j] += hk * w_t[k, j]
+
+
+def _lstm_layer(has_u, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c, g0):
+    """An LSTM layer's backward, each group of samples a task, from the activated gates (T, B, 4H;
+    rows i, f, g, o), its outputs h_1..h_T (T, B, H) and c (T + 1, B, H) holding c_0 in its first
+    row. First the cell states c_t = f_t c_{t-1} + i_t g_t into c's other rows; then the walk from
+    the last state's gradient (g_h, g_c) (B, H) back to g0 = (dL/dh_0, dL/dc_0) (B, 2H), the group's
+    samples side by side. At step t the gates' pre-activation gradients d overwrite the gates, then
+    dL/dh_{t-1} = d @ W_hh + u[t-1] (the outputs' gradient, when ``has_u``; ``w_hh`` (4H, H)) and
+    dL/dc_{t-1} = dc f, both flushed below ``tiny`` (module docstring).
 
     tanh(c_t) is h_t / o_t (0 where o_t is): a division, where a scalar tanh would cost most of the
     walk; it enters only multiplied by o_t, so its rounding near o_t = 0 does not carry. ``one`` and
     ``tiny`` come in the arrays' dtype, so that no step widens to float64; elements are indexed, not
-    sliced (a view per step costs its reference counting); the inner loops have no branches."""
+    sliced (a view per step costs its reference counting)."""
     steps, batch, rows = gates.shape
     hid = rows // 4
     zero = one - one
-    for b_ in prange(batch):
-        b = np.int64(b_)
+    for grp in prange(groups):
+        lo, hi = grp * batch // groups, (grp + 1) * batch // groups
+        nb = hi - lo
         for t in range(steps):
-            for j in range(hid):
-                c[t + 1, b, j] = gates[t, b, hid + j] * c[t, b, j] + gates[t, b, j] * gates[t, b, 2 * hid + j]
-        dh, dc = g_h[b].copy(), g_c[b].copy()
-        d = np.empty(rows, dh.dtype)
+            for i in range(nb):
+                b = lo + i
+                for j in range(hid):
+                    i_g = gates[t, b, j] * gates[t, b, 2 * hid + j]
+                    c[t + 1, b, j] = gates[t, b, hid + j] * c[t, b, j] + i_g
+        dh, dc = g_h[lo:hi].copy(), g_c[lo:hi].copy()
+        d = np.empty((nb, rows), dh.dtype)
+        acc = np.empty((nb, hid), dh.dtype)
         for t in range(steps - 1, -1, -1):
-            for j in range(hid):
-                i, f = gates[t, b, j], gates[t, b, hid + j]
-                g, o = gates[t, b, 2 * hid + j], gates[t, b, 3 * hid + j]
-                tj = h[t, b, j] / o if o != zero else zero
-                dcj = dc[j] + dh[j] * o * (one - tj * tj)
-                d[j] = dcj * g * i * (one - i)
-                d[hid + j] = dcj * c[t, b, j] * f * (one - f)
-                d[2 * hid + j] = dcj * i * (one - g * g)
-                d[3 * hid + j] = dh[j] * tj * o * (one - o)
-                nc = dcj * f
-                dc[j] = nc if abs(nc) >= tiny else zero
-            for r in range(rows):
-                gates[t, b, r] = d[r]
-            inject = has_u and t > 0
-            for col in range(hid):
-                acc = u[t - 1, b, col] if inject else zero
+            for i in range(nb):
+                b = lo + i
+                for j in range(hid):
+                    ig, f = gates[t, b, j], gates[t, b, hid + j]
+                    g, o = gates[t, b, 2 * hid + j], gates[t, b, 3 * hid + j]
+                    tj = h[t, b, j] / o if o != zero else zero
+                    dcj = dc[i, j] + dh[i, j] * o * (one - tj * tj)
+                    d[i, j] = dcj * g * ig * (one - ig)
+                    d[i, hid + j] = dcj * c[t, b, j] * f * (one - f)
+                    d[i, 2 * hid + j] = dcj * ig * (one - g * g)
+                    d[i, 3 * hid + j] = dh[i, j] * tj * o * (one - o)
+                    nc = dcj * f
+                    dc[i, j] = nc if abs(nc) >= tiny else zero
                 for r in range(rows):
-                    acc += d[r] * w_t[col, r]
-                dh[col] = acc if abs(acc) >= tiny else zero
-        g0[b, :hid] = dh
-        g0[b, hid:] = dc
+                    gates[t, b, r] = d[i, r]
+            inject = has_u and t > 0
+            for i in range(nb):
+                for j in range(hid):
+                    acc[i, j] = u[t - 1, lo + i, j] if inject else zero
+            _add_hidden(acc, d, w_hh)
+            for i in range(nb):
+                for j in range(hid):
+                    dh[i, j] = acc[i, j] if abs(acc[i, j]) >= tiny else zero
+        g0[lo:hi, :hid] = dh
+        g0[lo:hi, hid:] = dc
 
 
-def _compiled(fn: Callable, name: str, parallel: bool, reassociate: bool = False) -> Callable:
+def _compiled(fn: Callable, name: str, parallel: bool) -> Callable:
     """``fn`` compiled under its own name, so that numba's on-disk cache keeps the serial and the
-    parallel build apart (the cache is keyed by the function's name, not by its options).
-    ``reassociate``: sums may be reordered, so that a dot product vectorizes (its rounding changes
-    by a few ulps; no other fast-math assumption, so NaN and infinity propagate as usual)."""
+    parallel build apart (the cache is keyed by the function's name, not by its options). NumPy's
+    error model: a float division by zero gives inf or NaN instead of raising, whose check would
+    keep a loop from vectorizing."""
     renamed = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
     renamed.__qualname__ = name
-    fastmath = {"reassoc", "contract"} if reassociate else False
-    return njit(parallel=parallel, cache=True, fastmath=fastmath)(renamed)
+    return njit(parallel=parallel, cache=True, error_model="numpy")(renamed)
 
 
 # One thread runs the serial build in the calling thread (no pool to wake, no worker spinning
@@ -245,8 +271,8 @@ _scan_serial = _compiled(_scan, "_scan_serial", parallel=False)
 _scan_parallel = _compiled(_scan, "_scan_parallel", parallel=True)
 _lstm_scan_serial = _compiled(_lstm_scan, "_lstm_scan_serial", parallel=False)
 _lstm_scan_parallel = _compiled(_lstm_scan, "_lstm_scan_parallel", parallel=True)
-_lstm_layer_serial = _compiled(_lstm_layer, "_lstm_layer_serial", parallel=False, reassociate=True)
-_lstm_layer_parallel = _compiled(_lstm_layer, "_lstm_layer_parallel", parallel=True, reassociate=True)
+_lstm_layer_serial = _compiled(_lstm_layer, "_lstm_layer_serial", parallel=False)
+_lstm_layer_parallel = _compiled(_lstm_layer, "_lstm_layer_parallel", parallel=True)
 
 
 def _threads() -> int:
@@ -354,14 +380,16 @@ def lstm_layer_backward(
     c[0] = c0
     g0 = g_h.new_empty((batch, 2 * hidden))
     scalar = np.float32 if g_h.dtype == torch.float32 else np.float64
-    (_lstm_layer_parallel if _threads() > 1 else _lstm_layer_serial)(
+    threads = _threads()
+    (_lstm_layer_parallel if threads > 1 else _lstm_layer_serial)(
         u is not None,
         scalar(1.0),
         scalar(torch.finfo(g_h.dtype).tiny if flush else 0.0),
+        min(threads, batch),
         delta.numpy(),
         *_arrays(h),
         c.numpy(),
-        *_arrays(w_hh.t(), g_h.new_zeros((1, 1, 1)) if u is None else u, g_h, g_c),
+        *_arrays(w_hh, g_h.new_zeros((1, 1, 1)) if u is None else u, g_h, g_c),
         g0.numpy(),
     )
     return delta, g0
