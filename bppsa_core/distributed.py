@@ -99,7 +99,7 @@ from torch import Tensor, nn
 
 from bppsa_core.dispatch import ScanOptions
 from bppsa_core.jacobians import LayerWeights, PreviousStates, block_budget, reusing_buffers
-from bppsa_core.layer import LayerConfig, bppsa_backward, cell_of, native_forward
+from bppsa_core.layer import LayerConfig, bppsa_backward, cell_of, native_forward, sequential_forward
 from bppsa_core.scan import fold
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
@@ -248,8 +248,9 @@ class SequenceParallel(nn.Module):
             weights = m._flat_weights[i * per_layer : (i + 1) * per_layer]
             c0_i = None if c0 is None else c0[i]
             inp, last = _Layer.apply(
-                inp, h0[i], c0_i, m.mode, self.backward, self.micro_batches, folds, self.group, *weights
-            )
+                inp, h0[i], c0_i, m.mode, m.strategy, self.backward, self.micro_batches, folds, self.group,
+                *weights,
+            )  # fmt: skip
             lasts.append(last)
         with torch.no_grad():  # a fold is part of the backward: no graph of its own
             for run in reversed(folds or []):  # the top layer's first: its backward comes first
@@ -281,7 +282,7 @@ class _Layer(torch.autograd.Function):
     A state is h, or an LSTM's h and c side by side (B, 2H): what travels between ranks."""
 
     @staticmethod
-    def forward(ctx, x, h0, c0, mode, backward, micro_batches, folds, group, *weights):
+    def forward(ctx, x, h0, c0, mode, strategy, backward, micro_batches, folds, group, *weights):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         lstm = c0 is not None
         state = _join(h0, c0).detach()
@@ -301,8 +302,9 @@ class _Layer(torch.autograd.Function):
             c_last = None if c_last is None else c_last.detach()
         else:
             with torch.no_grad():  # batch-major where the backward walks groups of samples on a CPU
-                out, h_last, c_last = native_forward(
-                    mode, x, h_in, c_in, list(weights), None, batch_major=_cpu_of_several(size, x.device)
+                major = _cpu_of_several(size, x.device)
+                out, h_last, c_last = sequential_forward(
+                    strategy, mode, x, h_in, c_in, list(weights), None, batch_major=major
                 )
             ctx.save_for_backward(x, h_in, out, *([c_in] if lstm else []), *weights)
         last = _join(h_last, c_last)
@@ -333,7 +335,8 @@ class _Layer(torch.autograd.Function):
             sizes = [g.numel() for g in grads]
             grads = [part.view_as(g) for part, g in zip(flat.split(sizes), grads, strict=True)]
         first = rank == 0
-        return dx, (g_h0 if first else None), (g_c0 if first else None), None, None, None, None, None, *grads
+        options = (None,) * 6  # mode, strategy, backward, micro_batches, folds, group
+        return dx, (g_h0 if first else None), (g_c0 if first else None), *options, *grads
 
 
 class _Final(torch.autograd.Function):

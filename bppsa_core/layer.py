@@ -222,16 +222,30 @@ def _forward(
     weights: list[Tensor],
     lengths: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The sequential forward: compiled where ``dispatch.compiled_forward`` says so, else PyTorch's."""
+    strategy, mode = config.options.strategy, config.mode
+    return sequential_forward(strategy, mode, x, h0, c0, weights, lengths, config.segment)
+
+
+def sequential_forward(
+    strategy: str,
+    mode: str,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    lengths: Tensor | None,
+    segment: int = SEGMENT,
+    batch_major: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``native_forward``'s results, compiled (``bppsa_core.numba_forward``) where
+    ``dispatch.compiled_forward`` says so for the scan ``strategy``, else by PyTorch's fused kernel."""
     hidden = h0.shape[-1]
-    if x.shape[0] and dispatch.compiled_forward(
-        config.options.strategy, config.mode, hidden, x, h0, c0, *weights
-    ):
+    if x.shape[0] and dispatch.compiled_forward(strategy, mode, hidden, x, h0, c0, *weights):
         from bppsa_core import numba_forward
 
-        out = x.new_empty((*x.shape[:2], hidden))
-        return numba_forward.layer_forward(config.mode, x, h0, c0, weights, lengths, config.segment, out)
-    return native_forward(config.mode, x, h0, c0, weights, lengths, config.segment)
+        out = _outputs(x, x.shape[0], x.shape[1], hidden, x.dtype, batch_major)
+        return numba_forward.layer_forward(mode, x, h0, c0, weights, lengths, segment, out)
+    return native_forward(mode, x, h0, c0, weights, lengths, segment, batch_major)
 
 
 def stepwise_forward(

@@ -176,3 +176,18 @@ def test_a_forward_autograd_records_or_autocast_runs_is_pytorchs(monkeypatch) ->
     assert dispatch.compiled_forward("auto", "RNN_TANH", 4, x) and not dispatch.compiled_forward(
         "auto", "RNN_TANH", 4, x.requires_grad_()
     )
+
+
+@pytest.mark.parametrize("mode", ["RNN_TANH", "LSTM"])
+def test_batch_major_outputs_are_the_time_major_ones(mode) -> None:
+    """``sequential_forward(batch_major=True)`` (a sequence-parallel rank's forward on a CPU):
+    a (T, B, H) view of (B, T, H) memory, written in place by the compiled loop, bit for bit."""
+    from bppsa_core.layer import sequential_forward
+
+    torch.manual_seed(4)
+    x, h0, c0, w = layer_case(mode, 12, 3, 2, 5, F32)
+    expected = sequential_forward("numba", mode, x, h0, c0, w, None, 5)
+    got = sequential_forward("numba", mode, x, h0, c0, w, None, 5, batch_major=True)
+    assert got[0].transpose(0, 1).is_contiguous()
+    for e, g in zip(expected, got, strict=True):
+        assert (e is None and g is None) or torch.equal(e, g)
