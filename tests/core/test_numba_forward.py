@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import rel_err
+from helpers import extended_except, rel_err
 from recurrent import pair
 
 pytest.importorskip("numba")
@@ -65,7 +65,7 @@ def test_the_compiled_forward_is_pytorchs(mode, dtype, lengths, segment, bias) -
             assert not got[0][n:, b].any()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", extended_except(MODES, "RNN_TANH"))  # each mode a parallel build to compile
 def test_two_threads_give_the_one_thread_result_bit_for_bit(mode) -> None:
     """Samples run in groups, one a thread; each sample's arithmetic is the same in any group."""
     import numba
@@ -178,6 +178,7 @@ def test_a_forward_autograd_records_or_autocast_runs_is_pytorchs(monkeypatch) ->
     )
 
 
+@pytest.mark.extended  # a strided build of the kernels to compile
 @pytest.mark.parametrize("mode", ["RNN_TANH", "LSTM"])
 def test_batch_major_outputs_are_the_time_major_ones(mode) -> None:
     """``sequential_forward(batch_major=True)`` (a sequence-parallel rank's forward on a CPU):
