@@ -30,10 +30,6 @@ does to them (docs/DESIGN.md, "Subnormal numbers"), for H compares a step agains
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable
-
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
@@ -41,6 +37,7 @@ from torch import Tensor
 
 from bppsa_core import dispatch
 from bppsa_core.chain import LSTMChain
+from bppsa_core.numba_math import add_hidden, build, threads
 
 
 @njit(cache=True, inline="always")
@@ -181,24 +178,6 @@ def _lstm_scan(has_hh, has_b, tiny, scales_h, scales_c, w, diag_hc, diag_cc, dia
         _lstm_walk(has_hh, has_b, tiny, b, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out)
 
 
-@njit(inline="always", error_model="numpy")
-def _add_hidden(acc, h, w_t):
-    """acc (N, R) += h (N, K) @ w_t (K, R): per row of h, four rows of w_t at a time, so that each
-    pass over a row of R costs four multiply-adds an element (entering a loop over a short row
-    costs about as much as the row's work). The compiled forward's recurrence and the LSTM's walk."""
-    hid, cols = w_t.shape
-    k4 = hid - hid % 4
-    for b in range(h.shape[0]):
-        for k in range(0, k4, 4):
-            a0, a1, a2, a3 = h[b, k], h[b, k + 1], h[b, k + 2], h[b, k + 3]
-            for j in range(cols):
-                acc[b, j] += a0 * w_t[k, j] + a1 * w_t[k + 1, j] + a2 * w_t[k + 2, j] + a3 * w_t[k + 3, j]
-        for k in range(k4, hid):
-            hk = h[b, k]
-            for j in range(cols):
-                acc[b, j] += hk * w_t[k, j]
-
-
 def _lstm_layer(has_u, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c, g0):
     """An LSTM layer's backward, each group of samples a task, from the activated gates (T, B, 4H;
     rows i, f, g, o), its outputs h_1..h_T (T, B, H) and c (T + 1, B, H) holding c_0 in its first
@@ -247,7 +226,7 @@ def _lstm_layer(has_u, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c, g0):
             for i in range(nb):
                 for j in range(hid):
                     acc[i, j] = u[t - 1, lo + i, j] if inject else zero
-            _add_hidden(acc, d, w_hh)
+            add_hidden(acc, d, w_hh)
             for i in range(nb):
                 for j in range(hid):
                     dh[i, j] = acc[i, j] if abs(acc[i, j]) >= tiny else zero
@@ -255,32 +234,14 @@ def _lstm_layer(has_u, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c, g0):
         g0[lo:hi, hid:] = dc
 
 
-def _compiled(fn: Callable, name: str, parallel: bool) -> Callable:
-    """``fn`` compiled under its own name, so that numba's on-disk cache keeps the serial and the
-    parallel build apart (the cache is keyed by the function's name, not by its options). NumPy's
-    error model: a float division by zero gives inf or NaN instead of raising, whose check would
-    keep a loop from vectorizing."""
-    renamed = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-    renamed.__qualname__ = name
-    return njit(parallel=parallel, cache=True, error_model="numpy")(renamed)
-
-
 # One thread runs the serial build in the calling thread (no pool to wake, no worker spinning
 # beside other work, each prange a plain loop); more threads run the parallel one.
-_scan_serial = _compiled(_scan, "_scan_serial", parallel=False)
-_scan_parallel = _compiled(_scan, "_scan_parallel", parallel=True)
-_lstm_scan_serial = _compiled(_lstm_scan, "_lstm_scan_serial", parallel=False)
-_lstm_scan_parallel = _compiled(_lstm_scan, "_lstm_scan_parallel", parallel=True)
-_lstm_layer_serial = _compiled(_lstm_layer, "_lstm_layer_serial", parallel=False)
-_lstm_layer_parallel = _compiled(_lstm_layer, "_lstm_layer_parallel", parallel=True)
-
-
-def _threads() -> int:
-    """The threads the kernels take: torch's, within numba's pool (set to them when more than one)."""
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if threads > 1:
-        numba.set_num_threads(threads)
-    return threads
+_scan_serial = build(_scan, False)
+_scan_parallel = build(_scan, True)
+_lstm_scan_serial = build(_lstm_scan, False)
+_lstm_scan_parallel = build(_lstm_scan, True)
+_lstm_layer_serial = build(_lstm_layer, False)
+_lstm_layer_parallel = build(_lstm_layer, True)
 
 
 def _arrays(*tensors: Tensor) -> list[np.ndarray]:
@@ -311,14 +272,14 @@ def chunked_scan(
     if n == 0:
         return out.copy_(x_last.unsqueeze(0))
     placeholder = x_last.new_zeros((1, 1, 1))
-    threads = _threads()
-    (_scan_parallel if threads > 1 else _scan_serial)(
+    n_threads = threads()
+    (_scan_parallel if n_threads > 1 else _scan_serial)(
         terms,
         diagonal is not None,
         offsets is not None,
         torch.finfo(x_last.dtype).tiny if flush else 0.0,
         min(chunk, n),
-        min(threads, batch),
+        min(n_threads, batch),
         *_arrays(scales, placeholder if diagonal is None else diagonal, weights),
         *_arrays(placeholder if offsets is None else offsets, x_last),
         out.numpy(),
@@ -338,7 +299,7 @@ def lstm_scan(chain: LSTMChain, x_last: Tensor, offsets: Tensor | None, *, flush
         return out
     placeholder = x_last.new_zeros((1, 1, 1))
     hidden = chain.weights.shape[-1]
-    (_lstm_scan_parallel if _threads() > 1 else _lstm_scan_serial)(
+    (_lstm_scan_parallel if threads() > 1 else _lstm_scan_serial)(
         chain.diag_hh is not None,
         offsets is not None,
         torch.finfo(x_last.dtype).tiny if flush else 0.0,
@@ -380,12 +341,12 @@ def lstm_layer_backward(
     c[0] = c0
     g0 = g_h.new_empty((batch, 2 * hidden))
     scalar = np.float32 if g_h.dtype == torch.float32 else np.float64
-    threads = _threads()
-    (_lstm_layer_parallel if threads > 1 else _lstm_layer_serial)(
+    n_threads = threads()
+    (_lstm_layer_parallel if n_threads > 1 else _lstm_layer_serial)(
         u is not None,
         scalar(1.0),
         scalar(torch.finfo(g_h.dtype).tiny if flush else 0.0),
-        min(threads, batch),
+        min(n_threads, batch),
         delta.numpy(),
         *_arrays(h),
         c.numpy(),

@@ -1,0 +1,171 @@
+"""What the compiled CPU kernels (numba) share: vectorizable activations, the hidden-side product,
+the builds and the threads they take.
+
+A scalar libm ``tanh`` or ``exp`` costs more than a recurrent step's multiply-adds, and numba's LLVM
+has no vector math library, so the activations come from one ``expm1`` per dtype
+(``_make_activations``): range reduction to ``r`` in [-ln2/2, ln2/2] and a Taylor polynomial,
+``2^k`` from the exponent bits, with selects rather than branches so that a loop of them
+vectorizes. They are accurate to a few ulps in each dtype (float32 arithmetic for float32 inputs,
+float64 for float64), and NaN propagates. A kernel that calls ``_tanh`` or ``_sigmoid`` is built
+once per dtype (``build``), each build binding that dtype's.
+
+Every kernel compiles with NumPy's error model (a float division by zero gives inf or NaN instead of
+raising, whose check would keep the loops scalar) and without fast-math, so every build, serial or
+parallel, rounds alike and the threads change no bit of the results.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable
+from decimal import Decimal
+
+import numba
+import numpy as np
+import torch
+from numba import njit
+from numba.core import types as nbtypes
+from numba.extending import intrinsic
+
+
+@intrinsic
+def _bits(typingctx, value):
+    """The bits of a float as the integer of its width (LLVM's bitcast, which vectorizes)."""
+    kinds = {nbtypes.float64: nbtypes.int64, nbtypes.float32: nbtypes.int32}
+    if value not in kinds:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(signature.return_type))
+
+    return kinds[value](value), codegen
+
+
+@intrinsic
+def _float(typingctx, bits, like):
+    """The float of ``like``'s type whose bits are ``bits`` (truncated to that width)."""
+    widths = {nbtypes.float64: nbtypes.int64, nbtypes.float32: nbtypes.int32}
+    if not isinstance(bits, nbtypes.Integer) or like not in widths:
+        return None
+
+    def codegen(context, builder, signature, args):
+        as_int = context.cast(builder, args[0], signature.args[0], widths[signature.return_type])
+        return builder.bitcast(as_int, context.get_value_type(signature.return_type))
+
+    return like(bits, like), codegen
+
+
+_LN2 = Decimal("0.69314718055994530941723212145817656807550013436")  # ln 2 past float64's digits
+
+
+def _make_activations(dtype: type) -> tuple[Callable, Callable, Callable]:
+    """``expm1``, ``tanh`` and ``sigmoid`` for scalars of ``dtype`` (np.float32 or np.float64),
+    their constants in that dtype so that no step widens."""
+    f = dtype
+    double = dtype is np.float64
+    mantissa = 52 if double else 23
+    bias = 1023 if double else 127
+    # y = k ln2 + r, k = round(y / ln2): adding 1.5·2^mantissa rounds to an integer that the low
+    # bits of the sum hold, so the same sum gives k as a float and 2^k's exponent bits.
+    magic = f(1.5 * 2.0**mantissa)
+    magic_bits = int(np.array(magic).view(np.int64 if double else np.int32))
+    log2e = f(1.0 / math.log(2.0))
+    # ln2 split so that k·ln2_hi is exact for every k in range (its low mantissa bits are 0)
+    ln2_hi = f(float.fromhex("0x1.62e42fee00000p-1") if double else float.fromhex("0x1.62e000p-1"))
+    ln2_lo = f(float(_LN2 - Decimal(float(ln2_hi))))
+    # Taylor coefficients of expm1(r)/r, to the degree whose next term is below half an ulp at |r| = ln2/2
+    degree = 13 if double else 7
+    c = [f(1.0 / math.factorial(n + 1)) for n in range(degree)]
+    zero, one, two = f(0.0), f(1.0), f(2.0)
+    # past these, tanh and sigmoid round to +-1 (and exp(-y) to 0 relative to 1); below the
+    # largest argument exp's result is finite in the dtype
+    top = f(40.0 if double else 20.0)
+    low, high = f(-top), f(700.0 if double else 88.0)
+    c0, c1, c2, c3, c4, c5, c6 = c[:7]
+    c7, c8, c9, c10, c11, c12 = (c[7:] + [f(0.0)] * 6)[:6]
+
+    @njit(inline="always", error_model="numpy")
+    def expm1(y):
+        """exp(y) - 1 for y in [low, high] (the callers clamp)."""
+        t = y * log2e + magic
+        k = t - magic
+        r = (y - k * ln2_hi) - k * ln2_lo
+        if double:
+            p = c12 * r + c11
+            p = p * r + c10
+            p = p * r + c9
+            p = p * r + c8
+            p = p * r + c7
+            p = p * r + c6
+        else:
+            p = c6
+        p = p * r + c5
+        p = p * r + c4
+        p = p * r + c3
+        p = p * r + c2
+        p = p * r + c1
+        p = p * r + c0
+        scale = _float((_bits(t) - magic_bits + bias) << mantissa, one)
+        return scale * (p * r) + (scale - one)
+
+    @njit(inline="always", error_model="numpy")
+    def tanh(x):
+        a = -x - x if x < 0 else x + x
+        a = top if a > top else a
+        e = expm1(a)
+        v = e / (e + two)
+        return -v if x < 0 else v
+
+    @njit(inline="always", error_model="numpy")
+    def sigmoid(x):
+        y = high if -x > high else -x
+        y = low if y < low else y
+        v = one / (expm1(y) + two)
+        return zero if -x > high else v  # below the smallest normal number, as if flushed
+
+    return expm1, tanh, sigmoid
+
+
+ACTIVATIONS = {np.float32: _make_activations(np.float32), np.float64: _make_activations(np.float64)}
+
+
+@njit(inline="always", error_model="numpy")
+def add_hidden(acc, h, w_t):
+    """acc (N, R) += h (N, K) @ w_t (K, R): per row of h, four rows of w_t at a time, so that each
+    pass over a row of R costs four multiply-adds an element (entering a loop over a short row
+    costs about as much as the row's work). The compiled forward's recurrence and the LSTM's walk."""
+    hid, cols = w_t.shape
+    k4 = hid - hid % 4
+    for b in range(h.shape[0]):
+        for k in range(0, k4, 4):
+            a0, a1, a2, a3 = h[b, k], h[b, k + 1], h[b, k + 2], h[b, k + 3]
+            for j in range(cols):
+                acc[b, j] += a0 * w_t[k, j] + a1 * w_t[k + 1, j] + a2 * w_t[k + 2, j] + a3 * w_t[k + 3, j]
+        for k in range(k4, hid):
+            hk = h[b, k]
+            for j in range(cols):
+                acc[b, j] += hk * w_t[k, j]
+
+
+def build(fn: Callable, parallel: bool, dtype: type | None = None) -> Callable:
+    """``fn`` compiled under a name of its own (numba's on-disk cache is keyed by the function's
+    name, not by its globals or options): its serial or parallel build and, given ``dtype``
+    (np.float32 or np.float64), with that dtype's ``_tanh`` and ``_sigmoid``."""
+    name = (
+        f"{fn.__name__}_{np.dtype(dtype).name + '_' if dtype else ''}{'parallel' if parallel else 'serial'}"
+    )
+    scope = dict(fn.__globals__)
+    if dtype is not None:
+        _, scope["_tanh"], scope["_sigmoid"] = ACTIVATIONS[dtype]
+    renamed = types.FunctionType(fn.__code__, scope, name, fn.__defaults__, fn.__closure__)
+    renamed.__qualname__ = name
+    return njit(parallel=parallel, cache=True, error_model="numpy")(renamed)
+
+
+def threads() -> int:
+    """The threads the kernels take: torch's, within numba's pool (set to them when more than one)."""
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    if threads > 1:
+        numba.set_num_threads(threads)
+    return threads
