@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from benchmarks.common import (
     Progress,
@@ -115,6 +116,21 @@ def trained_state(
     return net.rnn.state_dict(), losses[0], sum(losses[-10:]) / len(losses[-10:])
 
 
+def take_turns(
+    modules: dict[str, torch.nn.Module], x: Tensor, device: torch.device, warmup: int, repeats: int
+) -> tuple[dict[str, float], dict[str, Tensor]]:
+    """Each module's median time (ms) over ``repeats`` rounds after ``warmup``, one call each per
+    round, and its last outputs."""
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    outputs = {}
+    for r in range(warmup + repeats):
+        for name, m in modules.items():
+            ms = time_ms(lambda m=m, name=name: outputs.__setitem__(name, m(x)[0]), device)
+            if r >= warmup:
+                times[name].append(ms)
+    return {name: statistics.median(t) for name, t in times.items()}, outputs
+
+
 def bench(
     model: str,
     weights: dict,
@@ -137,17 +153,11 @@ def bench(
         m = cls(features, hidden, batch_first=True, forward_solver=name, newton_iters=max_iters)
         m.load_state_dict(weights)
         modules[name] = m.to(device, dtype)
-    times: dict[str, list[float]] = {name: [] for name in modules}
-    outputs = {}
-    for r in range(warmup + repeats):
-        for name, m in modules.items():
-            ms = time_ms(lambda m=m, name=name: outputs.__setitem__(name, m(x)[0]), device)
-            if r >= warmup:
-                times[name].append(ms)
-    row = Row(model, label, steps, batch, hidden, features, statistics.median(times["native"]))
+    times, outputs = take_turns(modules, x, device, warmup, repeats)
+    row = Row(model, label, steps, batch, hidden, features, times["native"])
     for name in solvers:
         (stats,) = modules[name].solver_stats
-        row.solver_ms[name] = statistics.median(times[name])
+        row.solver_ms[name] = times[name]
         row.iterations[name] = stats.iterations
         row.converged[name] = stats.converged
         row.max_diff[name] = (outputs[name] - outputs["native"]).abs().max().item()
@@ -182,17 +192,11 @@ def bench_compiled(
     ref.load_state_dict(ours.state_dict())
     fused.load_state_dict(ours.state_dict())
     modules = {"torch": ref, "fused": fused, "compiled": ours}
-    times: dict[str, list[float]] = {name: [] for name in modules}
-    outputs = {}
-    for r in range(warmup + repeats):
-        for name, m in modules.items():
-            ms = time_ms(lambda m=m, name=name: outputs.__setitem__(name, m(x)[0]), torch.device("cpu"))
-            if r >= warmup:
-                times[name].append(ms)
+    times, outputs = take_turns(modules, x, torch.device("cpu"), warmup, repeats)
     picks = dispatch.compiled_forward("auto", ours.mode, hidden, x)
     return CompiledRow(
         model, steps, batch, hidden,
-        *(statistics.median(times[name]) for name in modules),
+        *(times[name] for name in modules),
         "compiled" if picks else "PyTorch's", (outputs["torch"] - outputs["compiled"]).abs().max().item(),
     )  # fmt: skip
 

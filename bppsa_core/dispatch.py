@@ -184,11 +184,9 @@ def compiled_forward(strategy: str, mode: str, hidden: int, *tensors: torch.Tens
     if strategy == "auto" and hidden > _COMPILED_FORWARD_MAX_HIDDEN[mode]:
         return False
     return (
-        len({t.dtype for t in present}) == 1
-        and present[0].dtype in (torch.float32, torch.float64)
+        numba_takes(0, *(t.dtype for t in present))
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in present))
         and not torch.is_autocast_enabled("cpu")
-        and numba_installed()
     )
 
 

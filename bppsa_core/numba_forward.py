@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from numba import prange
+from numba import njit, prange
 from torch import Tensor
 
 from bppsa_core.numba_math import ACTIVATIONS, add_hidden, build, threads
@@ -35,6 +35,24 @@ from bppsa_core.numba_math import ACTIVATIONS, add_hidden, build, threads
 _, _tanh, _sigmoid = ACTIVATIONS[np.float64]
 
 # ------------------------------------------------------------------------------------------ kernels
+
+
+@njit(inline="always", error_model="numpy")
+def _load(acc, xw, t, lo):
+    """acc (N, R) = the group's projected inputs at step t (samples lo .. lo + N - 1)."""
+    for b in range(acc.shape[0]):
+        for j in range(acc.shape[1]):
+            acc[b, j] = xw[t, lo + b, j]
+
+
+@njit(inline="always", error_model="numpy")
+def _store(out, t, lo, steps, h):
+    """out[t] of the group: each sample's state while it runs (t < its steps), 0 after."""
+    zero = out.dtype.type(0)
+    for b in range(h.shape[0]):
+        running = t < steps[lo + b]
+        for j in range(h.shape[1]):
+            out[t, lo + b, j] = h[b, j] if running else zero
 
 
 def _rnn(relu, groups, xw, w_t, h0, steps, out, h_last):
@@ -49,9 +67,7 @@ def _rnn(relu, groups, xw, w_t, h0, steps, out, h_last):
         h = h0[lo:hi].copy()
         acc = np.empty_like(h)
         for t in range(seg):
-            for b in range(hi - lo):
-                for j in range(acc.shape[1]):
-                    acc[b, j] = xw[t, lo + b, j]
+            _load(acc, xw, t, lo)
             add_hidden(acc, h, w_t)
             for b in range(hi - lo):
                 if t < steps[lo + b]:
@@ -61,11 +77,7 @@ def _rnn(relu, groups, xw, w_t, h0, steps, out, h_last):
                     else:
                         for j in range(hid):
                             h[b, j] = _tanh(acc[b, j])
-                    for j in range(hid):
-                        out[t, lo + b, j] = h[b, j]
-                else:
-                    for j in range(hid):
-                        out[t, lo + b, j] = zero
+            _store(out, t, lo, steps, h)
         h_last[lo:hi] = h
 
 
@@ -74,15 +86,13 @@ def _gru(groups, xw, w_t, b_hn, h0, steps, out, h_last):
     z parts of b_hh, w_t (H, 3H) = W_hh^T (rows r, z, n), b_hn (H,); otherwise as ``_rnn``."""
     seg, batch, rows = xw.shape
     hid = rows // 3
-    zero = out.dtype.type(0)
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
         h = h0[lo:hi].copy()
         acc = np.empty((hi - lo, rows), h.dtype)
         for t in range(seg):
-            for b in range(hi - lo):
-                for j in range(2 * hid):
-                    acc[b, j] = xw[t, lo + b, j]
+            _load(acc, xw, t, lo)
+            for b in range(hi - lo):  # the n gate's hidden side starts from b_hn (r multiplies it)
                 for j in range(hid):
                     acc[b, 2 * hid + j] = b_hn[j]
             add_hidden(acc, h, w_t)
@@ -93,11 +103,7 @@ def _gru(groups, xw, w_t, b_hn, h0, steps, out, h_last):
                         z = _sigmoid(acc[b, hid + j])
                         n = _tanh(xw[t, lo + b, 2 * hid + j] + r * acc[b, 2 * hid + j])
                         h[b, j] = n + z * (h[b, j] - n)
-                    for j in range(hid):
-                        out[t, lo + b, j] = h[b, j]
-                else:
-                    for j in range(hid):
-                        out[t, lo + b, j] = zero
+            _store(out, t, lo, steps, h)
         h_last[lo:hi] = h
 
 
@@ -107,15 +113,12 @@ def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last):
     (h, c); otherwise as ``_rnn``."""
     seg, batch, rows = xw.shape
     hid = rows // 4
-    zero = out.dtype.type(0)
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
         h, c = h0[lo:hi].copy(), c0[lo:hi].copy()
         acc = np.empty((hi - lo, rows), h.dtype)
         for t in range(seg):
-            for b in range(hi - lo):
-                for j in range(acc.shape[1]):
-                    acc[b, j] = xw[t, lo + b, j]
+            _load(acc, xw, t, lo)
             add_hidden(acc, h, w_t)
             for b in range(hi - lo):
                 if t < steps[lo + b]:
@@ -126,11 +129,7 @@ def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last):
                         o = _sigmoid(acc[b, 3 * hid + j])
                         c[b, j] = f * c[b, j] + i * gg
                         h[b, j] = o * _tanh(c[b, j])
-                    for j in range(hid):
-                        out[t, lo + b, j] = h[b, j]
-                else:
-                    for j in range(hid):
-                        out[t, lo + b, j] = zero
+            _store(out, t, lo, steps, h)
         h_last[lo:hi] = h
         c_last[lo:hi] = c
 
