@@ -169,19 +169,27 @@ def numba_takes(terms: int, *dtypes: torch.dtype, lstm: bool = False) -> bool:
 # Widest state at which the compiled CPU forward (``bppsa_core.numba_forward``) beats PyTorch's fused
 # kernel, per mode: its per-step loop wins while a step's multiply-adds are few, PyTorch's GEMMs
 # beyond; PyTorch's LSTM kernel is the faster at every width (re-measured by
-# ``python -m benchmarks.forward --tables compiled``).
+# ``python -m benchmarks.forward --tables compiled``). A taped LSTM forward (``layer.LSTMTape``)
+# spares its backward the gates' recomputation: forward and backward together win up to
+# _TAPED_LSTM_MAX_HIDDEN (re-measured by ``python -m benchmarks.backward --model lstm``, whose cells
+# charge a forward slower than torch.nn's).
 _COMPILED_FORWARD_MAX_HIDDEN = {"RNN_TANH": 256, "RNN_RELU": 256, "GRU": 128, "LSTM": 0}
+_TAPED_LSTM_MAX_HIDDEN = 64
 
 
-def compiled_forward(strategy: str, mode: str, hidden: int, *tensors: torch.Tensor | None) -> bool:
+def compiled_forward(
+    strategy: str, mode: str, hidden: int, *tensors: torch.Tensor | None, taped: bool = False
+) -> bool:
     """Whether a layer's forward runs compiled (``bppsa_core.numba_forward``) rather than by
     PyTorch's fused kernel: CPU tensors of one dtype, float32 or float64, numba installed, nothing
     recorded for autograd and no autocast; then always under "numba", and under "auto" where it is
-    the faster (``_COMPILED_FORWARD_MAX_HIDDEN``). Other strategies keep PyTorch's forward."""
+    the faster (``_COMPILED_FORWARD_MAX_HIDDEN``; ``taped``: an LSTM's forward that keeps its gates
+    for the backward, ``_TAPED_LSTM_MAX_HIDDEN``). Other strategies keep PyTorch's forward."""
     present = [t for t in tensors if t is not None]
     if strategy not in ("auto", "numba") or not present or present[0].device.type != "cpu":
         return False
-    if strategy == "auto" and hidden > _COMPILED_FORWARD_MAX_HIDDEN[mode]:
+    widest = _TAPED_LSTM_MAX_HIDDEN if taped and mode == "LSTM" else _COMPILED_FORWARD_MAX_HIDDEN[mode]
+    if strategy == "auto" and hidden > widest:
         return False
     return (
         numba_takes(0, *(t.dtype for t in present))

@@ -97,6 +97,45 @@ def cell_of(mode: str) -> Cell:
     return RNNCell("relu" if mode == "RNN_RELU" else "tanh")
 
 
+@dataclass(frozen=True)
+class LSTMTape:
+    """What an LSTM layer's compiled forward keeps for its fused compiled backward
+    (``numba_scan.lstm_layer_backward``), which otherwise recomputes them (the gates' two GEMMs and
+    activations, then the cell states, most of its time at small H): the activated gates
+    (T, B, 4, H; i, f, g, o) and the cell states c_0..c_T (T + 1, B, H). 5H numbers a step and
+    sample, fewer than autograd keeps for ``torch.nn.LSTM``."""
+
+    gates: Tensor
+    cells: Tensor
+
+
+def new_tape(
+    config: LayerConfig,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    weights: list[Tensor],
+    lengths: Tensor | None,
+) -> LSTMTape | None:
+    """An empty ``LSTMTape`` for a layer call whose backward will be the fused compiled LSTM's (the
+    scan strategy resolves to "numba", no ``lengths``) and whose forward runs compiled
+    (``dispatch.compiled_forward``, taped), else None; for ``solved_forward`` to fill."""
+    if c0 is None or lengths is not None or config.solver.method != "native" or x.shape[0] == 0:
+        return None
+    steps, batch, hidden = x.shape[0], x.shape[1], h0.shape[-1]
+    strategy = config.options.strategy
+    compiled = dispatch.numba_takes(4, x.dtype, h0.dtype, c0.dtype, *(w.dtype for w in weights), lstm=True)
+    fits = dispatch.lstm_kernels_take(hidden, h0.dtype, weights[1].dtype)
+    chosen = dispatch.resolve(strategy, steps, batch, hidden, x.device, fits, compiled)
+    if not (chosen == "numba" and compiled and dispatch.runs_on("numba", x.device)):
+        return None
+    if not dispatch.compiled_forward(strategy, config.mode, hidden, x, h0, c0, *weights, taped=True):
+        return None
+    cells = c0.new_empty((steps + 1, batch, hidden))
+    cells[0] = c0
+    return LSTMTape(c0.new_empty((steps, batch, 4, hidden)), cells)
+
+
 # ------------------------------------------------------------------------------------------- forward
 
 
@@ -179,8 +218,10 @@ def solved_forward(
     weights: list[Tensor],
     lengths: Tensor | None,
     guess: Tensor | None = None,
+    tape: LSTMTape | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, SolveStats]:
-    """``native_forward``'s results by ``config.solver``, and what the solve took.
+    """``native_forward``'s results by ``config.solver``, and what the solve took; ``tape`` (from
+    ``new_tape``) is filled by the compiled forward.
 
     The Newton methods solve the states parallel in time (``bppsa_core.newton.solve``) from ``guess``
     (h_1..h_T (T, B, H), or None for zeros; an LSTM's c follows from it, ``LSTMCell.cell_states``).
@@ -189,7 +230,7 @@ def solved_forward(
     """
     solver = config.solver
     if solver.method == "native" or x.shape[0] == 0:
-        return *_forward(config, x, h0, c0, weights, lengths), newton.NATIVE
+        return *_forward(config, x, h0, c0, weights, lengths, tape), newton.NATIVE
     hidden = h0.shape[-1]
     s0 = h0 if c0 is None else torch.cat((h0, c0), -1)
     keep = _keep(lengths, x.shape[0], x)
@@ -221,9 +262,10 @@ def _forward(
     c0: Tensor | None,
     weights: list[Tensor],
     lengths: Tensor | None,
+    tape: LSTMTape | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     strategy, mode = config.options.strategy, config.mode
-    return sequential_forward(strategy, mode, x, h0, c0, weights, lengths, config.segment)
+    return sequential_forward(strategy, mode, x, h0, c0, weights, lengths, config.segment, tape=tape)
 
 
 def sequential_forward(
@@ -236,15 +278,19 @@ def sequential_forward(
     lengths: Tensor | None,
     segment: int = SEGMENT,
     batch_major: bool = False,
+    tape: LSTMTape | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``native_forward``'s results, compiled (``bppsa_core.numba_forward``) where
-    ``dispatch.compiled_forward`` says so for the scan ``strategy``, else by PyTorch's fused kernel."""
+    ``dispatch.compiled_forward`` says so for the scan ``strategy`` (always with a ``tape`` to fill,
+    which ``new_tape`` gives only then), else by PyTorch's fused kernel."""
     hidden = h0.shape[-1]
-    if x.shape[0] and dispatch.compiled_forward(strategy, mode, hidden, x, h0, c0, *weights):
+    compiled = x.shape[0] and dispatch.compiled_forward(strategy, mode, hidden, x, h0, c0, *weights)
+    if tape is not None or compiled:
         from bppsa_core import numba_forward
 
         out = _outputs(x, x.shape[0], x.shape[1], hidden, x.dtype, batch_major)
-        return numba_forward.layer_forward(mode, x, h0, c0, weights, lengths, segment, out)
+        kept = None if tape is None else (tape.gates, tape.cells)
+        return numba_forward.layer_forward(mode, x, h0, c0, weights, lengths, segment, out, kept)
     return native_forward(mode, x, h0, c0, weights, lengths, segment, batch_major)
 
 
@@ -331,15 +377,18 @@ def bppsa_backward(
     grad_hn: Tensor | None,
     grad_cn: Tensor | None,
     need_input: bool = True,
+    tape: LSTMTape | None = None,
 ) -> tuple[Tensor | None, Tensor, Tensor | None, list[Tensor]]:
     """The gradients of x, h0, c0 and the weights of one layer, from those of its outputs, its
-    last h and (an LSTM) its last c, by scanning its Jacobian chain from the end."""
+    last h and (an LSTM) its last c, by scanning its Jacobian chain from the end; ``tape``: what
+    the layer's compiled forward kept (``new_tape``), or None."""
     # scans and gradient GEMMs: see bppsa_core.denormals; the blocks' scratch: jacobians.reusing_buffers
     with flush_denormals(x.device), reusing_buffers():
-        return _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need_input)
+        grads = (grad_out, grad_hn, grad_cn)
+        return _backward(config, x, h0, c0, weights, lengths, out, *grads, need_input, tape)
 
 
-def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need_input):
+def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need_input, tape):
     # Under autocast the forward kept lower-precision states; the backward runs in the weights'
     # dtype (autograd casts each returned gradient back to its input's dtype).
     dtype = weights[0].dtype
@@ -357,7 +406,7 @@ def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_
     g_c_last = None if c0 is None else (torch.zeros_like(g_last) if grad_cn is None else grad_cn)
     fused = None
     if keep is None:
-        fused = _fused_layer(config, cell, x, h_prev, h, w, grad_out, g_last, c0, g_c_last)
+        fused = _fused_layer(config, cell, x, h_prev, h, w, grad_out, g_last, c0, g_c_last, tape)
     if fused is not None:  # made block by block: the previous states too
         deltas, first = fused
     else:
@@ -408,6 +457,7 @@ def _fused_layer(
     g_last: Tensor,
     c0: Tensor | None,
     g_c_last: Tensor | None,
+    tape: LSTMTape | None = None,
 ) -> tuple[Deltas, Callable[[], Tensor]] | None:
     """A layer's input- and hidden-side pre-activation gradients (``deltas(t)`` for slices of steps)
     and its g_0 (``first()``, once ``layer_grads`` has taken the deltas; an LSTM's (dL/dh_0,
@@ -417,9 +467,9 @@ def _fused_layer(
     "auto" on a GPU) and the kernels take the layer and run on its device: the fused Triton kernels
     of an RNN or a GRU (``bppsa_core.triton.rnn_layer_backward`` / ``gru_layer_backward``). Where it
     resolves to "numba" ("auto" on the CPU): an LSTM's fused compiled backward
-    (``numba_scan.lstm_layer_backward``), and an RNN or GRU walked block by block (``_walked``) where
-    the compiled scan is one chunk. Everything else goes through ``scan``, which also gives the
-    strategies' errors.
+    (``numba_scan.lstm_layer_backward``, from the ``tape`` when its forward kept one), and an RNN
+    or GRU walked block by block (``_walked``) where the compiled scan is one chunk. Everything else
+    goes through ``scan``, which also gives the strategies' errors.
     """
     steps, batch, hidden = h.shape
     lstm = isinstance(cell, LSTMCell)
@@ -434,8 +484,13 @@ def _fused_layer(
         if lstm:
             from bppsa_core import numba_scan
 
-            gates = cell.activations(x, h_prev.whole(), w)
-            delta, g0 = numba_scan.lstm_layer_backward(gates, h, c0, w.w_hh, g_last, g_c_last, u)
+            if tape is not None:
+                delta, g0 = numba_scan.lstm_layer_backward(
+                    tape.gates, h, c0, w.w_hh, g_last, g_c_last, u, cells=tape.cells
+                )
+            else:
+                gates = cell.activations(x, h_prev.whole(), w)
+                delta, g0 = numba_scan.lstm_layer_backward(gates, h, c0, w.w_hh, g_last, g_c_last, u)
             return (lambda t: (delta[t], delta[t])), (lambda: g0)
         chunk = chunk or dispatch.numba_chunk(steps, batch, hidden, cell.gates, torch.get_num_threads())
         return _walked(cell, x, h_prev, w, u, g_last) if chunk >= steps else None

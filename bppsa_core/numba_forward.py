@@ -107,10 +107,11 @@ def _gru(groups, xw, w_t, b_hn, h0, steps, out, h_last):
         h_last[lo:hi] = h
 
 
-def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last):
+def _lstm(groups, save, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
     """An LSTM's recurrence over a segment: xw (S, B, 4H) the projected inputs with both biases,
     w_t (H, 4H) = W_hh^T (rows i, f, g, o), h0 and c0 (B, H); writes the outputs and the last
-    (h, c); otherwise as ``_rnn``."""
+    (h, c); otherwise as ``_rnn``. ``save``: also the activated gates (S, B, 4H) and the cell
+    states into cells[1:] (S + 1, B, H), what the backward takes (``layer.LSTMTape``)."""
     seg, batch, rows = xw.shape
     hid = rows // 4
     for g in prange(groups):
@@ -129,6 +130,10 @@ def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last):
                         o = _sigmoid(acc[b, 3 * hid + j])
                         c[b, j] = f * c[b, j] + i * gg
                         h[b, j] = o * _tanh(c[b, j])
+                        if save:
+                            gates[t, lo + b, j], gates[t, lo + b, hid + j] = i, f
+                            gates[t, lo + b, 2 * hid + j], gates[t, lo + b, 3 * hid + j] = gg, o
+                            cells[t + 1, lo + b, j] = c[b, j]
             _store(out, t, lo, steps, h)
         h_last[lo:hi] = h
         c_last[lo:hi] = c
@@ -156,10 +161,13 @@ def layer_forward(
     lengths: Tensor | None,
     segment: int,
     out: Tensor,
+    tape: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One layer's forward: ``native_forward``'s results, written into ``out`` (T, B, H; any
     strides), the inputs' projection one GEMM per segment of at most ``segment`` steps (so that
-    only a segment's of it exists). Returns (out, h_T, c_T), c_T None but for an LSTM."""
+    only a segment's of it exists). ``tape``: an LSTM's (gates (T, B, 4, H), cells (T + 1, B, H)),
+    contiguous, into which its activated gates and cell states c_1..c_T are written (cells[0] is
+    left to the caller). Returns (out, h_T, c_T), c_T None but for an LSTM."""
     steps, batch = x.shape[:2]
     hidden = h0.shape[-1]
     w_ih, w_hh, *biases = (t.detach() for t in weights)
@@ -178,6 +186,7 @@ def layer_forward(
     c = None if c0 is None else c0.detach().contiguous()
     flat = x.detach().reshape(steps * batch, x.shape[-1])
     ends = None if lengths is None else lengths.to("cpu", torch.int64).numpy()
+    placeholder = np.zeros((1, 1, 1), np.float32 if x.dtype == torch.float32 else np.float64)
     for s in range(0, steps, segment):
         e = min(steps, s + segment)
         seg = np.full(batch, e - s, np.int64) if ends is None else np.clip(ends - s, 0, e - s)
@@ -190,7 +199,11 @@ def layer_forward(
             kernel(groups, xw, w_t, b_hn.numpy(), *args[3:])
         else:
             c_next = torch.empty_like(c)
-            kernel(groups, xw, w_t, h.numpy(), c.numpy(), seg, *args[5:], c_next.numpy())
+            kept = (placeholder, placeholder) if tape is None else (
+                tape[0][s:e].view(e - s, batch, rows).numpy(), tape[1][s : e + 1].numpy()
+            )  # fmt: skip
+            state = (h.numpy(), c.numpy(), seg, *args[5:], c_next.numpy())
+            kernel(groups, tape is not None, xw, w_t, *state, *kept)
             c = c_next
         h = h_next
     return out, h, c

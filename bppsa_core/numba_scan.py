@@ -178,14 +178,15 @@ def _lstm_scan(has_hh, has_b, tiny, scales_h, scales_c, w, diag_hc, diag_cc, dia
         _lstm_walk(has_hh, has_b, tiny, b, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out)
 
 
-def _lstm_layer(has_u, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c, g0):
+def _lstm_layer(has_u, has_c, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c, g0, delta):
     """An LSTM layer's backward, each group of samples a task, from the activated gates (T, B, 4H;
     rows i, f, g, o), its outputs h_1..h_T (T, B, H) and c (T + 1, B, H) holding c_0 in its first
-    row. First the cell states c_t = f_t c_{t-1} + i_t g_t into c's other rows; then the walk from
-    the last state's gradient (g_h, g_c) (B, H) back to g0 = (dL/dh_0, dL/dc_0) (B, 2H), the group's
-    samples side by side. At step t the gates' pre-activation gradients d overwrite the gates, then
-    dL/dh_{t-1} = d @ W_hh + u[t-1] (the outputs' gradient, when ``has_u``; ``w_hh`` (4H, H)) and
-    dL/dc_{t-1} = dc f, both flushed below ``tiny`` (module docstring).
+    row and, ``has_c``, c_1..c_T after it (else they are made first: c_t = f_t c_{t-1} + i_t g_t).
+    Then the walk from the last state's gradient (g_h, g_c) (B, H) back to g0 = (dL/dh_0, dL/dc_0)
+    (B, 2H), the group's samples side by side. At step t the gates' pre-activation gradients d go
+    into ``delta`` (T, B, 4H; may be ``gates`` itself: a step's gates are read before its d is
+    written), then dL/dh_{t-1} = d @ W_hh + u[t-1] (the outputs' gradient, when ``has_u``; ``w_hh``
+    (4H, H)) and dL/dc_{t-1} = dc f, both flushed below ``tiny`` (module docstring).
 
     tanh(c_t) is h_t / o_t (0 where o_t is): a division, where a scalar tanh would cost most of the
     walk; it enters only multiplied by o_t, so its rounding near o_t = 0 does not carry. ``one`` and
@@ -197,7 +198,7 @@ def _lstm_layer(has_u, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c, g0):
     for grp in prange(groups):
         lo, hi = grp * batch // groups, (grp + 1) * batch // groups
         nb = hi - lo
-        for t in range(steps):
+        for t in range(0 if has_c else steps):
             for i in range(nb):
                 b = lo + i
                 for j in range(hid):
@@ -221,7 +222,7 @@ def _lstm_layer(has_u, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c, g0):
                     nc = dcj * f
                     dc[i, j] = nc if abs(nc) >= tiny else zero
                 for r in range(rows):
-                    gates[t, b, r] = d[i, r]
+                    delta[t, b, r] = d[i, r]
             inject = has_u and t > 0
             for i in range(nb):
                 for j in range(hid):
@@ -320,37 +321,43 @@ def lstm_layer_backward(
     g_c: Tensor,
     u: Tensor | None,
     *,
+    cells: Tensor | None = None,
     flush: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """An LSTM layer's backward in one compiled call: its cell states c_1..c_T from the activated
-    ``gates`` (T, B, 4, H; i, f, g, o) and c0 (B, H), then every sample walked from (g_h, g_c)
-    (B, H), the gradients of h_T and c_T, with ``h`` the layer's outputs h_1..h_T (T, B, H) and
-    ``u`` (T, B, H) the outputs' gradients (or None). The walk forms each step's factors from its
-    gates on the fly (no factor tensors), so this is the whole chain and its pre-activation
-    gradients in one pass.
+    ``gates`` (T, B, 4, H; i, f, g, o) and c0 (B, H) (or ``cells``, c_0..c_T (T + 1, B, H), as the
+    compiled forward kept them), then every sample walked from (g_h, g_c) (B, H), the gradients of
+    h_T and c_T, with ``h`` the layer's outputs h_1..h_T (T, B, H) and ``u`` (T, B, H) the outputs'
+    gradients (or None). The walk forms each step's factors from its gates on the fly (no factor
+    tensors), so this is the whole chain and its pre-activation gradients in one pass.
 
-    ``gates`` (contiguous) is overwritten by the gates' pre-activation gradients (shared by the
-    input and hidden sides); returns them (T, B, 4H) and g_0 = (dL/dh_0, dL/dc_0) (B, 2H). One
-    dtype, float32 or float64; ``flush``: flush subnormal results to 0. The plain-PyTorch twin is
-    the layer's generic path (``LSTMCell.factors``, ``LSTMChain`` and ``scan``), which the tests
-    compare it with.
+    Returns the gates' pre-activation gradients (T, B, 4H; shared by the input and hidden sides),
+    written over ``gates`` (contiguous) unless ``cells`` are given (kept gates are left as they
+    are), and g_0 = (dL/dh_0, dL/dc_0) (B, 2H). One dtype, float32 or float64; ``flush``: flush
+    subnormal results to 0. The plain-PyTorch twin is the layer's generic path
+    (``LSTMCell.factors``, ``LSTMChain`` and ``scan``), which the tests compare it with.
     """
     steps, batch, _, hidden = gates.shape
-    delta = gates.view(steps, batch, 4 * hidden)
-    c = gates.new_empty((steps + 1, batch, hidden))
-    c[0] = c0
+    if cells is None:
+        c = gates.new_empty((steps + 1, batch, hidden))
+        c[0] = c0
+        delta = gates.view(steps, batch, 4 * hidden)
+    else:
+        c = cells
+        delta = gates.new_empty((steps, batch, 4 * hidden))
     g0 = g_h.new_empty((batch, 2 * hidden))
     scalar = np.float32 if g_h.dtype == torch.float32 else np.float64
     n_threads = threads()
     (_lstm_layer_parallel if n_threads > 1 else _lstm_layer_serial)(
         u is not None,
+        cells is not None,
         scalar(1.0),
         scalar(torch.finfo(g_h.dtype).tiny if flush else 0.0),
         min(n_threads, batch),
-        delta.numpy(),
-        *_arrays(h),
+        *_arrays(gates.view(steps, batch, 4 * hidden), h),
         c.numpy(),
         *_arrays(w_hh, g_h.new_zeros((1, 1, 1)) if u is None else u, g_h, g_c),
         g0.numpy(),
+        delta.numpy(),
     )
     return delta, g0

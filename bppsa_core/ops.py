@@ -69,11 +69,12 @@ def _solved(
     lengths: Tensor | None,
     guess: Tensor | None,
     copies: bool,
+    tape: bppsa_layer.LSTMTape | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward's four results (``layer.solved_forward``, no c as an empty tensor, the solve's
     stats as a tensor); ``copies``: the last states copied, as an operator's results may not be
-    views of its others."""
-    out, h, c, stats = bppsa_layer.solved_forward(config, x, h0, c0, weights, lengths, guess)
+    views of its others; ``tape``: filled for the backward (``layer.new_tape``)."""
+    out, h, c, stats = bppsa_layer.solved_forward(config, x, h0, c0, weights, lengths, guess, tape)
     if copies:
         h, c = h.clone(), (None if c is None else c.clone())
     return out, h, (_empty(h) if c is None else c), stats.as_tensor()
@@ -227,6 +228,7 @@ class _CompiledLayer(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         x, h0, c0, lengths, _guess, config, *weights = inputs
         ctx.config = config
+        ctx.tape = None  # what a compiled LSTM forward kept for the backward (``_EagerLayer``)
         ctx.save_for_backward(x, h0, c0, lengths, output[0], *weights)
         ctx.save_for_forward(x, h0, c0, lengths, output[0], *weights)
         ctx.set_materialize_grads(False)
@@ -247,10 +249,10 @@ class _CompiledLayer(torch.autograd.Function):
                 config, x, h0, c0, lengths, weights, (grad_out, grad_hn, grad_cn)
             )
             return (*grads[:3], None, None, None, *grads[3:])
-        need = ctx.needs_input_grad
+        need = ctx.needs_input_grad[-6 - len(weights) :]  # an ``_EagerLayer``'s has ``record`` first
         if _plain(x, h0, grad_out, grad_hn, grad_cn):
             dx, dh0, dc0, dw = bppsa_layer.bppsa_backward(
-                config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need[0]
+                config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need[0], ctx.tape
             )
         else:
             o = config.options
@@ -292,17 +294,29 @@ class _Layer(_CompiledLayer):
 class _EagerLayer(torch.autograd.Function):
     """``_Layer`` in plain eager work (``_plain``): its forward runs ``layer.solved_forward`` itself
     and takes its context, so that ``apply`` does not bind the arguments to the forward's signature;
-    not usable under the ``torch.func`` transforms, which ``_plain`` rules out."""
+    not usable under the ``torch.func`` transforms, which ``_plain`` rules out. Its first input,
+    ``record``, says whether the call is recorded for a backward (the grad mode at the call; inside
+    the forward it is off): then a compiled LSTM forward keeps its gates and cell states for the
+    backward (``layer.LSTMTape``) in the context."""
 
     @staticmethod
-    def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def forward(ctx: Any, record: bool, *inputs: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         x, h0, c0, lengths, guess, config, *weights = inputs
-        output = _solved(config, x, h0, c0, weights, lengths, guess, copies=False)
+        tape = None
+        if record and any(ctx.needs_input_grad):
+            tape = bppsa_layer.new_tape(config, x, h0, c0, weights, lengths)
+        output = _solved(config, x, h0, c0, weights, lengths, guess, copies=False, tape=tape)
         _Layer.setup_context(ctx, inputs, output)
+        ctx.tape = tape
         return output
 
-    backward = staticmethod(_Layer.backward)
-    jvp = staticmethod(_Layer.jvp)
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        return (None, *_Layer.backward(ctx, *grads))
+
+    @staticmethod
+    def jvp(ctx: Any, _record: Any, *tangents: Any) -> tuple:
+        return _Layer.jvp(ctx, *tangents)
 
 
 def layer(
@@ -323,6 +337,10 @@ def layer(
     # torch.compile traces autograd.Functions, but not their jvp: compiled graphs get the same
     # function without it (forward-mode differentiation of a compiled graph is not supported anyway).
     # Plain eager work skips the operators (``_plain``).
-    function = _CompiledLayer if torch.compiler.is_compiling() else _EagerLayer if _plain(x, h0) else _Layer
-    out, h, c, stats = function.apply(x, h0, c0, lengths, guess, config, *weights)
+    if torch.compiler.is_compiling() or not _plain(x, h0):
+        function = _CompiledLayer if torch.compiler.is_compiling() else _Layer
+        out, h, c, stats = function.apply(x, h0, c0, lengths, guess, config, *weights)
+    else:
+        record = torch.is_grad_enabled()
+        out, h, c, stats = _EagerLayer.apply(record, x, h0, c0, lengths, guess, config, *weights)
     return out, h, (c if c0 is not None else None), stats

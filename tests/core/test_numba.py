@@ -279,7 +279,9 @@ def test_an_lstm_on_the_cpu_takes_the_fused_kernels_and_gives_autograds_gradient
     ours.load_state_dict(ref.state_dict())
     fused, walks = [], []
     real_fused, real_walk = numba_scan.lstm_layer_backward, numba_scan.lstm_scan
-    monkeypatch.setattr(numba_scan, "lstm_layer_backward", lambda *a: fused.append(1) or real_fused(*a))
+    monkeypatch.setattr(
+        numba_scan, "lstm_layer_backward", lambda *a, **k: fused.append(1) or real_fused(*a, **k)
+    )
     monkeypatch.setattr(numba_scan, "lstm_scan", lambda *a: walks.append(1) or real_walk(*a))
     shape = (2, 6, 3) if kwargs.get("batch_first") else (6, 2, 3)
     seqs = [torch.randn(t, 3, dtype=F64) for t in (7, 5, 2)]
@@ -295,6 +297,49 @@ def test_an_lstm_on_the_cpu_takes_the_fused_kernels_and_gives_autograds_gradient
         assert rel_err(a, b) < 1e-10
     calls = kwargs["num_layers"] * (2 if kwargs.get("bidirectional") else 1)
     assert len(fused) == calls and len(walks) == calls
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_an_lstm_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(monkeypatch, dtype) -> None:
+    """The compiled forward keeps the gates and cell states (``layer.LSTMTape``) where a gradient is
+    wanted, the backward takes them instead of recomputing; gradients equal the recomputing
+    backward's and autograd's (float64 1e-10, float32 1e-5), a second backward over the kept graph
+    (retain_graph) too: the kept gates are not overwritten. Nothing is kept under no_grad."""
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(3, 5, num_layers=2).to(dtype)
+    ours = bnn.LSTM(3, 5, num_layers=2, strategy="numba").to(dtype)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(40, 4, 3, dtype=dtype)
+    kept, taken = [], []
+    real_tape, real_fused = layer_mod.new_tape, numba_scan.lstm_layer_backward
+    monkeypatch.setattr(layer_mod, "new_tape", lambda *a: kept.append(real_tape(*a)) or kept[-1])
+    monkeypatch.setattr(
+        numba_scan, "lstm_layer_backward", lambda *a, **k: taken.append("cells" in k) or real_fused(*a, **k)
+    )
+
+    def grads(m: torch.nn.Module, retain: bool = False) -> list[torch.Tensor]:
+        xx = x.clone().requires_grad_()
+        out, (h_n, c_n) = m(xx)
+        loss = out.sin().sum() + h_n.pow(2).sum() + c_n.cos().sum()
+        first = torch.autograd.grad(loss, [xx, *m.parameters()], retain_graph=retain)
+        return list(torch.autograd.grad(loss, [xx, *m.parameters()])) if retain else list(first)
+
+    expected = grads(ref)
+    taped = grads(ours)
+    assert taken == [True, True] and all(isinstance(t, layer_mod.LSTMTape) for t in kept)
+    twice = grads(ours, retain=True)
+    taken.clear()
+    monkeypatch.setattr(layer_mod, "new_tape", lambda *a: None)
+    recomputed = grads(ours)
+    assert taken == [False, False]
+    tol = 1e-10 if dtype == F64 else 1e-5
+    for e, a, b, c in zip(expected, taped, twice, recomputed, strict=True):
+        assert rel_err(e, a) < tol and rel_err(e, b) < tol and rel_err(e, c) < tol
+    monkeypatch.setattr(layer_mod, "new_tape", lambda *a: kept.append(real_tape(*a)) or kept[-1])
+    kept.clear()
+    with torch.no_grad():
+        ours(x)
+    assert kept == []
 
 
 def test_the_chunk_follows_the_threads() -> None:

@@ -148,7 +148,8 @@ def _recording(monkeypatch) -> list[str]:
         ("relu", "auto", 8, True),
         ("gru", "auto", 8, True),
         ("tanh", "auto", 512, False),  # wider than it wins at: PyTorch's GEMMs
-        ("lstm", "auto", 8, False),  # PyTorch's LSTM kernel is the faster
+        ("lstm", "auto", 8, True),  # a gradient is wanted: the taped forward (layer.LSTMTape)
+        ("lstm", "auto", 80, False),  # wider than the taped forward wins at
         ("lstm", "numba", 8, True),
         ("tanh", "sequential", 8, False),  # the plain-PyTorch strategies keep PyTorch's forward
     ],
@@ -169,12 +170,15 @@ def test_the_modules_take_it_where_auto_says_and_keep_autograds_gradients(
 
 
 def test_a_forward_autograd_records_or_autocast_runs_is_pytorchs(monkeypatch) -> None:
-    """BPTT (autograd records the forward) and CPU autocast (bfloat16 GEMMs) keep PyTorch's kernel."""
+    """BPTT (autograd records the forward) and CPU autocast (bfloat16 GEMMs) keep PyTorch's kernel;
+    so does an LSTM's inference under "auto" (PyTorch's LSTM kernel is the faster untaped)."""
     ran = _recording(monkeypatch)
     x = torch.randn(5, 2, 3)
     bnn.RNN(3, 4, backward="bptt")(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bnn.RNN(3, 4)(x)
+    with torch.no_grad():
+        bnn.LSTM(3, 4)(x)
     assert ran == []
     assert dispatch.compiled_forward("auto", "RNN_TANH", 4, x) and not dispatch.compiled_forward(
         "auto", "RNN_TANH", 4, x.requires_grad_()
