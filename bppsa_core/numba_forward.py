@@ -31,8 +31,10 @@ from torch import Tensor
 
 from bppsa_core.numba_math import ACTIVATIONS, add_hidden, build, threads
 
-# The kernels' activations: float64's here, each dtype's in its build (``numba_math.build``).
+# The kernels' activations: float64's here, each dtype's in its build (``numba_math.build``); the
+# LSTM's untaped build, whose taped one (``_kernel``) sets _TAPED.
 _, _tanh, _sigmoid = ACTIVATIONS[np.float64]
+_TAPED = False
 
 # ------------------------------------------------------------------------------------------ kernels
 
@@ -107,11 +109,12 @@ def _gru(groups, xw, w_t, b_hn, h0, steps, out, h_last):
         h_last[lo:hi] = h
 
 
-def _lstm(groups, save, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
+def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
     """An LSTM's recurrence over a segment: xw (S, B, 4H) the projected inputs with both biases,
     w_t (H, 4H) = W_hh^T (rows i, f, g, o), h0 and c0 (B, H); writes the outputs and the last
-    (h, c); otherwise as ``_rnn``. ``save``: also the activated gates (S, B, 4H) and the cell
-    states into cells[1:] (S + 1, B, H), what the backward takes (``layer.LSTMTape``)."""
+    (h, c); otherwise as ``_rnn``. Its taped build (``_TAPED``) also writes the activated gates
+    (S, B, 4H) and the cell states into cells[1:] (S + 1, B, H), what the backward takes
+    (``layer.LSTMTape``); a build of its own, as a run-time flag in the loop slows both down."""
     seg, batch, rows = xw.shape
     hid = rows // 4
     for g in prange(groups):
@@ -130,7 +133,7 @@ def _lstm(groups, save, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cell
                         o = _sigmoid(acc[b, 3 * hid + j])
                         c[b, j] = f * c[b, j] + i * gg
                         h[b, j] = o * _tanh(c[b, j])
-                        if save:
+                        if _TAPED:
                             gates[t, lo + b, j], gates[t, lo + b, hid + j] = i, f
                             gates[t, lo + b, 2 * hid + j], gates[t, lo + b, 3 * hid + j] = gg, o
                             cells[t + 1, lo + b, j] = c[b, j]
@@ -139,13 +142,14 @@ def _lstm(groups, save, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cell
         c_last[lo:hi] = c
 
 
-_KERNELS: dict[tuple[str, type, bool], Callable] = {}
+_KERNELS: dict[tuple[str, type, bool, bool], Callable] = {}
 
 
-def _kernel(cell: str, dtype: torch.dtype, parallel: bool) -> Callable:
-    key = (cell, np.float32 if dtype == torch.float32 else np.float64, parallel)
+def _kernel(cell: str, dtype: torch.dtype, parallel: bool, taped: bool = False) -> Callable:
+    key = (cell, np.float32 if dtype == torch.float32 else np.float64, parallel, taped)
     if key not in _KERNELS:
-        _KERNELS[key] = build({"rnn": _rnn, "gru": _gru, "lstm": _lstm}[cell], parallel, key[1])
+        fn = {"rnn": _rnn, "gru": _gru, "lstm": _lstm}[cell]
+        _KERNELS[key] = build(fn, parallel, key[1], taped=True) if taped else build(fn, parallel, key[1])
     return _KERNELS[key]
 
 
@@ -180,7 +184,7 @@ def layer_forward(
     n_threads = threads()
     groups = min(n_threads, batch)
     cell = {"GRU": "gru", "LSTM": "lstm"}.get(mode, "rnn")
-    kernel = _kernel(cell, x.dtype, n_threads > 1)
+    kernel = _kernel(cell, x.dtype, n_threads > 1, tape is not None)
     # each segment reads the state its predecessor wrote: (h, c) in, fresh (h, c) out
     h = h0.detach().contiguous()
     c = None if c0 is None else c0.detach().contiguous()
@@ -203,7 +207,7 @@ def layer_forward(
                 tape[0][s:e].view(e - s, batch, rows).numpy(), tape[1][s : e + 1].numpy()
             )  # fmt: skip
             state = (h.numpy(), c.numpy(), seg, *args[5:], c_next.numpy())
-            kernel(groups, tape is not None, xw, w_t, *state, *kept)
+            kernel(groups, xw, w_t, *state, *kept)
             c = c_next
         h = h_next
     return out, h, c

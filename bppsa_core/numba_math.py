@@ -148,16 +148,20 @@ def add_hidden(acc, h, w_t):
                 acc[b, j] += hk * w_t[k, j]
 
 
-def build(fn: Callable, parallel: bool, dtype: type | None = None) -> Callable:
+def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:
     """``fn`` compiled under a name of its own (numba's on-disk cache is keyed by the function's
     name, not by its globals or options): its serial or parallel build and, given ``dtype``
-    (np.float32 or np.float64), with that dtype's ``_tanh`` and ``_sigmoid``."""
+    (np.float32 or np.float64), with that dtype's ``_tanh`` and ``_sigmoid``; ``constants``: globals
+    it reads set for this build (compile-time constants, each a build of its own)."""
+    variant = "".join(f"{k.strip('_').lower()}_" for k, v in sorted(constants.items()) if v)
     name = (
-        f"{fn.__name__}_{np.dtype(dtype).name + '_' if dtype else ''}{'parallel' if parallel else 'serial'}"
+        f"{fn.__name__}_{np.dtype(dtype).name + '_' if dtype else ''}{variant}"
+        f"{'parallel' if parallel else 'serial'}"
     )
     scope = dict(fn.__globals__)
     if dtype is not None:
         _, scope["_tanh"], scope["_sigmoid"] = ACTIVATIONS[dtype]
+    scope.update({f"_{k.upper()}": v for k, v in constants.items()})
     renamed = types.FunctionType(fn.__code__, scope, name, fn.__defaults__, fn.__closure__)
     renamed.__qualname__ = name
     return njit(parallel=parallel, cache=True, error_model="numpy")(renamed)

@@ -149,7 +149,7 @@ def _recording(monkeypatch) -> list[str]:
         ("gru", "auto", 8, True),
         ("tanh", "auto", 512, False),  # wider than it wins at: PyTorch's GEMMs
         ("lstm", "auto", 8, True),  # a gradient is wanted: the taped forward (layer.LSTMTape)
-        ("lstm", "auto", 80, False),  # wider than the taped forward wins at
+        ("lstm", "auto", 136, False),  # wider than the taped forward wins at
         ("lstm", "numba", 8, True),
         ("tanh", "sequential", 8, False),  # the plain-PyTorch strategies keep PyTorch's forward
     ],
