@@ -169,9 +169,13 @@ class RNNCell:
         c0: Tensor | None = None,
         keep: Tensor | None = None,
     ) -> tuple[Tensor, ...]:
-        """f'(z_t), read off the outputs: 1 - h^2 for tanh, [h > 0] for relu. With ``keep``
+        """f'(z_t), read off the outputs: 1 - h^2 for tanh, [not h <= 0] for relu (autograd's
+        ``threshold_backward``: a NaN output passes its gradient, as torch.nn's does). With ``keep``
         (T, B, 1), f' is 0 past a sequence's end and a second factor, 1 - keep, is the identity there."""
-        fp = h.square().neg_().add_(1.0) if self.nonlinearity == "tanh" else (h > 0).to(h.dtype)
+        if self.nonlinearity == "tanh":
+            fp = h.square().neg_().add_(1.0)
+        else:
+            fp = (h <= 0).logical_not_().to(h.dtype)
         if keep is None:
             return (fp,)
         return fp.mul_(keep), torch.rsub(keep, 1.0).expand_as(fp)

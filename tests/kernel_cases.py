@@ -37,17 +37,27 @@ def chain_case(
 
 
 def fused_rnn_case(
-    nonlinearity: str, n: int, batch: int, hidden: int, chunk: int, outside: bool, dtype: torch.dtype
+    nonlinearity: str,
+    n: int,
+    batch: int,
+    hidden: int,
+    chunk: int,
+    outside: bool,
+    dtype: torch.dtype,
+    non_finite: bool = False,
 ) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor]]:
     """The arguments (h, w_hh, g_last, u) of a fused RNN layer backward, and the twin's g_0 and
-    deltas f'(z_t) * g_t."""
+    deltas f'(z_t) * g_t; ``non_finite``: a relu's outputs with a NaN and an inf (what an infinite
+    input leaves), through which autograd passes the gradient."""
     g = torch.Generator().manual_seed(n + hidden)
     h = torch.rand(n, batch, hidden, generator=g, dtype=dtype) * 2 - 1  # tanh outputs: (-1, 1)
     h = h if nonlinearity == "tanh" else h.clamp_min(0)
+    if non_finite:
+        h[n // 2, 0, 0], h[n // 2 + 1, -1, -1] = float("nan"), float("inf")
     w = torch.randn(hidden, hidden, generator=g, dtype=dtype) / hidden**0.5
     g_last = torch.randn(batch, hidden, generator=g, dtype=dtype)
     u = torch.randn(n, batch, hidden, generator=g, dtype=dtype) if outside else None
-    fp = 1 - h * h if nonlinearity == "tanh" else (h > 0).to(dtype)
+    fp = 1 - h * h if nonlinearity == "tanh" else (h <= 0).logical_not().to(dtype)
     offsets = None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))
     x = chunked_scan(FactoredChain(fp.unsqueeze(2), w.unsqueeze(0)), g_last, offsets, chunk=chunk)
     return (h, w, g_last, u), (x[0], x[1:] * fp)

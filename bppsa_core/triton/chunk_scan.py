@@ -15,7 +15,7 @@ source tensors of its own, handed in as the tuple ``src_ptrs``:
   chunk's first element, and stores its aggregate transposed. So the matrix loop, the one that holds
   the registers, is the same code in both modes;
 * ``TANH``, ``RELU``: a tanh/relu RNN layer's backward (``rnn_layer_backward``): ``(h,)``, f'(z_t)
-  read off the layer's outputs (1 - h_t^2 or [h_t > 0]);
+  read off the layer's outputs (1 - h_t^2 or [not h_t <= 0], as autograd's relu backward);
 * ``GRU``: a GRU layer's backward (``gru_layer_backward``): ``(gi, gh, h_prev)``, the gates r, z, n
   recomputed from the two pre-activation GEMMs gi = W_ih x + b_ih and gh = W_hh h + b_hh.
 
@@ -138,7 +138,7 @@ def _element(
             e = tl.load(src_ptrs[1] + (k * B + b) * H + r, mask=vec, other=0.0)
     else:
         h = tl.load(src_ptrs[0] + (k * B + b) * H + r, mask=vec, other=0.0)
-        s0 = tl.where(vec, 1.0 - h * h, 0.0) if MODE == TANH else tl.where(h > 0, 1.0, 0.0)
+        s0 = tl.where(vec, 1.0 - h * h, 0.0) if MODE == TANH else tl.where(h <= 0, 0.0, 1.0)  # NaN passes
     return s0, s1, s2, e, dn
 
 
@@ -474,7 +474,7 @@ def rnn_layer_backward(
 
     h (T, B, H) are the layer's outputs h_1..h_T, ``g_last`` (B, H) the gradient at h_T, ``u``
     (T, B, H) or None the gradient reaching h_1..h_T from outside (its last row is already in
-    ``g_last``). The kernels read f'(z_t) off h_t (1 - h^2 or [h > 0]) instead of a stored chain,
+    ``g_last``). The kernels read f'(z_t) off h_t (1 - h^2 or [not h <= 0]) instead of a stored chain,
     take u shifted by one step instead of a copied offset tensor, and write only what the weight
     gradients need: g_0 = dL/dh_0 (B, H) and delta_t = f'(z_t) * dL/dh_t for t = 1..T (T, B, H).
     """
@@ -489,7 +489,7 @@ def rnn_layer_backward_ref(
     h: Tensor, w_hh: Tensor, g_last: Tensor, u: Tensor | None, nonlinearity: str, chunk: int
 ) -> tuple[Tensor, Tensor]:
     """``rnn_layer_backward`` in plain PyTorch: the chain of f'(z_t) and W_hh scanned, then the deltas."""
-    fp = 1 - h * h if nonlinearity == "tanh" else (h > 0).to(h.dtype)
+    fp = 1 - h * h if nonlinearity == "tanh" else (h <= 0).logical_not().to(h.dtype)
     g = chunked_scan(FactoredChain(fp.unsqueeze(2), w_hh.unsqueeze(0)), g_last, _shifted(u), chunk=chunk)
     return g[0], g[1:] * fp
 

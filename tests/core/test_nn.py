@@ -134,6 +134,28 @@ def test_property_the_triton_kernels_in_float32(
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("strategy", ["auto", "sequential", "chunked", "blelloch"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+def test_a_relu_rnn_with_an_infinite_input_gets_torch_nns_gradients(strategy: str, value: float) -> None:
+    """An infinite input makes later outputs inf or NaN; autograd's relu backward passes the
+    gradient wherever an output is not <= 0 (NaN included), so the bias gradients stay finite. Ours
+    are torch.nn's: the same non-finite entries, the finite ones equal, every sample."""
+    torch.manual_seed(0)
+    ref = torch.nn.RNN(3, 4, nonlinearity="relu").double()
+    ours = bnn.RNN(3, 4, nonlinearity="relu", strategy=strategy).double()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(6, 2, 3, dtype=F64)
+    x[2, 1, 0] = value
+    grads = []
+    for m in (ref, ours):
+        out, _ = m(x)
+        out.sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert torch.isfinite(grads[0][2]).all()  # the case: finite bias gradients from non-finite outputs
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, equal_nan=True)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_unbatched_input(kind: str) -> None:
     ref, ours = pair(kind, 2, 3)

@@ -253,6 +253,18 @@ def test_the_fused_rnn_backward_matches_its_reference(nonlinearity, n, batch, hi
         assert rel_err(twin, ref) < 1e-6 and rel_err(ref, value) < 1e-5
 
 
+def test_the_fused_relu_backward_passes_the_gradient_through_non_finite_outputs() -> None:
+    """A NaN or inf output of a relu layer (an infinite input's) passes its gradient, as autograd's
+    ``threshold_backward`` does: g_0 and the deltas stay finite and equal the reference's."""
+    from bppsa_core import triton as ts
+
+    args, twins = fused_rnn_case("relu", 9, 2, 5, 4, True, torch.float32, non_finite=True)
+    got = ts.rnn_layer_backward(*args, "relu", 4)
+    refs = ts.rnn_layer_backward_ref(*args, "relu", 4)
+    for twin, ref, value in zip(twins, refs, got, strict=True):
+        assert torch.isfinite(value).all() and rel_err(twin, ref) < 1e-6 and rel_err(ref, value) < 1e-5
+
+
 @pytest.mark.parametrize(
     ("n", "batch", "hidden", "chunk"),
     extended_except([(37, 3, 5, 4), (9, 1, 20, 2), (7, 2, 3, 8), (11, 2, 64, 3)], first=1),
