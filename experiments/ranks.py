@@ -15,6 +15,8 @@ leader's weights, train in lockstep (the collectives of ``bppsa_core.distributed
 and write nothing. Where one rank alone may fail (the leader's decision, building the data, writing
 an epoch's records), the ranks agree (``Ranks.together``), so the failure ends the job on every rank
 in one line. A rank that dies makes the others' next collective fail, which each reports in one line.
+A rank that stops without dying (SIGSTOP, a suspended machine) is noticed by the others' heartbeats
+(``Heartbeat``) after ``hardware.silent_rank_s`` seconds, well before gloo's collective timeout.
 
 Every rank loads whole batches (B, T, I) and keeps its own time slice (``experiments.train.Classifier``):
 simple, and the data of the paper's models is small beside the forward's saved states.
@@ -29,6 +31,8 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +110,60 @@ class Ranks:
         if error is not None:
             raise error
         return result
+
+
+# How often a rank's heartbeat says it is there (a counter in the process group's store).
+BEAT_S = 1.0
+
+
+class Heartbeat:
+    """Each rank's sign of life, and its watch over the others': a daemon thread that adds to this
+    rank's counter in the process group's store every ``BEAT_S`` seconds and reads the others'. A
+    rank whose counter has not moved for ``silent_s`` seconds, and that has not said it left
+    (``stop``), is stopped or frozen: ``on_silent`` gets one line naming it, on every rank that
+    still runs. The thread beats while the main thread waits in a collective or computes (torch and
+    the kernels release the interpreter often), so only a process that stopped as a whole falls
+    silent. ``token`` keeps one job's counters apart from another's in the same store."""
+
+    def __init__(self, ranks: Ranks, token: str, silent_s: float, on_silent: Callable[[str], None]) -> None:
+        self.ranks, self.silent_s, self.on_silent = ranks, silent_s, on_silent
+        self._prefix = f"bppsa/heartbeat/{token}/"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="bppsa-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Beat and watch, when there are other ranks."""
+        if self.ranks.size > 1:
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Say that this rank left the job (the others stop watching it), and stop beating."""
+        if self._thread.is_alive():
+            with contextlib.suppress(Exception):  # the store may be gone with the process group
+                dist.distributed_c10d._get_default_store().set(self._prefix + f"left/{self.ranks.rank}", "1")
+            self._stop.set()
+            self._thread.join()
+
+    def _beat(self) -> None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            others = [r for r in range(self.ranks.size) if r != self.ranks.rank]
+            seen = {r: (-1, time.monotonic()) for r in others}  # counter, when it last moved
+            while not self._stop.wait(BEAT_S):
+                store.add(self._prefix + str(self.ranks.rank), 1)
+                now = time.monotonic()
+                for r in others:
+                    count = store.add(self._prefix + str(r), 0)
+                    if count != seen[r][0]:
+                        seen[r] = (count, now)
+                    elif now - seen[r][1] > self.silent_s and not store.check([self._prefix + f"left/{r}"]):
+                        self.on_silent(
+                            f"rank {r} of {self.ranks.size} has not answered for {self.silent_s:g} s "
+                            "(stopped or frozen); the run ends"
+                        )
+                        return
+        except Exception:  # the store went away with the process group: the job is over
+            return
 
 
 def first_line(exc: BaseException) -> str:

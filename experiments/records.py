@@ -48,6 +48,7 @@ NON_RESULT_KEYS = (
     ("logger",),
     ("trainer", "resume"),
     ("hardware", "progress"),
+    ("hardware", "silent_rank_s"),
     ("hardware", "data_workers"),
     ("dataset", "cache_dir"),
 )

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import secrets
 import signal
 import sys
 import threading
@@ -50,7 +52,7 @@ from experiments.hardware import (
     resolve_device,
 )
 from experiments.loggers import LocalLogger, LoggerError
-from experiments.ranks import RankError, Ranks, first_line, left_the_run, started
+from experiments.ranks import Heartbeat, RankError, Ranks, first_line, left_the_run, started
 from experiments.train import (
     PHASES,
     CheckpointError,
@@ -333,6 +335,24 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
     started_run = False
     outcome = Outcome("failed")
     state = TrainState()
+
+    def silent(message: str) -> None:
+        """Another rank stopped answering (``Heartbeat``): say so, record the run failed (its
+        finished epochs are written already) and end this process now, as the main thread may be
+        waiting in a collective that only gloo's timeout would end; started followers are killed."""
+        who = "run.py" if lead else f"run.py (rank {ranks.rank} of {ranks.size})"
+        print(f"{who}: error: {message}", file=sys.stderr, flush=True)
+        if lead and started_run:
+            summary.update(status="failed", error=message, finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+            with contextlib.suppress(Exception):
+                records.write_json(run_dir / records.SUMMARY, summary)
+        for process in ranks.processes:
+            process.kill()
+        os._exit(1)
+
+    token = ranks.broadcast(secrets.token_hex(8) if lead else None)
+    heartbeat = Heartbeat(ranks, token, cfg.hardware.silent_rank_s, silent)
+    heartbeat.start()
     try:
         device = resolve_device(cfg.hardware.device, local_rank=ranks.local_rank if ranks.size > 1 else None)
         check_strategy(cfg.backward.mode, cfg.backward.get("strategy", "auto"), device)
@@ -408,6 +428,7 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
         # may be at different places, so the process group is done with
         outcome = Outcome("failed", message, lockstep=ranks.size == 1 or isinstance(exc, NonFiniteLossError))
     finally:
+        heartbeat.stop()
         summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         if logger is not None:
             logger.finish(failed=summary["status"] != "completed")

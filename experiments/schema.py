@@ -210,6 +210,7 @@ class Hardware:
     ranks: int | None = checked(or_null(POSITIVE_INT))
     data_workers: int = checked(NON_NEGATIVE_INT)
     progress: Any = checked(one_of("auto", True, False))
+    silent_rank_s: float = checked(POSITIVE_NUMBER)
 
 
 @dataclass

@@ -3,6 +3,7 @@ training as one process, one writer, and one line on every rank when a launch do
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -195,6 +196,46 @@ def test_a_rank_that_dies_fails_the_run_in_one_line_and_keeps_the_finished_epoch
     assert summary["status"] == "failed" and summary["error"].startswith("a rank left the run")
     rows = pd.read_csv(run_dir / "records.csv")
     assert 1 <= len(rows) < 30 and rows["epoch"].tolist() == list(range(1, len(rows) + 1))
+
+
+@pytest.mark.extended
+def test_a_rank_that_stops_fails_the_run_in_one_line_naming_it_and_keeps_the_finished_epochs(
+    tmp_path: Path,
+) -> None:
+    """A follower stopped (SIGSTOP: alive, silent) would hold the leader in a collective until gloo's
+    timeout; the heartbeats end the run after hardware.silent_rank_s, naming the rank, with the
+    finished epochs kept and the stopped process killed."""
+    run_dir = tmp_path / "run"
+    args = ["dataset.seq_len=50", "dataset.num_samples=400", "trainer.epochs=30", "logger=csv"]
+    args += ["hardware.ranks=2", "hardware.silent_rank_s=3", f"hydra.run.dir={run_dir}"]
+    leader = subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *args],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while read_table(run_dir / "records.csv") is None:
+        assert leader.poll() is None, "the run ended before it finished an epoch"
+        time.sleep(0.05)
+    follower = next(pid for pid in _children(leader.pid) if "spawn_main" in _command(pid))
+    os.kill(follower, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        _, stderr = leader.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(follower, signal.SIGKILL)
+    assert leader.returncode == 1 and time.monotonic() - stopped < 60
+    errors = [line for line in stderr.splitlines() if "error" in line]
+    assert errors == ["run.py: error: rank 1 of 2 has not answered for 3 s (stopped or frozen); the run ends"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("rank 1 of 2 has not answered")
+    rows = pd.read_csv(run_dir / "records.csv")
+    assert 1 <= len(rows) < 30 and rows["epoch"].tolist() == list(range(1, len(rows) + 1))
+    gone = not Path(f"/proc/{follower}").exists()
+    assert gone or Path(f"/proc/{follower}/stat").read_text().split()[2] == "Z"  # killed, not left stopped
 
 
 def _children(pid: int) -> list[int]:
