@@ -67,14 +67,23 @@ class FolderBusyError(SuiteError, RuntimeError):
     """Another process works in this run folder."""
 
 
-def write_json(path: Path, payload: dict) -> None:
-    write_atomic(path, lambda p: p.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str)))
+# Room a running run's summary keeps at its end (whitespace) for how the run ended (its status, an
+# error line, the finish time) to be written in place (``overwrite_json``) once the disk is full.
+SUMMARY_ROOM = 4096
+
+
+def write_json(path: Path, payload: dict, room: int = 0) -> None:
+    """``payload`` as JSON, atomically; ``room``: that many spaces after it, disk the file then holds
+    for a longer text (``overwrite_json``)."""
+    text = json.dumps(payload, indent=2, sort_keys=True, default=str) + ("\n" + " " * room if room else "")
+    write_atomic(path, lambda p: p.write_text(text))
 
 
 def overwrite_json(path: Path, payload: dict) -> bool:
     """Rewrite the JSON file at ``path`` in place, where ``write_json``'s temporary file found no
     room (a full disk): only when the new text takes no more of the disk's blocks than the file
-    already holds, so the write cannot stop half-way. Whether it was written."""
+    already holds (a running summary keeps ``SUMMARY_ROOM``), so the write cannot stop half-way.
+    Whether it was written."""
     text = json.dumps(payload, indent=2, sort_keys=True, default=str).encode()
     try:
         held = path.stat().st_blocks * 512

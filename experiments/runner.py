@@ -467,7 +467,7 @@ def _resume(
 def _begin(cfg: DictConfig, config: dict, run_dir: Path, summary: dict) -> LocalLogger:
     """The run's logger, and its summary written as running."""
     logger = build(cfg.logger, run_dir=run_dir, group=cfg.name, name=run_dir.name, config=config)
-    records.write_json(run_dir / records.SUMMARY, summary)
+    records.write_json(run_dir / records.SUMMARY, summary, room=records.SUMMARY_ROOM)
     return logger
 
 

@@ -443,3 +443,17 @@ def test_a_job_killed_at_any_point_leaves_whole_files(tmp_path: Path) -> None:
     done = run_py(*args, "trainer.resume=true", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert pd.read_csv(run_dir / "records.csv")["epoch"].tolist() == [1, 2, 3, 4]
+
+
+def test_a_running_summary_keeps_room_to_say_in_place_how_the_run_ended(tmp_path: Path) -> None:
+    """The summary written as a run begins ends in ``SUMMARY_ROOM`` spaces, still one JSON object,
+    so that on a full disk (no room for the atomic write's temporary file) how the run ended, with
+    an error line and the finish time, is rewritten in place; a text beyond the file's blocks is not."""
+    path = tmp_path / "summary.json"
+    running = {"config": {"model": {"hidden_size": 20}}, "status": "running", "error": None}
+    records.write_json(path, running, room=records.SUMMARY_ROOM)
+    assert records.read_json(path) == running
+    failed = {**running, "status": "failed", "error": "cannot write " + "x" * 3000, "finished": "now"}
+    assert records.overwrite_json(path, failed) and records.read_json(path) == failed
+    assert not records.overwrite_json(path, {**failed, "error": "x" * (path.stat().st_blocks * 512)})
+    assert records.read_json(path) == failed
