@@ -284,8 +284,9 @@ def sequential_forward(
     ``dispatch.compiled_forward`` says so for the scan ``strategy`` (always with a ``tape`` to fill,
     which ``new_tape`` gives only then), else by PyTorch's fused kernel."""
     hidden = h0.shape[-1]
-    compiled = x.shape[0] and dispatch.compiled_forward(strategy, mode, hidden, x, h0, c0, *weights)
-    if tape is not None or compiled:
+    if tape is not None or (
+        x.shape[0] and dispatch.compiled_forward(strategy, mode, hidden, x, h0, c0, *weights)
+    ):
         from bppsa_core import numba_forward
 
         out = _outputs(x, x.shape[0], x.shape[1], hidden, x.dtype, batch_major)

@@ -148,15 +148,23 @@ def add_hidden(acc, h, w_t):
                 acc[b, j] += hk * w_t[k, j]
 
 
+# The builds' options, in their names: numba's on-disk cache keys a function by its name and source
+# file, not by its options, so a build made with other options is not loaded from an older cache.
+_OPTIONS = dict(cache=True, error_model="numpy", nogil=True)
+_OPTIONS_TAG = "ng"
+
+
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:
     """``fn`` compiled under a name of its own (numba's on-disk cache is keyed by the function's
     name, not by its globals or options): its serial or parallel build and, given ``dtype``
     (np.float32 or np.float64), with that dtype's ``_tanh`` and ``_sigmoid``; ``constants``: globals
-    it reads set for this build (compile-time constants, each a build of its own)."""
+    it reads set for this build (compile-time constants, each a build of its own). Every build
+    releases the interpreter while it runs (nogil): a long call (an LSTM layer's backward over a
+    million steps) leaves it to other threads, a sequence-parallel run's heartbeat among them."""
     variant = "".join(f"{k.strip('_').lower()}_" for k, v in sorted(constants.items()) if v)
     name = (
         f"{fn.__name__}_{np.dtype(dtype).name + '_' if dtype else ''}{variant}"
-        f"{'parallel' if parallel else 'serial'}"
+        f"{'parallel' if parallel else 'serial'}_{_OPTIONS_TAG}"
     )
     scope = dict(fn.__globals__)
     if dtype is not None:
@@ -164,7 +172,7 @@ def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: 
     scope.update({f"_{k.upper()}": v for k, v in constants.items()})
     renamed = types.FunctionType(fn.__code__, scope, name, fn.__defaults__, fn.__closure__)
     renamed.__qualname__ = name
-    return njit(parallel=parallel, cache=True, error_model="numpy")(renamed)
+    return njit(parallel=parallel, **_OPTIONS)(renamed)
 
 
 def threads() -> int:

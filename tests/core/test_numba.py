@@ -383,3 +383,36 @@ def test_a_scan_given_its_output_writes_it_there() -> None:
     given = numba_scan.chunked_scan(scales, weights, x_last, offsets, 9, out=out)
     assert given.data_ptr() == out.data_ptr()
     torch.testing.assert_close(given, fresh, rtol=0, atol=0)
+
+
+def test_a_kernel_call_leaves_the_interpreter_to_other_threads(monkeypatch) -> None:
+    """The builds release the GIL while they run (nogil): a thread (a sequence-parallel run's
+    heartbeat) keeps going through a long call instead of waiting for its end. One thread: the
+    serial build, run in the calling thread (a parallel one's pool would release it anyway)."""
+    import threading
+    import time
+
+    monkeypatch.setattr(numba_scan, "threads", lambda: 1)
+
+    steps, batch, hidden = 100_000, 4, 20
+    gates, h = torch.rand(steps, batch, 4, hidden), torch.rand(steps, batch, hidden)
+    c0, w_hh = torch.zeros(batch, hidden), torch.randn(4 * hidden, hidden) / 10
+    g_h, g_c = torch.ones(batch, hidden), torch.zeros(batch, hidden)
+    numba_scan.lstm_layer_backward(gates[:2].clone(), h[:2], c0, w_hh, g_h, g_c, None)  # compiled first
+    ticks, done = [], threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    time.sleep(0.01)
+    start = time.monotonic()
+    numba_scan.lstm_layer_backward(gates, h, c0, w_hh, g_h, g_c, None)
+    end = time.monotonic()
+    done.set()
+    thread.join()
+    during = [t for t in ticks if start < t < end]
+    assert end - start > 0.05 and len(during) >= 10, (end - start, len(during))
