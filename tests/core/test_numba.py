@@ -299,7 +299,8 @@ def test_an_lstm_on_the_cpu_takes_the_fused_kernels_and_gives_autograds_gradient
     assert len(fused) == calls and len(walks) == calls
 
 
-@pytest.mark.parametrize("dtype", [F64, torch.float32])
+# float32: two builds of the compiled LSTM forward to compile, for the extended run
+@pytest.mark.parametrize("dtype", [F64, pytest.param(torch.float32, marks=pytest.mark.extended)])
 def test_an_lstm_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(monkeypatch, dtype) -> None:
     """The compiled forward keeps the gates and cell states (``layer.LSTMTape``) where a gradient is
     wanted, the backward takes them instead of recomputing; gradients equal the recomputing
