@@ -124,10 +124,8 @@ def new_tape(
         return None
     steps, batch, hidden = x.shape[0], x.shape[1], h0.shape[-1]
     strategy = config.options.strategy
-    compiled = dispatch.numba_takes(4, x.dtype, h0.dtype, c0.dtype, *(w.dtype for w in weights), lstm=True)
-    fits = dispatch.lstm_kernels_take(hidden, h0.dtype, weights[1].dtype)
-    chosen = dispatch.resolve(strategy, steps, batch, hidden, x.device, fits, compiled)
-    if not (chosen == "numba" and compiled and dispatch.runs_on("numba", x.device)):
+    dtypes = (x.dtype, h0.dtype, c0.dtype, *(w.dtype for w in weights))
+    if not _route(LSTMCell(), strategy, (steps, batch, hidden), x.device, *dtypes)[2]:
         return None
     if not dispatch.compiled_forward(strategy, config.mode, hidden, x, h0, c0, *weights, taped=True):
         return None
@@ -474,14 +472,9 @@ def _fused_layer(
     """
     steps, batch, hidden = h.shape
     lstm = isinstance(cell, LSTMCell)
-    if lstm:
-        fits = dispatch.lstm_kernels_take(hidden, h.dtype, w.w_hh.dtype)
-    else:
-        fits = dispatch.kernels_take(cell.gates, hidden, h.dtype, w.w_hh.dtype)
-    compiled = dispatch.numba_takes(cell.gates, h.dtype, w.w_hh.dtype, g_last.dtype, lstm=lstm)
     strategy, chunk = config.options.strategy, config.options.chunk
-    chosen = dispatch.resolve(strategy, steps, batch, hidden, h.device, fits, compiled)
-    if chosen == "numba" and compiled and dispatch.runs_on("numba", h.device):
+    chosen, fits, compiled = _route(cell, strategy, h.shape, h.device, h.dtype, w.w_hh.dtype, g_last.dtype)
+    if compiled:
         if lstm:
             from bppsa_core import numba_scan
 
@@ -512,6 +505,23 @@ def _fused_layer(
         return (lambda t: (g_in[t], g_hid[t])), (lambda: g0)
 
     return dispatch.with_kernels(strategy, h.device, kernels, lambda: None)
+
+
+def _route(
+    cell: Cell, strategy: str, shape: torch.Size, device: torch.device, *dtypes: torch.dtype
+) -> tuple[str, bool, bool]:
+    """How a layer's backward runs (``_fused_layer``; ``new_tape`` asks the same): the concrete
+    strategy, whether the Triton kernels take the layer, and whether the compiled CPU kernels run
+    it (the strategy resolves to "numba" and they take and run it). ``shape``: (T, B, H)."""
+    steps, batch, hidden = shape
+    lstm = isinstance(cell, LSTMCell)
+    if lstm:
+        fits = dispatch.lstm_kernels_take(hidden, *dtypes)
+    else:
+        fits = dispatch.kernels_take(cell.gates, hidden, *dtypes)
+    takes = dispatch.numba_takes(cell.gates, *dtypes, lstm=lstm)
+    chosen = dispatch.resolve(strategy, steps, batch, hidden, device, fits, takes)
+    return chosen, fits, chosen == "numba" and takes and dispatch.runs_on("numba", device)
 
 
 def _walked(

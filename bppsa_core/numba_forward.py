@@ -149,7 +149,7 @@ def _kernel(cell: str, dtype: torch.dtype, parallel: bool, taped: bool = False) 
     key = (cell, np.float32 if dtype == torch.float32 else np.float64, parallel, taped)
     if key not in _KERNELS:
         fn = {"rnn": _rnn, "gru": _gru, "lstm": _lstm}[cell]
-        _KERNELS[key] = build(fn, parallel, key[1], taped=True) if taped else build(fn, parallel, key[1])
+        _KERNELS[key] = build(fn, parallel, key[1], taped=taped)
     return _KERNELS[key]
 
 

@@ -161,7 +161,7 @@ def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: 
     it reads set for this build (compile-time constants, each a build of its own). Every build
     releases the interpreter while it runs (nogil): a long call (an LSTM layer's backward over a
     million steps) leaves it to other threads, a sequence-parallel run's heartbeat among them."""
-    variant = "".join(f"{k.strip('_').lower()}_" for k, v in sorted(constants.items()) if v)
+    variant = "".join(f"{k}_" for k, v in sorted(constants.items()) if v)
     name = (
         f"{fn.__name__}_{np.dtype(dtype).name + '_' if dtype else ''}{variant}"
         f"{'parallel' if parallel else 'serial'}_{_OPTIONS_TAG}"

@@ -170,12 +170,13 @@ def test_the_rank_count_must_be_a_positive_integer(tmp_path: Path) -> None:
     assert done.stderr.strip() == "run.py: error: hardware.ranks must be a positive integer or null, got 0"
 
 
-@pytest.mark.extended
-def test_a_rank_that_dies_fails_the_run_in_one_line_and_keeps_the_finished_epochs(tmp_path: Path) -> None:
+def _two_ranks_past_an_epoch(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int, Path]:
+    """A two-rank run started by run.py, once its first epoch is recorded: the leader's process,
+    the follower's pid and the run folder."""
     run_dir = tmp_path / "run"
     args = ["dataset.seq_len=50", "dataset.num_samples=400", "trainer.epochs=30", "logger=csv"]
     leader = subprocess.Popen(
-        [sys.executable, str(ROOT / "run.py"), *args, "hardware.ranks=2", f"hydra.run.dir={run_dir}"],
+        [sys.executable, str(ROOT / "run.py"), *args, "hardware.ranks=2", *extra, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.DEVNULL,
@@ -186,16 +187,26 @@ def test_a_rank_that_dies_fails_the_run_in_one_line_and_keeps_the_finished_epoch
         assert leader.poll() is None, "the run ended before it finished an epoch"
         time.sleep(0.05)
     follower = next(pid for pid in _children(leader.pid) if "spawn_main" in _command(pid))
+    return leader, follower, run_dir
+
+
+def _failed_keeping_the_finished_epochs(run_dir: Path, error: str) -> None:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith(error)
+    rows = pd.read_csv(run_dir / "records.csv")
+    assert 1 <= len(rows) < 30 and rows["epoch"].tolist() == list(range(1, len(rows) + 1))
+
+
+@pytest.mark.extended
+def test_a_rank_that_dies_fails_the_run_in_one_line_and_keeps_the_finished_epochs(tmp_path: Path) -> None:
+    leader, follower, run_dir = _two_ranks_past_an_epoch(tmp_path)
     os.kill(follower, signal.SIGKILL)
     _, stderr = leader.communicate(timeout=120)
     assert leader.returncode == 1
     errors = [line for line in stderr.splitlines() if "error" in line]
     assert len(errors) == 1, errors
     assert errors[0].startswith("run.py: error: a rank left the run (rank 0 of 2 saw: ")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["error"].startswith("a rank left the run")
-    rows = pd.read_csv(run_dir / "records.csv")
-    assert 1 <= len(rows) < 30 and rows["epoch"].tolist() == list(range(1, len(rows) + 1))
+    _failed_keeping_the_finished_epochs(run_dir, "a rank left the run")
 
 
 @pytest.mark.extended
@@ -205,21 +216,7 @@ def test_a_rank_that_stops_fails_the_run_in_one_line_naming_it_and_keeps_the_fin
     """A follower stopped (SIGSTOP: alive, silent) would hold the leader in a collective until gloo's
     timeout; the heartbeats end the run after hardware.silent_rank_s, naming the rank, with the
     finished epochs kept and the stopped process killed."""
-    run_dir = tmp_path / "run"
-    args = ["dataset.seq_len=50", "dataset.num_samples=400", "trainer.epochs=30", "logger=csv"]
-    args += ["hardware.ranks=2", "hardware.silent_rank_s=3", f"hydra.run.dir={run_dir}"]
-    leader = subprocess.Popen(
-        [sys.executable, str(ROOT / "run.py"), *args],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    while read_table(run_dir / "records.csv") is None:
-        assert leader.poll() is None, "the run ended before it finished an epoch"
-        time.sleep(0.05)
-    follower = next(pid for pid in _children(leader.pid) if "spawn_main" in _command(pid))
+    leader, follower, run_dir = _two_ranks_past_an_epoch(tmp_path, "hardware.silent_rank_s=3")
     os.kill(follower, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
@@ -230,10 +227,7 @@ def test_a_rank_that_stops_fails_the_run_in_one_line_naming_it_and_keeps_the_fin
     assert leader.returncode == 1 and time.monotonic() - stopped < 60
     errors = [line for line in stderr.splitlines() if "error" in line]
     assert errors == ["run.py: error: rank 1 of 2 has not answered for 3 s (stopped or frozen); the run ends"]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["error"].startswith("rank 1 of 2 has not answered")
-    rows = pd.read_csv(run_dir / "records.csv")
-    assert 1 <= len(rows) < 30 and rows["epoch"].tolist() == list(range(1, len(rows) + 1))
+    _failed_keeping_the_finished_epochs(run_dir, "rank 1 of 2 has not answered")
     gone = not Path(f"/proc/{follower}").exists()
     assert gone or Path(f"/proc/{follower}/stat").read_text().split()[2] == "Z"  # killed, not left stopped
 
