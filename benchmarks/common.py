@@ -121,7 +121,8 @@ def machine_line(device: torch.device) -> str:
     if device.type == "cuda":
         where = f"{torch.cuda.get_device_name(device)}, cuDNN {torch.backends.cudnn.version()}"
     else:
-        where = f"{cpu_name()}, {torch.get_num_threads()} threads"
+        threads = torch.get_num_threads()
+        where = f"{cpu_name()}, {threads} thread{'' if threads == 1 else 's'}"
     line = f"device: {device.type} ({where}); torch {torch.__version__}; python {platform.python_version()}"
     return line + "; " + "; ".join(f"{p} {version(p)}" for p in ("triton", "jax", "jaxlib"))
 

@@ -29,7 +29,7 @@ import torch
 from numba import njit, prange
 from torch import Tensor
 
-from bppsa_core.numba_math import ACTIVATIONS, add_hidden, build, threads
+from bppsa_core.numba_math import ACTIVATIONS, add_hidden, build, put, threads
 
 # The kernels' activations: float64's here, each dtype's in its build (``numba_math.build``); the
 # LSTM's untaped build, whose taped one (``_kernel``) sets _TAPED.
@@ -80,7 +80,7 @@ def _rnn(relu, groups, xw, w_t, h0, steps, out, h_last):
                         for j in range(hid):
                             h[b, j] = _tanh(acc[b, j])
             _store(out, t, lo, steps, h)
-        h_last[lo:hi] = h
+        put(h_last[lo:hi], h)
 
 
 def _gru(groups, xw, w_t, b_hn, h0, steps, out, h_last):
@@ -106,7 +106,7 @@ def _gru(groups, xw, w_t, b_hn, h0, steps, out, h_last):
                         n = _tanh(xw[t, lo + b, 2 * hid + j] + r * acc[b, 2 * hid + j])
                         h[b, j] = n + z * (h[b, j] - n)
             _store(out, t, lo, steps, h)
-        h_last[lo:hi] = h
+        put(h_last[lo:hi], h)
 
 
 def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
@@ -138,8 +138,8 @@ def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
                             gates[t, lo + b, 2 * hid + j], gates[t, lo + b, 3 * hid + j] = gg, o
                             cells[t + 1, lo + b, j] = c[b, j]
             _store(out, t, lo, steps, h)
-        h_last[lo:hi] = h
-        c_last[lo:hi] = c
+        put(h_last[lo:hi], h)
+        put(c_last[lo:hi], c)
 
 
 _KERNELS: dict[tuple[str, type, bool, bool], Callable] = {}

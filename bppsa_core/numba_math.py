@@ -1,5 +1,5 @@
 """What the compiled CPU kernels (numba) share: vectorizable activations, the hidden-side product,
-the builds and the threads they take.
+the array copy, the builds and the threads they take.
 
 A scalar libm ``tanh`` or ``exp`` costs more than a recurrent step's multiply-adds, and numba's LLVM
 has no vector math library, so the activations come from one ``expm1`` per dtype
@@ -146,6 +146,15 @@ def add_hidden(acc, h, w_t):
             hk = h[b, k]
             for j in range(cols):
                 acc[b, j] += hk * w_t[k, j]
+
+
+@njit(inline="always", error_model="numpy")
+def put(dst, src):
+    """dst[...] = src, element by element (any number of dimensions, one shape). Numba's array
+    assignment compiles its broadcasting and its error messages, seconds of a kernel's first
+    compile; every kernel copies arrays with this instead."""
+    for i in np.ndindex(src.shape):
+        dst[i] = src[i]
 
 
 # The builds' options, in their names: numba's on-disk cache keys a function by its name and source

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from bppsa_core import dispatch
 from bppsa_core.chain import LSTMChain
-from bppsa_core.numba_math import add_hidden, build, threads
+from bppsa_core.numba_math import add_hidden, build, put, threads
 
 
 @njit(cache=True, inline="always")
@@ -114,15 +114,15 @@ def _scan(n_terms, has_diag, has_b, tiny, chunk, groups, scales, diag, w, offset
                 _apply(k, b, 0, n_terms, has_diag, tiny, scales, diag, w, c, cu, c_nxt)
                 for j in range(hid):
                     c[0, j] = c_nxt[0, j] + offsets[k, b, j]
-        agg[q - 1, b] = a
-        agg_off[q - 1, b] = c[0]
+        put(agg[q - 1, b], a)
+        put(agg_off[q - 1, b], c[0])
     for g in prange(groups):  # spine: the remainder chunk from x_n, a group of samples a task
         b0, b1 = g * batch // groups, (g + 1) * batch // groups
         ys = x_last[b0:b1].copy()
-        out[n, b0:b1, :] = ys
+        put(out[n, b0:b1], ys)
         _walk(n_terms, has_diag, has_b, tiny, (p - 1) * chunk, n, b0, ys, scales, diag, w, offsets, out)
         if p > 1:
-            entry[nagg, b0:b1] = ys
+            put(entry[nagg, b0:b1], ys)
     for b_ in prange(batch if nagg else 0):  # then the aggregates, a sample a task
         b = np.int64(b_)
         y = entry[nagg, b].copy()
@@ -132,7 +132,7 @@ def _scan(n_terms, has_diag, has_b, tiny, chunk, groups, scales, diag, w, offset
                 for col in range(hid):
                     y2[col] += y[i] * agg[j, b, i, col]
             y = y2
-            entry[j, b] = y
+            put(entry[j, b], y)
     for task in prange((p - 1) * groups):  # expand: chunk q = 0..P-2 from its entry vectors
         q, g = np.int64(task) // groups, np.int64(task) % groups
         b0, b1 = g * batch // groups, (g + 1) * batch // groups
@@ -167,8 +167,8 @@ def _lstm_walk(has_hh, has_b, tiny, b, scales_h, scales_c, w, diag_hc, diag_cc, 
                 nxt[col] += offsets[k, b, col]
             if abs(nxt[col]) < tiny:
                 nxt[col] = 0.0
-        out[k, b, :] = nxt
-        y[:] = nxt
+        put(out[k, b], nxt)
+        put(y, nxt)
 
 
 def _lstm_scan(has_hh, has_b, tiny, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out):
@@ -231,8 +231,8 @@ def _lstm_layer(has_u, has_c, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c,
             for i in range(nb):
                 for j in range(hid):
                     dh[i, j] = acc[i, j] if abs(acc[i, j]) >= tiny else zero
-        g0[lo:hi, :hid] = dh
-        g0[lo:hi, hid:] = dc
+        put(g0[lo:hi, :hid], dh)
+        put(g0[lo:hi, hid:], dc)
 
 
 # One thread runs the serial build in the calling thread (no pool to wake, no worker spinning

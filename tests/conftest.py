@@ -14,5 +14,9 @@ from hypothesis import settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One thread, as run.py's jobs take on a CPU: the compiled kernels' serial builds, each compiled once
+# for the whole run (a first compile costs seconds). The tests about threads set two themselves.
+torch.set_num_threads(1)
+
 settings.register_profile("ci", deadline=None, max_examples=40, derandomize=True)
 settings.load_profile("ci")

@@ -23,7 +23,7 @@ def test_a_row_times_both_modules_and_checks_their_gradients(model) -> None:
 @pytest.mark.extended
 def test_the_run_prints_one_row_per_model_and_length(capsys) -> None:
     argv = ["--models", "rnn", "lstm", "--T", "3", "5", "--B", "2", "--H", "4", "--dtype", "float64"]
-    argv += ["--repeats", "2", "--warmup", "0", "--threads", "2"]  # the kernels the other tests compile
+    argv += ["--repeats", "2", "--warmup", "0", "--threads", "2"]
     threads = torch.get_num_threads()
     try:
         assert host.main(argv) == 0
