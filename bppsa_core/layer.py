@@ -485,7 +485,7 @@ def _fused_layer(
             else:
                 gates = cell.activations(x, h_prev.whole(), w)
                 delta, g0 = numba_scan.lstm_layer_backward(gates, h, c0, w.w_hh, g_last, g_c_last, u)
-            return (lambda t: (delta[t], delta[t])), (lambda: g0)
+            return (lambda t: (delta[t],) * 2), (lambda: g0)  # one object: the biases summed once
         chunk = chunk or dispatch.numba_chunk(steps, batch, hidden, cell.gates, torch.get_num_threads())
         return _walked(cell, x, h_prev, w, u, g_last) if chunk >= steps else None
     if lstm or chosen != "triton" or not fits or not dispatch.kernels_run_on(h.device):
@@ -502,6 +502,8 @@ def _fused_layer(
             whole = h_prev.whole()
             gi, gh = cell.pre_activations(x, whole, w)
             g0, g_in, g_hid = triton_kernels.gru_layer_backward(gi, gh, whole, w.w_hh, g_last, u, chunk)
+        if g_hid is g_in:  # an RNN: one pre-activation, one object, so the biases are summed once
+            return (lambda t: (g_in[t],) * 2), (lambda: g0)
         return (lambda t: (g_in[t], g_hid[t])), (lambda: g0)
 
     return dispatch.with_kernels(strategy, h.device, kernels, lambda: None)

@@ -301,6 +301,21 @@ def test_an_lstm_on_the_cpu_takes_the_fused_kernels_and_gives_autograds_gradient
     assert len(fused) == calls and len(walks) == calls
 
 
+@pytest.mark.parametrize(("kind", "sums"), [("RNN", 1), ("GRU", 2), ("LSTM", 1)])
+def test_a_layer_backward_sums_a_shared_pre_activation_once(monkeypatch, kind, sums) -> None:
+    """An RNN's or an LSTM's two biases take the same pre-activation gradient: it is summed once over
+    the steps and copied (a GRU's hidden side has its own), and the two gradients share no memory."""
+    m = getattr(bnn, kind)(3, 5, strategy="numba").double()
+    out, _ = m(torch.randn(7, 2, 3, dtype=F64))
+    loss, summed, real = out.sum(), [], torch.Tensor.sum
+    monkeypatch.setattr(torch.Tensor, "sum", lambda t, *a, **k: summed.append(t.shape) or real(t, *a, **k))
+    loss.backward()
+    assert len(summed) == sums, summed
+    if kind != "GRU":
+        assert torch.equal(m.bias_ih_l0.grad, m.bias_hh_l0.grad)
+        assert m.bias_ih_l0.grad.data_ptr() != m.bias_hh_l0.grad.data_ptr()
+
+
 # float32: two builds of the compiled LSTM forward to compile, for the extended run
 @pytest.mark.parametrize("dtype", [F64, pytest.param(torch.float32, marks=pytest.mark.extended)])
 def test_an_lstm_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(monkeypatch, dtype) -> None:
