@@ -130,7 +130,8 @@ def launch_configs() -> list[KernelConfig]:
     with one: tangents and Newton iterations); the fused layer backwards: TANH, RELU (K = 1) and GRU
     (K = 3, a diagonal); each with and without offsets, for every H the kernels take
     (``dispatch.MAX_HIDDEN``, grouped by ``h_variants``). ``lstm_scan``: with and without the h<-h
-    diagonal and offsets, H <= ``dispatch.MAX_LSTM_HIDDEN``. A configuration whose kernel, constexprs,
+    diagonal and offsets, and the fused ``lstm_layer_backward`` with and without offsets, H <=
+    ``dispatch.MAX_LSTM_HIDDEN``. A configuration whose kernel, constexprs,
     sources and compile options another already has (``_reduce`` takes no ``FUSED``) is listed once.
     """
     from bppsa_core.dispatch import MAX_HIDDEN, MAX_LSTM_HIDDEN
@@ -149,12 +150,13 @@ def launch_configs() -> list[KernelConfig]:
                     KernelConfig(role, cs.MODE_NAMES[mode], terms, diag, affine, fused, hidden, launch)
                     for role, launch in launches.items()
                 ]
+    lstm_scans = [(False, False), (True, False), (False, True)]  # (has_hh, fused): the layer's own fused
     for hidden in h_variants(MAX_LSTM_HIDDEN):
-        for has_hh in (False, True):
+        for has_hh, fused in lstm_scans:
             for affine in (False, True):
-                launches = lstm_launch_config(has_hh, affine, padded(hidden[0]))
+                launches = lstm_launch_config(has_hh, affine, padded(hidden[0]), fused)
                 found += [
-                    KernelConfig(role, "LSTM", 4, has_hh, affine, False, hidden, launch)
+                    KernelConfig(role, "LSTM", 4, has_hh, affine, fused, hidden, launch)
                     for role, launch in launches.items()
                 ]
     unique: dict[tuple, KernelConfig] = {}

@@ -53,7 +53,7 @@ from bppsa_core.jacobians import (
     reusing_buffers,
 )
 from bppsa_core.newton import SolverOptions, SolveStats
-from bppsa_core.scan import forward_scan, scan
+from bppsa_core.scan import elementwise_recurrence, forward_scan, scan
 
 log = logging.getLogger(__name__)
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
@@ -464,7 +464,8 @@ def _fused_layer(
 
     Where the layer's strategy resolves to "triton" (``dispatch.resolve``: "triton" itself, or
     "auto" on a GPU) and the kernels take the layer and run on its device: the fused Triton kernels
-    of an RNN or a GRU (``bppsa_core.triton.rnn_layer_backward`` / ``gru_layer_backward``). Where it
+    of an RNN, a GRU or an LSTM (``bppsa_core.triton.rnn_layer_backward`` / ``gru_layer_backward`` /
+    ``lstm_layer_backward``, the LSTM's from its gates and cell states recomputed). Where it
     resolves to "numba" ("auto" on the CPU): an LSTM's fused compiled backward
     (``numba_scan.lstm_layer_backward``, from the ``tape`` when its forward kept one), and an RNN
     or GRU walked block by block (``_walked``) where the compiled scan is one chunk. Everything else
@@ -488,13 +489,19 @@ def _fused_layer(
             return (lambda t: (delta[t],) * 2), (lambda: g0)  # one object: the biases summed once
         chunk = chunk or dispatch.numba_chunk(steps, batch, hidden, cell.gates, torch.get_num_threads())
         return _walked(cell, x, h_prev, w, u, g_last) if chunk >= steps else None
-    if lstm or chosen != "triton" or not fits or not dispatch.kernels_run_on(h.device):
+    if chosen != "triton" or not fits or not dispatch.kernels_run_on(h.device):
         return None
     from bppsa_core import triton as triton_kernels
 
     chunk = chunk or dispatch.default_chunk(steps)
 
     def kernels() -> tuple[Deltas, Callable[[], Tensor]]:
+        if lstm:  # the gates from their two GEMMs, the cell states from them, then the kernels
+            gates = cell.activations(x, h_prev.whole(), w)
+            i, f, g, _ = gates.unbind(-2)
+            cells = torch.cat((c0.unsqueeze(0), elementwise_recurrence(f, i * g, c0)))
+            g0, delta = triton_kernels.lstm_layer_backward(gates, cells, w.w_hh, g_last, g_c_last, u, chunk)
+            return (lambda t: (delta[t],) * 2), (lambda: g0)  # one object: the biases summed once
         if isinstance(cell, RNNCell):
             g0, g_in = triton_kernels.rnn_layer_backward(h, w.w_hh, g_last, u, cell.nonlinearity, chunk)
             g_hid = g_in

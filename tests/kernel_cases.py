@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from bppsa_core.chain import FactoredChain
-from bppsa_core.jacobians import GRUCell, LayerWeights
+from bppsa_core.jacobians import GRUCell, LayerWeights, LSTMCell
 from bppsa_core.scan import chunked_scan
 
 CHAIN_CASES = [
@@ -82,3 +82,27 @@ def fused_gru_case(
     d_in, d_hid = cell.preactivation_grads(twin[1:].clone(), factors)
     gi, gh = cell.pre_activations(x, h_prev, w)
     return (gi, gh, h_prev, w.w_hh, g_last, u), (twin[0], d_in, d_hid)
+
+
+def fused_lstm_case(
+    n: int, batch: int, hidden: int, chunk: int, outside: bool, dtype: torch.dtype
+) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor]]:
+    """The arguments (gates, cells, w_hh, g_h, g_c, u) of a fused LSTM layer backward, and the twin's
+    g_0 and pre-activation gradients (``LSTMCell``'s factors from x and h_{t-1}, scanned)."""
+    g = torch.Generator().manual_seed(n + hidden)
+    cell = LSTMCell()
+    shapes = ((4 * hidden, 2), (4 * hidden, hidden), (4 * hidden,), (4 * hidden,))
+    w = LayerWeights(*(torch.randn(*s, generator=g, dtype=dtype) / hidden**0.5 for s in shapes))
+    x = torch.randn(n, batch, 2, generator=g, dtype=dtype)
+    h_prev = torch.rand(n, batch, hidden, generator=g, dtype=dtype) * 2 - 1
+    c0 = torch.randn(batch, hidden, generator=g, dtype=dtype)
+    g_h, g_c = (torch.randn(batch, hidden, generator=g, dtype=dtype) for _ in range(2))
+    u = torch.randn(n, batch, hidden, generator=g, dtype=dtype) if outside else None
+    factors = cell.factors(x, h_prev, h_prev, w, c0)  # an LSTM's factors do not read h
+    shifted = None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))  # u_{t-1}: to h only
+    offsets = None if u is None else torch.cat((shifted, torch.zeros_like(u)), -1)
+    twin = chunked_scan(cell.chain(factors, w), torch.cat((g_h, g_c), -1), offsets, chunk=chunk)
+    delta = cell.preactivation_grads(twin[1:].clone(), factors)[0]
+    gates = cell.activations(x, h_prev, w)
+    cells = torch.cat((c0.unsqueeze(0), cell.cell_states(x, h_prev, w, c0)))
+    return (gates, cells, w.w_hh, g_h, g_c, u), (twin[0], delta)

@@ -14,7 +14,8 @@ Modules, one a job:
 * ``chunk_scan``: a tanh/relu RNN's or a GRU's chain: ``factored_scan`` (a stored ``FactoredChain``,
   or its transpose), and the fused layer backwards ``rnn_layer_backward`` and ``gru_layer_backward``,
   which build the Jacobians in the kernels;
-* ``lstm``: an LSTM's chain over (h, c): ``lstm_scan``;
+* ``lstm``: an LSTM's chain over (h, c): ``lstm_scan``, and the fused layer backward
+  ``lstm_layer_backward``, which forms the elements in the kernels from the gates and cell states;
 * ``launch``: each kernel's compile settings (``Launch``), the run-time loop bounds and the three
   launches. ``benchmarks.kernels`` lists every configuration the modules can launch and compiles it
   for sm_80 and sm_90 without a GPU.
@@ -43,7 +44,13 @@ from bppsa_core.triton.chunk_scan import (
     rnn_layer_backward_ref,
 )
 from bppsa_core.triton.launch import Launch, padded
-from bppsa_core.triton.lstm import lstm_launch_config, lstm_scan, lstm_scan_ref
+from bppsa_core.triton.lstm import (
+    lstm_launch_config,
+    lstm_layer_backward,
+    lstm_layer_backward_ref,
+    lstm_scan,
+    lstm_scan_ref,
+)
 
 __all__ = [
     "GRU",
@@ -59,6 +66,8 @@ __all__ = [
     "gru_layer_backward_ref",
     "launch_config",
     "lstm_launch_config",
+    "lstm_layer_backward",
+    "lstm_layer_backward_ref",
     "lstm_scan",
     "lstm_scan_ref",
     "padded",

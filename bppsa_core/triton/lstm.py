@@ -7,18 +7,26 @@ two (2H x H) column blocks, the h and the c columns; a step is four ``tl.dot`` f
 two elementwise products for the c columns. The chain fits one program when 2H <= 64
 (``dispatch.lstm_kernels_take``). The kernels read an element from the tuple ``src_ptrs`` =
 (scales_h, scales_c, diag_hc, diag_cc[, diag_hh]).
+
+``lstm_layer_backward`` is an LSTM layer's whole backward in the same kernels (``FUSED``): they read
+the activated gates and the cell states instead (``src_ptrs`` = (gates, cells)), form each element's
+factors from them as ``LSTMCell.factors`` does, take the outside gradient one step late, and write only
+g_0 and the gates' pre-activation gradients, as ``chunk_scan``'s fused RNN and GRU backwards do.
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from bppsa_core.chain import LSTMChain
+from bppsa_core.jacobians import LSTMCell
 from bppsa_core.scan import chunked_scan
+from bppsa_core.triton.chunk_scan import _shifted
 from bppsa_core.triton.launch import BY_DATA, Launch, padded, three_launches
 
 # ------------------------------------------------------------------------------ per-element helpers
@@ -38,13 +46,41 @@ def _lstm_weights(w_ptr, H, HP: tl.constexpr):
 
 
 @triton.jit
-def _lstm_element(src_ptrs, k, b, B, H, HAS_HH: tl.constexpr, HP: tl.constexpr):
+def _lstm_element(src_ptrs, k, b, B, H, HAS_HH: tl.constexpr, FUSED: tl.constexpr, HP: tl.constexpr):
     """Element k of sample b: the four gates' h scales, their c scales (each a tuple of four) and the
-    diagonals h<-c, c<-c, h<-h."""
+    diagonals h<-c, c<-c, h<-h. FUSED: formed from the activated gates i, f, g, o (n, B, 4H) and the
+    cell states c_0..c_n (n + 1, B, H) as ``LSTMCell.factors`` forms them (with q = o (1 - tanh(c)^2):
+    c's scales g i (1-i), c_{k} f (1-f), i (1-g^2), 0; h's q times those but tanh(c) o (1-o) for W_o;
+    diagonals q f and f); padded lanes read 0 and give 0."""
     k = k.to(tl.int64)
     r = tl.arange(0, HP)
     vec = r < H
-    rows = (k * B + b) * 4 * H + r
+    if FUSED:
+        rows = (k * B + b) * 4 * H + r
+        i = tl.load(src_ptrs[0] + rows, mask=vec, other=0.0)
+        f = tl.load(src_ptrs[0] + rows + H, mask=vec, other=0.0)
+        g = tl.load(src_ptrs[0] + rows + 2 * H, mask=vec, other=0.0)
+        o = tl.load(src_ptrs[0] + rows + 3 * H, mask=vec, other=0.0)
+        c_prev = tl.load(src_ptrs[1] + (k * B + b) * H + r, mask=vec, other=0.0)
+        c = tl.load(src_ptrs[1] + ((k + 1) * B + b) * H + r, mask=vec, other=0.0)
+        tc = 2.0 * tl.sigmoid(2.0 * c) - 1.0  # tanh
+        q = o * (1.0 - tc * tc)
+        sc = (g * i * (1.0 - i), c_prev * f * (1.0 - f), i * (1.0 - g * g), tl.zeros([HP], dtype=tl.float32))
+        sh = (q * sc[0], q * sc[1], q * sc[2], tc * o * (1.0 - o))
+        d_hc = q * f
+        d_cc = f
+    else:
+        sh, sc, d_hc, d_cc = _lstm_stored(src_ptrs, k * B + b, H, r, vec)
+    d_hh = tl.zeros([HP], dtype=tl.float32)
+    if HAS_HH:
+        d_hh = tl.load(src_ptrs[4] + (k * B + b) * H + r, mask=vec, other=0.0)
+    return sh, sc, d_hc, d_cc, d_hh
+
+
+@triton.jit
+def _lstm_stored(src_ptrs, kb, H, r, vec):
+    """Row kb = k B + b of a stored chain: its scales (n, B, 4H) and its diagonals h<-c, c<-c (n, B, H)."""
+    rows = kb * 4 * H + r
     sh = (
         tl.load(src_ptrs[0] + rows, mask=vec, other=0.0),
         tl.load(src_ptrs[0] + rows + H, mask=vec, other=0.0),
@@ -57,13 +93,10 @@ def _lstm_element(src_ptrs, k, b, B, H, HAS_HH: tl.constexpr, HP: tl.constexpr):
         tl.load(src_ptrs[1] + rows + 2 * H, mask=vec, other=0.0),
         tl.load(src_ptrs[1] + rows + 3 * H, mask=vec, other=0.0),
     )
-    row = (k * B + b) * H + r
+    row = kb * H + r
     d_hc = tl.load(src_ptrs[2] + row, mask=vec, other=0.0)
     d_cc = tl.load(src_ptrs[3] + row, mask=vec, other=0.0)
-    d_hh = tl.zeros([HP], dtype=tl.float32)
-    if HAS_HH:
-        d_hh = tl.load(src_ptrs[4] + row, mask=vec, other=0.0)
-    return sh, sc, d_hc, d_cc, d_hh
+    return sh, sc, d_hc, d_cc
 
 
 @triton.jit
@@ -95,23 +128,50 @@ def _lstm_vec_step(y_h, y_c, f, w, HAS_HH: tl.constexpr):
 
 
 @triton.jit
+def _lstm_offset(offsets_ptr, k, b, B, H, r, vec, FUSED: tl.constexpr, HP: tl.constexpr):
+    """Element k's offset (h part, c part): row k of the (n, B, 2H) offsets; FUSED, the outside
+    gradient u (n, B, H) one step late, u_{k-1} for h (none for k = 0) and 0 for c."""
+    k = k.to(tl.int64)
+    if FUSED:
+        o_h = tl.load(offsets_ptr + ((k - 1) * B + b) * H + r, mask=vec & (k >= 1), other=0.0)
+        o_c = tl.zeros([HP], dtype=tl.float32)
+    else:
+        row = offsets_ptr + (k * B + b) * 2 * H + r
+        o_h = tl.load(row, mask=vec, other=0.0)
+        o_c = tl.load(row + H, mask=vec, other=0.0)
+    return o_h, o_c
+
+
+@triton.jit
 def _lstm_walk_step(
-    y_h, y_c, f, w, offsets_ptr, out_ptr, k, b, B, H, HAS_HH: tl.constexpr, HAS_B: tl.constexpr,
-    HP: tl.constexpr,
+    y_h, y_c, f, w, offsets_ptr, out_ptr, delta_ptr, k, b, B, H, HAS_HH: tl.constexpr,
+    HAS_B: tl.constexpr, FUSED: tl.constexpr, HP: tl.constexpr,
 ):  # fmt: skip
-    """x_k from y = x_{k+1} through element k, stored into row k of ``out``."""
+    """x_k from y = x_{k+1} through element k, stored into row k of ``out``; FUSED, only x_0 is
+    stored (``out`` (B, 2H)) and step k's pre-activation gradients y_h * scales_h + y_c * scales_c
+    (rows i, f, g, o of ``delta`` (n, B, 4H))."""
     r = tl.arange(0, HP)
     vec = r < H
-    y_h, y_c = _lstm_vec_step(y_h, y_c, f, w, HAS_HH)
+    x_h, x_c = _lstm_vec_step(y_h, y_c, f, w, HAS_HH)
     k = k.to(tl.int64)
     if HAS_B:
-        row = offsets_ptr + (k * B + b) * 2 * H + r
-        y_h += tl.load(row, mask=vec, other=0.0)
-        y_c += tl.load(row + H, mask=vec, other=0.0)
-    out = out_ptr + (k * B + b) * 2 * H + r
-    tl.store(out, y_h, mask=vec)
-    tl.store(out + H, y_c, mask=vec)
-    return y_h, y_c
+        o_h, o_c = _lstm_offset(offsets_ptr, k, b, B, H, r, vec, FUSED, HP)
+        x_h += o_h
+        x_c += o_c
+    if FUSED:
+        sh, sc = f[0], f[1]
+        row = delta_ptr + (k * B + b) * 4 * H + r
+        tl.store(row, y_h * sh[0] + y_c * sc[0], mask=vec)
+        tl.store(row + H, y_h * sh[1] + y_c * sc[1], mask=vec)
+        tl.store(row + 2 * H, y_h * sh[2] + y_c * sc[2], mask=vec)
+        tl.store(row + 3 * H, y_h * sh[3] + y_c * sc[3], mask=vec)
+        tl.store(out_ptr + b * 2 * H + r, x_h, mask=vec & (k == 0))
+        tl.store(out_ptr + b * 2 * H + H + r, x_c, mask=vec & (k == 0))
+    else:
+        out = out_ptr + (k * B + b) * 2 * H + r
+        tl.store(out, x_h, mask=vec)
+        tl.store(out + H, x_c, mask=vec)
+    return x_h, x_c
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -121,7 +181,7 @@ def _lstm_walk_step(
 def _lstm_reduce(
     src_ptrs, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr,  # pointers: read, then the aggregates written
     B, H, C,  # sizes: batch, hidden, chunk
-    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,  # meta-parameters
+    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, FUSED: tl.constexpr, HP: tl.constexpr,  # meta-parameters
 ):  # fmt: skip
     """Chunk q (1..P-2) of sample b folded into one (2H x 2H) aggregate and its offset."""
     q = tl.program_id(0) + 1
@@ -136,13 +196,13 @@ def _lstm_reduce(
     o_c = tl.zeros([HP], dtype=tl.float32)
     for i in range(0, C):  # the chunk's last element is applied first
         k = q * C + C - 1 - i
-        f = _lstm_element(src_ptrs, k, b, B, H, HAS_HH, HP)
+        f = _lstm_element(src_ptrs, k, b, B, H, HAS_HH, FUSED, HP)
         a_h, a_c = _lstm_mat_step(a_h, a_c, f, w, HAS_HH)
         if HAS_B:
             o_h, o_c = _lstm_vec_step(o_h, o_c, f, w, HAS_HH)
-            row = offsets_ptr + (k.to(tl.int64) * B + b) * 2 * H + r
-            o_h += tl.load(row, mask=vec, other=0.0)
-            o_c += tl.load(row + H, mask=vec, other=0.0)
+            b_h, b_c = _lstm_offset(offsets_ptr, k, b, B, H, r, vec, FUSED, HP)
+            o_h += b_h
+            o_c += b_c
     j = q - 1
     # Stored whole, padding included (2HP x 2HP: h rows, c rows; h columns, c columns), as ``_reduce``.
     base = agg_ptr + ((j * B + b) * 2 * HP + rr[:, None]) * 2 * HP
@@ -155,10 +215,11 @@ def _lstm_reduce(
 
 @triton.jit(do_not_specialize=BY_DATA)
 def _lstm_spine(
-    # pointers: the sources, weights, offsets, aggregates and x_n read; x and the entry vectors written
-    src_ptrs, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr, x_last_ptr, out_ptr, entry_ptr,
+    # pointers: the sources, weights, offsets, aggregates and x_n read; x (or x_0 and the deltas) and
+    # the entry vectors written
+    src_ptrs, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr, x_last_ptr, out_ptr, delta_ptr, entry_ptr,
     B, H, N, REM, NAGG,  # sizes: batch, hidden, chain length, remainder chunk, aggregate count
-    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,  # meta-parameters
+    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, FUSED: tl.constexpr, HP: tl.constexpr,  # meta-parameters
 ):  # fmt: skip
     """``_spine`` of the factored chain over (h, c): sample b's remainder chunk walked from x_n, then
     the chunk aggregates scanned into ``entry``."""
@@ -169,13 +230,16 @@ def _lstm_spine(
     w = _lstm_weights(w_ptr, H, HP)
     y_h = tl.load(x_last_ptr + b * 2 * H + r, mask=vec, other=0.0)
     y_c = tl.load(x_last_ptr + b * 2 * H + H + r, mask=vec, other=0.0)
-    last = out_ptr + (N * B + b) * 2 * H + r
-    tl.store(last, y_h, mask=vec)
-    tl.store(last + H, y_c, mask=vec)
+    if not FUSED:
+        last = out_ptr + (N * B + b) * 2 * H + r
+        tl.store(last, y_h, mask=vec)
+        tl.store(last + H, y_c, mask=vec)
     for i in range(0, REM):
         k = N - 1 - i
-        f = _lstm_element(src_ptrs, k, b, B, H, HAS_HH, HP)
-        y_h, y_c = _lstm_walk_step(y_h, y_c, f, w, offsets_ptr, out_ptr, k, b, B, H, HAS_HH, HAS_B, HP)
+        f = _lstm_element(src_ptrs, k, b, B, H, HAS_HH, FUSED, HP)
+        y_h, y_c = _lstm_walk_step(
+            y_h, y_c, f, w, offsets_ptr, out_ptr, delta_ptr, k, b, B, H, HAS_HH, HAS_B, FUSED, HP
+        )
     entry = entry_ptr + (NAGG * B + b) * 2 * H + r
     tl.store(entry, y_h, mask=vec)
     tl.store(entry + H, y_c, mask=vec)
@@ -200,9 +264,9 @@ def _lstm_spine(
 
 @triton.jit(do_not_specialize=BY_DATA)
 def _lstm_expand(
-    src_ptrs, w_ptr, offsets_ptr, entry_ptr, out_ptr,  # pointers: read, then x written
+    src_ptrs, w_ptr, offsets_ptr, entry_ptr, out_ptr, delta_ptr,  # pointers: read, then x (or deltas) written
     B, H, C,  # sizes: batch, hidden, chunk
-    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, HP: tl.constexpr,  # meta-parameters
+    HAS_HH: tl.constexpr, HAS_B: tl.constexpr, FUSED: tl.constexpr, HP: tl.constexpr,  # meta-parameters
 ):  # fmt: skip
     """Chunk q (0..P-2) of sample b walked from its entry vector, every x_k of the chunk written
     (the entry vectors come from ``_lstm_spine``)."""
@@ -216,8 +280,10 @@ def _lstm_expand(
     y_c = tl.load(entry + H, mask=vec, other=0.0)
     for i in range(0, C):
         k = q * C + C - 1 - i
-        f = _lstm_element(src_ptrs, k, b, B, H, HAS_HH, HP)
-        y_h, y_c = _lstm_walk_step(y_h, y_c, f, w, offsets_ptr, out_ptr, k, b, B, H, HAS_HH, HAS_B, HP)
+        f = _lstm_element(src_ptrs, k, b, B, H, HAS_HH, FUSED, HP)
+        y_h, y_c = _lstm_walk_step(
+            y_h, y_c, f, w, offsets_ptr, out_ptr, delta_ptr, k, b, B, H, HAS_HH, HAS_B, FUSED, HP
+        )
 
 
 # ------------------------------------------------------------------------------------------- launch
@@ -228,12 +294,13 @@ def lstm_num_warps(hp: int) -> int:
     return 8 if hp >= 32 else 4
 
 
-def lstm_launch_config(has_hh: bool, has_b: bool, hp: int) -> dict[str, Launch]:
-    """The three kernels of an LSTM launch by role, as ``lstm_scan`` runs them: ``has_hh``, the
-    h<-h diagonal (sequences of different lengths); ``has_b``, offsets; ``hp``, ``padded(H)``."""
-    settings = {"HAS_HH": has_hh, "HAS_B": has_b, "HP": hp}
+def lstm_launch_config(has_hh: bool, has_b: bool, hp: int, fused: bool = False) -> dict[str, Launch]:
+    """The three kernels of an LSTM launch by role, as ``lstm_scan`` and ``lstm_layer_backward`` run
+    them: ``has_hh``, the h<-h diagonal (sequences of different lengths); ``has_b``, offsets; ``hp``,
+    ``padded(H)``; ``fused``, a layer's backward (factors from the gates and cell states)."""
+    settings = {"HAS_HH": has_hh, "HAS_B": has_b, "FUSED": fused, "HP": hp}
     warps = lstm_num_warps(hp)
-    sources = 5 if has_hh else 4
+    sources = 2 if fused else 5 if has_hh else 4
     return {  # the reduce unpipelined, as ``chunk_scan.launch_config``'s
         "reduce": Launch(_lstm_reduce, settings, warps, num_stages=1, sources=sources),
         "spine": Launch(_lstm_spine, settings, warps, sources=sources),
@@ -267,10 +334,61 @@ def lstm_scan(chain: LSTMChain, x_last: Tensor, offsets: Tensor | None, chunk: i
         "H": h,
     }
     kernels = lstm_launch_config(chain.diag_hh is not None, offsets is not None, hp)
-    three_launches(kernels, common, {"out_ptr": out}, x_last, n, chunk, agg, agg_offsets, entry)
+    walk = {"out_ptr": out, "delta_ptr": out}  # no deltas: not written
+    three_launches(kernels, common, walk, x_last, n, chunk, agg, agg_offsets, entry)
     return out
 
 
 def lstm_scan_ref(chain: LSTMChain, x_last: Tensor, offsets: Tensor | None, chunk: int) -> Tensor:
     """``lstm_scan`` in plain PyTorch: ``bppsa_core.scan.chunked_scan``, the chunked twin."""
     return chunked_scan(chain, x_last, offsets, chunk=chunk)
+
+
+def lstm_layer_backward(
+    gates: Tensor, cells: Tensor, w_hh: Tensor, g_h: Tensor, g_c: Tensor, u: Tensor | None, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """One LSTM layer's backward in the kernels, its elements formed in them.
+
+    ``gates`` (T, B, 4, H): the activated gates i, f, g, o of steps 1..T (``LSTMCell.activations``);
+    ``cells`` (T + 1, B, H): c_0..c_T; ``w_hh`` (4H, H); ``g_h``, ``g_c`` (B, H): the gradients at h_T
+    and c_T; ``u`` (T, B, H) or None: the gradient reaching h_1..h_T from outside (its last row
+    already in ``g_h``). Returns g_0 = (dL/dh_0, dL/dc_0) (B, 2H) and the gates' pre-activation
+    gradients (T, B, 4H), shared by the input and hidden sides.
+    """
+    n, batch, _, h = gates.shape
+    hp = padded(h)
+    p = math.ceil(n / chunk)
+    g0 = gates.new_empty((batch, 2 * h))
+    delta = gates.new_empty((n, batch, 4 * h))
+    agg = gates.new_empty((max(p - 2, 1), batch, 2 * hp, 2 * hp))
+    agg_offsets = gates.new_empty((max(p - 2, 1), batch, 2 * hp))
+    entry = gates.new_empty((max(p - 1, 1), batch, 2 * h))
+    sources = (gates.contiguous(), cells.contiguous())
+    common = {
+        "src_ptrs": sources,
+        "w_ptr": w_hh.contiguous(),  # (4H, H): the four gates' (H, H) blocks, as ``_lstm_weights`` reads
+        "offsets_ptr": sources[0] if u is None else u.contiguous(),  # not read without u
+        "B": batch,
+        "H": h,
+    }
+    kernels = lstm_launch_config(False, u is not None, hp, fused=True)
+    walk = {"out_ptr": g0, "delta_ptr": delta}
+    three_launches(kernels, common, walk, torch.cat((g_h, g_c), -1), n, chunk, agg, agg_offsets, entry)
+    return g0, delta
+
+
+def lstm_layer_backward_ref(
+    gates: Tensor, cells: Tensor, w_hh: Tensor, g_h: Tensor, g_c: Tensor, u: Tensor | None, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """``lstm_layer_backward`` in plain PyTorch: the factors as ``LSTMCell`` forms them, the chain
+    scanned (``chunked_scan``), then the pre-activation gradients."""
+    cell = LSTMCell()
+    steps, batch, _, hidden = gates.shape
+    scales_h, scales_c = (gates.new_empty((steps, batch, 4, hidden)) for _ in range(2))
+    diag_hc, diag_cc = (gates.new_empty((steps, batch, hidden)) for _ in range(2))
+    cell._factors(gates.unbind(-2), cells[:-1], cells[1:], scales_h, scales_c, diag_hc, diag_cc)
+    factors = (scales_h, scales_c, diag_hc, diag_cc)
+    chain = LSTMChain(scales_h, scales_c, w_hh.reshape(4, hidden, hidden), diag_hc, diag_cc)
+    offsets = None if u is None else torch.cat((_shifted(u), torch.zeros_like(u)), -1)
+    g = chunked_scan(chain, torch.cat((g_h, g_c), -1), offsets, chunk=chunk)
+    return g[0], cell.preactivation_grads(g[1:], factors)[0]

@@ -172,6 +172,8 @@ def calls(n, b, chunk):
         "lstm H=32": lambda: ts.lstm_scan(
             LSTMChain(r(n, b, 4, 32), r(n, b, 4, 32), r(4, 32, 32), r(n, b, 32), r(n, b, 32)), r(b, 64), None,
             chunk),
+        "lstm layer H=20": lambda: ts.lstm_layer_backward(
+            r(n, b, 4, 20), r(n + 1, b, 20), r(80, 20), r(b, 20), r(b, 20), r(n, b, 20), chunk),
     }
 
 report = {}
@@ -211,7 +213,7 @@ def test_loop_bounds_are_not_compiled_in_and_the_test_compiles_what_a_launch_com
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
-    assert len(report) == 12  # 4 calls x (reduce, spine, expand)
+    assert len(report) == 15  # 5 calls x (reduce, spine, expand)
     for where, r in report.items():
         assert all(a != b for a, b in r["bounds"].values()), (where, r["bounds"])  # they did differ
         assert r["same_launch"] and r["same_jit_inputs"] and r["same_cubin"], where
