@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 from benchmarks.common import positive_int
 from bppsa_core.triton import chunk_scan
 from bppsa_core.triton.launch import Launch, padded
-from bppsa_core.triton.lstm import lstm_launch_config
+from bppsa_core.triton.lstm import CELL_STEPS, lstm_launch_config
 from toolbox.cli import OneLineParser, cpu_cores
 from toolbox.errors import SuiteError
 from toolbox.files import output_file, write_atomic
@@ -341,6 +341,8 @@ def iterations(role: str, length: int, chunk: int) -> list[int]:
     p = math.ceil(length / chunk)
     if role == "spine":
         return [length - (p - 1) * chunk, max(p - 2, 0)]
+    if role == "cells":  # an LSTM's cell states: tiles of CELL_STEPS steps
+        return [math.ceil(length / CELL_STEPS)]
     return [chunk]
 
 

@@ -53,7 +53,7 @@ from bppsa_core.jacobians import (
     reusing_buffers,
 )
 from bppsa_core.newton import SolverOptions, SolveStats
-from bppsa_core.scan import elementwise_recurrence, forward_scan, scan
+from bppsa_core.scan import forward_scan, scan
 
 log = logging.getLogger(__name__)
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
@@ -496,10 +496,9 @@ def _fused_layer(
     chunk = chunk or dispatch.default_chunk(steps)
 
     def kernels() -> tuple[Deltas, Callable[[], Tensor]]:
-        if lstm:  # the gates from their two GEMMs, the cell states from them, then the kernels
+        if lstm:  # the gates from their two GEMMs, the cell states from them, then the scan
             gates = cell.activations(x, h_prev.whole(), w)
-            i, f, g, _ = gates.unbind(-2)
-            cells = torch.cat((c0.unsqueeze(0), elementwise_recurrence(f, i * g, c0)))
+            cells = triton_kernels.lstm_cells(gates, c0)
             g0, delta = triton_kernels.lstm_layer_backward(gates, cells, w.w_hh, g_last, g_c_last, u, chunk)
             return (lambda t: (delta[t],) * 2), (lambda: g0)  # one object: the biases summed once
         if isinstance(cell, RNNCell):

@@ -15,7 +15,8 @@ Modules, one a job:
   or its transpose), and the fused layer backwards ``rnn_layer_backward`` and ``gru_layer_backward``,
   which build the Jacobians in the kernels;
 * ``lstm``: an LSTM's chain over (h, c): ``lstm_scan``, and the fused layer backward
-  ``lstm_layer_backward``, which forms the elements in the kernels from the gates and cell states;
+  ``lstm_layer_backward``, which forms the elements in the kernels from the gates and the cell
+  states (``lstm_cells``, a fourth launch);
 * ``launch``: each kernel's compile settings (``Launch``), the run-time loop bounds and the three
   launches. ``benchmarks.kernels`` lists every configuration the modules can launch and compiles it
   for sm_80 and sm_90 without a GPU.
@@ -45,6 +46,8 @@ from bppsa_core.triton.chunk_scan import (
 )
 from bppsa_core.triton.launch import Launch, padded
 from bppsa_core.triton.lstm import (
+    lstm_cells,
+    lstm_cells_ref,
     lstm_launch_config,
     lstm_layer_backward,
     lstm_layer_backward_ref,
@@ -65,6 +68,8 @@ __all__ = [
     "gru_layer_backward",
     "gru_layer_backward_ref",
     "launch_config",
+    "lstm_cells",
+    "lstm_cells_ref",
     "lstm_launch_config",
     "lstm_layer_backward",
     "lstm_layer_backward_ref",

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from bppsa_core.chain import LSTMChain
 from bppsa_core.jacobians import LSTMCell
-from bppsa_core.scan import chunked_scan
+from bppsa_core.scan import chunked_scan, elementwise_recurrence
 from bppsa_core.triton.chunk_scan import _shifted
 from bppsa_core.triton.launch import BY_DATA, Launch, padded, three_launches
 
@@ -286,7 +286,47 @@ def _lstm_expand(
         )
 
 
+@triton.jit
+def _linear_pair(a1, b1, a2, b2):
+    """x -> a1 x + b1, then x -> a2 x + b2, as one map: (a1 a2, b1 a2 + b2)."""
+    return a1 * a2, b1 * a2 + b2
+
+
+@triton.jit(do_not_specialize=BY_DATA)
+def _lstm_cells(
+    gates_ptr, c0_ptr, cells_ptr,  # pointers: the activated gates and c_0 read; c_0..c_T written
+    T, B, H,  # sizes: steps, batch, hidden
+    TB: tl.constexpr, HP: tl.constexpr,  # meta-parameters: steps a tile, padded H
+):  # fmt: skip
+    """Sample b's cell states c_t = f_t c_{t-1} + i_t g_t, t = 1..T, from c_0: tiles of TB steps,
+    each solved at once as a scan of affine maps (``tl.associative_scan``) and started from the
+    last state of the tile before, so the dependent chain is T / TB tiles of log TB steps."""
+    b = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, HP)
+    vec = r < H
+    steps = tl.arange(0, TB)
+    c = tl.load(c0_ptr + b * H + r, mask=vec, other=0.0)
+    tl.store(cells_ptr + b * H + r, c, mask=vec)
+    for t0 in range(0, T, TB):
+        t = (t0 + steps).to(tl.int64)
+        ok = (t < T)[:, None] & vec[None, :]
+        row = gates_ptr + (t[:, None] * B + b) * 4 * H + r[None, :]
+        i = tl.load(row, mask=ok, other=0.0)
+        f = tl.load(row + H, mask=ok, other=0.0)
+        g = tl.load(row + 2 * H, mask=ok, other=0.0)
+        prod, add = tl.associative_scan((f, i * g), 0, _linear_pair)
+        tile = prod * c[None, :] + add
+        tl.store(cells_ptr + ((t[:, None] + 1) * B + b) * H + r[None, :], tile, mask=ok)
+        last = tl.minimum(T - t0, TB) - 1
+        c = tl.sum(tl.where(steps[:, None] == last, tile, 0.0), axis=0)
+
+
 # ------------------------------------------------------------------------------------------- launch
+
+
+# Steps of a tile of ``_lstm_cells``: its dependent chain is T / CELL_STEPS tiles of log2(CELL_STEPS)
+# combines; a tile's gates (3 x CELL_STEPS x HP numbers) stay in registers.
+CELL_STEPS = 64
 
 
 def lstm_num_warps(hp: int) -> int:
@@ -301,11 +341,14 @@ def lstm_launch_config(has_hh: bool, has_b: bool, hp: int, fused: bool = False) 
     settings = {"HAS_HH": has_hh, "HAS_B": has_b, "FUSED": fused, "HP": hp}
     warps = lstm_num_warps(hp)
     sources = 2 if fused else 5 if has_hh else 4
-    return {  # the reduce unpipelined, as ``chunk_scan.launch_config``'s
+    launches = {  # the reduce unpipelined, as ``chunk_scan.launch_config``'s
         "reduce": Launch(_lstm_reduce, settings, warps, num_stages=1, sources=sources),
         "spine": Launch(_lstm_spine, settings, warps, sources=sources),
         "expand": Launch(_lstm_expand, settings, warps, sources=sources),
     }
+    if fused:  # the cell states first, from the gates
+        launches["cells"] = Launch(_lstm_cells, {"TB": CELL_STEPS, "HP": hp}, 4)
+    return launches
 
 
 # ------------------------------------------------------------------------------ entry point and ref
@@ -347,7 +390,8 @@ def lstm_scan_ref(chain: LSTMChain, x_last: Tensor, offsets: Tensor | None, chun
 def lstm_layer_backward(
     gates: Tensor, cells: Tensor, w_hh: Tensor, g_h: Tensor, g_c: Tensor, u: Tensor | None, chunk: int
 ) -> tuple[Tensor, Tensor]:
-    """One LSTM layer's backward in the kernels, its elements formed in them.
+    """One LSTM layer's backward in the kernels, its elements formed in them (``cells`` from
+    ``lstm_cells``).
 
     ``gates`` (T, B, 4, H): the activated gates i, f, g, o of steps 1..T (``LSTMCell.activations``);
     ``cells`` (T + 1, B, H): c_0..c_T; ``w_hh`` (4H, H); ``g_h``, ``g_c`` (B, H): the gradients at h_T
@@ -392,3 +436,27 @@ def lstm_layer_backward_ref(
     offsets = None if u is None else torch.cat((_shifted(u), torch.zeros_like(u)), -1)
     g = chunked_scan(chain, torch.cat((g_h, g_c), -1), offsets, chunk=chunk)
     return g[0], cell.preactivation_grads(g[1:], factors)[0]
+
+
+def lstm_cells(gates: Tensor, c0: Tensor) -> Tensor:
+    """An LSTM layer's cell states c_0..c_T (T + 1, B, H) from its activated gates (T, B, 4, H) and
+    c_0 (B, H): ``c_t = f_t c_{t-1} + i_t g_t`` (``_lstm_cells``, one program a sample)."""
+    steps, batch, _, hidden = gates.shape
+    cells = gates.new_empty((steps + 1, batch, hidden))
+    launch = lstm_launch_config(False, False, padded(hidden), fused=True)["cells"]
+    launch.run(
+        (batch,),
+        gates_ptr=gates.contiguous(),
+        c0_ptr=c0.contiguous(),
+        cells_ptr=cells,
+        T=steps,
+        B=batch,
+        H=hidden,
+    )
+    return cells
+
+
+def lstm_cells_ref(gates: Tensor, c0: Tensor) -> Tensor:
+    """``lstm_cells`` in plain PyTorch: ``scan.elementwise_recurrence``."""
+    i, f, g, _ = gates.unbind(-2)
+    return torch.cat((c0.unsqueeze(0), elementwise_recurrence(f, i * g, c0)))

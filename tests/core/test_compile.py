@@ -30,18 +30,10 @@ from benchmarks import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90)
-LOOPS = {"reduce": 1, "spine": 2, "expand": 1}  # the loops each kernel's source has
-KERNELS = {
-    mode: {f"_{p}{role}" for role in LOOPS}
-    for mode, p in (
-        ("SCALES", ""),
-        ("SCALES_T", ""),
-        ("TANH", ""),
-        ("RELU", ""),
-        ("GRU", ""),
-        ("LSTM", "lstm_"),
-    )
-}
+LOOPS = {"reduce": 1, "spine": 2, "expand": 1, "cells": 1}  # the loops each kernel's source has
+SCAN = ("reduce", "spine", "expand")
+KERNELS = {mode: {f"_{role}" for role in SCAN} for mode in ("SCALES", "SCALES_T", "TANH", "RELU", "GRU")}
+KERNELS["LSTM"] = {f"_lstm_{role}" for role in LOOPS}  # and its cell states' kernel
 
 
 def compiled_env() -> dict[str, str]:
@@ -174,6 +166,7 @@ def calls(n, b, chunk):
             chunk),
         "lstm layer H=20": lambda: ts.lstm_layer_backward(
             r(n, b, 4, 20), r(n + 1, b, 20), r(80, 20), r(b, 20), r(b, 20), r(n, b, 20), chunk),
+        "lstm cells H=20": lambda: ts.lstm_cells(r(n, b, 4, 20), r(b, 20)),
     }
 
 report = {}
@@ -184,7 +177,7 @@ for name, call in calls(1000, 3, 32).items():
     for (launch, args), (launch2, args2) in zip(first, second, strict=True):
         role = launch.kernel.__name__
         inputs = K.jit_inputs(launch, args, 90)
-        bounds = {k: (args[k], args2[k]) for k in ("C", "REM", "NAGG", "N", "B") if k in args}
+        bounds = {k: (args[k], args2[k]) for k in ("C", "REM", "NAGG", "N", "T", "B") if k in args}
         cubins = [
             triton.compile(triton.compiler.ASTSource(l.kernel, *K.jit_inputs(l, a, 90)),
                            target=triton.backends.compiler.GPUTarget("cuda", 90, 32),
@@ -213,7 +206,7 @@ def test_loop_bounds_are_not_compiled_in_and_the_test_compiles_what_a_launch_com
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
-    assert len(report) == 15  # 5 calls x (reduce, spine, expand)
+    assert len(report) == 16  # 5 calls x (reduce, spine, expand), and the cell states
     for where, r in report.items():
         assert all(a != b for a, b in r["bounds"].values()), (where, r["bounds"])  # they did differ
         assert r["same_launch"] and r["same_jit_inputs"] and r["same_cubin"], where
@@ -269,7 +262,7 @@ def test_launch_configs_cover_every_h_once_per_binary() -> None:
     assert len(keys) == len(set(keys))
     gru = [c for c in configs if c.mode == "GRU" and c.hidden == (48, 64)]
     assert {(c.role, c.affine, c.launch.num_warps) for c in gru} == {
-        (role, affine, 8) for role in LOOPS for affine in (False, True)
+        (role, affine, 8) for role in SCAN for affine in (False, True)
     }
 
 
