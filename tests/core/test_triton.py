@@ -303,6 +303,23 @@ def test_the_fused_lstm_backward_matches_its_reference(n, batch, hidden, chunk, 
         assert rel_err(twin, ref) < 1e-6 and rel_err(ref, value) < 1e-5
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "batch", "hidden", "chunk"), [(1000, 16, 20, 22), (1034, 64, 32, 23)])
+def test_the_fused_lstm_backward_and_its_cell_states_match_their_references_on_a_gpu(
+    n, batch, hidden, chunk
+) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    from bppsa_core import triton as ts
+
+    args, _ = fused_lstm_case(n, batch, hidden, chunk, True, torch.float32)
+    gates, cells, *rest = (a.cuda() for a in args)
+    assert rel_err(ts.lstm_cells_ref(gates, cells[0]), ts.lstm_cells(gates, cells[0])) < 1e-5
+    refs = ts.lstm_layer_backward_ref(gates, cells, *rest, chunk)
+    for ref, value in zip(refs, ts.lstm_layer_backward(gates, cells, *rest, chunk), strict=True):
+        assert rel_err(ref, value) < 1e-4
+
+
 @pytest.mark.parametrize(
     ("n", "batch", "hidden"), extended_except([(130, 2, 5), (1, 1, 3), (64, 3, 20), (7, 2, 32)], first=1)
 )
