@@ -154,6 +154,7 @@ def test_a_run_stopped_part_way_keeps_the_steps_it_finished(tmp_path, monkeypatc
     assert markdown_tables(text)[0][1] == [["1"]]
 
 
+@pytest.mark.extended  # compiles parallel builds of its own (seconds each); the dry run below runs it too
 def test_worker_scaling_times_both_methods_at_every_count() -> None:
     text = gpu_check.worker_scaling(dry=True, repeats=1, warmup=0)
     head, rows = markdown_tables(text)[0]

@@ -113,6 +113,7 @@ def test_property_any_shape_any_layout_any_strategy(
     )  # fmt: skip
 
 
+@pytest.mark.extended  # the Triton kernels' own tests run by default; these examples take seconds
 @settings(max_examples=12)  # Triton's interpreter runs every program in Python
 @given(
     kind=st.sampled_from(list(KINDS)),

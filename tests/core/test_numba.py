@@ -55,9 +55,7 @@ def _at_one_and_two_threads(monkeypatch, builds: tuple[str, str], run) -> list:
 
 def test_threads_change_nothing(monkeypatch) -> None:
     """Every task of a phase is independent, so 2 threads give the 1-thread result bit for bit, with
-    all three phases running (chunk 3 of 37 elements: reduce, spine and expand). float32: the
-    parallel build that the worker-scaling benchmark's test compiles too (a first compile costs
-    seconds)."""
+    all three phases running (chunk 3 of 37 elements: reduce, spine and expand)."""
     chain, x, b = chain_case(37, 3, 5, True, 3, F32)
     run = lambda: scan(chain, x, b, strategy="numba", chunk=3)  # noqa: E731
     one, two = _at_one_and_two_threads(monkeypatch, ("_scan_serial", "_scan_parallel"), run)
