@@ -58,9 +58,27 @@ def fused_rnn_case(
     g_last = torch.randn(batch, hidden, generator=g, dtype=dtype)
     u = torch.randn(n, batch, hidden, generator=g, dtype=dtype) if outside else None
     fp = 1 - h * h if nonlinearity == "tanh" else (h <= 0).logical_not().to(dtype)
-    offsets = None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))
-    x = chunked_scan(FactoredChain(fp.unsqueeze(2), w.unsqueeze(0)), g_last, offsets, chunk=chunk)
+    x = chunked_scan(FactoredChain(fp.unsqueeze(2), w.unsqueeze(0)), g_last, _shifted(u), chunk=chunk)
     return (h, w, g_last, u), (x[0], x[1:] * fp)
+
+
+def _gated_layer(
+    n: int, batch: int, hidden: int, gates: int, dtype: torch.dtype
+) -> tuple[torch.Generator, LayerWeights, torch.Tensor, torch.Tensor]:
+    """A fused GRU or LSTM case's generator, then its weights, inputs (2 features) and h_0..h_{T-1}
+    drawn from it."""
+    g = torch.Generator().manual_seed(n + hidden)
+    rows = gates * hidden
+    shapes = ((rows, 2), (rows, hidden), (rows,), (rows,))
+    w = LayerWeights(*(torch.randn(*s, generator=g, dtype=dtype) / hidden**0.5 for s in shapes))
+    x = torch.randn(n, batch, 2, generator=g, dtype=dtype)
+    h_prev = torch.rand(n, batch, hidden, generator=g, dtype=dtype) * 2 - 1
+    return g, w, x, h_prev
+
+
+def _shifted(u: torch.Tensor | None) -> torch.Tensor | None:
+    """A layer chain's offsets from the outside gradients: u_{k-1} at element k (none at 0)."""
+    return None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))
 
 
 def fused_gru_case(
@@ -68,17 +86,12 @@ def fused_gru_case(
 ) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The arguments (gi, gh, h_prev, w_hh, g_last, u) of a fused GRU layer backward, and the twin's
     g_0 and input- and hidden-side pre-activation gradients."""
-    g = torch.Generator().manual_seed(n + hidden)
     cell = GRUCell()
-    shapes = ((3 * hidden, 2), (3 * hidden, hidden), (3 * hidden,), (3 * hidden,))
-    w = LayerWeights(*(torch.randn(*s, generator=g, dtype=dtype) / hidden**0.5 for s in shapes))
-    x = torch.randn(n, batch, 2, generator=g, dtype=dtype)
-    h_prev = torch.rand(n, batch, hidden, generator=g, dtype=dtype) * 2 - 1
+    g, w, x, h_prev = _gated_layer(n, batch, hidden, 3, dtype)
     g_last = torch.randn(batch, hidden, generator=g, dtype=dtype)
     u = torch.randn(n, batch, hidden, generator=g, dtype=dtype) if outside else None
     factors = cell.factors(x, h_prev, h_prev, w)  # a GRU's factors do not read h
-    offsets = None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))
-    twin = chunked_scan(cell.chain(factors, w), g_last, offsets, chunk=chunk)
+    twin = chunked_scan(cell.chain(factors, w), g_last, _shifted(u), chunk=chunk)
     d_in, d_hid = cell.preactivation_grads(twin[1:].clone(), factors)
     gi, gh = cell.pre_activations(x, h_prev, w)
     return (gi, gh, h_prev, w.w_hh, g_last, u), (twin[0], d_in, d_hid)
@@ -89,18 +102,13 @@ def fused_lstm_case(
 ) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor]]:
     """The arguments (gates, cells, w_hh, g_h, g_c, u) of a fused LSTM layer backward, and the twin's
     g_0 and pre-activation gradients (``LSTMCell``'s factors from x and h_{t-1}, scanned)."""
-    g = torch.Generator().manual_seed(n + hidden)
     cell = LSTMCell()
-    shapes = ((4 * hidden, 2), (4 * hidden, hidden), (4 * hidden,), (4 * hidden,))
-    w = LayerWeights(*(torch.randn(*s, generator=g, dtype=dtype) / hidden**0.5 for s in shapes))
-    x = torch.randn(n, batch, 2, generator=g, dtype=dtype)
-    h_prev = torch.rand(n, batch, hidden, generator=g, dtype=dtype) * 2 - 1
+    g, w, x, h_prev = _gated_layer(n, batch, hidden, 4, dtype)
     c0 = torch.randn(batch, hidden, generator=g, dtype=dtype)
     g_h, g_c = (torch.randn(batch, hidden, generator=g, dtype=dtype) for _ in range(2))
     u = torch.randn(n, batch, hidden, generator=g, dtype=dtype) if outside else None
     factors = cell.factors(x, h_prev, h_prev, w, c0)  # an LSTM's factors do not read h
-    shifted = None if u is None else torch.cat((torch.zeros_like(u[:1]), u[:-1]))  # u_{t-1}: to h only
-    offsets = None if u is None else torch.cat((shifted, torch.zeros_like(u)), -1)
+    offsets = None if u is None else torch.cat((_shifted(u), torch.zeros_like(u)), -1)  # to h only
     twin = chunked_scan(cell.chain(factors, w), torch.cat((g_h, g_c), -1), offsets, chunk=chunk)
     delta = cell.preactivation_grads(twin[1:].clone(), factors)[0]
     gates = cell.activations(x, h_prev, w)
