@@ -347,8 +347,45 @@ def lstm_launch_config(has_hh: bool, has_b: bool, hp: int, fused: bool = False) 
         "expand": Launch(_lstm_expand, settings, warps, sources=sources),
     }
     if fused:  # the cell states first, from the gates
-        launches["cells"] = Launch(_lstm_cells, {"TB": CELL_STEPS, "HP": hp}, 4)
+        launches["cells"] = _cells_launch(hp)
     return launches
+
+
+def _cells_launch(hp: int) -> Launch:
+    """``_lstm_cells`` at ``hp`` = ``padded(H)``: tiles of CELL_STEPS steps, 4 warps."""
+    return Launch(_lstm_cells, {"TB": CELL_STEPS, "HP": hp}, 4)
+
+
+def _launch(
+    sources: tuple[Tensor, ...],
+    weights: Tensor,
+    x_last: Tensor,
+    offsets: Tensor | None,
+    chunk: int,
+    walk: dict[str, Tensor],
+    *,
+    has_hh: bool = False,
+    fused: bool = False,
+) -> None:
+    """The three launches of a chain of ``sources[0].shape[0]`` elements over (h, c), by keyword, as
+    ``chunk_scan._launch`` for the factored chains: ``weights`` the four gates' (H, H) blocks stacked,
+    x_last (B, 2H), ``walk`` the tensors the spine and the expand write (``out_ptr``, ``delta_ptr``)."""
+    n, (batch, two_h) = sources[0].shape[0], x_last.shape
+    h = two_h // 2
+    hp = padded(h)
+    p = math.ceil(n / chunk)
+    agg = x_last.new_empty((max(p - 2, 1), batch, 2 * hp, 2 * hp))  # padded: see ``_lstm_reduce``
+    agg_offsets = x_last.new_empty((max(p - 2, 1), batch, 2 * hp))
+    entry = x_last.new_empty((max(p - 1, 1), batch, 2 * h))
+    common = {
+        "src_ptrs": sources,
+        "w_ptr": weights.contiguous(),
+        "offsets_ptr": sources[0] if offsets is None else offsets.contiguous(),  # not read without offsets
+        "B": batch,
+        "H": h,
+    }
+    kernels = lstm_launch_config(has_hh, offsets is not None, hp, fused)
+    three_launches(kernels, common, walk, x_last, n, chunk, agg, agg_offsets, entry)
 
 
 # ------------------------------------------------------------------------------ entry point and ref
@@ -360,25 +397,12 @@ def lstm_scan(chain: LSTMChain, x_last: Tensor, offsets: Tensor | None, chunk: i
     ``chain``: scales_h, scales_c (n, B or 1, 4, H), weights (4, H, H), the diagonals (n, B or 1, H);
     x_last (B, 2H), offsets (n, B, 2H) or None. Returns x_0..x_n as (n + 1, B, 2H).
     """
-    n, h, batch = chain.length, chain.weights.shape[-1], x_last.shape[0]  # H: chain.hidden is 2H
-    p = math.ceil(n / chunk)
-    out = x_last.new_empty((n + 1, batch, 2 * h))
-    hp = padded(h)
-    agg = x_last.new_empty((max(p - 2, 1), batch, 2 * hp, 2 * hp))  # padded: see ``_lstm_reduce``
-    agg_offsets = x_last.new_empty((max(p - 2, 1), batch, 2 * hp))
-    entry = x_last.new_empty((max(p - 1, 1), batch, 2 * h))
+    n, batch = chain.length, x_last.shape[0]
+    out = x_last.new_empty((n + 1, batch, x_last.shape[1]))
     tensors = [chain.scales_h, chain.scales_c, chain.diag_hc, chain.diag_cc, chain.diag_hh]
     sources = tuple(t.expand(n, batch, *t.shape[2:]).contiguous() for t in tensors if t is not None)
-    common = {
-        "src_ptrs": sources,
-        "w_ptr": chain.weights.contiguous(),
-        "offsets_ptr": sources[0] if offsets is None else offsets.contiguous(),  # not read without offsets
-        "B": batch,
-        "H": h,
-    }
-    kernels = lstm_launch_config(chain.diag_hh is not None, offsets is not None, hp)
     walk = {"out_ptr": out, "delta_ptr": out}  # no deltas: not written
-    three_launches(kernels, common, walk, x_last, n, chunk, agg, agg_offsets, entry)
+    _launch(sources, chain.weights, x_last, offsets, chunk, walk, has_hh=chain.diag_hh is not None)
     return out
 
 
@@ -400,24 +424,11 @@ def lstm_layer_backward(
     gradients (T, B, 4H), shared by the input and hidden sides.
     """
     n, batch, _, h = gates.shape
-    hp = padded(h)
-    p = math.ceil(n / chunk)
     g0 = gates.new_empty((batch, 2 * h))
     delta = gates.new_empty((n, batch, 4 * h))
-    agg = gates.new_empty((max(p - 2, 1), batch, 2 * hp, 2 * hp))
-    agg_offsets = gates.new_empty((max(p - 2, 1), batch, 2 * hp))
-    entry = gates.new_empty((max(p - 1, 1), batch, 2 * h))
     sources = (gates.contiguous(), cells.contiguous())
-    common = {
-        "src_ptrs": sources,
-        "w_ptr": w_hh.contiguous(),  # (4H, H): the four gates' (H, H) blocks, as ``_lstm_weights`` reads
-        "offsets_ptr": sources[0] if u is None else u.contiguous(),  # not read without u
-        "B": batch,
-        "H": h,
-    }
-    kernels = lstm_launch_config(False, u is not None, hp, fused=True)
     walk = {"out_ptr": g0, "delta_ptr": delta}
-    three_launches(kernels, common, walk, torch.cat((g_h, g_c), -1), n, chunk, agg, agg_offsets, entry)
+    _launch(sources, w_hh, torch.cat((g_h, g_c), -1), u, chunk, walk, fused=True)  # w_hh: (4H, H) blocks
     return g0, delta
 
 
@@ -443,8 +454,7 @@ def lstm_cells(gates: Tensor, c0: Tensor) -> Tensor:
     c_0 (B, H): ``c_t = f_t c_{t-1} + i_t g_t`` (``_lstm_cells``, one program a sample)."""
     steps, batch, _, hidden = gates.shape
     cells = gates.new_empty((steps + 1, batch, hidden))
-    launch = lstm_launch_config(False, False, padded(hidden), fused=True)["cells"]
-    launch.run(
+    _cells_launch(padded(hidden)).run(
         (batch,),
         gates_ptr=gates.contiguous(),
         c0_ptr=c0.contiguous(),
