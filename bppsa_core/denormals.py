@@ -56,6 +56,7 @@ class _Runtime:
         self.gomp, self.libm, self.offset, self.bits = gomp, libm, offset, bits
         gomp.GOMP_parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
         self.fesetenv = ctypes.cast(libm.fesetenv, ctypes.c_void_p)
+        self._flushing: dict[bytes, ctypes.Array] = {}
 
     def get(self) -> ctypes.Array:
         """The calling thread's environment."""
@@ -73,7 +74,16 @@ class _Runtime:
             self.gomp.GOMP_parallel(self.fesetenv, ctypes.cast(env, ctypes.c_void_p), threads, 0)
 
     def flushing(self, env: ctypes.Array) -> ctypes.Array:
-        """A copy of ``env`` with the flush bits set."""
+        """A copy of ``env`` with the flush bits set, kept for the next call with the same
+        environment (every layer backward asks; a few kept, as the status bits may vary)."""
+        key = env.raw
+        if key not in self._flushing:
+            if len(self._flushing) >= 8:
+                self._flushing.clear()
+            self._flushing[key] = self._with_flush_bits(env)
+        return self._flushing[key]
+
+    def _with_flush_bits(self, env: ctypes.Array) -> ctypes.Array:
         out = ctypes.create_string_buffer(env.raw, _ENV_BYTES)
         word = int.from_bytes(out.raw[self.offset : self.offset + 4], "little") | self.bits
         ctypes.memmove(ctypes.addressof(out) + self.offset, word.to_bytes(4, "little"), 4)
@@ -121,7 +131,8 @@ def flush_denormals(device: torch.device | str = "cpu") -> Iterator[None]:
     """Run the block with subnormal floats flushed to zero in every thread, then restore the mode.
     A no-op on a GPU, inside another such block, and where ``available()`` is False."""
     runtime = _runtime()
-    if torch.device(device).type != "cpu" or runtime is None or getattr(_state, "active", False):
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind != "cpu" or runtime is None or getattr(_state, "active", False):
         yield
         return
     saved = runtime.get()

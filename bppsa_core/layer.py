@@ -129,9 +129,7 @@ def new_tape(
         return None
     if not dispatch.compiled_forward(strategy, config.mode, hidden, x, h0, c0, *weights, taped=True):
         return None
-    cells = c0.new_empty((steps + 1, batch, hidden))
-    cells[0] = c0
-    return LSTMTape(c0.new_empty((steps, batch, 4, hidden)), cells)
+    return LSTMTape(c0.new_empty((steps, batch, 4, hidden)), c0.new_empty((steps + 1, batch, hidden)))
 
 
 # ------------------------------------------------------------------------------------------- forward
@@ -474,7 +472,10 @@ def _fused_layer(
     steps, batch, hidden = h.shape
     lstm = isinstance(cell, LSTMCell)
     strategy, chunk = config.options.strategy, config.options.chunk
-    chosen, fits, compiled = _route(cell, strategy, h.shape, h.device, h.dtype, w.w_hh.dtype, g_last.dtype)
+    compiled = tape is not None  # the forward kept one only where this routes to the compiled LSTM
+    if not compiled:
+        dtypes = (h.dtype, w.w_hh.dtype, g_last.dtype)
+        chosen, fits, compiled = _route(cell, strategy, h.shape, h.device, *dtypes)
     if compiled:
         if lstm:
             from bppsa_core import numba_scan

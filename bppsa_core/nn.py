@@ -227,9 +227,9 @@ class _BPPSAMixin:
             inp = outs[0] if directions == 1 else torch.cat(outs, -1)
             if self.training and self.dropout > 0 and i < self.num_layers - 1:
                 inp = _dropout(inp, self.dropout, lengths, index)
-        h_n = torch.stack(hs)
-        self._stats = stats
-        return inp, ((h_n, torch.stack(cs)) if lstm else h_n)
+        self.__dict__["_stats"] = stats  # a plain attribute: no nn.Module.__setattr__ per call
+        h_n = _stacked(hs)
+        return inp, ((h_n, _stacked(cs)) if lstm else h_n)
 
     def _guess(self, k: int, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
         """With ``newton_guess="previous"``, layer-direction k's outputs of the last forward when
@@ -248,6 +248,11 @@ class _BPPSAMixin:
             if self.forward_solver != "native":
                 s += f", forward_solver={self.forward_solver!r}"
         return s
+
+
+def _stacked(states: list[Tensor]) -> Tensor:
+    """The layers' last states (layers * directions, B, H); one layer's as a view, not a copy."""
+    return states[0].unsqueeze(0) if len(states) == 1 else torch.stack(states)
 
 
 @functools.lru_cache(maxsize=256, typed=True)

@@ -113,13 +113,15 @@ def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
     """An LSTM's recurrence over a segment: xw (S, B, 4H) the projected inputs with both biases,
     w_t (H, 4H) = W_hh^T (rows i, f, g, o), h0 and c0 (B, H); writes the outputs and the last
     (h, c); otherwise as ``_rnn``. Its taped build (``_TAPED``) also writes the activated gates
-    (S, B, 4H) and the cell states into cells[1:] (S + 1, B, H), what the backward takes
+    (S, B, 4H) and the cell states c_0..c_S into cells (S + 1, B, H), what the backward takes
     (``layer.LSTMTape``); a build of its own, as a run-time flag in the loop slows both down."""
     seg, batch, rows = xw.shape
     hid = rows // 4
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
         h, c = h0[lo:hi].copy(), c0[lo:hi].copy()
+        if _TAPED:
+            put(cells[0, lo:hi], c)
         acc = np.empty((hi - lo, rows), h.dtype)
         for t in range(seg):
             _load(acc, xw, t, lo)
@@ -143,6 +145,9 @@ def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
 
 
 _KERNELS: dict[tuple[str, type, bool, bool], Callable] = {}
+_CELLS = {"GRU": "gru", "LSTM": "lstm"}  # the kernel of a mode; the RNN's otherwise
+# what an untaped LSTM build takes for its tape's arrays (never read)
+_UNUSED = {torch.float32: np.zeros((1, 1, 1), np.float32), torch.float64: np.zeros((1, 1, 1), np.float64)}
 
 
 def _kernel(cell: str, dtype: torch.dtype, parallel: bool, taped: bool = False) -> Callable:
@@ -170,44 +175,47 @@ def layer_forward(
     """One layer's forward: ``native_forward``'s results, written into ``out`` (T, B, H; any
     strides), the inputs' projection one GEMM per segment of at most ``segment`` steps (so that
     only a segment's of it exists). ``tape``: an LSTM's (gates (T, B, 4, H), cells (T + 1, B, H)),
-    contiguous, into which its activated gates and cell states c_1..c_T are written (cells[0] is
-    left to the caller). Returns (out, h_T, c_T), c_T None but for an LSTM."""
+    contiguous, into which its activated gates and cell states c_0..c_T are written. Returns
+    (out, h_T, c_T), c_T None but for an LSTM."""
     steps, batch = x.shape[:2]
     hidden = h0.shape[-1]
-    w_ih, w_hh, *biases = (t.detach() for t in weights)
+    w_ih, w_hh, *biases = [t.detach() for t in weights]
     rows = w_hh.shape[0]
     bias = biases[0] + biases[1] if biases else x.new_zeros(rows)
-    b_hn = biases[1][2 * hidden :] if biases else x.new_zeros(hidden)
-    if mode == "GRU" and biases:  # b_hn is applied inside r (W_hn h + b_hn)
-        bias[2 * hidden :] = biases[0][2 * hidden :]
+    cell = _CELLS.get(mode, "rnn")
+    if cell == "gru":  # b_hn is applied inside r (W_hn h + b_hn)
+        b_hn = biases[1][2 * hidden :] if biases else x.new_zeros(hidden)
+        if biases:
+            bias[2 * hidden :] = biases[0][2 * hidden :]
     w_t = w_hh.t().contiguous().numpy()
     n_threads = threads()
     groups = min(n_threads, batch)
-    cell = {"GRU": "gru", "LSTM": "lstm"}.get(mode, "rnn")
     kernel = _kernel(cell, x.dtype, n_threads > 1, tape is not None)
     # each segment reads the state its predecessor wrote: (h, c) in, fresh (h, c) out
     h = h0.detach().contiguous()
     c = None if c0 is None else c0.detach().contiguous()
     flat = x.detach().reshape(steps * batch, x.shape[-1])
     ends = None if lengths is None else lengths.to("cpu", torch.int64).numpy()
-    placeholder = np.zeros((1, 1, 1), np.float32 if x.dtype == torch.float32 else np.float64)
+    unused = _UNUSED[x.dtype]
+    whole = steps <= segment  # one segment: the tensors themselves, no slices (each costs its view)
     for s in range(0, steps, segment):
         e = min(steps, s + segment)
         seg = np.full(batch, e - s, np.int64) if ends is None else np.clip(ends - s, 0, e - s)
-        xw = torch.addmm(bias, flat[s * batch : e * batch], w_ih.t()).view(e - s, batch, rows).numpy()
+        xw = torch.addmm(bias, flat if whole else flat[s * batch : e * batch], w_ih.t())
         h_next = torch.empty_like(h)
-        args = (groups, xw, w_t, h.numpy(), seg, out[s:e].numpy(), h_next.numpy())
+        args = (groups, xw.view(e - s, batch, rows).numpy(), w_t, h.numpy(), seg)
+        outputs = ((out if whole else out[s:e]).numpy(), h_next.numpy())
         if cell == "rnn":
-            kernel(mode == "RNN_RELU", *args)
+            kernel(mode == "RNN_RELU", *args, *outputs)
         elif cell == "gru":
-            kernel(groups, xw, w_t, b_hn.numpy(), *args[3:])
+            kernel(*args[:3], b_hn.numpy(), *args[3:], *outputs)
         else:
             c_next = torch.empty_like(c)
-            kept = (placeholder, placeholder) if tape is None else (
-                tape[0][s:e].view(e - s, batch, rows).numpy(), tape[1][s : e + 1].numpy()
-            )  # fmt: skip
-            state = (h.numpy(), c.numpy(), seg, *args[5:], c_next.numpy())
-            kernel(groups, xw, w_t, *state, *kept)
+            kept = (unused, unused)
+            if tape is not None:
+                gates, cells = tape if whole else (tape[0][s:e], tape[1][s : e + 1])
+                kept = (gates.view(e - s, batch, rows).numpy(), cells.numpy())
+            kernel(*args[:4], c.numpy(), seg, *outputs, c_next.numpy(), *kept)
             c = c_next
         h = h_next
     return out, h, c

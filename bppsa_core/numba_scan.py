@@ -346,18 +346,28 @@ def lstm_layer_backward(
         c = cells
         delta = gates.new_empty((steps, batch, 4 * hidden))
     g0 = g_h.new_empty((batch, 2 * hidden))
-    scalar = np.float32 if g_h.dtype == torch.float32 else np.float64
+    one, tiny, unused = _LSTM_SCALARS[g_h.dtype]
     n_threads = threads()
     (_lstm_layer_parallel if n_threads > 1 else _lstm_layer_serial)(
         u is not None,
         cells is not None,
-        scalar(1.0),
-        scalar(torch.finfo(g_h.dtype).tiny if flush else 0.0),
+        one,
+        tiny if flush else one - one,
         min(n_threads, batch),
         *_arrays(gates.view(steps, batch, 4 * hidden), h),
         c.numpy(),
-        *_arrays(w_hh, g_h.new_zeros((1, 1, 1)) if u is None else u, g_h, g_c),
+        *_arrays(w_hh),
+        unused if u is None else _arrays(u)[0],
+        *_arrays(g_h, g_c),
         g0.numpy(),
         delta.numpy(),
     )
     return delta, g0
+
+
+# per dtype, what ``_lstm_layer`` takes: one and the flush threshold in that dtype (no step widens),
+# and an array for an absent ``u`` (never read)
+_LSTM_SCALARS = {
+    d: (t(1.0), t(torch.finfo(d).tiny), np.zeros((1, 1, 1), t))
+    for d, t in ((torch.float32, np.float32), (torch.float64, np.float64))
+}
