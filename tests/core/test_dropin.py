@@ -1,6 +1,7 @@
 """Drop-in beyond training: whole-model checkpoints under ``torch.load``'s default, checkpoints moved
-between ``torch.nn`` and ``bppsa_core``, ONNX export, and a real client: a word-level language model
-trained as PyTorch's own example trains one, step by step against ``torch.nn``."""
+between ``torch.nn`` and ``bppsa_core``, results changed in place, ONNX export, and a real client: a
+word-level language model trained as PyTorch's own example trains one, step by step against
+``torch.nn``."""
 
 from __future__ import annotations
 
@@ -75,6 +76,34 @@ def test_a_checkpoint_moves_between_torch_nn_and_bppsa_core_by_state_dict(kind) 
     x = torch.randn(6, 2, 3, dtype=F64)
     for a, b, c in zip(_grads(ref, x), _grads(ours, x), _grads(back, x), strict=True):
         assert rel_err(a, b) < 1e-10 and torch.equal(a, c)
+
+
+# ------------------------------------------------------------------------------ results in place
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("layers", [1, 2])
+def test_results_changed_in_place_get_torch_nns_gradients(kind, layers) -> None:
+    """The outputs and last states may be changed in place before the loss, as ``torch.nn``'s may
+    (the layers keep what their backward reads elsewhere; one layer's last states are a view of
+    its own result): the same gradients, float64."""
+    ref_cls, ours_cls = KINDS[kind]
+    torch.manual_seed(0)
+    ref = ref_cls(3, 5, num_layers=layers).double()
+    ours = ours_cls(3, 5, num_layers=layers).double()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(6, 2, 3, dtype=F64)
+    grads = []
+    for module in (ref, ours):
+        out, h_n = module(x)
+        states = h_n if isinstance(h_n, tuple) else (h_n,)
+        out.mul_(3)
+        for s in states:
+            s[-1].add_(1).mul_(2)
+        (out.sin().sum() + sum(s.pow(2).sum() for s in states)).backward()
+        grads.append([p.grad for p in module.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert rel_err(a, b) < 1e-10
 
 
 # ------------------------------------------------------------------------------------- ONNX export
