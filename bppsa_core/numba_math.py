@@ -1,5 +1,5 @@
-"""What the compiled CPU kernels (numba) share: vectorizable activations, the hidden-side product,
-the array copy, the builds and the threads they take.
+"""What the compiled CPU kernels (numba) share: vectorizable activations, the hidden-side product
+in vector registers, the array copy, the builds and the threads they take.
 
 A scalar libm ``tanh`` or ``exp`` costs more than a recurrent step's multiply-adds, and numba's LLVM
 has no vector math library, so the activations come from one ``expm1`` per dtype
@@ -24,7 +24,9 @@ from decimal import Decimal
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
 from numba import njit
+from numba.core import cgutils
 from numba.core import types as nbtypes
 from numba.extending import intrinsic
 
@@ -130,21 +132,133 @@ def _make_activations(dtype: type) -> tuple[Callable, Callable, Callable]:
 ACTIVATIONS = {np.float32: _make_activations(np.float32), np.float64: _make_activations(np.float64)}
 
 
+# Lanes of the hidden product's vectors: 256 bits, which AVX2 holds in a register and AVX-512
+# machines run at their width, by dtype.
+_LANES = {nbtypes.float32: 8, nbtypes.float64: 4}
+_LANES_MIN = max(_LANES.values())  # rows narrower than this take the plain loops (either dtype)
+
+
+def _product_tile(rows: int) -> Callable:
+    """An intrinsic ``tile(acc, h, w_t, b0)``: ``acc[b0:b0 + rows] += h[b0:b0 + rows] @ w_t`` for
+    C-contiguous acc (N, R), h (N, K) and w_t (K, R) with R at least ``_LANES``. Each block of
+    ``_LANES`` columns holds the ``rows`` rows' sums in registers while k runs (one load of w_t's
+    row serves every row), and every element adds its products one at a time, k ascending: the
+    same bits as a plain loop in that order, whatever the tile. The last block, where R is not a
+    multiple of the lanes, is the window of the last ``_LANES`` columns, made from the values
+    before this update and stored last (the columns it shares with the block before are the same
+    operations, so the same bits)."""
+
+    @intrinsic
+    def tile(typingctx, acc, h, w_t, b0):
+        arrays = (acc, h, w_t)
+        if not all(isinstance(a, nbtypes.Array) and a.ndim == 2 and a.layout == "C" for a in arrays):
+            return None
+        if acc.dtype not in _LANES or h.dtype != acc.dtype or w_t.dtype != acc.dtype:
+            return None
+        lanes = _LANES[acc.dtype]
+
+        def codegen(context, builder, signature, args):
+            typed = zip(signature.args[:3], args[:3], strict=True)
+            a, x, w = (context.make_array(t)(context, builder, v) for t, v in typed)
+            i64 = ir.IntType(64)
+            cols, inner = builder.extract_value(a.shape, 1), builder.extract_value(x.shape, 1)
+            vector = ir.VectorType(context.get_value_type(acc.dtype), lanes)
+            align = context.get_abi_alignment(context.get_value_type(acc.dtype))
+            first = context.cast(builder, args[3], signature.args[3], nbtypes.int64)
+
+            def row(data, i, width):
+                return builder.gep(data, [builder.mul(builder.add(first, ir.Constant(i64, i)), width)])
+
+            acc_rows = [row(a.data, i, cols) for i in range(rows)]
+            h_rows = [row(x.data, i, inner) for i in range(rows)]
+            # the sums of up to two blocks of columns at once: two independent chains per row
+            sums = [[cgutils.alloca_once(builder, vector) for _ in range(2)] for _ in range(rows)]
+            tails = [cgutils.alloca_once(builder, vector) for _ in range(rows)]
+            zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+
+            def at(base, j):
+                return builder.bitcast(builder.gep(base, [j]), vector.as_pointer())
+
+            def blocks(starts):
+                """sums[i][c] = row i's columns starts[c] .. + lanes, every k's product added in order."""
+                for i in range(rows):
+                    for c, j in enumerate(starts):
+                        builder.store(builder.load(at(acc_rows[i], j), align=align), sums[i][c])
+                with cgutils.for_range(builder, inner) as loop:
+                    k = loop.index
+                    w_row = builder.gep(w.data, [builder.mul(k, cols)])
+                    wk = [builder.load(at(w_row, j), align=align) for j in starts]
+                    for i in range(rows):
+                        hk = builder.insert_element(
+                            ir.Constant(vector, ir.Undefined), builder.load(builder.gep(h_rows[i], [k])),
+                            ir.Constant(ir.IntType(32), 0),
+                        )  # fmt: skip
+                        hk = builder.shuffle_vector(hk, hk, zeros)
+                        for c in range(len(starts)):
+                            total = builder.fadd(builder.load(sums[i][c]), builder.fmul(hk, wk[c]))
+                            builder.store(total, sums[i][c])
+
+            def store(starts):
+                for i in range(rows):
+                    for c, j in enumerate(starts):
+                        builder.store(builder.load(sums[i][c]), at(acc_rows[i], j), align=align)
+
+            width = ir.Constant(i64, lanes)
+            last = builder.sub(cols, width)
+            full = builder.udiv(cols, width)
+            ragged = builder.icmp_unsigned("!=", builder.urem(cols, width), ir.Constant(i64, 0))
+            with builder.if_then(ragged):
+                blocks([last])
+                for i in range(rows):
+                    builder.store(builder.load(sums[i][0]), tails[i])
+            with cgutils.for_range(builder, builder.udiv(full, ir.Constant(i64, 2))) as loop:
+                j = builder.mul(loop.index, ir.Constant(i64, 2 * lanes))
+                pair = [j, builder.add(j, width)]
+                blocks(pair)
+                store(pair)
+            with builder.if_then(builder.trunc(full, ir.IntType(1))):  # an odd block left
+                j = builder.mul(builder.sub(full, ir.Constant(i64, 1)), width)
+                blocks([j])
+                store([j])
+            with builder.if_then(ragged):
+                for i in range(rows):
+                    builder.store(builder.load(tails[i]), at(acc_rows[i], last), align=align)
+            return context.get_dummy_value()
+
+        return nbtypes.void(acc, h, w_t, b0), codegen
+
+    return tile
+
+
+_tile4, _tile1 = _product_tile(4), _product_tile(1)
+
+
 @njit(inline="always", error_model="numpy")
 def add_hidden(acc, h, w_t):
-    """acc (N, R) += h (N, K) @ w_t (K, R): per row of h, four rows of w_t at a time, so that each
-    pass over a row of R costs four multiply-adds an element (entering a loop over a short row
-    costs about as much as the row's work). The compiled forward's recurrence and the LSTM's walk."""
-    hid, cols = w_t.shape
-    k4 = hid - hid % 4
-    for b in range(h.shape[0]):
-        for k in range(0, k4, 4):
-            a0, a1, a2, a3 = h[b, k], h[b, k + 1], h[b, k + 2], h[b, k + 3]
-            for j in range(cols):
-                acc[b, j] += a0 * w_t[k, j] + a1 * w_t[k + 1, j] + a2 * w_t[k + 2, j] + a3 * w_t[k + 3, j]
-        for k in range(k4, hid):
+    """acc (N, R) += h (N, K) @ w_t (K, R), all C-contiguous: four rows at a time in vector
+    registers (``_product_tile``), each element's products added one at a time, k ascending, so
+    that the rows' grouping (the threads' groups of samples) changes no bit. Rows narrower than a
+    vector take the same order in plain loops. The compiled forward's recurrence and the LSTM's
+    walk; its plain twin is ``add_hidden_reference``."""
+    n, cols = acc.shape
+    if cols < _LANES_MIN:
+        add_hidden_reference(acc, h, w_t)
+        return
+    n4 = n - n % 4
+    for b0 in range(0, n4, 4):
+        _tile4(acc, h, w_t, b0)
+    for b in range(n4, n):
+        _tile1(acc, h, w_t, b)
+
+
+@njit(inline="always", error_model="numpy")
+def add_hidden_reference(acc, h, w_t):
+    """``add_hidden`` in plain loops, the same order: its twin in the tests, and its rows narrower
+    than a vector."""
+    for b in range(acc.shape[0]):
+        for k in range(h.shape[1]):
             hk = h[b, k]
-            for j in range(cols):
+            for j in range(acc.shape[1]):
                 acc[b, j] += hk * w_t[k, j]
 
 
@@ -158,9 +272,10 @@ def put(dst, src):
 
 
 # The builds' options, in their names: numba's on-disk cache keys a function by its name and source
-# file, not by its options, so a build made with other options is not loaded from an older cache.
+# file, not by its options or by the code it inlines from this module, so a build made with other
+# options or an older ``add_hidden`` is not loaded from an older cache (the tag changes with them).
 _OPTIONS = dict(cache=True, error_model="numpy", nogil=True)
-_OPTIONS_TAG = "ng"
+_OPTIONS_TAG = "ng2"
 
 
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:

@@ -89,6 +89,37 @@ def test_two_threads_give_the_one_thread_result_bit_for_bit(mode) -> None:
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype) -> None:
+    """``numba_math.add_hidden`` (rows in tiles of four and one, columns in vector blocks, a ragged
+    last block) against ``add_hidden_reference``: the same bits for rows of every count, columns
+    narrower than a vector, a multiple of it, one block more or less than a pair, and ragged, so
+    that the threads' groups of samples change nothing."""
+    import numba
+
+    @numba.njit(error_model="numpy")
+    def tiled(acc, h, w_t):
+        numba_math.add_hidden(acc, h, w_t)
+
+    @numba.njit(error_model="numpy")
+    def plain(acc, h, w_t):
+        numba_math.add_hidden_reference(acc, h, w_t)
+
+    rng = np.random.default_rng(0)
+    shapes = [
+        (16, 20, 80), (16, 80, 20), (5, 7, 9), (3, 3, 3), (1, 1, 8), (7, 4, 17), (6, 33, 64), (9, 5, 24),
+    ]  # fmt: skip
+    for rows, inner, cols in shapes:
+        draw = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
+        h, w_t, start = draw(rows, inner), draw(inner, cols), draw(rows, cols)
+        got, expected = start.copy(), start.copy()
+        tiled(got, h, w_t)
+        plain(expected, h, w_t)
+        np.testing.assert_array_equal(got, expected)
+        exact = start.astype(np.float64) + h.astype(np.float64) @ w_t.astype(np.float64)
+        np.testing.assert_allclose(got, exact, rtol=0, atol=inner * 8 * np.finfo(dtype).eps)
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_the_activations_are_accurate_to_a_few_ulps(dtype) -> None:
     """tanh, sigmoid and expm1 against float64 references (math's, or float128's where there is
