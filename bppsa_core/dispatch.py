@@ -173,7 +173,7 @@ def numba_takes(terms: int, *dtypes: torch.dtype, lstm: bool = False) -> bool:
 # spares its backward the gates' recomputation: forward and backward together win up to
 # _TAPED_LSTM_MAX_HIDDEN (re-measured by ``python -m benchmarks.backward --model lstm``, whose cells
 # charge a forward slower than torch.nn's).
-_COMPILED_FORWARD_MAX_HIDDEN = {"RNN_TANH": 256, "RNN_RELU": 256, "GRU": 128, "LSTM": 0}
+_COMPILED_FORWARD_MAX_HIDDEN = {"RNN_TANH": 256, "RNN_RELU": 256, "GRU": 256, "LSTM": 0}
 _TAPED_LSTM_MAX_HIDDEN = 128
 
 
