@@ -134,17 +134,44 @@ ACTIVATIONS = {np.float32: _make_activations(np.float32), np.float64: _make_acti
 
 # Lanes of the hidden product's vectors: 256 bits, which AVX2 holds in a register and AVX-512
 # machines run at their width, by dtype.
-_LANES = {nbtypes.float32: 8, nbtypes.float64: 4}
-_LANES_MIN = max(_LANES.values())  # rows narrower than this take the plain loops (either dtype)
+LANES = {nbtypes.float32: 8, nbtypes.float64: 4}
+LANES_MIN = max(LANES.values())  # rows narrower than this take the plain loops (either dtype)
+
+
+class Vectors:
+    """LLVM vectors of ``LANES[dtype]`` elements in an intrinsic's code: the vector type, a
+    pointer to the vector at element j of a row (``at``), its load and store (element-aligned),
+    and a scalar broadcast to every lane (``splat``)."""
+
+    def __init__(self, context, builder, dtype) -> None:
+        self.builder, self.lanes = builder, LANES[dtype]
+        element = context.get_value_type(dtype)
+        self.type = ir.VectorType(element, self.lanes)
+        self.align = context.get_abi_alignment(element)
+        self._zeros = ir.Constant(ir.VectorType(ir.IntType(32), self.lanes), [0] * self.lanes)
+
+    def at(self, base, j):
+        return self.builder.bitcast(self.builder.gep(base, [j]), self.type.as_pointer())
+
+    def load(self, base, j):
+        return self.builder.load(self.at(base, j), align=self.align)
+
+    def store(self, value, base, j) -> None:
+        self.builder.store(value, self.at(base, j), align=self.align)
+
+    def splat(self, scalar):
+        b = self.builder
+        v = b.insert_element(ir.Constant(self.type, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0))
+        return b.shuffle_vector(v, v, self._zeros)
 
 
 def _product_tile(rows: int) -> Callable:
     """An intrinsic ``tile(acc, h, w_t, b0)``: ``acc[b0:b0 + rows] += h[b0:b0 + rows] @ w_t`` for
-    C-contiguous acc (N, R), h (N, K) and w_t (K, R) with R at least ``_LANES``. Each block of
-    ``_LANES`` columns holds the ``rows`` rows' sums in registers while k runs (one load of w_t's
+    C-contiguous acc (N, R), h (N, K) and w_t (K, R) with R at least ``LANES``. Each block of
+    ``LANES`` columns holds the ``rows`` rows' sums in registers while k runs (one load of w_t's
     row serves every row), and every element adds its products one at a time, k ascending: the
     same bits as a plain loop in that order, whatever the tile. The last block, where R is not a
-    multiple of the lanes, is the window of the last ``_LANES`` columns, made from the values
+    multiple of the lanes, is the window of the last ``LANES`` columns, made from the values
     before this update and stored last (the columns it shares with the block before are the same
     operations, so the same bits)."""
 
@@ -153,17 +180,15 @@ def _product_tile(rows: int) -> Callable:
         arrays = (acc, h, w_t)
         if not all(isinstance(a, nbtypes.Array) and a.ndim == 2 and a.layout == "C" for a in arrays):
             return None
-        if acc.dtype not in _LANES or h.dtype != acc.dtype or w_t.dtype != acc.dtype:
+        if acc.dtype not in LANES or h.dtype != acc.dtype or w_t.dtype != acc.dtype:
             return None
-        lanes = _LANES[acc.dtype]
 
         def codegen(context, builder, signature, args):
             typed = zip(signature.args[:3], args[:3], strict=True)
             a, x, w = (context.make_array(t)(context, builder, v) for t, v in typed)
             i64 = ir.IntType(64)
             cols, inner = builder.extract_value(a.shape, 1), builder.extract_value(x.shape, 1)
-            vector = ir.VectorType(context.get_value_type(acc.dtype), lanes)
-            align = context.get_abi_alignment(context.get_value_type(acc.dtype))
+            v = Vectors(context, builder, acc.dtype)
             first = context.cast(builder, args[3], signature.args[3], nbtypes.int64)
 
             def row(data, i, width):
@@ -172,28 +197,20 @@ def _product_tile(rows: int) -> Callable:
             acc_rows = [row(a.data, i, cols) for i in range(rows)]
             h_rows = [row(x.data, i, inner) for i in range(rows)]
             # the sums of up to two blocks of columns at once: two independent chains per row
-            sums = [[cgutils.alloca_once(builder, vector) for _ in range(2)] for _ in range(rows)]
-            tails = [cgutils.alloca_once(builder, vector) for _ in range(rows)]
-            zeros = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
-
-            def at(base, j):
-                return builder.bitcast(builder.gep(base, [j]), vector.as_pointer())
+            sums = [[cgutils.alloca_once(builder, v.type) for _ in range(2)] for _ in range(rows)]
+            tails = [cgutils.alloca_once(builder, v.type) for _ in range(rows)]
 
             def blocks(starts):
                 """sums[i][c] = row i's columns starts[c] .. + lanes, every k's product added in order."""
                 for i in range(rows):
                     for c, j in enumerate(starts):
-                        builder.store(builder.load(at(acc_rows[i], j), align=align), sums[i][c])
+                        builder.store(v.load(acc_rows[i], j), sums[i][c])
                 with cgutils.for_range(builder, inner) as loop:
                     k = loop.index
                     w_row = builder.gep(w.data, [builder.mul(k, cols)])
-                    wk = [builder.load(at(w_row, j), align=align) for j in starts]
+                    wk = [v.load(w_row, j) for j in starts]
                     for i in range(rows):
-                        hk = builder.insert_element(
-                            ir.Constant(vector, ir.Undefined), builder.load(builder.gep(h_rows[i], [k])),
-                            ir.Constant(ir.IntType(32), 0),
-                        )  # fmt: skip
-                        hk = builder.shuffle_vector(hk, hk, zeros)
+                        hk = v.splat(builder.load(builder.gep(h_rows[i], [k])))
                         for c in range(len(starts)):
                             total = builder.fadd(builder.load(sums[i][c]), builder.fmul(hk, wk[c]))
                             builder.store(total, sums[i][c])
@@ -201,9 +218,9 @@ def _product_tile(rows: int) -> Callable:
             def store(starts):
                 for i in range(rows):
                     for c, j in enumerate(starts):
-                        builder.store(builder.load(sums[i][c]), at(acc_rows[i], j), align=align)
+                        v.store(builder.load(sums[i][c]), acc_rows[i], j)
 
-            width = ir.Constant(i64, lanes)
+            width = ir.Constant(i64, v.lanes)
             last = builder.sub(cols, width)
             full = builder.udiv(cols, width)
             ragged = builder.icmp_unsigned("!=", builder.urem(cols, width), ir.Constant(i64, 0))
@@ -212,7 +229,7 @@ def _product_tile(rows: int) -> Callable:
                 for i in range(rows):
                     builder.store(builder.load(sums[i][0]), tails[i])
             with cgutils.for_range(builder, builder.udiv(full, ir.Constant(i64, 2))) as loop:
-                j = builder.mul(loop.index, ir.Constant(i64, 2 * lanes))
+                j = builder.mul(loop.index, ir.Constant(i64, 2 * v.lanes))
                 pair = [j, builder.add(j, width)]
                 blocks(pair)
                 store(pair)
@@ -222,7 +239,7 @@ def _product_tile(rows: int) -> Callable:
                 store([j])
             with builder.if_then(ragged):
                 for i in range(rows):
-                    builder.store(builder.load(tails[i]), at(acc_rows[i], last), align=align)
+                    v.store(builder.load(tails[i]), acc_rows[i], last)
             return context.get_dummy_value()
 
         return nbtypes.void(acc, h, w_t, b0), codegen
@@ -241,7 +258,7 @@ def add_hidden(acc, h, w_t):
     vector take the same order in plain loops. The compiled forward's recurrence and the LSTM's
     walk; its plain twin is ``add_hidden_reference``."""
     n, cols = acc.shape
-    if cols < _LANES_MIN:
+    if cols < LANES_MIN:
         add_hidden_reference(acc, h, w_t)
         return
     n4 = n - n % 4

@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 from torch import Tensor
 
 from bppsa_core import dispatch
 from bppsa_core.chain import LSTMChain
-from bppsa_core.numba_math import add_hidden, build, put, threads
+from bppsa_core.numba_math import LANES, LANES_MIN, Vectors, add_hidden, build, put, threads
 
 
 @njit(cache=True, inline="always")
@@ -178,6 +181,85 @@ def _lstm_scan(has_hh, has_b, tiny, scales_h, scales_c, w, diag_hc, diag_cc, dia
         _lstm_walk(has_hh, has_b, tiny, b, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out)
 
 
+@intrinsic
+def _lstm_row(typingctx, gates, h, c, d, dh, dc, t, b, i, one, tiny):
+    """Row i of the group's gate gradients d (nb, 4H) and its next dc (nb, H) at step t, sample b,
+    from dh and dc (nb, H): ``_lstm_layer``'s loop over a gate's H units in vectors of ``LANES``
+    (H at least that), the same operations in the same order on every lane, so the same bits. A
+    ragged last block is the window of the last lanes, made from the values before the row and
+    stored last (as ``numba_math.add_hidden``'s)."""
+    arrays = (gates, h, c, d, dh, dc)
+    if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == d.dtype for a in arrays):
+        return None
+    if d.dtype not in LANES:
+        return None
+
+    def codegen(context, builder, signature, args):
+        typed = zip(signature.args[:6], args[:6], strict=True)
+        gs, hs, cs, ds, dhs, dcs = (context.make_array(t)(context, builder, v) for t, v in typed)
+        i64 = ir.IntType(64)
+        step, sample, row = (
+            context.cast(builder, v, t, types.int64)
+            for v, t in zip(args[6:9], signature.args[6:9], strict=True)
+        )
+        v = Vectors(context, builder, d.dtype)
+        one_v, tiny_v = (
+            v.splat(context.cast(builder, a, t, d.dtype))
+            for a, t in zip(args[9:], signature.args[9:], strict=True)
+        )
+        zero = ir.Constant(v.type, None)
+        hid = builder.extract_value(dhs.shape, 1)
+        at_step = builder.add(builder.mul(step, builder.extract_value(hs.shape, 1)), sample)  # (t, b)
+        gate_row = builder.gep(gs.data, [builder.mul(at_step, builder.mul(hid, ir.Constant(i64, 4)))])
+        h_row, c_row = (builder.gep(a.data, [builder.mul(at_step, hid)]) for a in (hs, cs))
+        d_row = builder.gep(ds.data, [builder.mul(row, builder.mul(hid, ir.Constant(i64, 4)))])
+        dh_row, dc_row = (builder.gep(a.data, [builder.mul(row, hid)]) for a in (dhs, dcs))
+
+        def gate(k, j):
+            return builder.add(builder.mul(hid, ir.Constant(i64, k)), j)
+
+        def grads(j):
+            """The lanes j .. j + lanes: (d_i, d_f, d_g, d_o) and the next dc, as the scalar loop."""
+            ig, f, g, o = (v.load(gate_row, gate(k, j)) for k in range(4))
+            hv, cv, dh, dc = v.load(h_row, j), v.load(c_row, j), v.load(dh_row, j), v.load(dc_row, j)
+            fmul, fsub = builder.fmul, builder.fsub
+            tj = builder.select(builder.fcmp_unordered("!=", o, zero), builder.fdiv(hv, o), zero)
+            dcj = builder.fadd(dc, fmul(fmul(dh, o), fsub(one_v, fmul(tj, tj))))
+            d_i = fmul(fmul(fmul(dcj, g), ig), fsub(one_v, ig))
+            d_f = fmul(fmul(fmul(dcj, cv), f), fsub(one_v, f))
+            d_g = fmul(fmul(dcj, ig), fsub(one_v, fmul(g, g)))
+            d_o = fmul(fmul(fmul(dh, tj), o), fsub(one_v, o))
+            nc = fmul(dcj, f)  # |nc| >= tiny, NaN failing it, as abs(nc) >= tiny
+            big = builder.or_(
+                builder.fcmp_ordered(">=", nc, tiny_v), builder.fcmp_ordered("<=", nc, builder.fneg(tiny_v))
+            )
+            return [d_i, d_f, d_g, d_o, builder.select(big, nc, zero)]
+
+        def put_row(j, values):
+            for k in range(4):
+                v.store(values[k], d_row, gate(k, j))
+            v.store(values[4], dc_row, j)
+
+        width = ir.Constant(i64, v.lanes)
+        last = builder.sub(hid, width)
+        ragged = builder.icmp_unsigned("!=", builder.urem(hid, width), ir.Constant(i64, 0))
+        held = [cgutils.alloca_once(builder, v.type) for _ in range(5)]
+        with builder.if_then(ragged):
+            for slot, value in zip(held, grads(last), strict=True):
+                builder.store(value, slot)
+        with cgutils.for_range(builder, builder.udiv(hid, width)) as loop:
+            j = builder.mul(loop.index, width)
+            put_row(j, grads(j))
+        with builder.if_then(ragged):
+            put_row(last, [builder.load(slot) for slot in held])
+        return context.get_dummy_value()
+
+    return types.void(gates, h, c, d, dh, dc, t, b, i, one, tiny), codegen
+
+
+_SCALAR_ROWS = False  # a build with it set keeps the scalar loop at every H (the tests' twin)
+
+
 def _lstm_layer(has_u, has_c, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c, g0, delta):
     """An LSTM layer's backward, each group of samples a task, from the activated gates (T, B, 4H;
     rows i, f, g, o), its outputs h_1..h_T (T, B, H) and c (T + 1, B, H) holding c_0 in its first
@@ -210,17 +292,20 @@ def _lstm_layer(has_u, has_c, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c,
         for t in range(steps - 1, -1, -1):
             for i in range(nb):
                 b = lo + i
-                for j in range(hid):
-                    ig, f = gates[t, b, j], gates[t, b, hid + j]
-                    g, o = gates[t, b, 2 * hid + j], gates[t, b, 3 * hid + j]
-                    tj = h[t, b, j] / o if o != zero else zero
-                    dcj = dc[i, j] + dh[i, j] * o * (one - tj * tj)
-                    d[i, j] = dcj * g * ig * (one - ig)
-                    d[i, hid + j] = dcj * c[t, b, j] * f * (one - f)
-                    d[i, 2 * hid + j] = dcj * ig * (one - g * g)
-                    d[i, 3 * hid + j] = dh[i, j] * tj * o * (one - o)
-                    nc = dcj * f
-                    dc[i, j] = nc if abs(nc) >= tiny else zero
+                if hid >= LANES_MIN and not _SCALAR_ROWS:  # the same loop in vectors
+                    _lstm_row(gates, h, c, d, dh, dc, t, b, i, one, tiny)
+                else:
+                    for j in range(hid):
+                        ig, f = gates[t, b, j], gates[t, b, hid + j]
+                        g, o = gates[t, b, 2 * hid + j], gates[t, b, 3 * hid + j]
+                        tj = h[t, b, j] / o if o != zero else zero
+                        dcj = dc[i, j] + dh[i, j] * o * (one - tj * tj)
+                        d[i, j] = dcj * g * ig * (one - ig)
+                        d[i, hid + j] = dcj * c[t, b, j] * f * (one - f)
+                        d[i, 2 * hid + j] = dcj * ig * (one - g * g)
+                        d[i, 3 * hid + j] = dh[i, j] * tj * o * (one - o)
+                        nc = dcj * f
+                        dc[i, j] = nc if abs(nc) >= tiny else zero
                 for r in range(rows):
                     delta[t, b, r] = d[i, r]
             inject = has_u and t > 0

@@ -9,7 +9,7 @@ from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case
 
 pytest.importorskip("numba")
 
-from bppsa_core import dispatch, jacobians, numba_scan
+from bppsa_core import dispatch, jacobians, numba_math, numba_scan
 from bppsa_core import layer as layer_mod
 from bppsa_core import nn as bnn
 from bppsa_core.chain import DenseChain, FactoredChain, LSTMChain
@@ -60,6 +60,34 @@ def test_threads_change_nothing(monkeypatch) -> None:
     run = lambda: scan(chain, x, b, strategy="numba", chunk=3)  # noqa: E731
     one, two = _at_one_and_two_threads(monkeypatch, ("_scan_serial", "_scan_parallel"), run)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_an_lstm_walks_rows_in_vectors_as_its_scalar_loop(dtype) -> None:
+    """The fused LSTM backward's gate gradients in vectors (``numba_scan._lstm_row``) against the
+    same kernel built with its scalar loop at every H: the same bits, for H a multiple of the
+    vector, ragged, and wider than two vectors, with an output gate of 0 and flushed dc."""
+    scalar = numba_math.build(numba_scan._lstm_layer, False, scalar_rows=True)
+    for steps, batch, hidden in [(7, 3, 16), (6, 5, 9), (5, 2, 20)]:
+        gates = torch.rand(steps, batch, 4, hidden, dtype=dtype)
+        gates[2, 1, 3, 4] = 0  # o = 0: tanh(c) taken as 0
+        h, c = (
+            torch.rand(steps, batch, hidden, dtype=dtype),
+            torch.randn(steps + 1, batch, hidden, dtype=dtype),
+        )
+        w_hh, u = torch.randn(4 * hidden, hidden, dtype=dtype), torch.randn(steps, batch, hidden, dtype=dtype)
+        g_h, g_c = torch.randn(batch, hidden, dtype=dtype), torch.randn(batch, hidden, dtype=dtype) * 1e-38
+        results = []
+        for kernel in (numba_scan._lstm_layer_serial, scalar):
+            g0, delta = (
+                torch.empty(batch, 2 * hidden, dtype=dtype),
+                torch.empty(steps, batch, 4 * hidden, dtype=dtype),
+            )
+            one, tiny, _ = numba_scan._LSTM_SCALARS[dtype]
+            arrays = [t.numpy() for t in (gates.view(steps, batch, -1), h, c, w_hh, u, g_h, g_c, g0, delta)]
+            kernel(True, True, one, tiny, 1, *arrays)
+            results.append((g0, delta))
+        assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 @pytest.mark.extended  # a serial float64 build of its own to compile
