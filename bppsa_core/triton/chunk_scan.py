@@ -32,8 +32,6 @@ warps instead of 4, which keeps them at 48 registers a thread).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -418,11 +416,7 @@ def _launch(
     first = sources[0]
     n, (batch, h) = first.shape[0], x_last.shape
     terms = weights.numel() // (h * h)
-    hp = padded(h)
-    p = math.ceil(n / chunk)
-    agg = first.new_empty((max(p - 2, 1), batch, hp, hp))  # HP x HP: see ``_reduce``
-    agg_offsets = first.new_empty((max(p - 2, 1), batch, hp))  # every row read is written by _reduce
-    entry = first.new_empty((max(p - 1, 1), batch, h))
+    hp = padded(h)  # the aggregates HP x HP: see ``_reduce``
     common = {
         "src_ptrs": sources,
         "w_ptr": weights.contiguous(),
@@ -434,7 +428,7 @@ def _launch(
     }
     walk = {"out_ptr": out, "delta_ptr": out if delta is None else delta}  # delta not read unless fused
     kernels = launch_config(mode.value, terms, has_diag, offsets is not None, shift, delta is not None, hp)
-    three_launches(kernels, common, walk, x_last, n, chunk, agg, agg_offsets, entry)
+    three_launches(kernels, common, walk, x_last, n, chunk, hp)
 
 
 # ------------------------------------------------------------------------------ entry points and refs

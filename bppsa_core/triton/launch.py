@@ -66,15 +66,18 @@ def three_launches(
     x_last: Tensor,
     n: int,
     chunk: int,
-    agg: Tensor,
-    agg_offsets: Tensor,
-    entry: Tensor,
+    held: int,
 ) -> None:
     """Reduce (chunks 1..P-2), spine and expand (chunks 0..P-2) of a chain of n elements: ``common``
     the arguments all three take, ``walk`` the outputs the spine and the expand write. A chain of a
-    single chunk takes the spine alone."""
-    batch = x_last.shape[0]
+    single chunk takes the spine alone. Their scratch is made here: the chunks' aggregates as the
+    programs hold them, ``held`` x ``held`` (the state padded) with their offsets, and each chunk's
+    entry state, of x_last's width (B, S)."""
+    batch, width = x_last.shape
     p = math.ceil(n / chunk)
+    agg = x_last.new_empty((max(p - 2, 1), batch, held, held))
+    agg_offsets = x_last.new_empty((max(p - 2, 1), batch, held))  # every row read is written by reduce
+    entry = x_last.new_empty((max(p - 1, 1), batch, width))
     if p > 2:
         kernels["reduce"].run((p - 2, batch), **common, agg_ptr=agg, agg_offsets_ptr=agg_offsets, C=chunk)
     kernels["spine"].run(

@@ -16,8 +16,6 @@ g_0 and the gates' pre-activation gradients, as ``chunk_scan``'s fused RNN and G
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -372,11 +370,7 @@ def _launch(
     x_last (B, 2H), ``walk`` the tensors the spine and the expand write (``out_ptr``, ``delta_ptr``)."""
     n, (batch, two_h) = sources[0].shape[0], x_last.shape
     h = two_h // 2
-    hp = padded(h)
-    p = math.ceil(n / chunk)
-    agg = x_last.new_empty((max(p - 2, 1), batch, 2 * hp, 2 * hp))  # padded: see ``_lstm_reduce``
-    agg_offsets = x_last.new_empty((max(p - 2, 1), batch, 2 * hp))
-    entry = x_last.new_empty((max(p - 1, 1), batch, 2 * h))
+    hp = padded(h)  # the aggregates 2HP x 2HP: see ``_lstm_reduce``
     common = {
         "src_ptrs": sources,
         "w_ptr": weights.contiguous(),
@@ -385,7 +379,7 @@ def _launch(
         "H": h,
     }
     kernels = lstm_launch_config(has_hh, offsets is not None, hp, fused)
-    three_launches(kernels, common, walk, x_last, n, chunk, agg, agg_offsets, entry)
+    three_launches(kernels, common, walk, x_last, n, chunk, 2 * hp)
 
 
 # ------------------------------------------------------------------------------ entry point and ref
