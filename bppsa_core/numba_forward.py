@@ -29,7 +29,7 @@ import torch
 from numba import njit, prange
 from torch import Tensor
 
-from bppsa_core.numba_math import ACTIVATIONS, add_hidden, build, put, threads
+from bppsa_core.numba_math import ACTIVATIONS, UNUSED, add_hidden, build, put, threads
 
 # The kernels' activations: float64's here, each dtype's in its build (``numba_math.build``); the
 # LSTM's untaped build, whose taped one (``_kernel``) sets _TAPED.
@@ -146,8 +146,6 @@ def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
 
 _KERNELS: dict[tuple[str, type, bool, bool], Callable] = {}
 _CELLS = {"GRU": "gru", "LSTM": "lstm"}  # the kernel of a mode; the RNN's otherwise
-# what an untaped LSTM build takes for its tape's arrays (never read)
-_UNUSED = {torch.float32: np.zeros((1, 1, 1), np.float32), torch.float64: np.zeros((1, 1, 1), np.float64)}
 
 
 def _kernel(cell: str, dtype: torch.dtype, parallel: bool, taped: bool = False) -> Callable:
@@ -196,7 +194,6 @@ def layer_forward(
     c = None if c0 is None else c0.detach().contiguous()
     flat = x.detach().reshape(steps * batch, x.shape[-1])
     ends = None if lengths is None else lengths.to("cpu", torch.int64).numpy()
-    unused = _UNUSED[x.dtype]
     whole = steps <= segment  # one segment: the tensors themselves, no slices (each costs its view)
     for s in range(0, steps, segment):
         e = min(steps, s + segment)
@@ -211,7 +208,7 @@ def layer_forward(
             kernel(*args[:3], b_hn.numpy(), *args[3:], *outputs)
         else:
             c_next = torch.empty_like(c)
-            kept = (unused, unused)
+            kept = (UNUSED[x.dtype],) * 2
             if tape is not None:
                 gates, cells = tape if whole else (tape[0][s:e], tape[1][s : e + 1])
                 kept = (gates.view(e - s, batch, rows).numpy(), cells.numpy())

@@ -279,6 +279,11 @@ def add_hidden_reference(acc, h, w_t):
                 acc[b, j] += hk * w_t[k, j]
 
 
+# per dtype, an array the kernels take in place of an absent one (an untaped build's tape, a walk
+# without outside gradients): never read
+UNUSED = {torch.float32: np.zeros((1, 1, 1), np.float32), torch.float64: np.zeros((1, 1, 1), np.float64)}
+
+
 @njit(inline="always", error_model="numpy")
 def put(dst, src):
     """dst[...] = src, element by element (any number of dimensions, one shape). Numba's array

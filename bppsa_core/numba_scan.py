@@ -40,7 +40,7 @@ from torch import Tensor
 
 from bppsa_core import dispatch
 from bppsa_core.chain import LSTMChain
-from bppsa_core.numba_math import LANES, LANES_MIN, Vectors, add_hidden, build, put, threads
+from bppsa_core.numba_math import LANES, LANES_MIN, UNUSED, Vectors, add_hidden, build, put, threads
 
 
 @njit(cache=True, inline="always")
@@ -431,7 +431,7 @@ def lstm_layer_backward(
         c = cells
         delta = gates.new_empty((steps, batch, 4 * hidden))
     g0 = g_h.new_empty((batch, 2 * hidden))
-    one, tiny, unused = _LSTM_SCALARS[g_h.dtype]
+    one, tiny = _LSTM_SCALARS[g_h.dtype]
     n_threads = threads()
     (_lstm_layer_parallel if n_threads > 1 else _lstm_layer_serial)(
         u is not None,
@@ -442,7 +442,7 @@ def lstm_layer_backward(
         *_arrays(gates.view(steps, batch, 4 * hidden), h),
         c.numpy(),
         *_arrays(w_hh),
-        unused if u is None else _arrays(u)[0],
+        UNUSED[g_h.dtype] if u is None else _arrays(u)[0],
         *_arrays(g_h, g_c),
         g0.numpy(),
         delta.numpy(),
@@ -450,9 +450,8 @@ def lstm_layer_backward(
     return delta, g0
 
 
-# per dtype, what ``_lstm_layer`` takes: one and the flush threshold in that dtype (no step widens),
-# and an array for an absent ``u`` (never read)
+# per dtype, the scalars ``_lstm_layer`` takes: one and the flush threshold in that dtype (no step
+# widens)
 _LSTM_SCALARS = {
-    d: (t(1.0), t(torch.finfo(d).tiny), np.zeros((1, 1, 1), t))
-    for d, t in ((torch.float32, np.float32), (torch.float64, np.float64))
+    d: (t(1.0), t(torch.finfo(d).tiny)) for d, t in ((torch.float32, np.float32), (torch.float64, np.float64))
 }

@@ -83,7 +83,7 @@ def test_an_lstm_walks_rows_in_vectors_as_its_scalar_loop(dtype) -> None:
                 torch.empty(batch, 2 * hidden, dtype=dtype),
                 torch.empty(steps, batch, 4 * hidden, dtype=dtype),
             )
-            one, tiny, _ = numba_scan._LSTM_SCALARS[dtype]
+            one, tiny = numba_scan._LSTM_SCALARS[dtype]
             arrays = [t.numpy() for t in (gates.view(steps, batch, -1), h, c, w_hh, u, g_h, g_c, g0, delta)]
             kernel(True, True, one, tiny, 1, *arrays)
             results.append((g0, delta))
