@@ -375,17 +375,21 @@ def bppsa_backward(
     grad_cn: Tensor | None,
     need_input: bool = True,
     tape: LSTMTape | None = None,
-) -> tuple[Tensor | None, Tensor, Tensor | None, list[Tensor]]:
+    need_state: bool = True,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, list[Tensor]]:
     """The gradients of x, h0, c0 and the weights of one layer, from those of its outputs, its
     last h and (an LSTM) its last c, by scanning its Jacobian chain from the end; ``tape``: what
-    the layer's compiled forward kept (``new_tape``), or None."""
+    the layer's compiled forward kept (``new_tape``), or None. Without ``need_input`` the gradient
+    of x is None, without ``need_state`` those of h0 and c0 (a zero initial state's, say)."""
     # scans and gradient GEMMs: see bppsa_core.denormals; the blocks' scratch: jacobians.reusing_buffers
     with flush_denormals(x.device), reusing_buffers():
         grads = (grad_out, grad_hn, grad_cn)
-        return _backward(config, x, h0, c0, weights, lengths, out, *grads, need_input, tape)
+        return _backward(config, x, h0, c0, weights, lengths, out, *grads, need_input, tape, need_state)
 
 
-def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need_input, tape):
+def _backward(
+    config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need_input, tape, need_state
+):
     # Under autocast the forward kept lower-precision states; the backward runs in the weights'
     # dtype (autograd casts each returned gradient back to its input's dtype).
     dtype = weights[0].dtype
@@ -423,8 +427,13 @@ def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_
             return g0
 
     dx, dw = layer_grads(deltas, x, h_prev, w, need_input)
-    g0 = first()  # a walk made block by block knows g_0 once layer_grads has taken every block
-    g_h0, g_c0 = (g0[:, :hidden].clone(), g0[:, hidden:].clone()) if c0 is not None else (g0.clone(), None)
+    g_h0 = g_c0 = None
+    if need_state:  # a walk made block by block knows g_0 once layer_grads has taken every block
+        g0 = first()
+        if c0 is None:
+            g_h0 = g0.clone()
+        else:
+            g_h0, g_c0 = g0[:, :hidden].clone(), g0[:, hidden:].clone()
     grads = [t for t in (dw.w_ih, dw.w_hh, dw.b_ih, dw.b_hh) if t is not None]
     return dx, g_h0, g_c0, grads
 

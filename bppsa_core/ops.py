@@ -251,9 +251,11 @@ class _CompiledLayer(torch.autograd.Function):
             return (*grads[:3], None, None, None, *grads[3:])
         need = ctx.needs_input_grad[-6 - len(weights) :]  # an ``_EagerLayer``'s has ``record`` first
         if _plain(x, h0, grad_out, grad_hn, grad_cn):
+            need_state = need[1] or (c0 is not None and need[2])
             dx, dh0, dc0, dw = bppsa_layer.bppsa_backward(
-                config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need[0], ctx.tape
-            )
+                config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need[0], ctx.tape,
+                need_state,
+            )  # fmt: skip
         else:
             o = config.options
             dx, dh0, dc0, *dw = torch.ops.bppsa.layer_backward(

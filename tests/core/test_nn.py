@@ -377,3 +377,25 @@ def test_an_lstm_state_that_is_not_a_pair_is_refused_naming_it(state) -> None:
     kind, message = _error(lstm, torch.randn(5, 2, 3), hx)
     assert kind is IndexError  # torch.nn's class for a bare one-layer state
     assert message.startswith("LSTM: hx must be a tuple (h_0, c_0) of two tensors, got ")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_initial_state_that_needs_no_gradient_gets_none_computed(kind: str) -> None:
+    """The backward copies out dL/dh_0 (and an LSTM's dL/dc_0) only for a state that asks for it:
+    with the default zero state one copy fewer per layer; with a state that requires grad it gets
+    torch.nn's gradient."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def clones(hx) -> int:
+        _, cls, options = KINDS[kind]
+        model = cls(3, 5, num_layers=2, strategy="sequential", **options)
+        out, _ = model(torch.randn(6, 2, 3), hx)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out.sum().backward()
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::clone")
+
+    lstm = kind == "lstm"
+    zeros = torch.zeros(2, 2, 5)
+    leaf = zeros.clone().requires_grad_()
+    assert clones((leaf, zeros) if lstm else leaf) - clones(None) == (4 if lstm else 2)
+    check(kind, 6, 2, 3, 5, h0=True, num_layers=2)
