@@ -53,11 +53,32 @@ class Row:
     forward_ms: tuple[float, float]  # torch.nn's, BPPSA's
     step_ms: tuple[float, float]
     grad_diff: float
+    ops: tuple[int, int] = (0, 0)  # a step's ATen operator calls, torch.nn's and BPPSA's
+    kernels: tuple[int, int] | None = None  # a step's GPU kernels and copies (CUDA only)
 
 
 def _step(module: torch.nn.Module, x: Tensor) -> None:
     out, _ = module(x)
     out[-1].sum().backward()
+
+
+def dispatched(fn: Callable[[], object], device: torch.device) -> tuple[int, int | None]:
+    """The ATen operator calls one call of ``fn`` makes (those no other operator made: the host's
+    dispatches, views included) and, on a GPU, the kernels and copies it runs there; one call
+    under ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    events = prof.events()
+    aten = [e for e in events if e.name.startswith("aten::")]
+    ops = sum(1 for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    on_device = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else None
+    return ops, on_device
 
 
 def bench(
@@ -93,29 +114,40 @@ def bench(
         for a, b in zip(ours.parameters(), ref.parameters(), strict=True)
     )
     med = {name: statistics.median(t) for name, t in times.items()}
+    (nn_ops, nn_kernels), (our_ops, our_kernels) = (
+        dispatched(work[f"{m} step"], device) for m in ("nn", "bppsa")
+    )
     return Row(
         model, steps, batch, hidden,
         (med["nn forward"], med["bppsa forward"]), (med["nn step"], med["bppsa step"]), diff,
+        (nn_ops, our_ops), None if nn_kernels is None else (nn_kernels, our_kernels),
     )  # fmt: skip
 
 
 def format_table(rows: Sequence[Row]) -> str:
     """Markdown: per model, each module's forward and step time and BPPSA's ratio to torch.nn's."""
+    on_gpu = any(r.kernels is not None for r in rows)
     head = ["model", "T", "B", "H", "nn forward ms", "BPPSA forward ms", "forward ratio"]
-    head += ["nn step ms", "BPPSA step ms", "step ratio", "grad rel. diff"]
+    head += ["nn step ms", "BPPSA step ms", "step ratio", "nn ops", "BPPSA ops"]
+    head += ["nn kernels", "BPPSA kernels"] if on_gpu else []
     body = []
     for r in rows:
         cells = [r.model, str(r.steps), str(r.batch), str(r.hidden)]
         for nn_ms, ours_ms in (r.forward_ms, r.step_ms):
             cells += [fmt_ms(nn_ms), fmt_ms(ours_ms), f"{ours_ms / nn_ms:.2f}"]
+        cells += [str(n) for n in r.ops]
+        if on_gpu:
+            cells += ["–", "–"] if r.kernels is None else [str(n) for n in r.kernels]
         body.append([*cells, f"{r.grad_diff:.1e}"])
-    return markdown(head, body)
+    return markdown([*head, "grad rel. diff"], body)
 
 
 LEGEND = (
     "'forward': the training forward of one layer; 'step': that forward and the backward of a loss on "
-    "h_T; 'ratio': BPPSA's time over torch.nn's (below 1: BPPSA is faster); 'grad rel. diff': the "
-    "largest relative difference of the parameter gradients between the two modules."
+    "h_T; 'ratio': BPPSA's time over torch.nn's (below 1: BPPSA is faster); 'ops': the ATen operator "
+    "calls of one step, views included, each a dispatch on the host; 'kernels' (GPU): the kernels and "
+    "copies one step runs on the device; 'grad rel. diff': the largest relative difference of the "
+    "parameter gradients between the two modules."
 )
 
 

@@ -18,6 +18,14 @@ def test_a_row_times_both_modules_and_checks_their_gradients(model) -> None:
     assert (row.model, row.steps, row.batch, row.hidden) == (model, 6, 3, 5)
     assert min(*row.forward_ms, *row.step_ms) > 0
     assert row.grad_diff < 1e-10  # float64: the two modules' gradients are the same
+    assert min(row.ops) > 3 and row.kernels is None  # a step: forward, loss, backward; no GPU here
+
+
+def test_dispatched_counts_each_operator_call_once() -> None:
+    x = torch.randn(4, 3)
+    # add, then sum, whose own internal calls are not counted again; a view is a call too
+    assert host.dispatched(lambda: (x + 1).sum(), CPU) == (2, None)
+    assert host.dispatched(lambda: x.t(), CPU) == (1, None)
 
 
 @pytest.mark.extended
@@ -33,7 +41,7 @@ def test_the_run_prints_one_row_per_model_and_length(capsys) -> None:
     assert out.startswith("device: cpu") and ", 2 threads)" in out.splitlines()[0]
     ((head, rows),) = markdown_tables(out)
     assert head[:5] == ["model", "T", "B", "H", "nn forward ms"]
-    assert head[-2:] == ["step ratio", "grad rel. diff"]
+    assert head[-4:] == ["step ratio", "nn ops", "BPPSA ops", "grad rel. diff"]
     assert [(r[0], r[1]) for r in rows] == [("rnn", "3"), ("rnn", "5"), ("lstm", "3"), ("lstm", "5")]
     assert max(float(r[-1]) for r in rows) < 1e-10  # float64
 
