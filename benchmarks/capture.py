@@ -90,10 +90,14 @@ def _cell_from(module: torch.nn.Module) -> torch.nn.Module:
     return cell
 
 
-def captured_step_ms(module: torch.nn.Module, x: Tensor, warmup: int, repeats: int) -> float:
+def captured_step_ms(
+    module: torch.nn.Module, x: Tensor, warmup: int, repeats: int, error_mode: str = "global"
+) -> float:
     """GPU ms of one training step (forward, backward, SGD step) captured once in a CUDA graph and
     replayed: warm-up on a side stream, capture with the gradients allocated in the graph's pool,
-    then the median of ``repeats`` timed replays."""
+    then the median of ``repeats`` timed replays. ``error_mode``: ``torch.cuda.graph``'s
+    ``capture_error_mode`` ("global", PyTorch's default, fails a capture on an unsafe CUDA call
+    from any thread; "thread_local" only from the capturing one; "relaxed" on none)."""
     device = x.device
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-6)
     static_x = x.clone()
@@ -111,7 +115,7 @@ def captured_step_ms(module: torch.nn.Module, x: Tensor, warmup: int, repeats: i
     torch.cuda.current_stream(device).wait_stream(side)
     optimizer.zero_grad(set_to_none=True)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=error_mode):
         step()
     for _ in range(max(warmup, 1)):
         graph.replay()
@@ -144,6 +148,7 @@ def bench(
     warmup: int,
     repeats: int,
     naive_max_t: int,
+    error_mode: str = "global",
 ) -> Row:
     """One row: every method of the module docstring that runs here, on the same weights and input."""
     torch.manual_seed(0)
@@ -175,7 +180,7 @@ def bench(
         row.cells[name] = statistics.median(times[name])
     for side, module in (("cuDNN", ref), ("BPPSA", ours)):
         for what, measure in (
-            ("captured", lambda m=module: captured_step_ms(m, x, warmup, repeats)),
+            ("captured", lambda m=module: captured_step_ms(m, x, warmup, repeats, error_mode)),
             ("peak MiB", lambda m=module: backward_peak_mib(m, x)),
         ):
             name = f"{side} {what}"
@@ -243,6 +248,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--repeats", type=positive_int, default=10, help="timed rounds (the median is shown)")
     p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed rounds before them")
+    p.add_argument(
+        "--capture-error-mode",
+        choices=("global", "thread_local", "relaxed"),
+        default="global",
+        help="torch.cuda.graph's capture_error_mode: which threads' unsafe CUDA calls fail a capture",
+    )
     return p.parse_args(argv)
 
 
@@ -259,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for hidden in args.H:
             for steps in args.T:
                 progress(f"{model} T={steps} H={hidden} ...")
-                timing = (args.warmup, args.repeats, args.naive_max_T)
+                timing = (args.warmup, args.repeats, args.naive_max_T, args.capture_error_mode)
                 rows.append(bench(model, steps, args.B, hidden, args.device, *timing))
         notes = notes_lines(rows)
         print(f"\n### {model.upper()}\n\n{format_table(rows, args.device)}", flush=True)

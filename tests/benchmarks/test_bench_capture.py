@@ -59,6 +59,7 @@ def test_the_run_prints_a_table_per_model_and_the_reasons(capsys) -> None:
         (["--H", "0"], "argument --H: 0 is not positive; accepted: positive integers"),
         (["--models", "transformer"], "argument --models: invalid choice: 'transformer'"),
         (["--naive-max-T", "-1"], "argument --naive-max-T: -1 is negative"),
+        (["--capture-error-mode", "local"], "argument --capture-error-mode: invalid choice: 'local'"),
     ],
 )
 def test_bad_arguments_end_it_in_one_line(argv, message, capsys) -> None:
