@@ -182,16 +182,17 @@ def _lstm_scan(has_hh, has_b, tiny, scales_h, scales_c, w, diag_hc, diag_cc, dia
 
 
 @intrinsic
-def _lstm_row(typingctx, gates, h, c, d, dh, dc, t, b, i, one, tiny):
-    """Row i of the group's gate gradients d (nb, 4H) and its next dc (nb, H) at step t, sample b,
-    from dh and dc (nb, H): ``_lstm_layer``'s loop over a gate's H units in vectors of ``LANES``
-    (H at least that), the same operations in the same order on every lane, so the same bits. A
-    ragged last block is the window of the last lanes, made from the values before the row and
-    stored last (as ``numba_math.add_hidden``'s)."""
-    arrays = (gates, h, c, d, dh, dc)
-    if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == d.dtype for a in arrays):
+def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, b, i, one, tiny):
+    """The gate gradients delta[t, b] (delta (T, B, 4H), possibly ``gates`` itself: a block of lanes
+    reads its gates before it writes them) and row i of the group's next dc at step t, sample b,
+    from row i of dh and dc (nb, H): ``_lstm_layer``'s loop over a gate's H units in vectors of
+    ``LANES`` (H at least that), the same operations in the same order on every lane, so the same
+    bits. A ragged last block is the window of the last lanes, made from the values before the row
+    and stored last (as ``numba_math.add_hidden``'s)."""
+    arrays = (gates, h, c, delta, dh, dc)
+    if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == dh.dtype for a in arrays):
         return None
-    if d.dtype not in LANES:
+    if dh.dtype not in LANES:
         return None
 
     def codegen(context, builder, signature, args):
@@ -202,17 +203,17 @@ def _lstm_row(typingctx, gates, h, c, d, dh, dc, t, b, i, one, tiny):
             context.cast(builder, v, t, types.int64)
             for v, t in zip(args[6:9], signature.args[6:9], strict=True)
         )
-        v = Vectors(context, builder, d.dtype)
+        v = Vectors(context, builder, dh.dtype)
         one_v, tiny_v = (
-            v.splat(context.cast(builder, a, t, d.dtype))
+            v.splat(context.cast(builder, a, t, dh.dtype))
             for a, t in zip(args[9:], signature.args[9:], strict=True)
         )
         zero = ir.Constant(v.type, None)
         hid = builder.extract_value(dhs.shape, 1)
         at_step = builder.add(builder.mul(step, builder.extract_value(hs.shape, 1)), sample)  # (t, b)
-        gate_row = builder.gep(gs.data, [builder.mul(at_step, builder.mul(hid, ir.Constant(i64, 4)))])
+        row_of_4h = builder.mul(at_step, builder.mul(hid, ir.Constant(i64, 4)))
+        gate_row, d_row = (builder.gep(a.data, [row_of_4h]) for a in (gs, ds))
         h_row, c_row = (builder.gep(a.data, [builder.mul(at_step, hid)]) for a in (hs, cs))
-        d_row = builder.gep(ds.data, [builder.mul(row, builder.mul(hid, ir.Constant(i64, 4)))])
         dh_row, dc_row = (builder.gep(a.data, [builder.mul(row, hid)]) for a in (dhs, dcs))
 
         def gate(k, j):
@@ -254,7 +255,7 @@ def _lstm_row(typingctx, gates, h, c, d, dh, dc, t, b, i, one, tiny):
             put_row(last, [builder.load(slot) for slot in held])
         return context.get_dummy_value()
 
-    return types.void(gates, h, c, d, dh, dc, t, b, i, one, tiny), codegen
+    return types.void(gates, h, c, delta, dh, dc, t, b, i, one, tiny), codegen
 
 
 _SCALAR_ROWS = False  # a build with it set keeps the scalar loop at every H (the tests' twin)
@@ -266,14 +267,15 @@ def _lstm_layer(has_u, has_c, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c,
     row and, ``has_c``, c_1..c_T after it (else they are made first: c_t = f_t c_{t-1} + i_t g_t).
     Then the walk from the last state's gradient (g_h, g_c) (B, H) back to g0 = (dL/dh_0, dL/dc_0)
     (B, 2H), the group's samples side by side. At step t the gates' pre-activation gradients d go
-    into ``delta`` (T, B, 4H; may be ``gates`` itself: a step's gates are read before its d is
-    written), then dL/dh_{t-1} = d @ W_hh + u[t-1] (the outputs' gradient, when ``has_u``; ``w_hh``
+    straight into ``delta`` (T, B, 4H; may be ``gates`` itself: a step's gates are read before its d
+    is written), then dL/dh_{t-1} = d @ W_hh + u[t-1] (the outputs' gradient, when ``has_u``; ``w_hh``
     (4H, H)) and dL/dc_{t-1} = dc f, both flushed below ``tiny`` (module docstring).
 
     tanh(c_t) is h_t / o_t (0 where o_t is): a division, where a scalar tanh would cost most of the
     walk; it enters only multiplied by o_t, so its rounding near o_t = 0 does not carry. ``one`` and
     ``tiny`` come in the arrays' dtype, so that no step widens to float64; elements are indexed, not
-    sliced (a view per step costs its reference counting)."""
+    sliced (a view costs its reference counting), but for the one view of a step's rows of delta
+    that ``add_hidden`` takes."""
     steps, batch, rows = gates.shape
     hid = rows // 4
     zero = one - one
@@ -287,32 +289,29 @@ def _lstm_layer(has_u, has_c, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c,
                     i_g = gates[t, b, j] * gates[t, b, 2 * hid + j]
                     c[t + 1, b, j] = gates[t, b, hid + j] * c[t, b, j] + i_g
         dh, dc = g_h[lo:hi].copy(), g_c[lo:hi].copy()
-        d = np.empty((nb, rows), dh.dtype)
         acc = np.empty((nb, hid), dh.dtype)
         for t in range(steps - 1, -1, -1):
             for i in range(nb):
                 b = lo + i
                 if hid >= LANES_MIN and not _SCALAR_ROWS:  # the same loop in vectors
-                    _lstm_row(gates, h, c, d, dh, dc, t, b, i, one, tiny)
+                    _lstm_row(gates, h, c, delta, dh, dc, t, b, i, one, tiny)
                 else:
                     for j in range(hid):
                         ig, f = gates[t, b, j], gates[t, b, hid + j]
                         g, o = gates[t, b, 2 * hid + j], gates[t, b, 3 * hid + j]
                         tj = h[t, b, j] / o if o != zero else zero
                         dcj = dc[i, j] + dh[i, j] * o * (one - tj * tj)
-                        d[i, j] = dcj * g * ig * (one - ig)
-                        d[i, hid + j] = dcj * c[t, b, j] * f * (one - f)
-                        d[i, 2 * hid + j] = dcj * ig * (one - g * g)
-                        d[i, 3 * hid + j] = dh[i, j] * tj * o * (one - o)
+                        delta[t, b, j] = dcj * g * ig * (one - ig)
+                        delta[t, b, hid + j] = dcj * c[t, b, j] * f * (one - f)
+                        delta[t, b, 2 * hid + j] = dcj * ig * (one - g * g)
+                        delta[t, b, 3 * hid + j] = dh[i, j] * tj * o * (one - o)
                         nc = dcj * f
                         dc[i, j] = nc if abs(nc) >= tiny else zero
-                for r in range(rows):
-                    delta[t, b, r] = d[i, r]
             inject = has_u and t > 0
             for i in range(nb):
                 for j in range(hid):
                     acc[i, j] = u[t - 1, lo + i, j] if inject else zero
-            add_hidden(acc, d, w_hh)
+            add_hidden(acc, delta[t, lo:hi], w_hh)
             for i in range(nb):
                 for j in range(hid):
                     dh[i, j] = acc[i, j] if abs(acc[i, j]) >= tiny else zero

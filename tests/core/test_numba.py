@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from helpers import extended_except, rel_err
@@ -66,7 +68,8 @@ def test_threads_change_nothing(monkeypatch) -> None:
 def test_an_lstm_walks_rows_in_vectors_as_its_scalar_loop(dtype) -> None:
     """The fused LSTM backward's gate gradients in vectors (``numba_scan._lstm_row``) against the
     same kernel built with its scalar loop at every H: the same bits, for H a multiple of the
-    vector, ragged, and wider than two vectors, with an output gate of 0 and flushed dc."""
+    vector, ragged, and wider than two vectors, with an output gate of 0 and flushed dc; and each
+    written over its gates as the untaped backward does."""
     scalar = numba_math.build(numba_scan._lstm_layer, False, scalar_rows=True)
     for steps, batch, hidden in [(7, 3, 16), (6, 5, 9), (5, 2, 20)]:
         gates = torch.rand(steps, batch, 4, hidden, dtype=dtype)
@@ -78,16 +81,15 @@ def test_an_lstm_walks_rows_in_vectors_as_its_scalar_loop(dtype) -> None:
         w_hh, u = torch.randn(4 * hidden, hidden, dtype=dtype), torch.randn(steps, batch, hidden, dtype=dtype)
         g_h, g_c = torch.randn(batch, hidden, dtype=dtype), torch.randn(batch, hidden, dtype=dtype) * 1e-38
         results = []
-        for kernel in (numba_scan._lstm_layer_serial, scalar):
-            g0, delta = (
-                torch.empty(batch, 2 * hidden, dtype=dtype),
-                torch.empty(steps, batch, 4 * hidden, dtype=dtype),
-            )
+        for kernel, in_place in itertools.product((numba_scan._lstm_layer_serial, scalar), (False, True)):
+            read = gates.clone().view(steps, batch, -1)  # in place: the gradients written over it
+            g0 = torch.empty(batch, 2 * hidden, dtype=dtype)
+            delta = read if in_place else torch.empty(steps, batch, 4 * hidden, dtype=dtype)
             one, tiny = numba_scan._LSTM_SCALARS[dtype]
-            arrays = [t.numpy() for t in (gates.view(steps, batch, -1), h, c, w_hh, u, g_h, g_c, g0, delta)]
+            arrays = [t.numpy() for t in (read, h, c, w_hh, u, g_h, g_c, g0, delta)]
             kernel(True, True, one, tiny, 1, *arrays)
-            results.append((g0, delta))
-        assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+            results.append(torch.cat((g0.flatten(), delta.flatten())))
+        assert all(torch.equal(results[0], r) for r in results[1:])
 
 
 @pytest.mark.extended  # a serial float64 build of its own to compile
