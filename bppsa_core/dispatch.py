@@ -9,6 +9,7 @@ Every decision about scan strategies is made here, so that ``bppsa_core.scan``, 
 * ``kernels_take``, ``lstm_kernels_take``: whether the Triton kernels take a chain (float32, at most
   3 weight terms and H <= 64, or an LSTM's with 2H <= 64: the weights stay in one program's registers);
 * ``resolve``: the strategy "auto" stands for, given the chain, the device and the kernels;
+* ``cudnn_instead``: where "auto" leaves a whole module to ``torch.nn``'s own forward and backward;
 * ``with_kernels``: the one fallback. Under "auto", kernels that fail to compile for the GPU at
   hand (Triton's ``CompilationError`` or ``OutOfResources``) are logged once, not tried again on
   that device, and the caller's fallback runs instead; under "triton" the error propagates.
@@ -50,6 +51,10 @@ _CPU_FLOPS_PER_OP = 2.0e5
 _CHUNK_WORKING_SET = 24 << 20
 # Largest Blelloch up-sweep (bytes of dense float32 elements) that "auto" accepts on a GPU.
 _GPU_BLELLOCH_BYTES = 1 << 30
+# The widest H that cuDNN's persistent kernels run, per mode. Above the Triton kernels' capacity and
+# up to these, BPPSA's general scans (H times a matrix-vector step's work) lose to cuDNN 2-30 times
+# (re-measured by ``python -m benchmarks.gpu_check --steps capture``, its tables by H).
+_CUDNN_PERSISTENT_HIDDEN = {"RNN_TANH": 256, "RNN_RELU": 256, "GRU": 128, "LSTM": 128}
 
 T = TypeVar("T")
 
@@ -296,6 +301,23 @@ def resolve(
     if strategy != "auto":
         return strategy
     return choose(n, batch, hidden, device, kernels_fit and kernels_usable(device), numba_fit)
+
+
+def cudnn_instead(strategy: str, mode: str, hidden: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether "auto" runs a module of this ``mode`` (torch.nn's: RNN_TANH, RNN_RELU, GRU, LSTM),
+    H and parameter ``dtype`` as ``torch.nn`` does, cuDNN's fused forward and autograd's backward:
+    on a GPU, float32, H above what the Triton kernels take (``MAX_HIDDEN``, an LSTM's
+    ``MAX_LSTM_HIDDEN``) and within cuDNN's persistent kernels (``_CUDNN_PERSISTENT_HIDDEN``), where
+    no BPPSA strategy is faster. Wider, cuDNN's kernels slow down and BPPSA's scans are again even
+    or faster; any other strategy runs BPPSA as asked."""
+    capacity = MAX_LSTM_HIDDEN if mode == "LSTM" else MAX_HIDDEN
+    return (
+        strategy == "auto"
+        and device.type == "cuda"
+        and dtype == torch.float32
+        and capacity < hidden <= _CUDNN_PERSISTENT_HIDDEN.get(mode, 0)
+        and torch.backends.cudnn.enabled
+    )
 
 
 # ---------------------------------------------------------------------------------------- fallback

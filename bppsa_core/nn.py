@@ -25,6 +25,8 @@ Newton iterations over the same scans (``bppsa_core.newton``; ``newton_tol``, ``
 ``newton_guess``: "zeros" or "previous", the last forward's outputs when the shapes match); the
 backward is unchanged. What each layer's solve took is in ``solver_stats`` after every forward.
 Not taken: an LSTM with ``proj_size > 0`` (refused at construction; ``backward="bptt"`` runs it).
+Under ``strategy="auto"`` on a GPU, a module whose H cuDNN's persistent kernels run faster than any
+BPPSA scan is ``torch.nn``'s own (``dispatch.cudnn_instead``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import Tensor
 from torch.nn.functional import dropout
 from torch.nn.utils.rnn import PackedSequence
 
-from bppsa_core.dispatch import ScanOptions
+from bppsa_core.dispatch import ScanOptions, cudnn_instead
 from bppsa_core.layer import SEGMENT, LayerConfig
 from bppsa_core.newton import DEFAULT_MAX_ITERS, SolverOptions, SolveStats
 from bppsa_core.ops import layer
@@ -108,10 +110,16 @@ class _BPPSAMixin:
         return [SolveStats.from_tensor(t) for t in self._stats]
 
     def forward(self, input: Tensor | PackedSequence, hx: State | None = None) -> tuple[Any, State]:
-        """Same contract as ``torch.nn``'s forward; the backward is BPPSA in ``bppsa`` mode. While a
+        """Same contract as ``torch.nn``'s forward; the backward is BPPSA in ``bppsa`` mode, but for
+        a module that "auto" leaves to cuDNN (``_cudnn_instead``), which is ``torch.nn``'s. While a
         model is exported (``torch.export``, ``torch.onnx.export``) it is ``torch.nn``'s forward,
         exported as ``torch.nn``'s is: an exported graph is run, not differentiated by BPPSA."""
-        if self.backward_mode == "bptt" or torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+        if (
+            self.backward_mode == "bptt"
+            or self._cudnn_instead()
+            or torch.compiler.is_exporting()
+            or torch.onnx.is_in_onnx_export()
+        ):
             return super().forward(input, hx)
         self._update_flat_weights()  # weights swapped by functional_call or a parametrization
         lstm = self.mode == "LSTM"
@@ -153,6 +161,14 @@ class _BPPSAMixin:
             out = out.squeeze(batch_dim)
             state = (state[0].squeeze(1), state[1].squeeze(1)) if lstm else state.squeeze(1)
         return out, state
+
+    def _cudnn_instead(self) -> bool:
+        """Whether this call runs as ``torch.nn``'s, cuDNN's forward and autograd's backward, because
+        "auto" finds no faster BPPSA path for the module on its GPU (``dispatch.cudnn_instead``)."""
+        weight = self._flat_weights[0]
+        return self.forward_solver == "native" and cudnn_instead(
+            self.strategy, self.mode, self.hidden_size, weight.device, weight.dtype
+        )
 
     def _check_devices(self, x: Tensor, hx: State) -> None:
         """torch.nn's device checks, in its words (its fused kernel makes them; the layers run theirs

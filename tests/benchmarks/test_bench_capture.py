@@ -20,6 +20,18 @@ def test_a_row_on_the_cpu_times_the_eager_and_naive_backwards(model) -> None:
     assert row.notes["captured"] == row.notes["peak MiB"] == "needs a CUDA device"
 
 
+def test_where_auto_runs_torch_nn_the_row_times_the_graph_scan(monkeypatch) -> None:
+    """A module that "auto" leaves to cuDNN is timed with the scan auto would otherwise run (the
+    graph strategy), so the table still shows BPPSA there: on the CPU that strategy is refused."""
+    from bppsa_core import nn as bnn
+
+    monkeypatch.setattr(bnn, "cudnn_instead", lambda strategy, *rest: strategy == "auto")
+    row = capture.bench("lstm", 12, 3, 5, CPU, 0, 1, naive_max_t=0)
+    assert row.cells["BPPSA eager"] == "n/a"
+    assert "graph" in row.notes["BPPSA eager"] and "CUDA" in row.notes["BPPSA eager"]
+    assert isinstance(row.cells["cuDNN eager"], float)
+
+
 def test_the_naive_loop_gives_the_modules_gradients() -> None:
     """The baseline computes what the modules do: a loop of cells with their weights."""
     for model, ref_cls in MODULES.items():

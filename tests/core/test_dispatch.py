@@ -30,6 +30,35 @@ def test_auto_choices() -> None:
     assert eager_strategy(10_000, 16, 256, GPU) == "chunked"  # a 42 GB up-sweep would not fit
 
 
+@pytest.mark.parametrize(
+    ("strategy", "mode", "hidden", "device", "dtype", "instead"),
+    [
+        ("auto", "LSTM", 64, GPU, F32, True),  # above the LSTM kernels' 32, within cuDNN's 128
+        ("auto", "LSTM", 128, GPU, F32, True),
+        ("auto", "LSTM", 32, GPU, F32, False),  # the Triton kernels take it
+        ("auto", "LSTM", 256, GPU, F32, False),  # past cuDNN's persistent kernels
+        ("auto", "GRU", 64, GPU, F32, False),
+        ("auto", "GRU", 128, GPU, F32, True),
+        ("auto", "GRU", 256, GPU, F32, False),
+        ("auto", "RNN_TANH", 256, GPU, F32, True),
+        ("auto", "RNN_RELU", 65, GPU, F32, True),
+        ("auto", "RNN_TANH", 512, GPU, F32, False),
+        ("auto", "LSTM", 64, CPU, F32, False),  # the CPU's compiled kernels win there
+        ("auto", "LSTM", 64, GPU, F64, False),
+        ("chunked", "LSTM", 64, GPU, F32, False),  # an explicit strategy runs BPPSA
+    ],
+)
+def test_auto_leaves_a_module_to_cudnn_only_where_its_persistent_kernels_win(
+    strategy, mode, hidden, device, dtype, instead
+) -> None:
+    assert dispatch.cudnn_instead(strategy, mode, hidden, device, dtype) is instead
+
+
+def test_auto_keeps_bppsa_when_cudnn_is_off(monkeypatch) -> None:
+    monkeypatch.setattr(torch.backends.cudnn, "enabled", False)
+    assert not dispatch.cudnn_instead("auto", "LSTM", 64, GPU, F32)
+
+
 def test_resolve_keeps_an_explicit_strategy_and_takes_kernels_only_where_they_work(monkeypatch) -> None:
     assert resolve("blelloch", 1000, 16, 20, GPU, kernels_fit=True) == "blelloch"
     monkeypatch.setattr(dispatch, "_BROKEN_KERNELS", set())

@@ -379,6 +379,62 @@ def test_an_lstm_state_that_is_not_a_pair_is_refused_naming_it(state) -> None:
     assert message.startswith("LSTM: hx must be a tuple (h_0, c_0) of two tensors, got ")
 
 
+def _layer_calls(monkeypatch) -> list[int]:
+    """The BPPSA layer calls the modules make from now on, one entry each."""
+    calls: list[int] = []
+    real = bnn.layer
+    monkeypatch.setattr(bnn, "layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("instead", [False, True])
+def test_a_module_auto_leaves_to_cudnn_is_torch_nns_own(monkeypatch, kind: str, instead: bool) -> None:
+    """Where ``dispatch.cudnn_instead`` says so (on a GPU; here the answer is forced), the module is
+    ``torch.nn``'s forward and backward, bit for bit, and makes no BPPSA layer call; elsewhere it
+    runs its layers."""
+    monkeypatch.setattr(bnn, "cudnn_instead", lambda *args: instead)
+    calls = _layer_calls(monkeypatch)
+    ref, ours = pair(kind, 3, 5, dtype=F64, num_layers=2)
+    x = torch.randn(7, 2, 3, dtype=F64)
+    outs = [model(x)[0] for model in (ref, ours)]
+    grads = [
+        torch.autograd.grad(o.sum(), list(m.parameters())) for o, m in zip(outs, (ref, ours), strict=True)
+    ]
+    assert len(calls) == (0 if instead else 2)
+    if instead:
+        assert torch.equal(outs[0], outs[1])
+        assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    else:
+        assert all(rel_err(a, b) < 1e-10 for a, b in zip(*grads, strict=True))
+
+
+def test_the_module_asks_with_its_options_and_parameters(monkeypatch) -> None:
+    """``cudnn_instead`` gets the module's strategy, mode, H and its parameters' device and dtype,
+    and a Newton forward is never left to cuDNN."""
+    asked = []
+    monkeypatch.setattr(bnn, "cudnn_instead", lambda *args: asked.append(args) or False)
+    bnn.GRU(3, 6, strategy="chunked")(torch.randn(4, 2, 3))
+    assert asked == [("chunked", "GRU", 6, torch.device("cpu"), torch.float32)]
+    bnn.LSTM(3, 6, forward_solver="newton")(torch.randn(4, 2, 3))
+    assert len(asked) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("cls", "hidden"), [(bnn.LSTM, 64), (bnn.GRU, 128), (bnn.RNN, 128)])
+def test_auto_runs_cudnn_on_a_gpu_where_it_wins(monkeypatch, cls, hidden) -> None:
+    """On a GPU, "auto" runs these widths as torch.nn (cuDNN's backward); an explicit strategy runs
+    BPPSA there."""
+    calls = _layer_calls(monkeypatch)
+    x = torch.randn(50, 4, 8, device="cuda")
+    for strategy, made in (("auto", 0), ("chunked", 1)):
+        model = cls(8, hidden, strategy=strategy).cuda()
+        out, _ = model(x)
+        out.sum().backward()
+        assert len(calls) == made
+        calls.clear()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_initial_state_that_needs_no_gradient_gets_none_computed(kind: str) -> None:
     """The backward copies out dL/dh_0 (and an LSTM's dL/dc_0) only for a state that asks for it:
