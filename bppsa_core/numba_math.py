@@ -165,6 +165,37 @@ class Vectors:
         return b.shuffle_vector(v, v, self._zeros)
 
 
+@intrinsic
+def prefetch_row(typingctx, array, t, b):
+    """Asks the CPU to bring row ``array[t, b]`` (a C-contiguous 3-d array) into its cache, one
+    prefetch per 64-byte line; changes no value. The LSTM's walk reads and writes the step before
+    the one it is on, down through memory, which the hardware prefetchers follow late (re-measured
+    by ``python -m benchmarks.backward --model lstm --threads 1``)."""
+    if not (isinstance(array, nbtypes.Array) and array.ndim == 3 and array.layout == "C"):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = context.make_array(signature.args[0])(context, builder, args[0])
+        i64, i32, i8p = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
+        step, sample = (
+            context.cast(builder, v, ty, nbtypes.int64)
+            for v, ty in zip(args[1:], signature.args[1:], strict=True)
+        )
+        width = builder.extract_value(a.shape, 2)
+        at = builder.mul(builder.add(builder.mul(step, builder.extract_value(a.shape, 1)), sample), width)
+        row = builder.bitcast(builder.gep(a.data, [at]), i8p)
+        size = ir.Constant(i64, context.get_abi_sizeof(context.get_data_type(array.dtype)))
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        prefetch = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        line = ir.Constant(i64, 64)
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), builder.mul(width, size), line) as (k, _):
+            # a read (0), kept in every cache level (3), of data (1)
+            builder.call(prefetch, [builder.gep(row, [k]), *(ir.Constant(i32, v) for v in (0, 3, 1))])
+        return context.get_dummy_value()
+
+    return nbtypes.void(array, t, b), codegen
+
+
 def _product_tile(rows: int) -> Callable:
     """An intrinsic ``tile(acc, h, w_t, b0)``: ``acc[b0:b0 + rows] += h[b0:b0 + rows] @ w_t`` for
     C-contiguous acc (N, R), h (N, K) and w_t (K, R) with R at least ``LANES``. Each block of

@@ -40,7 +40,17 @@ from torch import Tensor
 
 from bppsa_core import dispatch
 from bppsa_core.chain import LSTMChain
-from bppsa_core.numba_math import LANES, LANES_MIN, UNUSED, Vectors, add_hidden, build, put, threads
+from bppsa_core.numba_math import (
+    LANES,
+    LANES_MIN,
+    UNUSED,
+    Vectors,
+    add_hidden,
+    build,
+    prefetch_row,
+    put,
+    threads,
+)
 
 
 @njit(cache=True, inline="always")
@@ -293,6 +303,9 @@ def _lstm_layer(has_u, has_c, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c,
         for t in range(steps - 1, -1, -1):
             for i in range(nb):
                 b = lo + i
+                if t > 0:  # the next step's rows, while this one's are worked on
+                    for rows_of in (gates, h, c, delta):
+                        prefetch_row(rows_of, t - 1, b)
                 if hid >= LANES_MIN and not _SCALAR_ROWS:  # the same loop in vectors
                     _lstm_row(gates, h, c, delta, dh, dc, t, b, i, one, tiny)
                 else:
