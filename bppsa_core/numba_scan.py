@@ -97,6 +97,11 @@ def _walk(n_terms, has_diag, has_b, tiny, lo, hi, b0, ys, scales, diag, w, offse
     u = np.empty_like(ys)
     nxt = np.empty_like(ys)
     for k in range(hi - 1, lo - 1, -1):
+        for i in range(nb if k > lo else 0):  # the next step's rows, while this one's are worked on
+            prefetch_row(scales, k - 1, b0 + i if scales.shape[1] > 1 else 0)
+            prefetch_row(out, k - 1, b0 + i)
+            if has_b:
+                prefetch_row(offsets, k - 1, b0 + i)
         _apply(k, b0, 1, n_terms, has_diag, tiny, scales, diag, w, ys, u, nxt)
         for i in range(nb):
             for j in range(hid):
