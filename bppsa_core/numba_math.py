@@ -204,10 +204,11 @@ def _product_tile(rows: int) -> Callable:
     C-contiguous acc (N, R), h (N, K) and w_t (K, R) with R at least ``LANES``. Each block of
     ``LANES`` columns holds the ``rows`` rows' sums in registers while k runs (one load of w_t's
     row serves every row), and every element adds its products one at a time, k ascending: the
-    same bits as a plain loop in that order, whatever the tile. The last block, where R is not a
-    multiple of the lanes, is the window of the last ``LANES`` columns, made from the values
-    before this update and stored last (the columns it shares with the block before are the same
-    operations, so the same bits)."""
+    same bits as a plain loop in that order, whatever the tile. Blocks go two at a time. The last
+    block, where R is not a multiple of the lanes, is the window of the last ``LANES`` columns,
+    summed with the last pair or odd block (three or two at a time: at H = 20 one pass of k, not
+    two) from the values before this update and stored last (the columns it shares with the block
+    before are the same operations, so the same bits)."""
 
     @intrinsic
     def tile(typingctx, acc, h, w_t, b0):
@@ -230,9 +231,8 @@ def _product_tile(rows: int) -> Callable:
 
             acc_rows = [row(a.data, i, cols) for i in range(rows)]
             h_rows = [row(x.data, i, inner) for i in range(rows)]
-            # the sums of up to two blocks of columns at once: two independent chains per row
-            sums = [[cgutils.alloca_once(builder, v.type) for _ in range(2)] for _ in range(rows)]
-            tails = [cgutils.alloca_once(builder, v.type) for _ in range(rows)]
+            # the sums of up to three blocks of columns at once: independent chains per row
+            sums = [[cgutils.alloca_once(builder, v.type) for _ in range(3)] for _ in range(rows)]
 
             def blocks(starts):
                 """sums[i][c] = row i's columns starts[c] .. + lanes, every k's product added in order."""
@@ -249,7 +249,9 @@ def _product_tile(rows: int) -> Callable:
                             total = builder.fadd(builder.load(sums[i][c]), builder.fmul(hk, wk[c]))
                             builder.store(total, sums[i][c])
 
-            def store(starts):
+            def update(starts):
+                """The blocks at ``starts`` summed, then stored in that order."""
+                blocks(starts)
                 for i in range(rows):
                     for c, j in enumerate(starts):
                         v.store(builder.load(sums[i][c]), acc_rows[i], j)
@@ -257,23 +259,23 @@ def _product_tile(rows: int) -> Callable:
             width = ir.Constant(i64, v.lanes)
             last = builder.sub(cols, width)
             full = builder.udiv(cols, width)
+            pairs, odd = builder.udiv(full, ir.Constant(i64, 2)), builder.trunc(full, ir.IntType(1))
             ragged = builder.icmp_unsigned("!=", builder.urem(cols, width), ir.Constant(i64, 0))
-            with builder.if_then(ragged):
-                blocks([last])
-                for i in range(rows):
-                    builder.store(builder.load(sums[i][0]), tails[i])
-            with cgutils.for_range(builder, builder.udiv(full, ir.Constant(i64, 2))) as loop:
+            # A ragged window joins the last group of blocks (a pair, or the odd block left), so that
+            # its k loop is not a pass of its own: it is summed from the values before the update
+            # like the rest, and stored last.
+            joins_pair = builder.and_(ragged, builder.not_(odd))
+            with cgutils.for_range(builder, builder.sub(pairs, builder.zext(joins_pair, i64))) as loop:
                 j = builder.mul(loop.index, ir.Constant(i64, 2 * v.lanes))
-                pair = [j, builder.add(j, width)]
-                blocks(pair)
-                store(pair)
-            with builder.if_then(builder.trunc(full, ir.IntType(1))):  # an odd block left
-                j = builder.mul(builder.sub(full, ir.Constant(i64, 1)), width)
-                blocks([j])
-                store([j])
-            with builder.if_then(ragged):
-                for i in range(rows):
-                    v.store(builder.load(tails[i]), acc_rows[i], last)
+                update([j, builder.add(j, width)])
+            j = builder.mul(builder.sub(full, ir.Constant(i64, 1)), width)  # the odd block, if any
+            with builder.if_then(joins_pair):
+                pair = builder.mul(builder.sub(pairs, ir.Constant(i64, 1)), ir.Constant(i64, 2 * v.lanes))
+                update([pair, builder.add(pair, width), last])
+            with builder.if_then(builder.and_(odd, ragged)):
+                update([j, last])
+            with builder.if_then(builder.and_(odd, builder.not_(ragged))):
+                update([j])
             return context.get_dummy_value()
 
         return nbtypes.void(acc, h, w_t, b0), codegen
@@ -331,7 +333,7 @@ def put(dst, src):
 # file, not by its options or by the code it inlines from this module, so a build made with other
 # options or an older ``add_hidden`` is not loaded from an older cache (the tag changes with them).
 _OPTIONS = dict(cache=True, error_model="numpy", nogil=True)
-_OPTIONS_TAG = "ng2"
+_OPTIONS_TAG = "ng3"
 
 
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:

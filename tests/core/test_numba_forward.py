@@ -93,8 +93,8 @@ def test_two_threads_give_the_one_thread_result_bit_for_bit(mode) -> None:
 def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype) -> None:
     """``numba_math.add_hidden`` (rows in tiles of four and one, columns in vector blocks, a ragged
     last block) against ``add_hidden_reference``: the same bits for rows of every count, columns
-    narrower than a vector, a multiple of it, one block more or less than a pair, and ragged, so
-    that the threads' groups of samples change nothing."""
+    narrower than a vector, a multiple of it, one block more or less than a pair, and ragged after
+    pairs or after an odd block, so that the threads' groups of samples change nothing."""
     import numba
 
     @numba.njit(error_model="numpy")
@@ -108,6 +108,7 @@ def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype)
     rng = np.random.default_rng(0)
     shapes = [
         (16, 20, 80), (16, 80, 20), (5, 7, 9), (3, 3, 3), (1, 1, 8), (7, 4, 17), (6, 33, 64), (9, 5, 24),
+        (4, 6, 28), (5, 3, 13), (4, 2, 60),
     ]  # fmt: skip
     for rows, inner, cols in shapes:
         draw = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
