@@ -165,13 +165,19 @@ class Vectors:
         return b.shuffle_vector(v, v, self._zeros)
 
 
+# The longest row ``prefetch_row`` asks for: eight cache lines (an LSTM's gates at H = 32 in float32).
+_PREFETCH_MAX_BYTES = 512
+
+
 @intrinsic
 def prefetch_row(typingctx, array, t, b):
     """Asks the CPU to bring ``array[t, b]`` (of a C-contiguous array of 3 or more dimensions) into
-    its cache, one prefetch per 64-byte line; changes no value. A walk reads and writes the step
-    before the one it is on, down through memory, which the hardware prefetchers follow late: the
-    LSTM's walk is 8-18 % faster with it, a walk over more than the cache holds up to 20 %
-    (re-measured by ``python -m benchmarks.backward --model lstm --threads 1``)."""
+    its cache, one prefetch per 64-byte line, where it is at most ``_PREFETCH_MAX_BYTES``; changes no
+    value. A walk reads and writes the step before the one it is on, down through memory, in rows
+    too short for the hardware prefetchers to follow: the LSTM's walk at H = 20 is 6-18 % faster
+    with it. Longer rows they follow, and asking slows the walk (the LSTM's at H = 64 by a fifth)
+    (re-measured by ``python -m benchmarks.backward --model lstm --threads 1 --strategies numba``,
+    --T 10000, and --H 64 --F 24)."""
     if not (isinstance(array, nbtypes.Array) and array.ndim >= 3 and array.layout == "C"):
         return None
 
@@ -190,8 +196,12 @@ def prefetch_row(typingctx, array, t, b):
         size = ir.Constant(i64, context.get_abi_sizeof(context.get_data_type(array.dtype)))
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
         prefetch = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        line = ir.Constant(i64, 64)
-        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), builder.mul(width, size), line) as (k, _):
+        line, nbytes = ir.Constant(i64, 64), builder.mul(width, size)
+        short = builder.icmp_unsigned("<=", nbytes, ir.Constant(i64, _PREFETCH_MAX_BYTES))
+        with (
+            builder.if_then(short),
+            cgutils.for_range_slice(builder, ir.Constant(i64, 0), nbytes, line) as (k, _),
+        ):
             # a read (0), kept in every cache level (3), of data (1)
             builder.call(prefetch, [builder.gep(row, [k]), *(ir.Constant(i32, v) for v in (0, 3, 1))])
         return context.get_dummy_value()
@@ -333,7 +343,7 @@ def put(dst, src):
 # file, not by its options or by the code it inlines from this module, so a build made with other
 # options or an older ``add_hidden`` is not loaded from an older cache (the tag changes with them).
 _OPTIONS = dict(cache=True, error_model="numpy", nogil=True)
-_OPTIONS_TAG = "ng3"
+_OPTIONS_TAG = "ng4"
 
 
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:
