@@ -156,10 +156,10 @@ def bench(
     ref, ours = module_pair(model, FEATURES, hidden, device)
     x = torch.bernoulli(torch.full((steps, batch, FEATURES), 0.5)).to(device)
     row = Row(model, steps, batch, hidden)
-    if ours._cudnn_instead():  # auto runs torch.nn here; time the scan it would run otherwise
+    if ours._torch_nn_instead():  # auto runs torch.nn here; time the scan it would run otherwise
         ours.strategy = "graph"
         row.notes["BPPSA eager"] = (
-            "strategy graph; auto runs this module as torch.nn (dispatch.cudnn_instead)"
+            "strategy graph; auto runs this module as torch.nn (dispatch.torch_nn_instead)"
         )
     eager: dict[str, Callable[[], Tensor]] = {
         "cuDNN eager": lambda: _loss(ref, x),

@@ -9,7 +9,7 @@ Every decision about scan strategies is made here, so that ``bppsa_core.scan``, 
 * ``kernels_take``, ``lstm_kernels_take``: whether the Triton kernels take a chain (float32, at most
   3 weight terms and H <= 64, or an LSTM's with 2H <= 64: the weights stay in one program's registers);
 * ``resolve``: the strategy "auto" stands for, given the chain, the device and the kernels;
-* ``cudnn_instead``: where "auto" leaves a whole module to ``torch.nn``'s own forward and backward;
+* ``torch_nn_instead``: where "auto" leaves a whole module to ``torch.nn``'s own forward and backward;
 * ``with_kernels``: the one fallback. Under "auto", kernels that fail to compile for the GPU at
   hand (Triton's ``CompilationError`` or ``OutOfResources``) are logged once, not tried again on
   that device, and the caller's fallback runs instead; under "triton" the error propagates.
@@ -51,10 +51,21 @@ _CPU_FLOPS_PER_OP = 2.0e5
 _CHUNK_WORKING_SET = 24 << 20
 # Largest Blelloch up-sweep (bytes of dense float32 elements) that "auto" accepts on a GPU.
 _GPU_BLELLOCH_BYTES = 1 << 30
-# The widest H that cuDNN's persistent kernels run, per mode. Above the Triton kernels' capacity and
-# up to these, BPPSA's general scans (H times a matrix-vector step's work) lose to cuDNN 2-30 times
-# (re-measured by ``python -m benchmarks.gpu_check --steps capture``, its tables by H).
-_CUDNN_PERSISTENT_HIDDEN = {"RNN_TANH": 256, "RNN_RELU": 256, "GRU": 128, "LSTM": 128}
+# Per device type and mode, the widths (lo, hi] at which no BPPSA path beats torch.nn's own module,
+# so "auto" runs that instead (``torch_nn_instead``). A GPU: above the Triton kernels' capacity and
+# within cuDNN's persistent kernels, where BPPSA's general scans (H times a matrix-vector step's work)
+# lose 2-30 times; wider, cuDNN's kernels slow down and BPPSA is even or ahead. A CPU: from where the
+# compiled walk's small products lose to the batched GEMMs of PyTorch's kernel (GRU H >= 192,
+# LSTM H >= 256: 1.03-1.35 times slower at T = 100 to 1,000, even at 10,000). Re-measured by
+# ``python -m benchmarks.gpu_check --steps capture`` and ``python -m benchmarks.backward --threads 1
+# --strategies numba --H 128 --F 128`` (and 192, 256).
+_TORCH_NN_HIDDEN: dict[str, dict[str, tuple[int, float]]] = {
+    "cuda": {
+        "RNN_TANH": (MAX_HIDDEN, 256), "RNN_RELU": (MAX_HIDDEN, 256), "GRU": (MAX_HIDDEN, 128),
+        "LSTM": (MAX_LSTM_HIDDEN, 128),
+    },
+    "cpu": {"GRU": (128, math.inf), "LSTM": (192, math.inf)},
+}  # fmt: skip
 
 T = TypeVar("T")
 
@@ -303,20 +314,17 @@ def resolve(
     return choose(n, batch, hidden, device, kernels_fit and kernels_usable(device), numba_fit)
 
 
-def cudnn_instead(strategy: str, mode: str, hidden: int, device: torch.device, dtype: torch.dtype) -> bool:
+def torch_nn_instead(strategy: str, mode: str, hidden: int, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether "auto" runs a module of this ``mode`` (torch.nn's: RNN_TANH, RNN_RELU, GRU, LSTM),
-    H and parameter ``dtype`` as ``torch.nn`` does, cuDNN's fused forward and autograd's backward:
-    on a GPU, float32, H above what the Triton kernels take (``MAX_HIDDEN``, an LSTM's
-    ``MAX_LSTM_HIDDEN``) and within cuDNN's persistent kernels (``_CUDNN_PERSISTENT_HIDDEN``), where
-    no BPPSA strategy is faster. Wider, cuDNN's kernels slow down and BPPSA's scans are again even
-    or faster; any other strategy runs BPPSA as asked."""
-    capacity = MAX_LSTM_HIDDEN if mode == "LSTM" else MAX_HIDDEN
+    H and parameter ``dtype`` as ``torch.nn`` does, its fused forward and autograd's backward
+    (cuDNN's on a GPU): float32, at the widths of ``_TORCH_NN_HIDDEN`` for the device, where no
+    BPPSA path is faster. Any other strategy runs BPPSA as asked."""
+    lo, hi = _TORCH_NN_HIDDEN.get(device.type, {}).get(mode, (0, 0))
     return (
         strategy == "auto"
-        and device.type == "cuda"
         and dtype == torch.float32
-        and capacity < hidden <= _CUDNN_PERSISTENT_HIDDEN.get(mode, 0)
-        and torch.backends.cudnn.enabled
+        and lo < hidden <= hi
+        and (device.type != "cuda" or torch.backends.cudnn.enabled)
     )
 
 

@@ -25,8 +25,8 @@ Newton iterations over the same scans (``bppsa_core.newton``; ``newton_tol``, ``
 ``newton_guess``: "zeros" or "previous", the last forward's outputs when the shapes match); the
 backward is unchanged. What each layer's solve took is in ``solver_stats`` after every forward.
 Not taken: an LSTM with ``proj_size > 0`` (refused at construction; ``backward="bptt"`` runs it).
-Under ``strategy="auto"`` on a GPU, a module whose H cuDNN's persistent kernels run faster than any
-BPPSA scan is ``torch.nn``'s own (``dispatch.cudnn_instead``).
+Under ``strategy="auto"``, a module of a width at which ``torch.nn``'s own kernels (cuDNN's
+persistent ones on a GPU) are faster than any BPPSA path is ``torch.nn``'s (``dispatch.torch_nn_instead``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.nn.functional import dropout
 from torch.nn.utils.rnn import PackedSequence
 
-from bppsa_core.dispatch import ScanOptions, cudnn_instead
+from bppsa_core.dispatch import ScanOptions, torch_nn_instead
 from bppsa_core.layer import SEGMENT, LayerConfig
 from bppsa_core.newton import DEFAULT_MAX_ITERS, SolverOptions, SolveStats
 from bppsa_core.ops import layer
@@ -111,12 +111,12 @@ class _BPPSAMixin:
 
     def forward(self, input: Tensor | PackedSequence, hx: State | None = None) -> tuple[Any, State]:
         """Same contract as ``torch.nn``'s forward; the backward is BPPSA in ``bppsa`` mode, but for
-        a module that "auto" leaves to cuDNN (``_cudnn_instead``), which is ``torch.nn``'s. While a
+        a module that "auto" leaves to ``torch.nn`` (``_torch_nn_instead``), which is its. While a
         model is exported (``torch.export``, ``torch.onnx.export``) it is ``torch.nn``'s forward,
         exported as ``torch.nn``'s is: an exported graph is run, not differentiated by BPPSA."""
         if (
             self.backward_mode == "bptt"
-            or self._cudnn_instead()
+            or self._torch_nn_instead()
             or torch.compiler.is_exporting()
             or torch.onnx.is_in_onnx_export()
         ):
@@ -162,11 +162,11 @@ class _BPPSAMixin:
             state = (state[0].squeeze(1), state[1].squeeze(1)) if lstm else state.squeeze(1)
         return out, state
 
-    def _cudnn_instead(self) -> bool:
-        """Whether this call runs as ``torch.nn``'s, cuDNN's forward and autograd's backward, because
-        "auto" finds no faster BPPSA path for the module on its GPU (``dispatch.cudnn_instead``)."""
+    def _torch_nn_instead(self) -> bool:
+        """Whether this call runs as ``torch.nn``'s, its fused forward and autograd's backward,
+        because "auto" finds no faster BPPSA path for the module here (``dispatch.torch_nn_instead``)."""
         weight = self._flat_weights[0]
-        return self.forward_solver == "native" and cudnn_instead(
+        return self.forward_solver == "native" and torch_nn_instead(
             self.strategy, self.mode, self.hidden_size, weight.device, weight.dtype
         )
 

@@ -25,7 +25,7 @@ def test_where_auto_runs_torch_nn_the_row_times_the_graph_scan(monkeypatch) -> N
     graph strategy), so the table still shows BPPSA there: on the CPU that strategy is refused."""
     from bppsa_core import nn as bnn
 
-    monkeypatch.setattr(bnn, "cudnn_instead", lambda strategy, *rest: strategy == "auto")
+    monkeypatch.setattr(bnn, "torch_nn_instead", lambda strategy, *rest: strategy == "auto")
     row = capture.bench("lstm", 12, 3, 5, CPU, 0, 1, naive_max_t=0)
     assert row.cells["BPPSA eager"] == "n/a"
     assert "graph" in row.notes["BPPSA eager"] and "CUDA" in row.notes["BPPSA eager"]

@@ -43,20 +43,25 @@ def test_auto_choices() -> None:
         ("auto", "RNN_TANH", 256, GPU, F32, True),
         ("auto", "RNN_RELU", 65, GPU, F32, True),
         ("auto", "RNN_TANH", 512, GPU, F32, False),
-        ("auto", "LSTM", 64, CPU, F32, False),  # the CPU's compiled kernels win there
+        ("auto", "LSTM", 192, CPU, F32, False),  # the CPU's compiled walk is faster up to there
+        ("auto", "LSTM", 256, CPU, F32, True),
+        ("auto", "GRU", 128, CPU, F32, False),
+        ("auto", "GRU", 192, CPU, F32, True),
+        ("auto", "RNN_TANH", 1024, CPU, F32, False),  # the RNN's walk is never slower there
+        ("auto", "GRU", 256, CPU, F64, False),
         ("auto", "LSTM", 64, GPU, F64, False),
         ("chunked", "LSTM", 64, GPU, F32, False),  # an explicit strategy runs BPPSA
     ],
 )
-def test_auto_leaves_a_module_to_cudnn_only_where_its_persistent_kernels_win(
+def test_auto_leaves_a_module_to_torch_nn_only_where_its_kernels_win(
     strategy, mode, hidden, device, dtype, instead
 ) -> None:
-    assert dispatch.cudnn_instead(strategy, mode, hidden, device, dtype) is instead
+    assert dispatch.torch_nn_instead(strategy, mode, hidden, device, dtype) is instead
 
 
 def test_auto_keeps_bppsa_when_cudnn_is_off(monkeypatch) -> None:
     monkeypatch.setattr(torch.backends.cudnn, "enabled", False)
-    assert not dispatch.cudnn_instead("auto", "LSTM", 64, GPU, F32)
+    assert not dispatch.torch_nn_instead("auto", "LSTM", 64, GPU, F32)
 
 
 def test_resolve_keeps_an_explicit_strategy_and_takes_kernels_only_where_they_work(monkeypatch) -> None:

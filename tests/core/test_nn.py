@@ -389,11 +389,11 @@ def _layer_calls(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("instead", [False, True])
-def test_a_module_auto_leaves_to_cudnn_is_torch_nns_own(monkeypatch, kind: str, instead: bool) -> None:
-    """Where ``dispatch.cudnn_instead`` says so (on a GPU; here the answer is forced), the module is
+def test_a_module_auto_leaves_to_torch_nn_is_its_own(monkeypatch, kind: str, instead: bool) -> None:
+    """Where ``dispatch.torch_nn_instead`` says so (here the answer is forced), the module is
     ``torch.nn``'s forward and backward, bit for bit, and makes no BPPSA layer call; elsewhere it
     runs its layers."""
-    monkeypatch.setattr(bnn, "cudnn_instead", lambda *args: instead)
+    monkeypatch.setattr(bnn, "torch_nn_instead", lambda *args: instead)
     calls = _layer_calls(monkeypatch)
     ref, ours = pair(kind, 3, 5, dtype=F64, num_layers=2)
     x = torch.randn(7, 2, 3, dtype=F64)
@@ -410,14 +410,25 @@ def test_a_module_auto_leaves_to_cudnn_is_torch_nns_own(monkeypatch, kind: str, 
 
 
 def test_the_module_asks_with_its_options_and_parameters(monkeypatch) -> None:
-    """``cudnn_instead`` gets the module's strategy, mode, H and its parameters' device and dtype,
+    """``torch_nn_instead`` gets the module's strategy, mode, H and its parameters' device and dtype,
     and a Newton forward is never left to cuDNN."""
     asked = []
-    monkeypatch.setattr(bnn, "cudnn_instead", lambda *args: asked.append(args) or False)
+    monkeypatch.setattr(bnn, "torch_nn_instead", lambda *args: asked.append(args) or False)
     bnn.GRU(3, 6, strategy="chunked")(torch.randn(4, 2, 3))
     assert asked == [("chunked", "GRU", 6, torch.device("cpu"), torch.float32)]
     bnn.LSTM(3, 6, forward_solver="newton")(torch.randn(4, 2, 3))
     assert len(asked) == 1
+
+
+def test_auto_runs_torch_nn_on_a_cpu_at_a_width_where_it_wins(monkeypatch) -> None:
+    """On the CPU, "auto" runs a GRU of H = 192 as torch.nn; an explicit strategy runs BPPSA."""
+    calls = _layer_calls(monkeypatch)
+    x = torch.randn(3, 2, 4)
+    for strategy, made in (("auto", 0), ("sequential", 1)):
+        out, _ = bnn.GRU(4, 192, strategy=strategy)(x)
+        out.sum().backward()
+        assert len(calls) == made
+        calls.clear()
 
 
 @pytest.mark.gpu
