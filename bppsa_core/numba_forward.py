@@ -192,13 +192,17 @@ def layer_forward(
     # each segment reads the state its predecessor wrote: (h, c) in, fresh (h, c) out
     h = h0.detach().contiguous()
     c = None if c0 is None else c0.detach().contiguous()
-    flat = x.detach().reshape(steps * batch, x.shape[-1])
+    features = x.shape[-1]
+    flat = x.detach().reshape(steps * batch, features)
     ends = None if lengths is None else lengths.to("cpu", torch.int64).numpy()
     whole = steps <= segment  # one segment: the tensors themselves, no slices (each costs its view)
     for s in range(0, steps, segment):
         e = min(steps, s + segment)
         seg = np.full(batch, e - s, np.int64) if ends is None else np.clip(ends - s, 0, e - s)
-        xw = torch.addmm(bias, flat if whole else flat[s * batch : e * batch], w_ih.t())
+        seg_x = flat if whole else flat[s * batch : e * batch]
+        # one input feature (the paper's bitstream): the projection is an outer product, which
+        # addcmul makes in about half addmm's time (python -m benchmarks.forward)
+        xw = torch.addcmul(bias, seg_x, w_ih.t()) if features == 1 else torch.addmm(bias, seg_x, w_ih.t())
         h_next = torch.empty_like(h)
         args = (groups, xw.view(e - s, batch, rows).numpy(), w_t, h.numpy(), seg)
         outputs = ((out if whole else out[s:e]).numpy(), h_next.numpy())

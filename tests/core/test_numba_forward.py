@@ -46,15 +46,19 @@ CELL_BUILDS = [(mode, dtype) for dtype in (F64, F32) for mode in MODES]
 
 @pytest.mark.parametrize("mode, dtype", extended_except(CELL_BUILDS, *CELL_BUILDS[:-1]))
 @pytest.mark.parametrize(
-    "lengths, segment, bias",
-    [(None, 2048, True), (None, 7, False), ([30, 30, 17, 1, 0], 2048, True), ([30, 12, 12, 5, 0], 7, True)],
-)
-def test_the_compiled_forward_is_pytorchs(mode, dtype, lengths, segment, bias) -> None:
+    "lengths, segment, bias, inputs",
+    [
+        (None, 2048, True, 3), (None, 7, False, 3), ([30, 30, 17, 1, 0], 2048, True, 3),
+        ([30, 12, 12, 5, 0], 7, True, 3), (None, 7, True, 1),
+    ],
+)  # fmt: skip
+def test_the_compiled_forward_is_pytorchs(mode, dtype, lengths, segment, bias, inputs) -> None:
     """Outputs, last h and last c equal the fused kernel's to the dtype's rounding: one segment or
-    several, with and without biases, and packed lengths (a sample ending mid-segment, one of
-    length 0) whose outputs are 0 past the end and whose state is the last valid one."""
+    several, with and without biases, packed lengths (a sample ending mid-segment, one of length 0)
+    whose outputs are 0 past the end and whose state is the last valid one, and one input feature
+    (its projection an outer product)."""
     torch.manual_seed(0)
-    x, h0, c0, w = layer_case(mode, 30, 5, 3, 6, dtype, bias)
+    x, h0, c0, w = layer_case(mode, 30, 5, inputs, 6, dtype, bias)
     lengths = None if lengths is None else torch.tensor(lengths)
     expected = native_forward(mode, x, h0, c0, w, lengths, segment)
     got = compiled(mode, x, h0, c0, w, lengths, segment)
