@@ -193,11 +193,14 @@ def bench_compiled(
     fused.load_state_dict(ours.state_dict())
     modules = {"torch": ref, "fused": fused, "compiled": ours}
     times, outputs = take_turns(modules, x, torch.device("cpu"), warmup, repeats)
-    picks = dispatch.compiled_forward("auto", ours.mode, hidden, x)
+    if dispatch.torch_nn_instead("auto", ours.mode, hidden, x.device, dtype):
+        auto = "torch.nn"
+    else:
+        auto = "compiled" if dispatch.compiled_forward("auto", ours.mode, hidden, x) else "PyTorch's"
     return CompiledRow(
         model, steps, batch, hidden,
         *(times[name] for name in modules),
-        "compiled" if picks else "PyTorch's", (outputs["torch"] - outputs["compiled"]).abs().max().item(),
+        auto, (outputs["torch"] - outputs["compiled"]).abs().max().item(),
     )  # fmt: skip
 
 
@@ -218,7 +221,8 @@ COMPILED_LEGEND = (
     "records nothing: its backward is BPPSA's); 'fused': ours with PyTorch's fused kernel; "
     "'compiled': ours with the recurrence compiled; a ratio < 1 means the compiled forward is faster; "
     "'auto': the forward strategy='auto' takes there (the compiled one where it beats the fused "
-    "kernel); 'max diff': the largest absolute difference of the compiled outputs from torch.nn's."
+    "kernel; torch.nn where auto leaves the whole module to torch.nn); 'max diff': the largest "
+    "absolute difference of the compiled outputs from torch.nn's."
 )
 
 

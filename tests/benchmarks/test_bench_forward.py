@@ -40,6 +40,7 @@ def test_a_compiled_row_times_torch_nn_against_the_compiled_forward() -> None:
     assert min(row.torch_ms, row.fused_ms, row.compiled_ms) > 0 and row.auto == "compiled"
     assert row.max_diff < 1e-12
     assert forward.bench_compiled("lstm", 5, 2, 4, torch.float64, 0, 1).auto == "PyTorch's"
+    assert forward.bench_compiled("gru", 3, 2, 192, torch.float32, 0, 1).auto == "torch.nn"
 
 
 def test_the_quick_run_prints_a_table_per_model(capsys) -> None:
