@@ -55,8 +55,9 @@ _GPU_BLELLOCH_BYTES = 1 << 30
 # so "auto" runs that instead (``torch_nn_instead``). A GPU: above the Triton kernels' capacity and
 # within cuDNN's persistent kernels, where BPPSA's general scans (H times a matrix-vector step's work)
 # lose 2-30 times; wider, cuDNN's kernels slow down and BPPSA is even or ahead. A CPU: from where the
-# compiled walk's small products lose to the batched GEMMs of PyTorch's kernel (GRU H >= 192,
-# LSTM H >= 256: 1.03-1.35 times slower at T = 100 to 1,000, even at 10,000). Re-measured by
+# compiled walk's small products lose to the batched GEMMs of PyTorch's kernel (above the widths
+# where they were seen to win: GRU H = 192 and LSTM H = 256 1.03-1.35 times slower at T = 100 to
+# 1,000, even at 10,000). Re-measured by
 # ``python -m benchmarks.gpu_check --steps capture`` and ``python -m benchmarks.backward --threads 1
 # --strategies numba --H 128 --F 128`` (and 192, 256).
 _TORCH_NN_HIDDEN: dict[str, dict[str, tuple[int, float]]] = {
