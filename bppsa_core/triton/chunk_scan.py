@@ -39,7 +39,7 @@ from torch import Tensor
 
 from bppsa_core.chain import FactoredChain
 from bppsa_core.scan import chunked_scan
-from bppsa_core.triton.launch import BY_DATA, Launch, padded, three_launches
+from bppsa_core.triton.launch import BY_DATA, Launch, chain_args, padded, three_launches
 
 # How ``_element`` reads an element's factors (see the module docstring).
 SCALES = tl.constexpr(0)
@@ -413,16 +413,11 @@ def _launch(
     a layer mode writes its deltas (``out`` then gets only x_0); None writes every x_k into ``out``.
     ``strides``: the scales' element and batch strides in rows of H (SCALES and SCALES_T modes).
     """
-    first = sources[0]
-    n, (batch, h) = first.shape[0], x_last.shape
+    n, (batch, h) = sources[0].shape[0], x_last.shape
     terms = weights.numel() // (h * h)
     hp = padded(h)  # the aggregates HP x HP: see ``_reduce``
     common = {
-        "src_ptrs": sources,
-        "w_ptr": weights.contiguous(),
-        "offsets_ptr": first if offsets is None else offsets.contiguous(),  # not read without offsets
-        "B": batch,
-        "H": h,
+        **chain_args(sources, weights, offsets, batch, h),
         "stride_k": strides[0],
         "stride_b": strides[1],
     }

@@ -59,6 +59,20 @@ class Launch(NamedTuple):
         self.kernel[grid](**args, **self.constexprs, **self.options())
 
 
+def chain_args(
+    sources: tuple[Tensor, ...], weights: Tensor, offsets: Tensor | None, batch: int, hidden: int
+) -> dict[str, Any]:
+    """The arguments every kernel of a chain's launch takes: its source tensors, its weights, its
+    offsets (the first source in their place where there are none: never read then), B and H."""
+    return {
+        "src_ptrs": sources,
+        "w_ptr": weights.contiguous(),
+        "offsets_ptr": sources[0] if offsets is None else offsets.contiguous(),
+        "B": batch,
+        "H": hidden,
+    }
+
+
 def three_launches(
     kernels: dict[str, Launch],
     common: dict[str, Any],

@@ -25,7 +25,7 @@ from bppsa_core.chain import LSTMChain
 from bppsa_core.jacobians import LSTMCell
 from bppsa_core.scan import chunked_scan, elementwise_recurrence
 from bppsa_core.triton.chunk_scan import _shifted
-from bppsa_core.triton.launch import BY_DATA, Launch, padded, three_launches
+from bppsa_core.triton.launch import BY_DATA, Launch, chain_args, padded, three_launches
 
 # ------------------------------------------------------------------------------ per-element helpers
 
@@ -371,13 +371,7 @@ def _launch(
     n, (batch, two_h) = sources[0].shape[0], x_last.shape
     h = two_h // 2
     hp = padded(h)  # the aggregates 2HP x 2HP: see ``_lstm_reduce``
-    common = {
-        "src_ptrs": sources,
-        "w_ptr": weights.contiguous(),
-        "offsets_ptr": sources[0] if offsets is None else offsets.contiguous(),  # not read without offsets
-        "B": batch,
-        "H": h,
-    }
+    common = chain_args(sources, weights, offsets, batch, h)
     kernels = lstm_launch_config(has_hh, offsets is not None, hp, fused)
     three_launches(kernels, common, walk, x_last, n, chunk, 2 * hp)
 
