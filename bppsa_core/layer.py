@@ -31,6 +31,7 @@ import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -54,6 +55,9 @@ from bppsa_core.jacobians import (
 )
 from bppsa_core.newton import SolverOptions, SolveStats
 from bppsa_core.scan import forward_scan, scan
+
+if TYPE_CHECKING:  # numba is an optional extra: imported where it runs
+    from bppsa_core.numba_scan import LSTMWalk
 
 log = logging.getLogger(__name__)
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
@@ -490,12 +494,10 @@ def _fused_layer(
             from bppsa_core import numba_scan
 
             if tape is not None:
-                delta, g0 = numba_scan.lstm_layer_backward(
-                    tape.gates, h, c0, w.w_hh, g_last, g_c_last, u, cells=tape.cells
-                )
-            else:
-                gates = cell.activations(x, h_prev.whole(), w)
-                delta, g0 = numba_scan.lstm_layer_backward(gates, h, c0, w.w_hh, g_last, g_c_last, u)
+                walk = numba_scan.LSTMWalk(tape.gates, h, w.w_hh, u, tape.cells)
+                return _lstm_walked(walk, steps, g_last, g_c_last)
+            gates = cell.activations(x, h_prev.whole(), w)
+            delta, g0 = numba_scan.lstm_layer_backward(gates, h, c0, w.w_hh, g_last, g_c_last, u)
             return (lambda t: (delta[t],) * 2), (lambda: g0)  # one object: the biases summed once
         chunk = chunk or dispatch.numba_chunk(steps, batch, hidden, cell.gates, torch.get_num_threads())
         return _walked(cell, x, h_prev, w, u, g_last) if chunk >= steps else None
@@ -557,7 +559,50 @@ def _walked(
     """
     from bppsa_core import numba_scan
 
-    steps = h_prev.shape[0]
+    def walk(lo: int, hi: int, g_end: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        factors = cell.factors(x[lo:hi], h_prev[lo:hi], h_prev.outputs(lo, hi), w)
+        chain = cell.chain(factors, w)
+        offsets = None  # element k's offset is u_k = dL/dh_k from outside (u_0 = 0)
+        if u is not None:
+            offsets = u[lo - 1 : hi - 1] if lo else torch.cat((torch.zeros_like(u[:1]), u[: hi - 1]))
+        out = buffer("walk", (hi - lo + 1, *g_last.shape), g_last)
+        g = numba_scan.chunked_scan(
+            chain.scales, chain.weights, g_end, offsets, hi - lo, chain.diagonal, out=out
+        )
+        # g_0 not a view: the next block's walk overwrites the buffer
+        return cell.preactivation_grads(g[1:], factors), g[0].clone()
+
+    return _from_the_end(h_prev.shape[0], g_last, walk)
+
+
+def _lstm_walked(
+    walk: LSTMWalk, steps: int, g_last: Tensor, g_c_last: Tensor
+) -> tuple[Deltas, Callable[[], Tensor]]:
+    """An LSTM layer's compiled backward over its kept gates (``numba_scan.LSTMWalk``), made block by
+    block from the end as ``layer_grads`` asks for the deltas, a block's in one buffer reused block
+    after block (``jacobians.reusing_buffers``): the deltas of T steps never exist at once, and a
+    block's are still in the cache when ``layer_grads`` takes them (re-measured by ``python -m
+    benchmarks.backward --model lstm --threads 1 --strategies numba``). ``first()`` is
+    (dL/dh_0, dL/dc_0) (B, 2H)."""
+
+    def block(lo: int, hi: int, g_end: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        batch, hidden = g_end.shape[1:]
+        delta = buffer("lstm deltas", (hi - lo, batch, 4 * hidden), g_end)
+        g = torch.empty_like(g_end)  # not in place: g_end may be the caller's, or the last block's
+        walk(lo, hi, g_end, g, delta)
+        return (delta, delta), g  # one object: the biases summed once
+
+    deltas, first = _from_the_end(steps, torch.stack((g_last, g_c_last)), block)
+    return deltas, lambda: torch.cat(tuple(first()), -1)
+
+
+def _from_the_end(
+    steps: int, g_last: Tensor, walk: Callable[[int, int, Tensor], tuple[tuple[Tensor, Tensor], Tensor]]
+) -> tuple[Deltas, Callable[[], Tensor]]:
+    """``deltas(t)`` and ``first()`` of a backward walked block by block: ``walk(lo, hi, g)`` walks
+    steps hi - 1 down to lo from ``g``, the gradient after them, and returns the block's
+    pre-activation gradients and the gradient before them. ``deltas`` takes slices from the last
+    one down (the last again starts over); ``first()`` is g_0 once the first block is walked."""
     state = {"g": g_last, "next": steps}
 
     def deltas(t: slice) -> tuple[Tensor, Tensor]:
@@ -566,17 +611,9 @@ def _walked(
             state["g"] = g_last
         elif hi != state["next"]:
             raise RuntimeError(f"steps {lo}..{hi} asked for; a walk from the end needs ..{state['next']}")
-        factors = cell.factors(x[lo:hi], h_prev[lo:hi], h_prev.outputs(lo, hi), w)
-        chain = cell.chain(factors, w)
-        offsets = None  # element k's offset is u_k = dL/dh_k from outside (u_0 = 0)
-        if u is not None:
-            offsets = u[lo - 1 : hi - 1] if lo else torch.cat((torch.zeros_like(u[:1]), u[: hi - 1]))
-        walk = buffer("walk", (hi - lo + 1, *g_last.shape), g_last)
-        g = numba_scan.chunked_scan(
-            chain.scales, chain.weights, state["g"], offsets, hi - lo, chain.diagonal, out=walk
-        )
-        state["g"], state["next"] = g[0].clone(), lo  # not a view: the next block's walk overwrites it
-        return cell.preactivation_grads(g[1:], factors)
+        block, state["g"] = walk(lo, hi, state["g"])
+        state["next"] = lo
+        return block
 
     def first() -> Tensor:
         if state["next"] != 0:

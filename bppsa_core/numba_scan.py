@@ -197,9 +197,10 @@ def _lstm_scan(has_hh, has_b, tiny, scales_h, scales_c, w, diag_hc, diag_cc, dia
 
 
 @intrinsic
-def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, b, i, one, tiny):
-    """The gate gradients delta[t, b] (delta (T, B, 4H), possibly ``gates`` itself: a block of lanes
-    reads its gates before it writes them) and row i of the group's next dc at step t, sample b,
+def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
+    """The gate gradients delta[k, b] (delta (K, B, 4H): the walk's block of steps, or ``gates``
+    itself with k = t: a block of lanes reads its gates before it writes them) and row i of the
+    group's next dc at step t, sample b,
     from row i of dh and dc (nb, H): ``_lstm_layer``'s loop over a gate's H units in vectors of
     ``LANES`` (H at least that), the same operations in the same order on every lane, so the same
     bits. A ragged last block is the window of the last lanes, made from the values before the row
@@ -214,20 +215,23 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, b, i, one, tiny):
         typed = zip(signature.args[:6], args[:6], strict=True)
         gs, hs, cs, ds, dhs, dcs = (context.make_array(t)(context, builder, v) for t, v in typed)
         i64 = ir.IntType(64)
-        step, sample, row = (
+        step, d_step, sample, row = (
             context.cast(builder, v, t, types.int64)
-            for v, t in zip(args[6:9], signature.args[6:9], strict=True)
+            for v, t in zip(args[6:10], signature.args[6:10], strict=True)
         )
         v = Vectors(context, builder, dh.dtype)
         one_v, tiny_v = (
             v.splat(context.cast(builder, a, t, dh.dtype))
-            for a, t in zip(args[9:], signature.args[9:], strict=True)
+            for a, t in zip(args[10:], signature.args[10:], strict=True)
         )
         zero = ir.Constant(v.type, None)
         hid = builder.extract_value(dhs.shape, 1)
-        at_step = builder.add(builder.mul(step, builder.extract_value(hs.shape, 1)), sample)  # (t, b)
-        row_of_4h = builder.mul(at_step, builder.mul(hid, ir.Constant(i64, 4)))
-        gate_row, d_row = (builder.gep(a.data, [row_of_4h]) for a in (gs, ds))
+        batch = builder.extract_value(hs.shape, 1)
+        at_step, at_d = (builder.add(builder.mul(s, batch), sample) for s in (step, d_step))  # (t, b), (k, b)
+        width = builder.mul(hid, ir.Constant(i64, 4))
+        gate_row, d_row = (
+            builder.gep(a.data, [builder.mul(at, width)]) for a, at in ((gs, at_step), (ds, at_d))
+        )
         h_row, c_row = (builder.gep(a.data, [builder.mul(at_step, hid)]) for a in (hs, cs))
         dh_row, dc_row = (builder.gep(a.data, [builder.mul(row, hid)]) for a in (dhs, dcs))
 
@@ -270,21 +274,23 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, b, i, one, tiny):
             put_row(last, [builder.load(slot) for slot in held])
         return context.get_dummy_value()
 
-    return types.void(gates, h, c, delta, dh, dc, t, b, i, one, tiny), codegen
+    return types.void(gates, h, c, delta, dh, dc, t, k, b, i, one, tiny), codegen
 
 
 _SCALAR_ROWS = False  # a build with it set keeps the scalar loop at every H (the tests' twin)
 
 
-def _lstm_layer(has_u, has_c, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c, g0, delta):
-    """An LSTM layer's backward, each group of samples a task, from the activated gates (T, B, 4H;
-    rows i, f, g, o), its outputs h_1..h_T (T, B, H) and c (T + 1, B, H) holding c_0 in its first
-    row and, ``has_c``, c_1..c_T after it (else they are made first: c_t = f_t c_{t-1} + i_t g_t).
-    Then the walk from the last state's gradient (g_h, g_c) (B, H) back to g0 = (dL/dh_0, dL/dc_0)
-    (B, 2H), the group's samples side by side. At step t the gates' pre-activation gradients d go
-    straight into ``delta`` (T, B, 4H; may be ``gates`` itself: a step's gates are read before its d
-    is written), then dL/dh_{t-1} = d @ W_hh + u[t-1] (the outputs' gradient, when ``has_u``; ``w_hh``
-    (4H, H)) and dL/dc_{t-1} = dc f, both flushed below ``tiny`` (module docstring).
+def _lstm_layer(has_u, has_c, one, tiny, groups, first, last, gates, h, c, w_hh, u, g_in, g_out, delta):
+    """An LSTM layer's backward over steps ``first`` .. ``last`` - 1, each group of samples a task,
+    from the activated gates (T, B, 4H; rows i, f, g, o), its outputs h_1..h_T (T, B, H) and c
+    (T + 1, B, H) holding c_0 in its first row and, ``has_c``, c_1..c_T after it (else they are made
+    first: c_t = f_t c_{t-1} + i_t g_t, for all T steps). Then the walk from (dL/dh, dL/dc) after
+    step ``last`` - 1, ``g_in`` (2, B, H), back to those before step ``first``, ``g_out`` (2, B, H;
+    may be ``g_in`` itself), the group's samples side by side. At step t the gates' pre-activation
+    gradients d go straight into ``delta[t - first]`` (delta (last - first, B, 4H), or ``gates``
+    itself with ``first`` 0: a step's gates are read before its d is written), then
+    dL/dh_{t-1} = d @ W_hh + u[t-1] (the outputs' gradient, when ``has_u``; ``w_hh`` (4H, H)) and
+    dL/dc_{t-1} = dc f, both flushed below ``tiny`` (module docstring).
 
     tanh(c_t) is h_t / o_t (0 where o_t is): a division, where a scalar tanh would cost most of the
     walk; it enters only multiplied by o_t, so its rounding near o_t = 0 does not carry. ``one`` and
@@ -303,38 +309,40 @@ def _lstm_layer(has_u, has_c, one, tiny, groups, gates, h, c, w_hh, u, g_h, g_c,
                 for j in range(hid):
                     i_g = gates[t, b, j] * gates[t, b, 2 * hid + j]
                     c[t + 1, b, j] = gates[t, b, hid + j] * c[t, b, j] + i_g
-        dh, dc = g_h[lo:hi].copy(), g_c[lo:hi].copy()
+        dh, dc = g_in[0, lo:hi].copy(), g_in[1, lo:hi].copy()
         acc = np.empty((nb, hid), dh.dtype)
-        for t in range(steps - 1, -1, -1):
+        for t in range(last - 1, first - 1, -1):
+            k = t - first  # delta's row
             for i in range(nb):
                 b = lo + i
-                if t > 0:  # the next step's rows, while this one's are worked on
-                    for rows_of in (gates, h, c, delta):
+                if t > first:  # the next step's rows, while this one's are worked on
+                    for rows_of in (gates, h, c):
                         prefetch_row(rows_of, t - 1, b)
+                    prefetch_row(delta, k - 1, b)
                 if hid >= LANES_MIN and not _SCALAR_ROWS:  # the same loop in vectors
-                    _lstm_row(gates, h, c, delta, dh, dc, t, b, i, one, tiny)
+                    _lstm_row(gates, h, c, delta, dh, dc, t, k, b, i, one, tiny)
                 else:
                     for j in range(hid):
                         ig, f = gates[t, b, j], gates[t, b, hid + j]
                         g, o = gates[t, b, 2 * hid + j], gates[t, b, 3 * hid + j]
                         tj = h[t, b, j] / o if o != zero else zero
                         dcj = dc[i, j] + dh[i, j] * o * (one - tj * tj)
-                        delta[t, b, j] = dcj * g * ig * (one - ig)
-                        delta[t, b, hid + j] = dcj * c[t, b, j] * f * (one - f)
-                        delta[t, b, 2 * hid + j] = dcj * ig * (one - g * g)
-                        delta[t, b, 3 * hid + j] = dh[i, j] * tj * o * (one - o)
+                        delta[k, b, j] = dcj * g * ig * (one - ig)
+                        delta[k, b, hid + j] = dcj * c[t, b, j] * f * (one - f)
+                        delta[k, b, 2 * hid + j] = dcj * ig * (one - g * g)
+                        delta[k, b, 3 * hid + j] = dh[i, j] * tj * o * (one - o)
                         nc = dcj * f
                         dc[i, j] = nc if abs(nc) >= tiny else zero
             inject = has_u and t > 0
             for i in range(nb):
                 for j in range(hid):
                     acc[i, j] = u[t - 1, lo + i, j] if inject else zero
-            add_hidden(acc, delta[t, lo:hi], w_hh)
+            add_hidden(acc, delta[k, lo:hi], w_hh)
             for i in range(nb):
                 for j in range(hid):
                     dh[i, j] = acc[i, j] if abs(acc[i, j]) >= tiny else zero
-        put(g0[lo:hi, :hid], dh)
-        put(g0[lo:hi, hid:], dc)
+        put(g_out[0, lo:hi], dh)
+        put(g_out[1, lo:hi], dc)
 
 
 # One thread runs the serial build in the calling thread (no pool to wake, no worker spinning
@@ -436,8 +444,9 @@ def lstm_layer_backward(
     Returns the gates' pre-activation gradients (T, B, 4H; shared by the input and hidden sides),
     written over ``gates`` (contiguous) unless ``cells`` are given (kept gates are left as they
     are), and g_0 = (dL/dh_0, dL/dc_0) (B, 2H). One dtype, float32 or float64; ``flush``: flush
-    subnormal results to 0. The plain-PyTorch twin is the layer's generic path
-    (``LSTMCell.factors``, ``LSTMChain`` and ``scan``), which the tests compare it with.
+    subnormal results to 0. ``LSTMWalk`` walks kept gates block by block instead. The plain-PyTorch
+    twin is the layer's generic path (``LSTMCell.factors``, ``LSTMChain`` and ``scan``), which the
+    tests compare it with.
     """
     steps, batch, _, hidden = gates.shape
     if cells is None:
@@ -447,24 +456,49 @@ def lstm_layer_backward(
     else:
         c = cells
         delta = gates.new_empty((steps, batch, 4 * hidden))
-    g0 = g_h.new_empty((batch, 2 * hidden))
-    one, tiny = _LSTM_SCALARS[g_h.dtype]
-    n_threads = threads()
-    (_lstm_layer_parallel if n_threads > 1 else _lstm_layer_serial)(
-        u is not None,
-        cells is not None,
-        one,
-        tiny if flush else one - one,
-        min(n_threads, batch),
-        *_arrays(gates.view(steps, batch, 4 * hidden), h),
-        c.numpy(),
-        *_arrays(w_hh),
-        UNUSED[g_h.dtype] if u is None else _arrays(u)[0],
-        *_arrays(g_h, g_c),
-        g0.numpy(),
-        delta.numpy(),
-    )
-    return delta, g0
+    g = torch.stack((g_h, g_c))
+    walk = LSTMWalk(gates, h, w_hh, u, c, flush=flush, has_c=cells is not None)
+    walk(0, steps, g, g, delta)
+    return delta, torch.cat((g[0], g[1]), -1)
+
+
+class LSTMWalk:
+    """An LSTM layer's compiled backward (``_lstm_layer``) over the kept activated ``gates``
+    (T, B, 4, H), outputs ``h`` (T, B, H), ``cells`` c_0..c_T (T + 1, B, H; ``has_c`` False: only
+    c_0 set, the rest made on the first call, which must then cover every step), the hidden
+    weights ``w_hh`` (4H, H) and the outputs' gradients ``u`` (T, B, H) or None, walked over any
+    block of steps, the latest first: so that a layer's deltas are made and taken block by block
+    (``bppsa_core.layer``) and only a block of them exists, in the cache, instead of T steps'
+    through memory. The arrays are handed to the kernel once, not once a block."""
+
+    def __init__(
+        self,
+        gates: Tensor,
+        h: Tensor,
+        w_hh: Tensor,
+        u: Tensor | None,
+        cells: Tensor,
+        *,
+        flush: bool = True,
+        has_c: bool = True,
+    ) -> None:
+        steps, batch, _, hidden = gates.shape
+        one, tiny = _LSTM_SCALARS[h.dtype]
+        n_threads = threads()
+        self._kernel = _lstm_layer_parallel if n_threads > 1 else _lstm_layer_serial
+        self._head = (u is not None, has_c, one, tiny if flush else one - one, min(n_threads, batch))
+        self._arrays = (
+            *_arrays(gates.view(steps, batch, 4 * hidden), h),
+            cells.numpy(),
+            *_arrays(w_hh),
+            UNUSED[h.dtype] if u is None else _arrays(u)[0],
+        )
+
+    def __call__(self, first: int, last: int, g_in: Tensor, g_out: Tensor, delta: Tensor) -> None:
+        """Steps ``last`` - 1 down to ``first``: from the gradients (dL/dh, dL/dc) after them,
+        ``g_in`` (2, B, H), to those before them into ``g_out`` (2, B, H; may be ``g_in``), the
+        steps' pre-activation gradients into ``delta`` (last - first, B, 4H), all contiguous."""
+        self._kernel(*self._head, first, last, *self._arrays, g_in.numpy(), g_out.numpy(), delta.numpy())
 
 
 # per dtype, the scalars ``_lstm_layer`` takes: one and the flush threshold in that dtype (no step

@@ -68,8 +68,9 @@ def test_threads_change_nothing(monkeypatch) -> None:
 def test_an_lstm_walks_rows_in_vectors_as_its_scalar_loop(dtype) -> None:
     """The fused LSTM backward's gate gradients in vectors (``numba_scan._lstm_row``) against the
     same kernel built with its scalar loop at every H: the same bits, for H a multiple of the
-    vector, ragged, and wider than two vectors, with an output gate of 0 and flushed dc; and each
-    written over its gates as the untaped backward does."""
+    vector, ragged, and wider than two vectors, with an output gate of 0 and flushed dc; each
+    written over its gates as the untaped backward does; and walked in blocks of steps from the
+    end, as the taped backward is."""
     scalar = numba_math.build(numba_scan._lstm_layer, False, scalar_rows=True)
     for steps, batch, hidden in [(7, 3, 16), (6, 5, 9), (5, 2, 20)]:
         gates = torch.rand(steps, batch, 4, hidden, dtype=dtype)
@@ -80,15 +81,22 @@ def test_an_lstm_walks_rows_in_vectors_as_its_scalar_loop(dtype) -> None:
         )
         w_hh, u = torch.randn(4 * hidden, hidden, dtype=dtype), torch.randn(steps, batch, hidden, dtype=dtype)
         g_h, g_c = torch.randn(batch, hidden, dtype=dtype), torch.randn(batch, hidden, dtype=dtype) * 1e-38
+        one, tiny = numba_scan._LSTM_SCALARS[dtype]
         results = []
         for kernel, in_place in itertools.product((numba_scan._lstm_layer_serial, scalar), (False, True)):
             read = gates.clone().view(steps, batch, -1)  # in place: the gradients written over it
-            g0 = torch.empty(batch, 2 * hidden, dtype=dtype)
+            g = torch.stack((g_h, g_c))  # in, and out in place
             delta = read if in_place else torch.empty(steps, batch, 4 * hidden, dtype=dtype)
-            one, tiny = numba_scan._LSTM_SCALARS[dtype]
-            arrays = [t.numpy() for t in (read, h, c, w_hh, u, g_h, g_c, g0, delta)]
-            kernel(True, True, one, tiny, 1, *arrays)
-            results.append(torch.cat((g0.flatten(), delta.flatten())))
+            arrays = [t.numpy() for t in (read, h, c, w_hh, u, g, g, delta)]
+            kernel(True, True, one, tiny, 1, 0, steps, *arrays)
+            results.append(torch.cat((g.flatten(), delta.flatten())))
+        # block by block from the end, each block's deltas in a buffer of its own
+        g, blocks = torch.stack((g_h, g_c)), []
+        for first, last in ((3, steps), (1, 3), (0, 1)):
+            blocks.insert(0, torch.empty(last - first, batch, 4 * hidden, dtype=dtype))
+            arrays = [t.numpy() for t in (gates.view(steps, batch, -1), h, c, w_hh, u, g, g, blocks[0])]
+            numba_scan._lstm_layer_serial(True, True, one, tiny, 1, first, last, *arrays)
+        results.append(torch.cat((g.flatten(), torch.cat(blocks).flatten())))
         assert all(torch.equal(results[0], r) for r in results[1:])
 
 
@@ -143,6 +151,33 @@ def test_a_net_on_the_cpu_runs_the_kernels_and_gives_autograds_gradients(
     assert len(scans) == ours.num_layers * (-(-23 // block) if block else 1)
     if walked and block:  # a walk's blocks share its scratch: the short last block's, then one grown
         assert len({s.untyped_storage().data_ptr() for s in scans}) <= 2 * ours.num_layers
+    for a, b in zip(*grads, strict=True):
+        assert rel_err(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("block", [None, 4])
+def test_an_lstm_walks_its_tape_block_by_block_and_gives_autograds_gradients(monkeypatch, block) -> None:
+    """The taped backward walks the kept gates in blocks of steps from the end as ``layer_grads``
+    takes them (4 here: the walk carries (dL/dh, dL/dc) across them, the blocks' deltas in one buffer
+    reused); float64, two layers, loss on every output, h_n and c_n: exact to 1e-10."""
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(2, 6, num_layers=2, batch_first=True).double()
+    ours = bnn.LSTM(2, 6, num_layers=2, batch_first=True, strategy="numba").double()
+    ours.load_state_dict(ref.state_dict())
+    buffers, real = [], numba_scan.LSTMWalk.__call__
+    monkeypatch.setattr(numba_scan.LSTMWalk, "__call__", lambda w, *a: buffers.append(a[-1]) or real(w, *a))
+    if block:
+        monkeypatch.setattr(jacobians, "_block_steps", lambda *a: block)
+    x = torch.randn(3, 23, 2, dtype=F64)
+    grads = []
+    for m in (ref, ours):
+        xi = x.clone().requires_grad_()
+        out, (h_n, c_n) = m(xi)
+        (out.sin().sum() + h_n.pow(2).sum() + c_n.cos().sum()).backward()
+        grads.append([xi.grad, *(p.grad for p in m.parameters())])
+    assert len(buffers) == ours.num_layers * (-(-23 // block) if block else 1)
+    if block:  # the short last block's buffer, then one grown: per layer
+        assert len({d.untyped_storage().data_ptr() for d in buffers}) <= 2 * ours.num_layers
     for a, b in zip(*grads, strict=True):
         assert rel_err(a, b) < 1e-10
 
@@ -308,10 +343,8 @@ def test_an_lstm_on_the_cpu_takes_the_fused_kernels_and_gives_autograds_gradient
     ours = bnn.LSTM(3, 4, strategy=strategy, **kwargs).double()
     ours.load_state_dict(ref.state_dict())
     fused, walks = [], []
-    real_fused, real_walk = numba_scan.lstm_layer_backward, numba_scan.lstm_scan
-    monkeypatch.setattr(
-        numba_scan, "lstm_layer_backward", lambda *a, **k: fused.append(1) or real_fused(*a, **k)
-    )
+    real_fused, real_walk = numba_scan.LSTMWalk, numba_scan.lstm_scan
+    monkeypatch.setattr(numba_scan, "LSTMWalk", lambda *a, **k: fused.append(1) or real_fused(*a, **k))
     monkeypatch.setattr(numba_scan, "lstm_scan", lambda *a: walks.append(1) or real_walk(*a))
     shape = (2, 6, 3) if kwargs.get("batch_first") else (6, 2, 3)
     seqs = [torch.randn(t, 3, dtype=F64) for t in (7, 5, 2)]
@@ -356,11 +389,11 @@ def test_an_lstm_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(m
     ours = bnn.LSTM(3, 5, num_layers=2, strategy="numba").to(dtype)
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(40, 4, 3, dtype=dtype)
-    kept, taken = [], []
-    real_tape, real_fused = layer_mod.new_tape, numba_scan.lstm_layer_backward
+    kept, taken = [], []  # taken: per layer backward, whether it walked kept cell states
+    real_tape, real_walk = layer_mod.new_tape, numba_scan.LSTMWalk
     monkeypatch.setattr(layer_mod, "new_tape", lambda *a: kept.append(real_tape(*a)) or kept[-1])
     monkeypatch.setattr(
-        numba_scan, "lstm_layer_backward", lambda *a, **k: taken.append("cells" in k) or real_fused(*a, **k)
+        numba_scan, "LSTMWalk", lambda *a, **k: taken.append(k.get("has_c", True)) or real_walk(*a, **k)
     )
 
     def grads(m: torch.nn.Module, retain: bool = False) -> list[torch.Tensor]:
