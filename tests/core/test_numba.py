@@ -114,6 +114,19 @@ def test_threads_change_nothing_in_an_lstm_layer(monkeypatch) -> None:
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
+def _gradients(models, x: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Each model's gradients of x and its parameters, for a loss on every output, h_n and (an
+    LSTM's) c_n."""
+    grads = []
+    for m in models:
+        xi = x.clone().requires_grad_()
+        out, state = m(xi)
+        h_n, *c_n = state if isinstance(state, tuple) else (state,)
+        (out.sin().sum() + h_n.pow(2).sum() + sum(c.cos().sum() for c in c_n)).backward()
+        grads.append([xi.grad, *(p.grad for p in m.parameters())])
+    return grads
+
+
 @pytest.mark.parametrize("kind", ["RNN", "GRU"])
 @pytest.mark.parametrize(
     ("strategy", "chunk", "block", "walked"),
@@ -140,13 +153,7 @@ def test_a_net_on_the_cpu_runs_the_kernels_and_gives_autograds_gradients(
     )
     if block:
         monkeypatch.setattr(jacobians, "_block_steps", lambda *a: block)
-    x = torch.randn(3, 23, 2, dtype=F64)
-    grads = []
-    for m in (ref, ours):
-        xi = x.clone().requires_grad_()
-        out, h_n = m(xi)
-        (out.sin().sum() + h_n.pow(2).sum()).backward()
-        grads.append([xi.grad, *(p.grad for p in m.parameters())])
+    grads = _gradients((ref, ours), torch.randn(3, 23, 2, dtype=F64))
     assert len(walks) == (ours.num_layers if walked else 0)
     assert len(scans) == ours.num_layers * (-(-23 // block) if block else 1)
     if walked and block:  # a walk's blocks share its scratch: the short last block's, then one grown
@@ -168,13 +175,7 @@ def test_an_lstm_walks_its_tape_block_by_block_and_gives_autograds_gradients(mon
     monkeypatch.setattr(numba_scan.LSTMWalk, "__call__", lambda w, *a: buffers.append(a[-1]) or real(w, *a))
     if block:
         monkeypatch.setattr(jacobians, "_block_steps", lambda *a: block)
-    x = torch.randn(3, 23, 2, dtype=F64)
-    grads = []
-    for m in (ref, ours):
-        xi = x.clone().requires_grad_()
-        out, (h_n, c_n) = m(xi)
-        (out.sin().sum() + h_n.pow(2).sum() + c_n.cos().sum()).backward()
-        grads.append([xi.grad, *(p.grad for p in m.parameters())])
+    grads = _gradients((ref, ours), torch.randn(3, 23, 2, dtype=F64))
     assert len(buffers) == ours.num_layers * (-(-23 // block) if block else 1)
     if block:  # the short last block's buffer, then one grown: per layer
         assert len({d.untyped_storage().data_ptr() for d in buffers}) <= 2 * ours.num_layers
