@@ -104,7 +104,8 @@ def cell_of(mode: str) -> Cell:
 @dataclass(frozen=True)
 class LSTMTape:
     """What an LSTM layer's compiled forward keeps for its fused compiled backward
-    (``numba_scan.lstm_layer_backward``), which otherwise recomputes them (the gates' two GEMMs and
+    (``numba_scan.LSTMWalk``, block by block: ``_lstm_walked``), which otherwise recomputes them
+    (``numba_scan.lstm_layer_backward``) (the gates' two GEMMs and
     activations, then the cell states, most of its time at small H): the activated gates
     (T, B, 4, H; i, f, g, o) and the cell states c_0..c_T (T + 1, B, H). 5H numbers a step and
     sample, fewer than autograd keeps for ``torch.nn.LSTM``."""
@@ -477,9 +478,10 @@ def _fused_layer(
     "auto" on a GPU) and the kernels take the layer and run on its device: the fused Triton kernels
     of an RNN, a GRU or an LSTM (``bppsa_core.triton.rnn_layer_backward`` / ``gru_layer_backward`` /
     ``lstm_layer_backward``, the LSTM's from its gates and cell states recomputed). Where it
-    resolves to "numba" ("auto" on the CPU): an LSTM's fused compiled backward
-    (``numba_scan.lstm_layer_backward``, from the ``tape`` when its forward kept one), and an RNN
-    or GRU walked block by block (``_walked``) where the compiled scan is one chunk. Everything else
+    resolves to "numba" ("auto" on the CPU): an LSTM's fused compiled backward, walked block by block
+    from the ``tape`` when its forward kept one (``_lstm_walked``), else in one call from its gates
+    recomputed (``numba_scan.lstm_layer_backward``), and an RNN or GRU walked block by block
+    (``_walked``) where the compiled scan is one chunk. Everything else
     goes through ``scan``, which also gives the strategies' errors.
     """
     steps, batch, hidden = h.shape
@@ -588,7 +590,7 @@ def _lstm_walked(
     def block(lo: int, hi: int, g_end: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
         batch, hidden = g_end.shape[1:]
         delta = buffer("lstm deltas", (hi - lo, batch, 4 * hidden), g_end)
-        g = torch.empty_like(g_end)  # not in place: g_end may be the caller's, or the last block's
+        g = torch.empty_like(g_end)  # not in place: a walk started over from the end reads g_last again
         walk(lo, hi, g_end, g, delta)
         return (delta, delta), g  # one object: the biases summed once
 

@@ -200,11 +200,10 @@ def _lstm_scan(has_hh, has_b, tiny, scales_h, scales_c, w, diag_hc, diag_cc, dia
 def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
     """The gate gradients delta[k, b] (delta (K, B, 4H): the walk's block of steps, or ``gates``
     itself with k = t: a block of lanes reads its gates before it writes them) and row i of the
-    group's next dc at step t, sample b,
-    from row i of dh and dc (nb, H): ``_lstm_layer``'s loop over a gate's H units in vectors of
-    ``LANES`` (H at least that), the same operations in the same order on every lane, so the same
-    bits. A ragged last block is the window of the last lanes, made from the values before the row
-    and stored last (as ``numba_math.add_hidden``'s)."""
+    group's next dc at step t, sample b, from row i of dh and dc (nb, H): ``_lstm_layer``'s loop
+    over a gate's H units in vectors of ``LANES`` (H at least that), the same operations in the
+    same order on every lane, so the same bits. A ragged last block is the window of the last
+    lanes, made from the values before the row and stored last (as ``numba_math.add_hidden``'s)."""
     arrays = (gates, h, c, delta, dh, dc)
     if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == dh.dtype for a in arrays):
         return None
@@ -431,34 +430,27 @@ def lstm_layer_backward(
     g_c: Tensor,
     u: Tensor | None,
     *,
-    cells: Tensor | None = None,
     flush: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """An LSTM layer's backward in one compiled call: its cell states c_1..c_T from the activated
-    ``gates`` (T, B, 4, H; i, f, g, o) and c0 (B, H) (or ``cells``, c_0..c_T (T + 1, B, H), as the
-    compiled forward kept them), then every sample walked from (g_h, g_c) (B, H), the gradients of
-    h_T and c_T, with ``h`` the layer's outputs h_1..h_T (T, B, H) and ``u`` (T, B, H) the outputs'
-    gradients (or None). The walk forms each step's factors from its gates on the fly (no factor
-    tensors), so this is the whole chain and its pre-activation gradients in one pass.
+    ``gates`` (T, B, 4, H; i, f, g, o) and c0 (B, H), then every sample walked from (g_h, g_c)
+    (B, H), the gradients of h_T and c_T, with ``h`` the layer's outputs h_1..h_T (T, B, H) and
+    ``u`` (T, B, H) the outputs' gradients (or None). The walk forms each step's factors from its
+    gates on the fly (no factor tensors), so this is the whole chain and its pre-activation
+    gradients in one pass.
 
     Returns the gates' pre-activation gradients (T, B, 4H; shared by the input and hidden sides),
-    written over ``gates`` (contiguous) unless ``cells`` are given (kept gates are left as they
-    are), and g_0 = (dL/dh_0, dL/dc_0) (B, 2H). One dtype, float32 or float64; ``flush``: flush
-    subnormal results to 0. ``LSTMWalk`` walks kept gates block by block instead. The plain-PyTorch
+    written over ``gates`` (contiguous), and g_0 = (dL/dh_0, dL/dc_0) (B, 2H). One dtype, float32
+    or float64; ``flush``: flush subnormal results to 0. ``LSTMWalk`` walks a forward's kept gates
+    block by block instead, leaving them as they are. The plain-PyTorch
     twin is the layer's generic path (``LSTMCell.factors``, ``LSTMChain`` and ``scan``), which the
     tests compare it with.
     """
     steps, batch, _, hidden = gates.shape
-    if cells is None:
-        c = gates.new_empty((steps + 1, batch, hidden))
-        c[0] = c0
-        delta = gates.view(steps, batch, 4 * hidden)
-    else:
-        c = cells
-        delta = gates.new_empty((steps, batch, 4 * hidden))
-    g = torch.stack((g_h, g_c))
-    walk = LSTMWalk(gates, h, w_hh, u, c, flush=flush, has_c=cells is not None)
-    walk(0, steps, g, g, delta)
+    c = gates.new_empty((steps + 1, batch, hidden))
+    c[0] = c0
+    g, delta = torch.stack((g_h, g_c)), gates.view(steps, batch, 4 * hidden)
+    LSTMWalk(gates, h, w_hh, u, c, flush=flush, has_c=False)(0, steps, g, g, delta)
     return delta, torch.cat((g[0], g[1]), -1)
 
 
