@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import extended_except, rel_err
 from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case
+from recurrent import assert_same
 
 pytest.importorskip("numba")
 
@@ -114,19 +115,6 @@ def test_threads_change_nothing_in_an_lstm_layer(monkeypatch) -> None:
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def _gradients(models, x: torch.Tensor) -> list[list[torch.Tensor]]:
-    """Each model's gradients of x and its parameters, for a loss on every output, h_n and (an
-    LSTM's) c_n."""
-    grads = []
-    for m in models:
-        xi = x.clone().requires_grad_()
-        out, state = m(xi)
-        h_n, *c_n = state if isinstance(state, tuple) else (state,)
-        (out.sin().sum() + h_n.pow(2).sum() + sum(c.cos().sum() for c in c_n)).backward()
-        grads.append([xi.grad, *(p.grad for p in m.parameters())])
-    return grads
-
-
 @pytest.mark.parametrize("kind", ["RNN", "GRU"])
 @pytest.mark.parametrize(
     ("strategy", "chunk", "block", "walked"),
@@ -153,13 +141,12 @@ def test_a_net_on_the_cpu_runs_the_kernels_and_gives_autograds_gradients(
     )
     if block:
         monkeypatch.setattr(jacobians, "_block_steps", lambda *a: block)
-    grads = _gradients((ref, ours), torch.randn(3, 23, 2, dtype=F64))
+    x = torch.randn(3, 23, 2, dtype=F64, requires_grad=True)
+    assert_same(ref, ours, x, None, [x])
     assert len(walks) == (ours.num_layers if walked else 0)
     assert len(scans) == ours.num_layers * (-(-23 // block) if block else 1)
     if walked and block:  # a walk's blocks share its scratch: the short last block's, then one grown
         assert len({s.untyped_storage().data_ptr() for s in scans}) <= 2 * ours.num_layers
-    for a, b in zip(*grads, strict=True):
-        assert rel_err(a, b) < 1e-10
 
 
 @pytest.mark.parametrize("block", [None, 4])
@@ -175,12 +162,11 @@ def test_an_lstm_walks_its_tape_block_by_block_and_gives_autograds_gradients(mon
     monkeypatch.setattr(numba_scan.LSTMWalk, "__call__", lambda w, *a: buffers.append(a[-1]) or real(w, *a))
     if block:
         monkeypatch.setattr(jacobians, "_block_steps", lambda *a: block)
-    grads = _gradients((ref, ours), torch.randn(3, 23, 2, dtype=F64))
+    x = torch.randn(3, 23, 2, dtype=F64, requires_grad=True)
+    assert_same(ref, ours, x, None, [x])
     assert len(buffers) == ours.num_layers * (-(-23 // block) if block else 1)
     if block:  # the short last block's buffer, then one grown: per layer
         assert len({d.untyped_storage().data_ptr() for d in buffers}) <= 2 * ours.num_layers
-    for a, b in zip(*grads, strict=True):
-        assert rel_err(a, b) < 1e-10
 
 
 def test_a_walk_takes_its_blocks_from_the_end() -> None:
