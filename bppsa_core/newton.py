@@ -34,6 +34,12 @@ previous change``). ``tol`` defaults by dtype (``DEFAULT_TOL``). A solve that re
 without converging, or whose change is not finite, reports ``converged=False``; the layer then runs
 the native sequential forward instead (``bppsa_core.layer.solved_forward``), so a state is never
 silently wrong.
+
+The stopping rule runs on the device (``_Watch``): the host never waits on an iteration it has just
+queued. On a GPU it reads the flag of the iteration ``LOOKAHEAD`` before the one it has queued, so
+the device always has work while the host decides, and an iterate stops changing once its flag is
+set: the iterations queued past it leave it as it was, and the result is the one a check after
+every iteration gives.
 """
 
 from __future__ import annotations
@@ -122,16 +128,26 @@ def solve(
     """
     if options.method not in ("newton", "quasi-newton"):
         raise ValueError(f"solve() runs the Newton methods; got forward_solver {options.method!r}")
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"forward_solver={options.method!r} cannot be captured in a CUDA graph: whether it converged "
+            "decides on the host between its states and the native forward; capture with "
+            "forward_solver='native'"
+        )
     steps = x.shape[0]
-    tol = options.tolerance(x.dtype)
     with torch.no_grad():
         lo, hi = cell.bounds(s0, steps)
-        s = s0.new_zeros((steps, *s0.shape)) if guess is None else guess.to(s0.dtype, copy=True)
+        states = s0.new_empty((steps + 1, *s0.shape))  # s_0 .. s_T: the previous states are a view
+        states[0] = s0
+        s, prev = states[1:], states[:-1]
+        if guess is None:
+            s.zero_()
+        else:
+            s.copy_(guess)
         s.clamp_(lo, hi)
         zero = torch.zeros_like(s0)
-        change, last = math.inf, math.inf
-        for k in range(1, options.max_iters + 1):
-            prev = torch.cat((s0.unsqueeze(0), s[:-1]))
+        watch = _Watch(options.method, options.tolerance(x.dtype), x.device)
+        for _ in range(options.max_iters):
             new, factors = cell.step(x, prev, w, keep)
             residual = new.sub_(s)
             if options.method == "newton":
@@ -140,19 +156,74 @@ def solve(
                 a = cell.chain(factors, w).diagonals().expand_as(residual)
                 d = elementwise_recurrence(a, residual, zero)
             new = d.nan_to_num_(nan=0.0).add_(s).clamp_(lo, hi)  # the projected iterate
-            change = _max_abs(new - s)
-            s = new
-            if not math.isfinite(change):
-                return s, SolveStats(k, False, change)
-            error = change
-            if options.method == "quasi-newton":
-                rate = change / last if last > 0 else 0.0
-                error = max(change, change * rate / (1 - rate)) if rate < 1 else math.inf
-            if error <= tol or error <= tol * _max_abs(s):  # tol * max(1, max |h|); the pass only when needed
-                return s, SolveStats(k, True, change)
-            last = change
-    return s, SolveStats(options.max_iters, False, change)
+            active = watch.judge(_max_abs(new - s), _max_abs(new))
+            if watch.lookahead:
+                torch.where(active, new, s, out=s)  # frozen once the rule has stopped
+            else:  # read at once: every iteration run counts
+                s.copy_(new)
+            if watch.stopped():
+                break
+        return s, watch.stats()
 
 
-def _max_abs(t: Tensor) -> float:
-    return float(t.abs().max()) if t.numel() else 0.0
+# How many iterations the host queues past the one whose convergence flag it reads, by device type
+# (others: the GPU's): a GPU keeps one iteration of work while the host waits for the flag
+# (``benchmarks.forward --tables newton`` times it); a CPU computes as it queues, so it reads at once.
+LOOKAHEAD = {"cpu": 0, "cuda": 1}
+
+
+class _Watch:
+    """The stopping rule, kept on the device: a float64 record (stopped, iterations, converged,
+    change, last change) that each iteration updates while it is not stopped, and the host reads
+    ``lookahead`` iterations late (``LOOKAHEAD``) through pinned memory, so it never waits on an
+    iteration it has just queued."""
+
+    def __init__(self, method: str, tol: float, device: torch.device) -> None:
+        self.quasi, self.tol = method == "quasi-newton", tol
+        self.record = torch.tensor([0.0, 0.0, 0.0, math.nan, math.inf], dtype=torch.float64, device=device)
+        self.lookahead = LOOKAHEAD.get(device.type, LOOKAHEAD["cuda"])
+        self.queued: list[tuple[Tensor, torch.cuda.Event | None]] = []
+
+    def judge(self, change: Tensor, size: Tensor) -> Tensor:
+        """Record one iteration's largest change and largest |state| (0-d tensors) unless the rule
+        has stopped; return whether it had not (a 0-d bool tensor: the iteration counts)."""
+        stopped, iterations, _, _, last = self.record.unbind()
+        change, size = change.to(torch.float64), size.to(torch.float64)
+        error = change
+        if self.quasi:  # linear convergence: the error left is change * rate / (1 - rate)
+            rate = torch.where(last > 0, change / last, 0.0)
+            error = torch.where(rate < 1, torch.maximum(change, change * rate / (1 - rate)), math.inf)
+        finite = change.isfinite()
+        converged = finite & ((error <= self.tol) | (error <= self.tol * size))  # tol * max(1, max |h|)
+        active = stopped == 0
+        flags = (converged | ~finite, converged)
+        judged = torch.stack((flags[0].double(), iterations + 1, flags[1].double(), change, change))
+        torch.where(active, judged, self.record, out=self.record)
+        return active
+
+    def stopped(self) -> bool:
+        """Whether the rule had stopped ``lookahead`` iterations ago (False before that many)."""
+        if self.record.is_cuda:  # copied as the stream reaches it; read once its event has passed
+            flag = torch.empty((), dtype=torch.float64, pin_memory=True)
+            flag.copy_(self.record[0], non_blocking=True)
+            reached = torch.cuda.Event()
+            reached.record()
+        else:
+            flag, reached = self.record[0].clone(), None
+        self.queued.append((flag, reached))
+        if len(self.queued) <= self.lookahead:
+            return False
+        flag, reached = self.queued.pop(0)
+        if reached is not None:
+            reached.synchronize()
+        return bool(flag)
+
+    def stats(self) -> SolveStats:
+        """What the solve took, from the record (one read)."""
+        _, iterations, converged, change, _ = self.record.tolist()
+        return SolveStats(int(iterations), bool(converged), change)
+
+
+def _max_abs(t: Tensor) -> Tensor:
+    """max |t| as a 0-d tensor on t's device (NaN if any is), 0 for an empty t."""
+    return t.abs().amax() if t.numel() else t.new_zeros(())

@@ -147,3 +147,16 @@ def test_make_graphed_callables_takes_a_bppsa_model(kind) -> None:
         results.append(_train(eager if model is eager else net, step, batches))
     for a, b in zip(*results, strict=True):
         assert rel_err(a, b) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("solver", ["newton", "quasi-newton"])
+def test_a_newton_forward_refuses_capture_in_one_line(solver) -> None:
+    """Whether a Newton solve converged decides on the host between its states and the native
+    forward, which a graph cannot replay: the capture is refused by name, not broken mid-way."""
+    net = Net("gru", forward_solver=solver).to("cuda")
+    x = _batches("cuda", n=1)[0][0]
+    net(x)  # eagerly it runs
+    refused = f"forward_solver='{solver}' cannot be captured in a CUDA graph"
+    with pytest.raises(RuntimeError, match=refused), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        net(x)

@@ -255,3 +255,42 @@ def test_solve_refuses_the_native_method() -> None:
         x = torch.zeros(3, 1, 1, dtype=F64)
         w = LayerWeights(torch.zeros(1, 1, dtype=F64), torch.zeros(1, 1, dtype=F64))
         solve(RNNCell(), x, torch.zeros(1, 1, dtype=F64), w, None, SolverOptions(), ScanOptions())
+
+
+@pytest.mark.parametrize("solver", NEWTON)
+@pytest.mark.parametrize("lookahead", [1, 3])
+def test_reading_the_stopping_flag_late_changes_nothing_but_the_iterations_queued(
+    solver: str, lookahead: int, monkeypatch
+) -> None:
+    """As on a GPU, the host reads the flag ``lookahead`` iterations late: the iterations queued past
+    the stop leave the iterate as it was, so states and stats are those of a check after every
+    iteration, bit for bit, and exactly ``lookahead`` more cell evaluations ran (fewer at the cap)."""
+    from bppsa_core import newton
+
+    cell = GRUCell()
+    g = torch.Generator().manual_seed(4)
+    steps, batch, inp, hidden = 50, 3, 2, 6
+    w = LayerWeights(
+        *(torch.randn(s, generator=g, dtype=F64) * 0.4 for s in [(18, inp), (18, hidden), (18,), (18,)])
+    )
+    x = torch.randn(steps, batch, inp, generator=g, dtype=F64)
+    s0 = torch.randn(batch, hidden, generator=g, dtype=F64)
+    steps_run = []
+    real_step = GRUCell.step
+    monkeypatch.setattr(GRUCell, "step", lambda *a, **k: steps_run.append(1) or real_step(*a, **k))
+
+    def run(late: int, cap: int = 100) -> tuple[torch.Tensor, newton.SolveStats, int]:
+        monkeypatch.setitem(newton.LOOKAHEAD, "cpu", late)
+        steps_run.clear()
+        s, stats = solve(cell, x, s0, w, None, SolverOptions(solver, max_iters=cap), ScanOptions())
+        return s, stats, len(steps_run)
+
+    s, stats, evaluations = run(0)
+    assert stats.converged and evaluations == stats.iterations > 2
+    s_late, stats_late, evaluations_late = run(lookahead)
+    assert torch.equal(s, s_late) and stats_late == stats
+    assert evaluations_late == evaluations + lookahead
+    cap = stats.iterations - 1  # stops at the cap, not converged: nothing queued past it
+    capped = run(0, cap)[1:]
+    assert run(lookahead, cap)[1:] == capped and capped[0].iterations == capped[1] == cap
+    assert not capped[0].converged
