@@ -61,6 +61,8 @@ SM_LIMITS = {
     89: (102400, 101376, 48),
     90: (233472, 232448, 64),
 }
+# Pointer arguments to float64 (a Newton solve's stopping record); every other points to float32.
+FLOAT64_POINTERS = ("record_ptr",)
 # What ``triton.compile`` takes besides the kernel: signature, constexprs by name, attributes.
 Inputs = tuple[dict[str, str], dict[str, Any], dict]
 
@@ -159,6 +161,7 @@ def launch_configs() -> list[KernelConfig]:
                     KernelConfig(role, "LSTM", 4, has_hh, affine, fused, hidden, launch)
                     for role, launch in launches.items()
                 ]
+    found += newton_configs(MAX_HIDDEN)
     unique: dict[tuple, KernelConfig] = {}
     for config in found:
         launch = config.launch
@@ -171,6 +174,40 @@ def launch_configs() -> list[KernelConfig]:
         )
         unique.setdefault(key, config)
     return list(unique.values())
+
+
+def newton_configs(largest: int) -> list[KernelConfig]:
+    """A Newton iteration's kernels (``bppsa_core.triton.newton``): the RNN's residual (tanh, relu) and
+    the GRU's (by how Triton specializes its int H: 1, a multiple of 16, the rest), the update reading
+    the corrections in time order or reversed, the decision for Newton and quasi-Newton. The update
+    and the decision serve any width, so every H up to ``largest`` is listed for them."""
+    from bppsa_core.triton import newton
+
+    every = tuple(range(1, largest + 1))
+    gru = [(1,), tuple(h for h in every if h % 16 == 0), tuple(h for h in every if h > 1 and h % 16)]
+
+    def config(role: str, mode: str, hidden: tuple[int, ...], launch: Launch) -> KernelConfig:
+        return KernelConfig(role, mode, 0, False, False, False, hidden, launch)
+
+    rnn = (("tanh", chunk_scan.TANH.value), ("relu", chunk_scan.RELU.value))
+    configs = [
+        config("residual", f"{name} residual", every, newton.newton_launches(act, False, False)["residual"])
+        for name, act in rnn
+    ]
+    configs += [
+        config("residual", "gru residual", hidden, newton.newton_launches(None, False, False)["residual"])
+        for hidden in gru
+    ]
+    for flag, (update_mode, decide_mode) in (
+        (False, ("d in time order", "newton")),
+        (True, ("d reversed", "quasi-newton")),
+    ):
+        launches = newton.newton_launches(None, flag, flag)
+        configs += [
+            config("update", update_mode, every, launches["update"]),
+            config("decide", decide_mode, every, launches["decide"]),
+        ]
+    return configs
 
 
 # ------------------------------------------------------------------------------------------ compile
@@ -197,7 +234,7 @@ def compile_inputs(config: KernelConfig, arch: int) -> Inputs:
             for i in range(config.launch.sources):
                 attrs[(param.num, i)] = backend.parse_attr("D")
         elif name.endswith("_ptr"):
-            signature[name] = "*fp32"
+            signature[name] = "*fp64" if name in FLOAT64_POINTERS else "*fp32"
             attrs[(param.num,)] = backend.parse_attr("D")
         elif param.do_not_specialize:
             signature[name] = "i32"
@@ -343,6 +380,10 @@ def iterations(role: str, length: int, chunk: int) -> list[int]:
         return [length - (p - 1) * chunk, max(p - 2, 0)]
     if role == "cells":  # an LSTM's cell states: tiles of CELL_STEPS steps
         return [math.ceil(length / CELL_STEPS)]
+    if role in ("residual", "update"):  # pointwise: one element each, no loop
+        return []
+    if role == "decide":  # its partials, a block of 1,024 a pass: one pass up to 2^20 states
+        return [1]
     return [chunk]
 
 
@@ -387,7 +428,7 @@ def row(
         "diag": config.diag,
         "affine": config.affine,
         "fused": config.fused,
-        "HP": config.launch.constexprs["HP"],
+        "HP": config.launch.constexprs.get("HP", "-"),  # "-": a pointwise kernel, no padded H
         "H": list(config.hidden),
         "warps": warps,
         "arch": arch,

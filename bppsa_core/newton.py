@@ -134,7 +134,43 @@ def solve(
             "decides on the host between its states and the native forward; capture with "
             "forward_solver='native'"
         )
+    kernels = _kernels_run(scan_options.strategy, x, s0, w)
+    if not kernels:
+        return _solve(cell, x, s0, w, keep, options, scan_options, guess, kernels=False)
+    return dispatch.with_kernels(
+        scan_options.strategy,
+        x.device,
+        lambda: _solve(cell, x, s0, w, keep, options, scan_options, guess, kernels=True),
+        lambda: _solve(cell, x, s0, w, keep, options, scan_options, guess, kernels=False),
+    )
+
+
+def _kernels_run(strategy: str, x: Tensor, s0: Tensor, w: LayerWeights) -> bool:
+    """Whether a solve's iterations end in the Triton kernels (``bppsa_core.triton.newton``): the
+    strategy "triton" where they run, or "auto" on a GPU where they work, with float32 tensors."""
+    tensors = (x, s0, *(t for t in vars(w).values() if t is not None))
+    if any(t.dtype != torch.float32 for t in tensors) or not dispatch.triton_installed():
+        return False
+    if strategy == "triton":
+        return dispatch.runs_on("triton", x.device)
+    return strategy == "auto" and dispatch.kernels_usable(x.device)
+
+
+def _solve(
+    cell: Cell,
+    x: Tensor,
+    s0: Tensor,
+    w: LayerWeights,
+    keep: Tensor | None,
+    options: SolverOptions,
+    scan_options: ScanOptions,
+    guess: Tensor | None,
+    kernels: bool,
+) -> tuple[Tensor, SolveStats]:
+    """``solve``; ``kernels``: each iteration ends in the Triton kernels, and a tanh/relu RNN's or
+    GRU's Newton iteration runs in them whole (``triton.newton.FusedIteration``)."""
     steps = x.shape[0]
+    quasi = options.method == "quasi-newton"
     with torch.no_grad():
         lo, hi = cell.bounds(s0, steps)
         states = s0.new_empty((steps + 1, *s0.shape))  # s_0 .. s_T: the previous states are a view
@@ -146,24 +182,71 @@ def solve(
             s.copy_(guess)
         s.clamp_(lo, hi)
         zero = torch.zeros_like(s0)
-        watch = _Watch(options.method, options.tolerance(x.dtype), x.device)
+        watch = _Watch(options.tolerance(x.dtype), x.device)
+        fused = None
+        if kernels:
+            from bppsa_core.triton import newton as newton_kernels
+
+            if newton_kernels.takes(cell, options.method, keep, w):
+                chunk = scan_options.chunk
+                fused = newton_kernels.FusedIteration(cell, x, w, states, lo, hi, watch.record, chunk)
         for _ in range(options.max_iters):
-            new, factors = cell.step(x, prev, w, keep)
-            residual = new.sub_(s)
-            if options.method == "newton":
-                d = forward_scan(cell.tangent_chain(factors, w), zero, residual, scan_options)[1:]
+            if fused is not None:
+                fused()
             else:
-                a = cell.chain(factors, w).diagonals().expand_as(residual)
-                d = elementwise_recurrence(a, residual, zero)
-            new = d.nan_to_num_(nan=0.0).add_(s).clamp_(lo, hi)  # the projected iterate
-            active = watch.judge(_max_abs(new - s), _max_abs(new))
-            if watch.lookahead:
-                torch.where(active, new, s, out=s)  # frozen once the rule has stopped
-            else:  # read at once: every iteration run counts
-                s.copy_(new)
+                new, factors = cell.step(x, prev, w, keep)
+                residual = new.sub_(s)
+                if quasi:
+                    a = cell.chain(factors, w).diagonals().expand_as(residual)
+                    d = elementwise_recurrence(a, residual, zero)
+                else:
+                    d = forward_scan(cell.tangent_chain(factors, w), zero, residual, scan_options)[1:]
+                if kernels:
+                    newton_kernels.newton_update(s, d.contiguous(), lo, hi, watch.record, quasi, False)
+                else:  # read at once (lookahead 0): every iteration run counts, none to freeze
+                    update(s, d, lo, hi, watch.record, quasi, freeze=watch.lookahead > 0)
             if watch.stopped():
                 break
         return s, watch.stats()
+
+
+# The stopping rule's record, float64 on the device: its entries.
+STOPPED, ITERATIONS, CONVERGED, CHANGE, LAST, TOL = range(6)
+
+
+def judge(record: Tensor, change: Tensor, size: Tensor, quasi: bool) -> Tensor:
+    """The stopping rule on one iteration's largest change and largest |state| (0-d tensors, a NaN
+    counted as infinite), written into ``record`` unless it says stopped; returns whether it did not
+    (a 0-d bool tensor: the iteration counts). Stop when the error estimate, the change (Newton) or
+    max(change, change rate / (1 - rate)) (``quasi``, at rate change / last change), is at most
+    tol max(1, max |s|), or when the change is not finite."""
+    stopped, iterations, _, _, last, tol = record.unbind()
+    change, size = (torch.where(t.isnan(), math.inf, t.to(torch.float64)) for t in (change, size))
+    error = change
+    if quasi:  # linear convergence: the error left is change * rate / (1 - rate)
+        rate = torch.where(last > 0, change / last, 0.0)
+        error = torch.where(rate < 1, torch.maximum(change, change * rate / (1 - rate)), math.inf)
+    finite = change.isfinite()
+    converged = finite & ((error <= tol) | (error <= tol * size))  # tol * max(1, max |s|)
+    active = stopped == 0
+    stop = converged | ~finite
+    judged = torch.stack((stop.double(), iterations + 1, converged.double(), change, change, tol))
+    torch.where(active, judged, record, out=record)
+    return active
+
+
+def update(
+    s: Tensor, d: Tensor, lo: Tensor, hi: Tensor, record: Tensor, quasi: bool, freeze: bool = True
+) -> None:
+    """s <- clamp(s + d, lo, hi), a correction that is not a number dropped (``torch.nan_to_num``),
+    and the stopping rule (``judge``) into ``record``; ``freeze``: s left as it was once the record
+    says stopped (False where the caller never runs past the stop)."""
+    new = d.nan_to_num(nan=0.0).add_(s).clamp_(lo, hi)  # the projected iterate
+    active = judge(record, _max_abs(new - s), _max_abs(new), quasi)
+    if freeze:
+        torch.where(active, new, s, out=s)
+    else:
+        s.copy_(new)
 
 
 # How many iterations the host queues past the one whose convergence flag it reads, by device type
@@ -173,43 +256,26 @@ LOOKAHEAD = {"cpu": 0, "cuda": 1}
 
 
 class _Watch:
-    """The stopping rule, kept on the device: a float64 record (stopped, iterations, converged,
-    change, last change) that each iteration updates while it is not stopped, and the host reads
+    """The stopping rule's record (``judge``: stopped, iterations, converged, change, last change,
+    tol) on the device, which each iteration updates while it says running; the host reads its flag
     ``lookahead`` iterations late (``LOOKAHEAD``) through pinned memory, so it never waits on an
     iteration it has just queued."""
 
-    def __init__(self, method: str, tol: float, device: torch.device) -> None:
-        self.quasi, self.tol = method == "quasi-newton", tol
-        self.record = torch.tensor([0.0, 0.0, 0.0, math.nan, math.inf], dtype=torch.float64, device=device)
+    def __init__(self, tol: float, device: torch.device) -> None:
+        start = [0.0, 0.0, 0.0, math.nan, math.inf, tol]
+        self.record = torch.tensor(start, dtype=torch.float64, device=device)
         self.lookahead = LOOKAHEAD.get(device.type, LOOKAHEAD["cuda"])
         self.queued: list[tuple[Tensor, torch.cuda.Event | None]] = []
-
-    def judge(self, change: Tensor, size: Tensor) -> Tensor:
-        """Record one iteration's largest change and largest |state| (0-d tensors) unless the rule
-        has stopped; return whether it had not (a 0-d bool tensor: the iteration counts)."""
-        stopped, iterations, _, _, last = self.record.unbind()
-        change, size = change.to(torch.float64), size.to(torch.float64)
-        error = change
-        if self.quasi:  # linear convergence: the error left is change * rate / (1 - rate)
-            rate = torch.where(last > 0, change / last, 0.0)
-            error = torch.where(rate < 1, torch.maximum(change, change * rate / (1 - rate)), math.inf)
-        finite = change.isfinite()
-        converged = finite & ((error <= self.tol) | (error <= self.tol * size))  # tol * max(1, max |h|)
-        active = stopped == 0
-        flags = (converged | ~finite, converged)
-        judged = torch.stack((flags[0].double(), iterations + 1, flags[1].double(), change, change))
-        torch.where(active, judged, self.record, out=self.record)
-        return active
 
     def stopped(self) -> bool:
         """Whether the rule had stopped ``lookahead`` iterations ago (False before that many)."""
         if self.record.is_cuda:  # copied as the stream reaches it; read once its event has passed
             flag = torch.empty((), dtype=torch.float64, pin_memory=True)
-            flag.copy_(self.record[0], non_blocking=True)
+            flag.copy_(self.record[STOPPED], non_blocking=True)
             reached = torch.cuda.Event()
             reached.record()
         else:
-            flag, reached = self.record[0].clone(), None
+            flag, reached = self.record[STOPPED].clone(), None
         self.queued.append((flag, reached))
         if len(self.queued) <= self.lookahead:
             return False
@@ -220,7 +286,7 @@ class _Watch:
 
     def stats(self) -> SolveStats:
         """What the solve took, from the record (one read)."""
-        _, iterations, converged, change, _ = self.record.tolist()
+        _, iterations, converged, change, _, _ = self.record.tolist()
         return SolveStats(int(iterations), bool(converged), change)
 
 

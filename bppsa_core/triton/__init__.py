@@ -17,6 +17,9 @@ Modules, one a job:
 * ``lstm``: an LSTM's chain over (h, c): ``lstm_scan``, and the fused layer backward
   ``lstm_layer_backward``, which forms the elements in the kernels from the gates and the cell
   states (``lstm_cells``, a fourth launch);
+* ``newton``: a Newton iteration of a layer's forward (``bppsa_core.newton``): a tanh/relu RNN's or
+  GRU's cell, residual and Jacobian factors in one pointwise kernel, written as the transposed
+  chain's scan reads them, and the projected update and stopping rule on the device (``FusedIteration``);
 * ``launch``: each kernel's compile settings (``Launch``), the run-time loop bounds and the three
   launches. ``benchmarks.kernels`` lists every configuration the modules can launch and compiles it
   for sm_80 and sm_90 without a GPU.

@@ -16,11 +16,11 @@ import triton.language as tl
 from torch import Tensor
 
 # The loops' bounds (chunk size C, remainder REM, aggregate count NAGG, an LSTM's steps T for its
-# cell states): run-time arguments. Triton's interpreter (the CPU tests) turns an int argument into a
-# 1-element NumPy array, which ``range`` cannot take as a bound with NumPy 2 (``int()`` of a 1-d array
-# is an error there), and passes a ``tl.constexpr`` object through as it is; so under the interpreter
-# ``Launch.run`` hands them in so.
-BOUNDS = ("C", "REM", "NAGG", "T")
+# cell states, a Newton iteration's partial count P): run-time arguments. Triton's interpreter (the
+# CPU tests) turns an int argument into a 1-element NumPy array, which ``range`` cannot take as a
+# bound with NumPy 2 (``int()`` of a 1-d array is an error there), and passes a ``tl.constexpr``
+# object through as it is; so under the interpreter ``Launch.run`` hands them in so.
+BOUNDS = ("C", "REM", "NAGG", "T", "P")
 # Integer arguments that change with the data (lengths, the chunk size, the batch, the scales' strides):
 # never specialized on their values, so one binary serves every sequence length, chunk size and batch
 # (Triton would otherwise compile again whenever one is 1 or turns a multiple of 16). Only H, fixed

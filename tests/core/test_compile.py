@@ -30,10 +30,22 @@ from benchmarks import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90)
-LOOPS = {"reduce": 1, "spine": 2, "expand": 1, "cells": 1}  # the loops each kernel's source has
+# the loops each kernel's source has (a Newton iteration's pointwise kernels none, its decision one)
+LOOPS = {"reduce": 1, "spine": 2, "expand": 1, "cells": 1, "residual": 0, "update": 0, "decide": 1}
 SCAN = ("reduce", "spine", "expand")
 KERNELS = {mode: {f"_{role}" for role in SCAN} for mode in ("SCALES", "SCALES_T", "TANH", "RELU", "GRU")}
-KERNELS["LSTM"] = {f"_lstm_{role}" for role in LOOPS}  # and its cell states' kernel
+KERNELS["LSTM"] = {f"_lstm_{role}" for role in (*SCAN, "cells")}  # and its cell states' kernel
+KERNELS |= {
+    "tanh residual": {"_rnn_residual"},
+    "relu residual": {"_rnn_residual"},
+    "gru residual": {"_gru_residual"},
+}
+KERNELS |= {
+    "d in time order": {"_update"},
+    "d reversed": {"_update"},
+    "newton": {"_decide"},
+    "quasi-newton": {"_decide"},
+}
 
 
 def compiled_env() -> dict[str, str]:
@@ -85,7 +97,7 @@ def check_rows(rows: list[dict]) -> None:
         shared = r["shared"] + r["triton_shared"]
         if shared > kernels.SM_LIMITS[r["arch"]][1] or r["warps_per_sm"] < 4:
             bad.append(f"{where}: {shared} shared bytes, {r['warps_per_sm']} warps per SM")
-        if len(r["loops"]) != LOOPS[r["role"]] or min(r["loops"]) <= 0 or r["estimate"] is None:
+        if len(r["loops"]) != LOOPS[r["role"]] or any(n <= 0 for n in r["loops"]) or r["estimate"] is None:
             bad.append(f"{where}: loops {r['loops']}, expected {LOOPS[r['role']]}")
     assert not bad, "\n".join(bad)
 
@@ -149,6 +161,7 @@ def test_every_configuration_compiles_for_both_archs_without_spills(tmp_path) ->
 BOUNDS_CHECK = r"""
 import json, torch, triton
 from bppsa_core import triton as ts
+from bppsa_core.triton import newton as newton_kernels
 from bppsa_core.chain import FactoredChain, LSTMChain
 from benchmarks import kernels as K
 
@@ -167,6 +180,9 @@ def calls(n, b, chunk):
         "lstm layer H=20": lambda: ts.lstm_layer_backward(
             r(n, b, 4, 20), r(n + 1, b, 20), r(80, 20), r(b, 20), r(b, 20), r(n, b, 20), chunk),
         "lstm cells H=20": lambda: ts.lstm_cells(r(n, b, 4, 20), r(b, 20)),
+        "newton update H=20": lambda: newton_kernels.newton_update(
+            r(n, b, 20), r(n + 1, b, 20), -r(b, 20), r(b, 20), torch.zeros(6, dtype=torch.float64), False,
+            True),
     }
 
 report = {}
@@ -177,7 +193,7 @@ for name, call in calls(1000, 3, 32).items():
     for (launch, args), (launch2, args2) in zip(first, second, strict=True):
         role = launch.kernel.__name__
         inputs = K.jit_inputs(launch, args, 90)
-        bounds = {k: (args[k], args2[k]) for k in ("C", "REM", "NAGG", "N", "T", "B") if k in args}
+        bounds = {k: (args[k], args2[k]) for k in ("C", "REM", "NAGG", "N", "T", "B", "BH", "P") if k in args}
         cubins = [
             triton.compile(triton.compiler.ASTSource(l.kernel, *K.jit_inputs(l, a, 90)),
                            target=triton.backends.compiler.GPUTarget("cuda", 90, 32),
@@ -206,7 +222,9 @@ def test_loop_bounds_are_not_compiled_in_and_the_test_compiles_what_a_launch_com
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
-    assert len(report) == 16  # 5 calls x (reduce, spine, expand), and the cell states
+    assert (
+        len(report) == 18
+    )  # 5 calls x (reduce, spine, expand), the cell states, a Newton update and decision
     for where, r in report.items():
         assert all(a != b for a, b in r["bounds"].values()), (where, r["bounds"])  # they did differ
         assert r["same_launch"] and r["same_jit_inputs"] and r["same_cubin"], where

@@ -123,6 +123,7 @@ def test_kernels_match_the_chunked_twin_on_transposed_chains_on_a_gpu(
 def test_newton_iterations_and_tangents_take_the_transposed_kernels(monkeypatch, kind) -> None:
     """With strategy="triton", a Newton forward's solves and a tangent are the SCALES_T kernels."""
     from bppsa_core import triton as ts
+    from bppsa_core.triton import newton as newton_kernels
 
     torch.manual_seed(0)
     ref = getattr(torch.nn, kind)(2, 6)
@@ -130,7 +131,8 @@ def test_newton_iterations_and_tangents_take_the_transposed_kernels(monkeypatch,
     ours.load_state_dict(ref.state_dict())
     calls = []
     kernel = ts.factored_scan
-    monkeypatch.setattr(ts, "factored_scan", lambda *a: calls.append(a[0].transposed) or kernel(*a))
+    for module in (ts, newton_kernels):  # a tangent's scan; a Newton iteration's, in its fused iteration
+        monkeypatch.setattr(module, "factored_scan", lambda *a: calls.append(a[0].transposed) or kernel(*a))
     x = torch.randn(23, 2, 2, generator=torch.Generator().manual_seed(0))
     assert (ours(x)[0] - ref(x)[0]).abs().max() < 1e-5
     assert calls and all(calls), calls  # every Newton iteration, transposed

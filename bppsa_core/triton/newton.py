@@ -1,0 +1,337 @@
+"""A Newton iteration of a layer's forward (``bppsa_core.newton``) in Triton kernels, each beside its
+plain-PyTorch reference (``*_ref``).
+
+The states s_0..s_T sit in one (T + 1, B, S) buffer, so the previous states are a view of it. An
+iteration of a tanh/relu RNN or a GRU (``FusedIteration``) is seven launches and no host sync:
+
+1. the hidden GEMM (cuBLAS, into a kept buffer): an RNN's pre-activations x W_ih^T + b_ih + b_hh +
+   s_{t-1} W_hh^T, the input part made once per solve; a GRU's s_{t-1} W_hh^T + b_hh;
+2. ``_rnn_residual`` / ``_gru_residual``: the cell at every step, its residual f(x_t, s_{t-1}) - s_t
+   and the factors of its Jacobian, written in reversed time order, as the transposed chain's scan
+   reads them (no flips);
+3. the transposed chunked scan, three launches (``chunk_scan.factored_scan``): the corrections d_t;
+4. ``_update``: s_t <- clamp(s_t + d_t, lo, hi), a NaN correction dropped and an infinite one cut to
+   the largest float (``torch.nan_to_num``), and per program the largest change and |state|;
+5. ``_decide``: one program folds those into the stopping rule's record (``newton.judge``).
+
+Any other layer (an LSTM, quasi-Newton, packed sequences) takes only steps 4 and 5
+(``newton_update``) after its own cell evaluation and scan. Every kernel reads the record first and
+does nothing once it says stopped, so iterations queued past the stop leave the states as they were.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from bppsa_core import dispatch
+from bppsa_core.chain import FactoredChain
+from bppsa_core.jacobians import GRUCell, LayerWeights, RNNCell
+from bppsa_core.triton.chunk_scan import RELU, TANH, factored_scan
+from bppsa_core.triton.launch import Launch
+
+BLOCK = 1024  # elements a program of the pointwise kernels takes
+WARPS = (
+    8  # 4 elements a thread: the GRU residual at 4 warps took 146 registers (python -m benchmarks.kernels)
+)
+FLOAT_MAX = tl.constexpr(
+    3.4028234663852886e38
+)  # float32's largest: where torch.nan_to_num cuts an infinite correction
+# The stopping rule's record (``bppsa_core.newton.judge``), float64: its entries, for the kernels.
+STOPPED, ITERATIONS, CONVERGED, CHANGE, LAST, TOL = (tl.constexpr(i) for i in range(6))
+NEWTON_SIZES = ("N", "BH", "P")  # run-time sizes, never specialized on
+
+
+@triton.jit
+def _rows(idx, N, BH):
+    """The element in reversed time order of each flat index of a (T, B, S) tensor, S = BH / B:
+    (T - 1 - t) B S + j for idx = t B S + j."""
+    t = idx // BH
+    return (N - BH) - t * BH + (idx - t * BH)
+
+
+@triton.jit
+def _running(record_ptr, idx):
+    """Per lane of ``idx``, whether the record says running (the flag read at every lane: Triton's
+    interpreter cannot combine a scalar with a vector mask)."""
+    return tl.load(record_ptr + 0 * idx) == 0
+
+
+@triton.jit(do_not_specialize=NEWTON_SIZES)
+def _rnn_residual(
+    pre_ptr, s_ptr, record_ptr, res_ptr, fp_ptr,  # pointers: pre-activations, states, record read; written
+    N, BH,  # sizes: T B H, B H
+    ACT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """h = f(z) at every step, the residual h - s and f'(z) read off h (1 - h^2, or [not h <= 0] as
+    autograd's relu backward), both written at the step's reversed row."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = (idx < N) & _running(record_ptr, idx)
+    z = tl.load(pre_ptr + idx, mask=live, other=0.0)
+    if ACT == TANH:
+        h = 2.0 * tl.sigmoid(2.0 * z) - 1.0
+        fp = 1.0 - h * h
+    else:
+        h = tl.where(z > 0, z, tl.where(z != z, z, 0.0))  # relu; NaN passes, as torch.relu's
+        fp = tl.where(h <= 0, 0.0, 1.0)
+    rev = _rows(idx, N, BH)
+    tl.store(res_ptr + rev, h - tl.load(s_ptr + idx, mask=live, other=0.0), mask=live)
+    tl.store(fp_ptr + rev, fp, mask=live)
+
+
+@triton.jit(do_not_specialize=NEWTON_SIZES)
+def _gru_residual(
+    gi_ptr, gh_ptr, prev_ptr, s_ptr, record_ptr,  # pointers read: gate pre-activations, states, record
+    res_ptr, scales_ptr, diag_ptr,  # pointers written
+    N, BH, H,  # sizes: T B H, B H, H
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The GRU's h = n + z (s_{t-1} - n) from gi = W_ih x + b_ih and gh = W_hh s_{t-1} + b_hh (rows
+    r, z, n), the residual h - s, and the Jacobian's scales (dn m r (1 - r), (s_{t-1} - n) z (1 - z),
+    dn r; dn = (1 - z)(1 - n^2)) and diagonal z, as ``GRUCell.factors``, at the reversed row."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = (idx < N) & _running(record_ptr, idx)
+    row = idx // H
+    col = idx - row * H
+    gates = row * 3 * H + col
+    i_r = tl.load(gi_ptr + gates, mask=live, other=0.0)
+    i_z = tl.load(gi_ptr + gates + H, mask=live, other=0.0)
+    i_n = tl.load(gi_ptr + gates + 2 * H, mask=live, other=0.0)
+    r = tl.sigmoid(i_r + tl.load(gh_ptr + gates, mask=live, other=0.0))
+    z = tl.sigmoid(i_z + tl.load(gh_ptr + gates + H, mask=live, other=0.0))
+    m = tl.load(gh_ptr + gates + 2 * H, mask=live, other=0.0)
+    n = 2.0 * tl.sigmoid(2.0 * (i_n + r * m)) - 1.0  # tanh
+    prev = tl.load(prev_ptr + idx, mask=live, other=0.0)
+    h = n + z * (prev - n)
+    dn = (1.0 - z) * (1.0 - n * n)
+    rev = _rows(idx, N, BH)
+    rev_row = rev // H
+    tl.store(res_ptr + rev, h - tl.load(s_ptr + idx, mask=live, other=0.0), mask=live)
+    scales = rev_row * 3 * H + col
+    tl.store(scales_ptr + scales, dn * m * r * (1.0 - r), mask=live)
+    tl.store(scales_ptr + scales + H, (prev - n) * z * (1.0 - z), mask=live)
+    tl.store(scales_ptr + scales + 2 * H, dn * r, mask=live)
+    tl.store(diag_ptr + rev, z, mask=live)
+
+
+@triton.jit(do_not_specialize=NEWTON_SIZES)
+def _update(
+    s_ptr, d_ptr, lo_ptr, hi_ptr, record_ptr, partial_ptr,  # pointers: states updated; partials written
+    N, BH,  # sizes: T B S, B S
+    REVERSED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """s <- clamp(s + d, lo, hi), d's NaN dropped and its infinities cut to float32's largest, d read
+    in time order or (REVERSED) at the reversed rows; this program's largest |change| and |state|
+    (a NaN counted as infinite) into ``partial`` (2 per program)."""
+    pid = tl.program_id(0).to(tl.int64)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    running = tl.load(record_ptr) == 0
+    live = (idx < N) & _running(record_ptr, idx)
+    rows = _rows(idx, N, BH) if REVERSED else idx
+    d = tl.load(d_ptr + rows, mask=live, other=0.0)
+    d = tl.where(d != d, 0.0, tl.minimum(tl.maximum(d, -FLOAT_MAX), FLOAT_MAX))
+    s = tl.load(s_ptr + idx, mask=live, other=0.0)
+    j = idx % BH
+    lo = tl.load(lo_ptr + j, mask=live, other=0.0)
+    hi = tl.load(hi_ptr + j, mask=live, other=0.0)
+    new = s + d
+    new = tl.where(new < lo, lo, tl.where(new > hi, hi, new))  # NaN passes, as torch.clamp's
+    tl.store(s_ptr + idx, new, mask=live)
+    change = tl.abs(new - s)
+    size = tl.abs(new)
+    change = tl.where(live, tl.where(change != change, float("inf"), change), 0.0)
+    size = tl.where(live, tl.where(size != size, float("inf"), size), 0.0)
+    tl.store(partial_ptr + 2 * pid, tl.max(change, axis=0), mask=running)
+    tl.store(partial_ptr + 2 * pid + 1, tl.max(size, axis=0), mask=running)
+
+
+@triton.jit(do_not_specialize=NEWTON_SIZES)
+def _decide(
+    partial_ptr, record_ptr,  # pointers: the programs' partials read; the record updated
+    P,  # size: partial pairs
+    QUASI: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The stopping rule on the largest change and |state| of the partials (``newton.judge``): the
+    error estimate is the change (Newton) or max(change, change rate / (1 - rate)) (QUASI, at the
+    rate change / last change); stop when it is at most tol max(1, max |s|) or not finite."""
+    running = tl.load(record_ptr) == 0
+    change = tl.zeros([BLOCK], dtype=tl.float32)
+    size = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, P, BLOCK):
+        k = i + tl.arange(0, BLOCK)
+        more = (k < P) & _running(record_ptr, k)
+        change = tl.maximum(change, tl.load(partial_ptr + 2 * k, mask=more, other=0.0))
+        size = tl.maximum(size, tl.load(partial_ptr + 2 * k + 1, mask=more, other=0.0))
+    change = tl.max(change, axis=0).to(tl.float64)
+    size = tl.max(size, axis=0).to(tl.float64)
+    last = tl.load(record_ptr + LAST)
+    tol = tl.load(record_ptr + TOL)
+    error = change
+    if QUASI:
+        rate = tl.where(last > 0, change / last, 0.0)
+        error = tl.where(rate < 1, tl.maximum(change, change * rate / (1 - rate)), float("inf"))
+    infinite = change == float("inf")  # a NaN is counted as infinite already
+    converged = (change < float("inf")) & ((error <= tol) | (error <= tol * size))
+    iterations = tl.load(record_ptr + ITERATIONS)
+    tl.store(record_ptr + STOPPED, tl.where(converged | infinite, 1.0, 0.0).to(tl.float64), mask=running)
+    tl.store(record_ptr + ITERATIONS, iterations + 1, mask=running)
+    tl.store(record_ptr + CONVERGED, tl.where(converged, 1.0, 0.0).to(tl.float64), mask=running)
+    tl.store(record_ptr + CHANGE, change, mask=running)
+    tl.store(record_ptr + LAST, change, mask=running)
+
+
+# ------------------------------------------------------------------------------------------- launch
+
+
+def newton_launches(act: int | None, quasi: bool, reversed_: bool) -> dict[str, Launch]:
+    """The kernels of an iteration by role (``residual``, ``update``, ``decide``), as the entry points
+    run them and ``benchmarks.kernels`` compiles them. ``act``: TANH's or RELU's value for an RNN's
+    residual, GRU (None) for a GRU's; the update reads the corrections ``reversed_``."""
+    residual = (
+        Launch(_gru_residual, {"BLOCK": BLOCK}, WARPS)
+        if act is None
+        else Launch(_rnn_residual, {"ACT": act, "BLOCK": BLOCK}, WARPS)
+    )
+    return {
+        "residual": residual,
+        "update": Launch(_update, {"REVERSED": reversed_, "BLOCK": BLOCK}, WARPS),
+        "decide": Launch(_decide, {"QUASI": quasi, "BLOCK": BLOCK}, WARPS),
+    }
+
+
+def newton_update(
+    s: Tensor, d: Tensor, lo: Tensor, hi: Tensor, record: Tensor, quasi: bool, reversed_: bool
+) -> None:
+    """``_update`` then ``_decide``: the projected iterate written into ``s`` (T, B, S) from the
+    corrections ``d`` ((T, B, S) in time order, or the rows of a transposed scan's output,
+    ``reversed_``) and the bounds lo, hi (B, S), and the stopping rule into ``record``."""
+    n = s.numel()
+    programs = max(1, triton.cdiv(n, BLOCK))
+    partial = s.new_empty(2 * programs)
+    launches = newton_launches(None, quasi, reversed_)
+    bh = s[0].numel() if s.shape[0] else 1
+    launches["update"].run(
+        (programs,),
+        s_ptr=s,
+        d_ptr=d,
+        lo_ptr=lo.expand_as(s[0]).contiguous(),
+        hi_ptr=hi.expand_as(s[0]).contiguous(),
+        record_ptr=record,
+        partial_ptr=partial,
+        N=n,
+        BH=bh,
+    )
+    launches["decide"].run((1,), partial_ptr=partial, record_ptr=record, P=programs)
+
+
+def newton_update_ref(
+    s: Tensor, d: Tensor, lo: Tensor, hi: Tensor, record: Tensor, quasi: bool, reversed_: bool
+) -> None:
+    """``newton_update`` in plain PyTorch: ``bppsa_core.newton.update``."""
+    from bppsa_core import newton
+
+    newton.update(s, d[: s.shape[0]].flip(0) if reversed_ else d, lo, hi, record, quasi)
+
+
+def takes(cell: object, method: str, keep: Tensor | None, w: LayerWeights) -> bool:
+    """Whether ``FusedIteration`` takes the layer: a tanh/relu RNN or a GRU, Newton's method, no
+    packed sequences, float32 weights the scan kernels take (``dispatch.kernels_take``)."""
+    if method != "newton" or keep is not None or not isinstance(cell, RNNCell | GRUCell):
+        return False
+    hidden = w.w_hh.shape[1]
+    return dispatch.kernels_take(cell.gates, hidden, *(t.dtype for t in vars(w).values() if t is not None))
+
+
+class FusedIteration:
+    """One Newton iteration of a tanh/relu RNN or GRU layer (see the module docstring), its buffers
+    made once per solve: ``states`` (T + 1, B, H) the iterate with s_0, updated in place; lo, hi
+    (B, H) the bounds; ``record`` the stopping rule's."""
+
+    def __init__(
+        self,
+        cell: RNNCell | GRUCell,
+        x: Tensor,
+        w: LayerWeights,
+        states: Tensor,
+        lo: Tensor,
+        hi: Tensor,
+        record: Tensor,
+        chunk: int | None,
+    ) -> None:
+        steps, batch, hidden = states.shape[0] - 1, states.shape[1], states.shape[2]
+        self.states, self.lo, self.hi, self.record = states, lo, hi, record
+        self.gru = isinstance(cell, GRUCell)
+        self.chunk = chunk or dispatch.default_chunk(steps)
+        self.w_hh_t = w.w_hh.t()
+        self.prev = states[:-1].view(steps * batch, hidden)
+        self.launch = newton_launches(None if self.gru else cell_act(cell), False, True)
+        rows = steps * batch
+        projected = torch.nn.functional.linear(x.reshape(rows, -1), w.w_ih, w.b_ih)
+        if self.gru:
+            self.gi = projected
+            self.b_hh = w.b_hh if w.b_hh is not None else projected.new_zeros(3 * hidden)
+            self.pre = projected.new_empty((rows, 3 * hidden))  # gh
+            self.scales = projected.new_empty((steps, batch, 3, hidden))
+            self.diag = projected.new_empty((steps, batch, hidden))
+            weights = w.w_hh.reshape(3, hidden, hidden)
+            self.chain = FactoredChain(self.scales, weights, self.diag, transposed=True)
+        else:
+            self.gi = projected if w.b_hh is None else projected.add_(w.b_hh)  # x W_ih^T + b_ih + b_hh
+            self.pre = projected.new_empty((rows, hidden))
+            self.scales = projected.new_empty((steps, batch, 1, hidden))
+            self.chain = FactoredChain(self.scales, w.w_hh.unsqueeze(0), transposed=True)
+        self.residual = projected.new_empty((steps, batch, hidden))
+        self.zero = projected.new_zeros((batch, hidden))
+
+    def __call__(self) -> None:
+        """One iteration: the states and the record updated in place, on the device."""
+        s = self.states[1:]
+        n = s.numel()
+        grid = (max(1, triton.cdiv(n, BLOCK)),)
+        sizes = {"N": n, "BH": s[0].numel()}
+        if self.gru:
+            torch.addmm(self.b_hh, self.prev, self.w_hh_t, out=self.pre)
+            self.launch["residual"].run(
+                grid, gi_ptr=self.gi, gh_ptr=self.pre, prev_ptr=self.prev, s_ptr=s, record_ptr=self.record,
+                res_ptr=self.residual, scales_ptr=self.scales, diag_ptr=self.diag, H=s.shape[-1], **sizes,
+            )  # fmt: skip
+        else:
+            torch.addmm(self.gi, self.prev, self.w_hh_t, out=self.pre)
+            self.launch["residual"].run(
+                grid, pre_ptr=self.pre, s_ptr=s, record_ptr=self.record, res_ptr=self.residual,
+                fp_ptr=self.scales, **sizes,
+            )  # fmt: skip
+        d = factored_scan(self.chain, self.zero, self.residual, self.chunk)
+        newton_update(s, d, self.lo, self.hi, self.record, False, True)
+
+
+def fused_iteration_ref(
+    cell: RNNCell | GRUCell,
+    x: Tensor,
+    w: LayerWeights,
+    states: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    record: Tensor,
+) -> None:
+    """``FusedIteration()`` in plain PyTorch: the cell's step, the tangent chain's scan and
+    ``newton.update``, as ``bppsa_core.newton.solve`` runs an iteration."""
+    from bppsa_core import newton
+    from bppsa_core.scan import forward_scan
+
+    s, prev = states[1:], states[:-1]
+    new, factors = cell.step(x, prev, w)
+    residual = new.sub_(s)
+    d = forward_scan(cell.tangent_chain(factors, w), torch.zeros_like(s[0]), residual, _chunked())[1:]
+    newton.update(s, d, lo, hi, record, False)
+
+
+def _chunked() -> dispatch.ScanOptions:
+    return dispatch.ScanOptions("chunked")
+
+
+def cell_act(cell: RNNCell) -> int:
+    """An RNN cell's activation as the residual kernel's ACT."""
+    return (TANH if cell.nonlinearity == "tanh" else RELU).value

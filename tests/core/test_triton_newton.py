@@ -1,0 +1,158 @@
+"""A Newton iteration in Triton kernels (``bppsa_core.triton.newton``) against its plain-PyTorch twin,
+under TRITON_INTERPRET=1 on the CPU (set by conftest when no GPU is present): the projected update
+and the stopping rule, a whole RNN or GRU iteration, and modules whose forward takes them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import rel_err
+from recurrent import pair
+
+pytest.importorskip("triton")
+
+from bppsa_core import newton
+from bppsa_core.jacobians import GRUCell, LayerWeights, RNNCell
+from bppsa_core.triton import newton as kernels
+
+
+def record(tol: float = 1e-6, last: float = math.inf, stopped: bool = False) -> torch.Tensor:
+    """A stopping rule's record as ``newton._Watch`` starts it (or one already stopped)."""
+    return torch.tensor([float(stopped), 3.0, 0.0, math.nan, last, tol], dtype=torch.float64)
+
+
+def iterate_case(steps: int, batch: int, width: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """States s (T, B, S), corrections d (T + 1, B, S, a scan's rows) with a NaN, infinities and a
+    huge value among them, and bounds lo, hi (B, S), one of them infinite."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.rand(steps, batch, width, generator=g) * 2 - 1
+    d = torch.randn(steps + 1, batch, width, generator=g)
+    flat = d.view(-1)
+    flat[0], flat[5 % flat.numel()], flat[-2], flat[-1] = math.nan, math.inf, -math.inf, 3e38
+    lo = -torch.ones(batch, width) - torch.rand(batch, width, generator=g)
+    hi = torch.ones(batch, width)
+    hi[0, 0] = math.inf
+    return s, d, lo, hi
+
+
+@pytest.mark.parametrize("reversed_", [False, True])
+@pytest.mark.parametrize("quasi", [False, True])
+# 70 x 3 x 7 = 1470 states: two programs
+@pytest.mark.parametrize(("steps", "batch", "width"), [(1, 1, 1), (7, 3, 5), (70, 3, 7)])
+def test_the_update_and_the_stopping_rule_match_their_twin(reversed_, quasi, steps, batch, width) -> None:
+    s, d, lo, hi = iterate_case(steps, batch, width, steps * 31 + width)
+    if not reversed_:
+        d = d[:steps].contiguous()
+    s_ref, rec_ref, rec = s.clone(), record(last=2.0), record(last=2.0)
+    kernels.newton_update_ref(s_ref, d, lo, hi, rec_ref, quasi, reversed_)
+    kernels.newton_update(s, d, lo, hi, rec, quasi, reversed_)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(rec, rec_ref), (rec, rec_ref)
+    assert rec[newton.ITERATIONS] == 4 and rec[newton.CHANGE] > 0
+
+
+def test_a_stopped_record_leaves_the_states_and_itself_as_they_were() -> None:
+    s, d, lo, hi = iterate_case(9, 2, 3, 0)
+    before, rec = s.clone(), record(stopped=True)
+    kept = rec.clone()
+    kernels.newton_update(s, d, lo, hi, rec, False, True)
+    assert torch.equal(s, before)
+    assert torch.equal(rec.nan_to_num(), kept.nan_to_num())
+
+
+@pytest.mark.parametrize("quasi", [False, True])
+@pytest.mark.parametrize(
+    ("change", "size", "last"),
+    [
+        (1e-7, 0.5, 1.0),  # converged
+        (2e-6, 3.0, 1.0),  # converged at tol * max |s| only
+        (5e-7, 0.5, 6e-7),  # Newton converged; quasi-Newton not, at rate 0.83 (error 2.5e-6)
+        (5e-7, 0.5, 4e-7),  # quasi-Newton diverging (rate above 1): not converged, not stopped
+        (1e-3, 1.0, 2e-3),
+        (math.inf, 1.0, 1.0),  # stopped, not converged
+    ],
+)
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # inf / inf: the rate is NaN
+def test_the_decision_over_many_partials_is_the_rule(quasi, change, size, last) -> None:
+    """``_decide`` alone over 2,500 partial pairs (three blocks of its loop): the rule (``newton.judge``)
+    on their largest change and |state|: converged or not, by the tolerance scaled by max(1, |s|) and,
+    for quasi-Newton, by the rate of the last two changes."""
+    g = torch.Generator().manual_seed(1)
+    pairs = 2500
+    partial = torch.rand(pairs, 2, generator=g) * torch.tensor([change, size]) * 0.5
+    partial[1777] = torch.tensor([change, size])  # the largest of each, in the last block
+    rec, rec_ref = record(last=last), record(last=last)
+    kernels.newton_launches(None, quasi, False)["decide"].run(
+        (1,), partial_ptr=partial.view(-1), record_ptr=rec, P=pairs
+    )
+    newton.judge(rec_ref, torch.tensor(change, dtype=torch.float32), torch.tensor(size), quasi)
+    assert torch.equal(rec, rec_ref), (rec, rec_ref)
+
+
+CELLS = {"tanh": RNNCell("tanh"), "relu": RNNCell("relu"), "gru": GRUCell()}
+
+
+@pytest.mark.parametrize("kind", list(CELLS))
+@pytest.mark.parametrize(
+    ("steps", "batch", "hidden", "chunk"), [(1, 1, 1, None), (23, 3, 5, 4), (40, 2, 20, None)]
+)
+def test_a_fused_iteration_matches_its_twin(kind, steps, batch, hidden, chunk) -> None:
+    cell = CELLS[kind]
+    g = torch.Generator().manual_seed(steps + hidden)
+    rows = cell.gates * hidden
+    w = LayerWeights(
+        *(torch.randn(s, generator=g) / hidden**0.5 for s in [(rows, 3), (rows, hidden), (rows,), (rows,)])
+    )
+    x = torch.randn(steps, batch, 3, generator=g)
+    states = torch.rand(steps + 1, batch, hidden, generator=g) * 2 - 1
+    lo, hi = cell.bounds(states[0], steps)
+    twin_states, twin_record, rec = states.clone(), record(), record()
+    kernels.fused_iteration_ref(cell, x, w, twin_states, lo, hi, twin_record)
+    kernels.FusedIteration(cell, x, w, states, lo, hi, rec, chunk)()
+    assert rel_err(states, twin_states) < 1e-5
+    assert torch.equal(rec[:3], twin_record[:3])  # stopped, iterations, converged
+    assert rel_err(rec[newton.CHANGE], twin_record[newton.CHANGE]) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+@pytest.mark.parametrize("solver", ["newton", "quasi-newton"])
+def test_a_module_solves_its_forward_in_the_kernels(monkeypatch, kind, solver) -> None:
+    """strategy="triton": a Newton forward runs whole in ``FusedIteration`` (quasi-Newton: its
+    update and rule in the kernels) and gives torch.nn's outputs and gradients."""
+    calls = {"fused": 0, "update": 0}
+    fused, update = kernels.FusedIteration.__call__, kernels.newton_update
+
+    def counted(name, real):
+        def call(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+
+        return call
+
+    monkeypatch.setattr(kernels.FusedIteration, "__call__", counted("fused", fused))
+    monkeypatch.setattr(kernels, "newton_update", counted("update", update))
+    ref, ours = pair(kind, 2, 6, dtype=torch.float32, strategy="triton", chunk=4, forward_solver=solver)
+    x = torch.randn(23, 2, 2, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    out, got = ref(x)[0], ours(x)[0]
+    (stats,) = ours.solver_stats
+    assert stats.converged and (out - got).abs().max() < 1e-5
+    assert calls["update"] == stats.iterations
+    assert calls["fused"] == (stats.iterations if solver == "newton" else 0)
+    g = torch.randn_like(out)
+    assert rel_err(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(got, x, g)[0]) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+def test_the_kernels_freeze_the_iterate_past_the_stop(monkeypatch, kind) -> None:
+    """As on a GPU, the host reads the flag two iterations late: the kernels leave the states as the
+    stop found them, so they and the stats are those of a check after every iteration, bit for bit."""
+    _, ours = pair(kind, 2, 6, dtype=torch.float32, strategy="triton", forward_solver="newton")
+    x = torch.randn(30, 2, 2, generator=torch.Generator().manual_seed(3))
+    results = []
+    for late in (0, 2):
+        monkeypatch.setitem(newton.LOOKAHEAD, "cpu", late)
+        results.append((ours(x)[0], ours.solver_stats[0]))
+    (a, stats_a), (b, stats_b) = results
+    assert stats_a.converged and stats_a == stats_b and torch.equal(a, b)
