@@ -62,7 +62,7 @@ SM_LIMITS = {
     90: (233472, 232448, 64),
 }
 # Pointer arguments to float64 (a Newton solve's stopping record); every other points to float32.
-FLOAT64_POINTERS = ("record_ptr",)
+FLOAT64_POINTERS = ("record_ptr",)  # and ``stop_ptr`` where the scan reads a record (STOP)
 # What ``triton.compile`` takes besides the kernel: signature, constexprs by name, attributes.
 Inputs = tuple[dict[str, str], dict[str, Any], dict]
 
@@ -133,7 +133,9 @@ def launch_configs() -> list[KernelConfig]:
     (K = 3, a diagonal); each with and without offsets, for every H the kernels take
     (``dispatch.MAX_HIDDEN``, grouped by ``h_variants``). ``lstm_scan``: with and without the h<-h
     diagonal and offsets, and the fused ``lstm_layer_backward`` with and without offsets, H <=
-    ``dispatch.MAX_LSTM_HIDDEN``. A configuration whose kernel, constexprs,
+    ``dispatch.MAX_LSTM_HIDDEN``. A fused Newton iteration's transposed scans (an RNN's and a GRU's,
+    with offsets, reading the solve's record: "SCALES_T newton") and its pointwise kernels
+    (``newton_configs``). A configuration whose kernel, constexprs,
     sources and compile options another already has (``_reduce`` takes no ``FUSED``) is listed once.
     """
     from bppsa_core.dispatch import MAX_HIDDEN, MAX_LSTM_HIDDEN
@@ -152,6 +154,14 @@ def launch_configs() -> list[KernelConfig]:
                     KernelConfig(role, cs.MODE_NAMES[mode], terms, diag, affine, fused, hidden, launch)
                     for role, launch in launches.items()
                 ]
+        for terms, diag in ((1, False), (3, True)):  # a fused Newton iteration's, reading its record
+            launches = cs.launch_config(
+                cs.SCALES_T.value, terms, diag, True, 0, False, padded(hidden[0]), True
+            )
+            found += [
+                KernelConfig(role, "SCALES_T newton", terms, diag, True, False, hidden, launch)
+                for role, launch in launches.items()
+            ]
     lstm_scans = [(False, False), (True, False), (False, True)]  # (has_hh, fused): the layer's own fused
     for hidden in h_variants(MAX_LSTM_HIDDEN):
         for has_hh, fused in lstm_scans:
@@ -234,7 +244,8 @@ def compile_inputs(config: KernelConfig, arch: int) -> Inputs:
             for i in range(config.launch.sources):
                 attrs[(param.num, i)] = backend.parse_attr("D")
         elif name.endswith("_ptr"):
-            signature[name] = "*fp64" if name in FLOAT64_POINTERS else "*fp32"
+            record = name in FLOAT64_POINTERS or (name == "stop_ptr" and constexprs.get("STOP"))
+            signature[name] = "*fp64" if record else "*fp32"
             attrs[(param.num,)] = backend.parse_attr("D")
         elif param.do_not_specialize:
             signature[name] = "i32"

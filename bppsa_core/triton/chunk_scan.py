@@ -236,14 +236,14 @@ def _walk_step(
 @triton.jit(do_not_specialize=BY_DATA)
 def _reduce(
     # pointers: the mode's sources, the weights and offsets read; the chunk aggregates written
-    src_ptrs, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr,
+    src_ptrs, w_ptr, offsets_ptr, stop_ptr, agg_ptr, agg_offsets_ptr,
     # sizes: batch, hidden, chunk
     B, H, C,
     # strides of the scales (SCALES, SCALES_T), in rows of H
     stride_k, stride_b,
     # meta-parameters
     K: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_B: tl.constexpr, MODE: tl.constexpr,
-    SHIFT: tl.constexpr, HP: tl.constexpr,
+    SHIFT: tl.constexpr, STOP: tl.constexpr, HP: tl.constexpr,
 ):  # fmt: skip
     """Chunk q (1..P-2) of sample b folded into one aggregate: agg[q - 1] and agg_offsets[q - 1].
 
@@ -253,6 +253,9 @@ def _reduce(
     with P_k the product before element k: each step adds P_k b_k^T, a row reduction of the
     aggregate itself, so no step of this mode reads the weights outside ``tl.dot``.
     """
+    if STOP:  # noqa: SIM102 (a constexpr test alone: no load is compiled without STOP)
+        if tl.load(stop_ptr) != 0:  # a Newton solve that has stopped: nothing to scan
+            return
     q = tl.program_id(0) + 1
     b = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a (T, B, 6H) GRU delta may pass 2^31
     r = tl.arange(0, HP)
@@ -285,17 +288,21 @@ def _reduce(
 @triton.jit(do_not_specialize=BY_DATA)
 def _spine(
     # pointers: the mode's sources, the weights, offsets, aggregates and x_n read; x or deltas written
-    src_ptrs, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr, x_last_ptr, out_ptr, delta_ptr, entry_ptr,
+    src_ptrs, w_ptr, offsets_ptr, stop_ptr, agg_ptr, agg_offsets_ptr, x_last_ptr, out_ptr, delta_ptr,
+    entry_ptr,
     # sizes: batch, hidden, chain length, remainder chunk, aggregate count
     B, H, N, REM, NAGG,
     # strides of the scales (SCALES, SCALES_T), in rows of H
     stride_k, stride_b,
     # meta-parameters
     K: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_B: tl.constexpr, MODE: tl.constexpr,
-    SHIFT: tl.constexpr, FUSED: tl.constexpr, HP: tl.constexpr,
+    SHIFT: tl.constexpr, FUSED: tl.constexpr, STOP: tl.constexpr, HP: tl.constexpr,
 ):  # fmt: skip
     """Sample b's remainder chunk walked from x_n, then the chunk aggregates scanned: every chunk's
     entry vector into ``entry``."""
+    if STOP:  # noqa: SIM102 (a constexpr test alone: no load is compiled without STOP)
+        if tl.load(stop_ptr) != 0:  # a Newton solve that has stopped: nothing to scan
+            return
     b = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, HP)
     vec = r < H
@@ -322,16 +329,19 @@ def _spine(
 @triton.jit(do_not_specialize=BY_DATA)
 def _expand(
     # pointers: the mode's sources, the weights, offsets and entry vectors read; x or deltas written
-    src_ptrs, w_ptr, offsets_ptr, entry_ptr, out_ptr, delta_ptr,
+    src_ptrs, w_ptr, offsets_ptr, stop_ptr, entry_ptr, out_ptr, delta_ptr,
     # sizes: batch, hidden, chunk
     B, H, C,
     # strides of the scales (SCALES, SCALES_T), in rows of H
     stride_k, stride_b,
     # meta-parameters
     K: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_B: tl.constexpr, MODE: tl.constexpr,
-    SHIFT: tl.constexpr, FUSED: tl.constexpr, HP: tl.constexpr,
+    SHIFT: tl.constexpr, FUSED: tl.constexpr, STOP: tl.constexpr, HP: tl.constexpr,
 ):  # fmt: skip
     """Chunk q (0..P-2) of sample b walked from its entry vector."""
+    if STOP:  # noqa: SIM102 (a constexpr test alone: no load is compiled without STOP)
+        if tl.load(stop_ptr) != 0:  # a Newton solve that has stopped: nothing to scan
+            return
     q = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a (T, B, 6H) GRU delta may pass 2^31
     r = tl.arange(0, HP)
@@ -363,17 +373,19 @@ def source_count(mode: int, has_diag: bool) -> int:
 
 
 def launch_config(
-    mode: int, terms: int, has_diag: bool, has_b: bool, shift: int, fused: bool, hp: int
+    mode: int, terms: int, has_diag: bool, has_b: bool, shift: int, fused: bool, hp: int, stop: bool = False
 ) -> dict[str, Launch]:
     """The three kernels of a chunked-scan launch by role (``reduce``, ``spine``, ``expand``), as
     ``_launch`` runs them and ``benchmarks.kernels`` compiles them.
 
     ``mode``: ``SCALES``, ``SCALES_T``, ``TANH``, ``RELU`` or ``GRU`` (the value); ``terms``: K weights;
     ``has_diag``: a diagonal term (a GRU always has one); ``has_b``: offsets; ``shift``: offsets read
-    one step late (the layer modes); ``fused``: only x_0 and the deltas written; ``hp``: ``padded(H)``.
+    one step late (the layer modes); ``fused``: only x_0 and the deltas written; ``hp``: ``padded(H)``;
+    ``stop``: every program first reads a Newton solve's record and does nothing once it says stopped.
     """
     gru = mode == GRU.value
-    chain = {"K": terms, "HAS_DIAG": has_diag or gru, "HAS_B": has_b, "MODE": mode, "SHIFT": shift, "HP": hp}
+    chain = {"K": terms, "HAS_DIAG": has_diag or gru, "HAS_B": has_b, "MODE": mode, "SHIFT": shift}
+    chain |= {"STOP": stop, "HP": hp}
     walks = {**chain, "FUSED": fused}  # the kernels that walk elements and write x_k or deltas
     warps = num_warps(terms, hp)
     sources = source_count(mode, has_diag)
@@ -405,6 +417,7 @@ def _launch(
     shift: int,
     has_diag: bool = False,
     strides: tuple[int, int] = (0, 0),
+    stop: Tensor | None = None,
 ) -> None:
     """The three launches (one, ``_spine``, for a chain of a single chunk), by keyword.
 
@@ -412,6 +425,8 @@ def _launch(
     ``weights``: the K stacked H x H weights, (K, H, H) or (K * H, H) (a GRU's W_hh). ``delta``: where
     a layer mode writes its deltas (``out`` then gets only x_0); None writes every x_k into ``out``.
     ``strides``: the scales' element and batch strides in rows of H (SCALES and SCALES_T modes).
+    ``stop``: a Newton solve's record (``bppsa_core.newton.judge``): nothing is scanned once it says
+    stopped; None: always scanned.
     """
     n, (batch, h) = sources[0].shape[0], x_last.shape
     terms = weights.numel() // (h * h)
@@ -420,21 +435,26 @@ def _launch(
         **chain_args(sources, weights, offsets, batch, h),
         "stride_k": strides[0],
         "stride_b": strides[1],
+        "stop_ptr": sources[0] if stop is None else stop,  # not read without a record
     }
     walk = {"out_ptr": out, "delta_ptr": out if delta is None else delta}  # delta not read unless fused
-    kernels = launch_config(mode.value, terms, has_diag, offsets is not None, shift, delta is not None, hp)
+    fused, has_b = delta is not None, offsets is not None
+    kernels = launch_config(mode.value, terms, has_diag, has_b, shift, fused, hp, stop is not None)
     three_launches(kernels, common, walk, x_last, n, chunk, hp)
 
 
 # ------------------------------------------------------------------------------ entry points and refs
 
 
-def factored_scan(chain: FactoredChain, x_last: Tensor, offsets: Tensor | None, chunk: int) -> Tensor:
+def factored_scan(
+    chain: FactoredChain, x_last: Tensor, offsets: Tensor | None, chunk: int, stop: Tensor | None = None
+) -> Tensor:
     """The chunked scan of ``x_k = sum_j (x_{k+1} * s_kj) @ W_j + x_{k+1} * e_k + b_k``, or for a
     transposed chain of ``x_k = sum_j (x_{k+1} @ W_j^T) * s_kj + x_{k+1} * e_k + b_k``.
 
     ``chain``: scales (n, B or 1, K, H), weights (K, H, H), diagonal (n, B or 1, H) or None; x_last
-    (B, H), offsets (n, B, H) or None. Returns x_0..x_n as (n + 1, B, H).
+    (B, H), offsets (n, B, H) or None. Returns x_0..x_n as (n + 1, B, H). ``stop``: a Newton solve's
+    record; once it says stopped, the kernels return at once and the result is left unwritten.
     """
     n, h = chain.length, chain.hidden
     batch = x_last.shape[0]
@@ -446,13 +466,16 @@ def factored_scan(chain: FactoredChain, x_last: Tensor, offsets: Tensor | None, 
     mode = SCALES_T if chain.transposed else SCALES
     _launch(
         sources, chain.weights, x_last, offsets, chunk, out,
-        mode=mode, shift=0, has_diag=diagonal is not None, strides=rows,
+        mode=mode, shift=0, has_diag=diagonal is not None, strides=rows, stop=stop,
     )  # fmt: skip
     return out
 
 
-def factored_scan_ref(chain: FactoredChain, x_last: Tensor, offsets: Tensor | None, chunk: int) -> Tensor:
-    """``factored_scan`` in plain PyTorch: ``bppsa_core.scan.chunked_scan``, the chunked twin."""
+def factored_scan_ref(
+    chain: FactoredChain, x_last: Tensor, offsets: Tensor | None, chunk: int, stop: Tensor | None = None
+) -> Tensor:
+    """``factored_scan`` in plain PyTorch: ``bppsa_core.scan.chunked_scan``, the chunked twin (which
+    scans whatever ``stop`` says)."""
     return chunked_scan(chain, x_last, offsets, chunk=chunk)
 
 

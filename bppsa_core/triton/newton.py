@@ -15,8 +15,13 @@ iteration of a tanh/relu RNN or a GRU (``FusedIteration``) is seven launches and
 5. ``_decide``: one program folds those into the stopping rule's record (``newton.judge``).
 
 Any other layer (an LSTM, quasi-Newton, packed sequences) takes only steps 4 and 5
-(``newton_update``) after its own cell evaluation and scan. Every kernel reads the record first and
-does nothing once it says stopped, so iterations queued past the stop leave the states as they were.
+(``newton_update``) after its own cell evaluation and scan. Every kernel, the scan's included,
+reads the record first and does nothing once it says stopped, so iterations queued past the stop
+leave the states as they were and cost their launches and the GEMM only.
+
+The states after s_0 are a view one row into the buffer: 16-byte aligned, as the compile check
+(``benchmarks.kernels``) assumes, when B S is a multiple of 4; otherwise Triton compiles the
+kernels without that hint.
 """
 
 from __future__ import annotations
@@ -303,7 +308,7 @@ class FusedIteration:
                 grid, pre_ptr=self.pre, s_ptr=s, record_ptr=self.record, res_ptr=self.residual,
                 fp_ptr=self.scales, **sizes,
             )  # fmt: skip
-        d = factored_scan(self.chain, self.zero, self.residual, self.chunk)
+        d = factored_scan(self.chain, self.zero, self.residual, self.chunk, stop=self.record)
         newton_update(s, d, self.lo, self.hi, self.record, False, True)
 
 

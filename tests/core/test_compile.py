@@ -33,7 +33,8 @@ ARCHS = (80, 90)
 # the loops each kernel's source has (a Newton iteration's pointwise kernels none, its decision one)
 LOOPS = {"reduce": 1, "spine": 2, "expand": 1, "cells": 1, "residual": 0, "update": 0, "decide": 1}
 SCAN = ("reduce", "spine", "expand")
-KERNELS = {mode: {f"_{role}" for role in SCAN} for mode in ("SCALES", "SCALES_T", "TANH", "RELU", "GRU")}
+SCAN_MODES = ("SCALES", "SCALES_T", "SCALES_T newton", "TANH", "RELU", "GRU")
+KERNELS = {mode: {f"_{role}" for role in SCAN} for mode in SCAN_MODES}
 KERNELS["LSTM"] = {f"_lstm_{role}" for role in (*SCAN, "cells")}  # and its cell states' kernel
 KERNELS |= {
     "tanh residual": {"_rnn_residual"},

@@ -156,3 +156,23 @@ def test_the_kernels_freeze_the_iterate_past_the_stop(monkeypatch, kind) -> None
         results.append((ours(x)[0], ours.solver_stats[0]))
     (a, stats_a), (b, stats_b) = results
     assert stats_a.converged and stats_a == stats_b and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("terms", [1, 3])
+def test_the_scan_reads_the_record_and_does_nothing_once_it_says_stopped(terms) -> None:
+    """The transposed scan of a fused iteration: while the record says running, the scan itself;
+    once it says stopped, no program writes (the result keeps the NaN torch.empty filled it with)."""
+    from kernel_cases import chain_case
+
+    from bppsa_core.chain import FactoredChain
+    from bppsa_core.triton.chunk_scan import factored_scan, factored_scan_ref
+
+    torch.use_deterministic_algorithms(True)  # torch.empty filled with NaN
+    try:
+        chain, x, b = chain_case(37, 3, 5, True, terms)
+        chain = FactoredChain(chain.scales, chain.weights, chain.diagonal, transposed=True)
+        running = factored_scan(chain, x, b, 4, stop=record())
+        assert rel_err(running, factored_scan_ref(chain, x, b, 4)) < 1e-5
+        assert factored_scan(chain, x, b, 4, stop=record(stopped=True)).isnan().all()
+    finally:
+        torch.use_deterministic_algorithms(False)
