@@ -7,7 +7,8 @@ librosa; jax is used where installed. Steps, each a section of the report with i
 and its output (or why it failed, or was skipped):
 
 1. ``tests``: the ``gpu`` tests (the Triton kernels, the graph scan and every module path against
-   cuDNN; a whole training step captured in a CUDA graph; the sparse Jacobians; sequence parallel
+   cuDNN; the Newton iteration's kernels and a Newton forward against cuDNN's outputs; a whole
+   training step captured in a CUDA graph; the sparse Jacobians; sequence parallel
    over NCCL, a rank per GPU);
 2. ``capture``: BPPSA's backward against cuDNN's, eager (wall-clock) and as captured training steps
    (GPU time), and against a naive loop of ``torch.nn``'s cells, with the backward's peak memory:
@@ -24,7 +25,8 @@ and its output (or why it failed, or was skipped):
    the GPU's own (``bppsa_core.jacobians.BLOCK_BYTES``);
 9. ``workers``: BPPSA's and cuDNN's backward confined to 1, 2, 4, ... SMs (CUDA green contexts);
 10. ``forward``: the Newton forwards (``forward_solver="newton"``, ``"quasi-newton"``) against cuDNN's
-   sequential forward, T = 100 ... 100,000, at initialization and trained (``benchmarks.forward``);
+   sequential forward, T = 100 ... 100,000, H = 20 and 64, at initialization and trained
+   (``benchmarks.forward``);
 11. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
    kernels at H = 1, 20, 32 and 64, for this GPU's architecture, to set beside the measured times
    of steps 4, 7 and 8;
@@ -81,6 +83,7 @@ CHUNKS = (8, 16, 32, 64, 128)
 BLOCK_MIBS = (8, 32, 256)  # the BPPSA backward's blocks of time steps (``--block-mib``)
 GPU_TEST_FILES = (
     "tests/core/test_triton.py",
+    "tests/core/test_triton_newton.py",
     "tests/core/test_capture.py",
     "tests/core/test_sparse.py",
     "tests/core/test_distributed.py",
@@ -99,6 +102,7 @@ TITLES = {
     "kernels": "Compiled kernels: resources and static estimate",
     "ranks": "Sequence parallel over ranks (gloo on CPU cores, NCCL on GPUs)",
 }
+NEWTON_WIDTHS = ["--H", "20", "64"]  # the Newton forward's widths: the paper's, and the kernels' widest
 RANKS_T = 100_000  # the sequence-parallel benchmark's length (docs/SCHEMES.md)
 RANKS_REPEATS = 3  # BPTT takes seconds an iteration there
 GPU_MICRO_BATCHES = (1, 2, 4, 8, 16)  # the NCCL ranks' sample-group counts, with two GPUs or more
@@ -152,7 +156,7 @@ def plan(
         ],
         "workers": "in process",
         "forward": [
-            [sys.executable, "-m", "benchmarks.forward", *device, *(["--quick"] if dry else [])]
+            [sys.executable, "-m", "benchmarks.forward", *device, *(["--quick"] if dry else NEWTON_WIDTHS)]
         ],
         "kernels": [
             [

@@ -92,28 +92,42 @@ def test_the_decision_over_many_partials_is_the_rule(quasi, change, size, last) 
 
 
 CELLS = {"tanh": RNNCell("tanh"), "relu": RNNCell("relu"), "gru": GRUCell()}
+ITERATION_CASES = [(1, 1, 1, None), (23, 3, 5, 4), (40, 2, 20, None)]  # steps, batch, hidden, chunk
 
 
-@pytest.mark.parametrize("kind", list(CELLS))
-@pytest.mark.parametrize(
-    ("steps", "batch", "hidden", "chunk"), [(1, 1, 1, None), (23, 3, 5, 4), (40, 2, 20, None)]
-)
-def test_a_fused_iteration_matches_its_twin(kind, steps, batch, hidden, chunk) -> None:
+def check_fused_iteration(device: str, kind: str, steps: int, batch: int, hidden: int, chunk) -> None:
+    """One ``FusedIteration`` from random states against its twin: states, record."""
     cell = CELLS[kind]
     g = torch.Generator().manual_seed(steps + hidden)
     rows = cell.gates * hidden
     w = LayerWeights(
-        *(torch.randn(s, generator=g) / hidden**0.5 for s in [(rows, 3), (rows, hidden), (rows,), (rows,)])
+        *(
+            (torch.randn(s, generator=g) / hidden**0.5).to(device)
+            for s in [(rows, 3), (rows, hidden), (rows,), (rows,)]
+        )
     )
-    x = torch.randn(steps, batch, 3, generator=g)
-    states = torch.rand(steps + 1, batch, hidden, generator=g) * 2 - 1
+    x = torch.randn(steps, batch, 3, generator=g).to(device)
+    states = (torch.rand(steps + 1, batch, hidden, generator=g) * 2 - 1).to(device)
     lo, hi = cell.bounds(states[0], steps)
-    twin_states, twin_record, rec = states.clone(), record(), record()
+    twin_states, twin_record, rec = states.clone(), record().to(device), record().to(device)
     kernels.fused_iteration_ref(cell, x, w, twin_states, lo, hi, twin_record)
     kernels.FusedIteration(cell, x, w, states, lo, hi, rec, chunk)()
-    assert rel_err(states, twin_states) < 1e-5
+    assert rel_err(states.cpu(), twin_states.cpu()) < 1e-5
     assert torch.equal(rec[:3], twin_record[:3])  # stopped, iterations, converged
-    assert rel_err(rec[newton.CHANGE], twin_record[newton.CHANGE]) < 1e-4
+    assert rel_err(rec[newton.CHANGE].cpu(), twin_record[newton.CHANGE].cpu()) < 1e-4
+
+
+@pytest.mark.parametrize("kind", list(CELLS))
+@pytest.mark.parametrize(("steps", "batch", "hidden", "chunk"), ITERATION_CASES)
+def test_a_fused_iteration_matches_its_twin(kind, steps, batch, hidden, chunk) -> None:
+    check_fused_iteration("cpu", kind, steps, batch, hidden, chunk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(CELLS))
+@pytest.mark.parametrize(("steps", "batch", "hidden", "chunk"), [*ITERATION_CASES, (3000, 16, 64, None)])
+def test_a_fused_iteration_matches_its_twin_on_a_gpu(kind, steps, batch, hidden, chunk) -> None:
+    check_fused_iteration("cuda", kind, steps, batch, hidden, chunk)
 
 
 @pytest.mark.parametrize("kind", ["tanh", "gru"])
@@ -176,3 +190,29 @@ def test_the_scan_reads_the_record_and_does_nothing_once_it_says_stopped(terms) 
         assert factored_scan(chain, x, b, 4, stop=record(stopped=True)).isnan().all()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["tanh", "relu", "gru", "lstm"])
+@pytest.mark.parametrize("solver", ["newton", "quasi-newton"])
+def test_a_newton_forward_on_a_gpu_gives_cudnns_outputs_and_gradients(monkeypatch, kind, solver) -> None:
+    """strategy="auto" on a GPU: an RNN's or GRU's Newton iterations run whole in the kernels, any
+    other's end in them; the outputs and gradients are cuDNN's, and reading the stopping flag one
+    iteration late (the GPU's default) changes neither them nor the stats."""
+    calls = []
+    fused = kernels.FusedIteration.__call__
+    monkeypatch.setattr(kernels.FusedIteration, "__call__", lambda self: calls.append(1) or fused(self))
+    ref, ours = pair(kind, 3, 20, dtype=torch.float32, forward_solver=solver)
+    ref, ours = ref.cuda(), ours.cuda()
+    x = torch.randn(500, 16, 3, generator=torch.Generator().manual_seed(0)).cuda().requires_grad_()
+    out = ref(x)[0]
+    results = []
+    for late in (1, 0):
+        monkeypatch.setitem(newton.LOOKAHEAD, "cuda", late)
+        results.append((ours(x)[0], ours.solver_stats[0]))
+    (got, stats), (got_at_once, stats_at_once) = results
+    assert stats.converged and stats == stats_at_once and torch.equal(got, got_at_once)
+    assert (out - got).abs().max() < 1e-5
+    assert len(calls) == (2 * stats.iterations + 1 if solver == "newton" and kind != "lstm" else 0)
+    g = torch.randn_like(out)
+    assert rel_err(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(got, x, g)[0]) < 1e-4
