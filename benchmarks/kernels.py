@@ -189,8 +189,9 @@ def launch_configs() -> list[KernelConfig]:
 def newton_configs(largest: int) -> list[KernelConfig]:
     """A Newton iteration's kernels (``bppsa_core.triton.newton``): the RNN's residual (tanh, relu) and
     the GRU's (by how Triton specializes its int H: 1, a multiple of 16, the rest), the update reading
-    the corrections in time order or reversed, the decision for Newton and quasi-Newton. The update
-    and the decision serve any width, so every H up to ``largest`` is listed for them."""
+    the corrections in time order or reversed, the decision for Newton and quasi-Newton, and a
+    captured solve's fallback walk (tanh, relu, GRU; by ``h_variants``, its weights in registers).
+    The update and the decision serve any width, so every H up to ``largest`` is listed for them."""
     from bppsa_core.triton import newton
 
     every = tuple(range(1, largest + 1))
@@ -207,6 +208,12 @@ def newton_configs(largest: int) -> list[KernelConfig]:
     configs += [
         config("residual", "gru residual", hidden, newton.newton_launches(None, False, False)["residual"])
         for hidden in gru
+    ]
+    walks = (("tanh", chunk_scan.TANH.value), ("relu", chunk_scan.RELU.value), ("gru", chunk_scan.GRU.value))
+    configs += [
+        config("fallback", f"{name} walk", hidden, newton.walk_launch(mode, padded(hidden[0])))
+        for hidden in h_variants(largest)
+        for name, mode in walks
     ]
     for flag, (update_mode, decide_mode) in (
         (False, ("d in time order", "newton")),
@@ -395,6 +402,8 @@ def iterations(role: str, length: int, chunk: int) -> list[int]:
         return []
     if role == "decide":  # its partials, a block of 1,024 a pass: one pass up to 2^20 states
         return [1]
+    if role == "fallback":  # a captured Newton solve's native walk: every step
+        return [length]
     return [chunk]
 
 
@@ -509,7 +518,8 @@ def compile_all(
     def finish_oldest() -> None:
         config, arch, kernel, compile_s, dump = pending.popleft()
         rows.append(row(config, arch, kernel, dump.result(), compile_s, length, chunk))
-        bar(f"sm_{arch} {config.launch.kernel.__name__} {config.mode} HP={config.launch.constexprs['HP']}")
+        hp = config.launch.constexprs.get("HP", "-")  # "-": a pointwise kernel
+        bar(f"sm_{arch} {config.launch.kernel.__name__} {config.mode} HP={hp}")
 
     with ThreadPoolExecutor(max_workers=workers) as dumps:
         for config, arch in jobs:

@@ -220,9 +220,10 @@ def solved_forward(
     lengths: Tensor | None,
     guess: Tensor | None = None,
     tape: LSTMTape | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None, SolveStats]:
-    """``native_forward``'s results by ``config.solver``, and what the solve took; ``tape`` (from
-    ``new_tape``) is filled by the compiled forward.
+) -> tuple[Tensor, Tensor, Tensor | None, SolveStats | Tensor]:
+    """``native_forward``'s results by ``config.solver``, and what the solve took (inside a CUDA
+    graph capture, as a tensor on the device: ``newton.solve``); ``tape`` (from ``new_tape``) is
+    filled by the compiled forward.
 
     The Newton methods solve the states parallel in time (``bppsa_core.newton.solve``) from ``guess``
     (h_1..h_T (T, B, H), or None for zeros; an LSTM's c follows from it, ``LSTMCell.cell_states``).
@@ -240,7 +241,7 @@ def solved_forward(
         c = cell.cell_states(x, torch.cat((h0.unsqueeze(0), guess[:-1])), w, c0, keep)
         guess = torch.cat((guess, c), -1)
     states, stats = newton.solve(cell, x, s0, w, keep, solver, config.options, guess)
-    if not stats.converged:
+    if isinstance(stats, SolveStats) and not stats.converged:  # a tensor: captured, fallen back already
         log.warning(
             "%s forward did not converge in %d iterations (last change %.3g, tolerance %.3g); "
             "this layer ran the native sequential forward instead",

@@ -119,22 +119,35 @@ def solve(
     options: SolverOptions,
     scan_options: ScanOptions,
     guess: Tensor | None = None,
-) -> tuple[Tensor, SolveStats]:
+) -> tuple[Tensor, SolveStats | Tensor]:
     """The states s_1..s_T (T, B, S) of ``cell`` over x (T, B, I) from s_0 (B, S) by ``options.method``.
 
     ``keep`` (T, B, 1; 0 past a sequence's end) carries the state past each sequence's end; ``guess``
     (T, B, S), the first iterate (None: zeros). Builds no autograd graph. The returned states are
     the last iterate: use them only when the stats say ``converged``.
+
+    Inside a CUDA graph capture (a whole step captured) the host can decide nothing: the solve runs
+    ``options.max_iters`` iterations in the Triton kernels (those past the stop do nothing), then,
+    where it has not converged, the native forward in a kernel too (``FusedIteration.fall_back``),
+    so the returned states are right either way, and the stats are a tensor on the device
+    (``SolveStats.as_tensor``'s layout) that each replay rewrites. Only a layer ``FusedIteration``
+    takes can be captured so (a tanh/relu RNN or a GRU, Newton's method, float32, the Triton
+    kernels' widths, no packed sequences); any other is refused by name.
     """
     if options.method not in ("newton", "quasi-newton"):
         raise ValueError(f"solve() runs the Newton methods; got forward_solver {options.method!r}")
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"forward_solver={options.method!r} cannot be captured in a CUDA graph: whether it converged "
-            "decides on the host between its states and the native forward; capture with "
-            "forward_solver='native'"
-        )
     kernels = _kernels_run(scan_options.strategy, x, s0, w)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        from bppsa_core.triton import newton as newton_kernels
+
+        if not (kernels and newton_kernels.takes(cell, options.method, keep, w)):
+            raise RuntimeError(
+                f"forward_solver={options.method!r} is captured in a CUDA graph only for a tanh/relu RNN "
+                f"or a GRU with Newton's method, float32, H <= {dispatch.MAX_HIDDEN}, no packed sequences "
+                "and strategy 'auto' or 'triton' (its iterations and fallback then run on the device); "
+                "capture this layer with forward_solver='native'"
+            )
+        return _solve(cell, x, s0, w, keep, options, scan_options, guess, kernels=True, captured=True)
     if not kernels:
         return _solve(cell, x, s0, w, keep, options, scan_options, guess, kernels=False)
     return dispatch.with_kernels(
@@ -166,9 +179,11 @@ def _solve(
     scan_options: ScanOptions,
     guess: Tensor | None,
     kernels: bool,
-) -> tuple[Tensor, SolveStats]:
+    captured: bool = False,
+) -> tuple[Tensor, SolveStats | Tensor]:
     """``solve``; ``kernels``: each iteration ends in the Triton kernels, and a tanh/relu RNN's or
-    GRU's Newton iteration runs in them whole (``triton.newton.FusedIteration``)."""
+    GRU's Newton iteration runs in them whole (``triton.newton.FusedIteration``); ``captured``: no
+    host read (every iteration queued, then the fallback on the device, the stats a tensor there)."""
     steps = x.shape[0]
     quasi = options.method == "quasi-newton"
     with torch.no_grad():
@@ -205,8 +220,12 @@ def _solve(
                     newton_kernels.newton_update(s, d.contiguous(), lo, hi, watch.record, quasi, False)
                 else:  # read at once (lookahead 0): every iteration run counts, none to freeze
                     update(s, d, lo, hi, watch.record, quasi, freeze=watch.lookahead > 0)
-            if watch.stopped():
+            if not captured and watch.stopped():
                 break
+        if fused is not None:  # eagerly too, where it returns at once: compiled before any capture
+            fused.fall_back()
+        if captured:
+            return s, watch.record[ITERATIONS : CHANGE + 1].clone()  # SolveStats.as_tensor's layout
         return s, watch.stats()
 
 
@@ -262,8 +281,8 @@ class _Watch:
     iteration it has just queued."""
 
     def __init__(self, tol: float, device: torch.device) -> None:
-        start = [0.0, 0.0, 0.0, math.nan, math.inf, tol]
-        self.record = torch.tensor(start, dtype=torch.float64, device=device)
+        self.record = torch.zeros(6, dtype=torch.float64, device=device)  # filled on the device:
+        self.record[CHANGE], self.record[LAST], self.record[TOL] = math.nan, math.inf, tol  # capturable
         self.lookahead = LOOKAHEAD.get(device.type, LOOKAHEAD["cuda"])
         self.queued: list[tuple[Tensor, torch.cuda.Event | None]] = []
 

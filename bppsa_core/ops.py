@@ -77,7 +77,8 @@ def _solved(
     out, h, c, stats = bppsa_layer.solved_forward(config, x, h0, c0, weights, lengths, guess, tape)
     if copies:
         h, c = h.clone(), (None if c is None else c.clone())
-    return out, h, (_empty(h) if c is None else c), stats.as_tensor()
+    stats = stats if isinstance(stats, Tensor) else stats.as_tensor()  # a tensor: a captured solve's
+    return out, h, (_empty(h) if c is None else c), stats
 
 
 @_forward_op.register_fake

@@ -14,6 +14,9 @@ iteration of a tanh/relu RNN or a GRU (``FusedIteration``) is seven launches and
    the largest float (``torch.nan_to_num``), and per program the largest change and |state|;
 5. ``_decide``: one program folds those into the stopping rule's record (``newton.judge``).
 
+A solve captured in a CUDA graph ends in ``_walk``: where it has not converged, the native forward,
+one program a sample (``FusedIteration.fall_back``).
+
 Any other layer (an LSTM, quasi-Newton, packed sequences) takes only steps 4 and 5
 (``newton_update``) after its own cell evaluation and scan. Every kernel, the scan's included,
 reads the record first and does nothing once it says stopped, so iterations queued past the stop
@@ -34,8 +37,8 @@ from torch import Tensor
 from bppsa_core import dispatch
 from bppsa_core.chain import FactoredChain
 from bppsa_core.jacobians import GRUCell, LayerWeights, RNNCell
-from bppsa_core.triton.chunk_scan import RELU, TANH, factored_scan
-from bppsa_core.triton.launch import Launch
+from bppsa_core.triton.chunk_scan import GRU, RELU, TANH, _load_weights, factored_scan, num_warps
+from bppsa_core.triton.launch import BY_DATA, Launch, padded
 
 BLOCK = 1024  # elements a program of the pointwise kernels takes
 WARPS = (
@@ -187,6 +190,43 @@ def _decide(
     tl.store(record_ptr + LAST, change, mask=running)
 
 
+@triton.jit(do_not_specialize=BY_DATA)
+def _walk(
+    gi_ptr, w_ptr, b_ptr, record_ptr, states_ptr,  # pointers read: input part, W_hh, b_hh, record; written
+    T, B, H,  # sizes: steps, batch, hidden
+    MODE: tl.constexpr, HP: tl.constexpr,
+):  # fmt: skip
+    """Where the record says not converged, sample b's native forward step by step from s_0 into the
+    states s_1..s_T: a captured solve's fallback. ``MODE``: TANH or RELU (gi = W_ih x + b_ih + b_hh),
+    or GRU (gi = W_ih x + b_ih, rows r, z, n; W_hh's three blocks and b_hh applied here)."""
+    if tl.load(record_ptr + CONVERGED) != 0:
+        return
+    b = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, HP)
+    vec = r < H
+    w_r, w_z, w_n = _load_weights(w_ptr, H, 3 if MODE == GRU else 1, HP, True)
+    h = tl.load(states_ptr + b * H + r, mask=vec, other=0.0)
+    for t in range(0, T):
+        row = t * B + b
+        if MODE == GRU:
+            gi = gi_ptr + row * 3 * H + r
+            h_r = tl.sum(h[:, None] * w_r, axis=0) + tl.load(b_ptr + r, mask=vec, other=0.0)
+            h_z = tl.sum(h[:, None] * w_z, axis=0) + tl.load(b_ptr + H + r, mask=vec, other=0.0)
+            h_n = tl.sum(h[:, None] * w_n, axis=0) + tl.load(b_ptr + 2 * H + r, mask=vec, other=0.0)
+            gate_r = tl.sigmoid(tl.load(gi, mask=vec, other=0.0) + h_r)
+            gate_z = tl.sigmoid(tl.load(gi + H, mask=vec, other=0.0) + h_z)
+            n = 2.0 * tl.sigmoid(2.0 * (tl.load(gi + 2 * H, mask=vec, other=0.0) + gate_r * h_n)) - 1.0
+            h = n + gate_z * (h - n)
+        else:
+            z = tl.load(gi_ptr + row * H + r, mask=vec, other=0.0) + tl.sum(h[:, None] * w_r, axis=0)
+            if MODE == TANH:
+                h = 2.0 * tl.sigmoid(2.0 * z) - 1.0
+            else:
+                h = tl.where(z > 0, z, tl.where(z != z, z, 0.0))
+        h = tl.where(vec, h, 0.0)
+        tl.store(states_ptr + (row + B) * H + r, h, mask=vec)
+
+
 # ------------------------------------------------------------------------------------------- launch
 
 
@@ -204,6 +244,12 @@ def newton_launches(act: int | None, quasi: bool, reversed_: bool) -> dict[str, 
         "update": Launch(_update, {"REVERSED": reversed_, "BLOCK": BLOCK}, WARPS),
         "decide": Launch(_decide, {"QUASI": quasi, "BLOCK": BLOCK}, WARPS),
     }
+
+
+def walk_launch(mode: int, hp: int) -> Launch:
+    """``_walk`` for ``mode`` (TANH's, RELU's or GRU's value) at ``hp`` = ``padded(H)``: the scan
+    kernels' warps for its weights (``chunk_scan.num_warps``)."""
+    return Launch(_walk, {"MODE": mode, "HP": hp}, num_warps(3 if mode == GRU.value else 1, hp))
 
 
 def newton_update(
@@ -269,9 +315,11 @@ class FusedIteration:
         self.states, self.lo, self.hi, self.record = states, lo, hi, record
         self.gru = isinstance(cell, GRUCell)
         self.chunk = chunk or dispatch.default_chunk(steps)
-        self.w_hh_t = w.w_hh.t()
+        self.w_hh = w.w_hh.contiguous()
+        self.w_hh_t = self.w_hh.t()
+        self.act = None if self.gru else cell_act(cell)
         self.prev = states[:-1].view(steps * batch, hidden)
-        self.launch = newton_launches(None if self.gru else cell_act(cell), False, True)
+        self.launch = newton_launches(self.act, False, True)
         rows = steps * batch
         projected = torch.nn.functional.linear(x.reshape(rows, -1), w.w_ih, w.b_ih)
         if self.gru:
@@ -289,6 +337,18 @@ class FusedIteration:
             self.chain = FactoredChain(self.scales, w.w_hh.unsqueeze(0), transposed=True)
         self.residual = projected.new_empty((steps, batch, hidden))
         self.zero = projected.new_zeros((batch, hidden))
+
+    def fall_back(self) -> None:
+        """Where the solve has not converged (the record read on the device), the native forward
+        into the states, sample by sample (``_walk``): a captured solve's fallback."""
+        steps, batch, hidden = self.states.shape[0] - 1, self.states.shape[1], self.states.shape[2]
+        if steps == 0:
+            return
+        bias = self.b_hh if self.gru else self.gi  # not read by an RNN's walk: its biases are in gi
+        walk_launch(GRU.value if self.gru else self.act, padded(hidden)).run(
+            (batch,), gi_ptr=self.gi, w_ptr=self.w_hh, b_ptr=bias, record_ptr=self.record,
+            states_ptr=self.states, T=steps, B=batch, H=hidden,
+        )  # fmt: skip
 
     def __call__(self) -> None:
         """One iteration: the states and the record updated in place, on the device."""
@@ -331,6 +391,16 @@ def fused_iteration_ref(
     residual = new.sub_(s)
     d = forward_scan(cell.tangent_chain(factors, w), torch.zeros_like(s[0]), residual, _chunked())[1:]
     newton.update(s, d, lo, hi, record, False)
+
+
+def fall_back_ref(
+    cell: RNNCell | GRUCell, x: Tensor, w: LayerWeights, states: Tensor, record: Tensor
+) -> None:
+    """``FusedIteration.fall_back`` in plain PyTorch: where the record says not converged, the
+    cell's steps one by one from s_0."""
+    if record[CONVERGED.value] == 0:
+        for t in range(x.shape[0]):
+            states[t + 1] = cell.step(x[t : t + 1], states[t : t + 1], w)[0][0]
 
 
 def _chunked() -> dispatch.ScanOptions:

@@ -82,9 +82,27 @@ def test_a_whole_step_is_captured_in_a_cuda_graph(kind, strategy) -> None:
     a side stream, gradients allocated in the graph's pool) and replayed over new batches copied
     into the static input: the eager steps' parameters. The ``graph`` strategy's own graphs cannot
     nest in the capture: its scan is captured as eager ops instead."""
+    check_captured_step(kind, strategy=strategy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+@pytest.mark.parametrize("iters", [100, 2])
+def test_a_whole_step_with_a_newton_forward_is_captured(kind, iters) -> None:
+    """A Newton forward captured with the rest: its iterations, its stopping rule and, where it has
+    not converged in ``newton_iters`` (2: never), its native fallback all on the device; the eager
+    steps' parameters, and stats the replays rewrite."""
+    net = check_captured_step(kind, forward_solver="newton", newton_iters=iters)
+    stats = net.rnn.solver_stats
+    assert len(stats) == 2 and all(s.converged == (iters == 100) for s in stats), stats
+
+
+def check_captured_step(kind: str, **options) -> torch.nn.Module:
+    """A whole step of ``Net(kind, **options)`` captured and replayed against the eager steps; the
+    captured net."""
     device = "cuda"
     torch.manual_seed(0)
-    eager, captured = Net(kind, strategy=strategy).to(device), Net(kind, strategy=strategy).to(device)
+    eager, captured = Net(kind, **options).to(device), Net(kind, **options).to(device)
     captured.load_state_dict(eager.state_dict())
     batches = _batches(device, n=4)
     opt_eager = torch.optim.Adam(eager.parameters(), lr=1e-2, capturable=True)
@@ -123,6 +141,7 @@ def test_a_whole_step_is_captured_in_a_cuda_graph(kind, strategy) -> None:
     got = _train(captured, replay, batches[1:])
     for a, b in zip(expected, got, strict=True):
         assert rel_err(a, b) < 1e-4
+    return captured
 
 
 @pytest.mark.gpu
@@ -150,13 +169,13 @@ def test_make_graphed_callables_takes_a_bppsa_model(kind) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("solver", ["newton", "quasi-newton"])
-def test_a_newton_forward_refuses_capture_in_one_line(solver) -> None:
-    """Whether a Newton solve converged decides on the host between its states and the native
-    forward, which a graph cannot replay: the capture is refused by name, not broken mid-way."""
-    net = Net("gru", forward_solver=solver).to("cuda")
+@pytest.mark.parametrize(("kind", "solver"), [("lstm", "newton"), ("gru", "quasi-newton")])
+def test_a_newton_forward_the_device_cannot_finish_refuses_capture_in_one_line(kind, solver) -> None:
+    """An LSTM's Newton forward, or quasi-Newton's, needs the host to fall back: the capture is
+    refused by name, not broken mid-way."""
+    net = Net(kind, forward_solver=solver).to("cuda")
     x = _batches("cuda", n=1)[0][0]
     net(x)  # eagerly it runs
-    refused = f"forward_solver='{solver}' cannot be captured in a CUDA graph"
+    refused = f"forward_solver='{solver}' is captured in a CUDA graph only for a tanh/relu RNN or a GRU"
     with pytest.raises(RuntimeError, match=refused), torch.cuda.graph(torch.cuda.CUDAGraph()):
         net(x)

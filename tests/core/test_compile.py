@@ -30,8 +30,18 @@ from benchmarks import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90)
-# the loops each kernel's source has (a Newton iteration's pointwise kernels none, its decision one)
-LOOPS = {"reduce": 1, "spine": 2, "expand": 1, "cells": 1, "residual": 0, "update": 0, "decide": 1}
+# the loops each kernel's source has (a Newton iteration's pointwise kernels none, its decision and
+# its fallback walk one)
+LOOPS = {
+    "reduce": 1,
+    "spine": 2,
+    "expand": 1,
+    "cells": 1,
+    "residual": 0,
+    "update": 0,
+    "decide": 1,
+    "fallback": 1,
+}
 SCAN = ("reduce", "spine", "expand")
 SCAN_MODES = ("SCALES", "SCALES_T", "SCALES_T newton", "TANH", "RELU", "GRU")
 KERNELS = {mode: {f"_{role}" for role in SCAN} for mode in SCAN_MODES}
@@ -47,6 +57,7 @@ KERNELS |= {
     "newton": {"_decide"},
     "quasi-newton": {"_decide"},
 }
+KERNELS |= {f"{name} walk": {"_walk"} for name in ("tanh", "relu", "gru")}
 
 
 def compiled_env() -> dict[str, str]:
@@ -139,7 +150,7 @@ def test_the_estimate_is_the_loops_instructions_times_their_iterations(listed_ro
         shortest, warps = r["loops_shortest"], r["warps"]
         its = kernels.iterations(r["role"], r["T"], r["chunk"])
         assert r["estimate"] == sum(n * i for n, i in zip(shortest, its, strict=True)) * math.ceil(warps / 4)
-        assert min(shortest) > 0 and all(s <= n for s, n in zip(shortest, r["loops"], strict=True))
+        assert all(0 < s <= n for s, n in zip(shortest, r["loops"], strict=True))
         if r["role"] in ("reduce", "expand"):  # one chunk per program: linear in the chunk size
             assert kernels.loop_estimate(shortest, [2 * r["chunk"]], warps) == 2 * r["estimate"]
 

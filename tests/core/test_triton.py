@@ -132,7 +132,9 @@ def test_newton_iterations_and_tangents_take_the_transposed_kernels(monkeypatch,
     calls = []
     kernel = ts.factored_scan
     for module in (ts, newton_kernels):  # a tangent's scan; a Newton iteration's, in its fused iteration
-        monkeypatch.setattr(module, "factored_scan", lambda *a: calls.append(a[0].transposed) or kernel(*a))
+        monkeypatch.setattr(
+            module, "factored_scan", lambda *a, **k: calls.append(a[0].transposed) or kernel(*a, **k)
+        )
     x = torch.randn(23, 2, 2, generator=torch.Generator().manual_seed(0))
     assert (ours(x)[0] - ref(x)[0]).abs().max() < 1e-5
     assert calls and all(calls), calls  # every Newton iteration, transposed

@@ -216,3 +216,55 @@ def test_a_newton_forward_on_a_gpu_gives_cudnns_outputs_and_gradients(monkeypatc
     assert len(calls) == (2 * stats.iterations + 1 if solver == "newton" and kind != "lstm" else 0)
     g = torch.randn_like(out)
     assert rel_err(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(got, x, g)[0]) < 1e-4
+
+
+@pytest.mark.parametrize("kind", list(CELLS))
+@pytest.mark.parametrize("converged", [False, True])
+def test_the_fallback_walk_matches_its_twin_and_runs_only_where_the_solve_did_not_converge(kind, converged):
+    cell = CELLS[kind]
+    steps, batch, hidden = 17, 3, 6
+    g = torch.Generator().manual_seed(7)
+    rows = cell.gates * hidden
+    w = LayerWeights(*(torch.randn(s, generator=g) for s in [(rows, 2), (rows, hidden), (rows,), (rows,)]))
+    x = torch.randn(steps, batch, 2, generator=g)
+    states = torch.rand(steps + 1, batch, hidden, generator=g) * 2 - 1
+    rec = record()
+    rec[newton.CONVERGED] = float(converged)
+    walked, twin = states.clone(), states.clone()
+    lo, hi = cell.bounds(states[0], steps)
+    kernels.FusedIteration(cell, x, w, walked, lo, hi, rec, None).fall_back()
+    kernels.fall_back_ref(cell, x, w, twin, rec)
+    if converged:
+        assert torch.equal(walked, states) and torch.equal(twin, states)
+    else:
+        assert torch.equal(walked[0], states[0]) and rel_err(walked, twin) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+@pytest.mark.parametrize("iters", [1, 100])
+def test_a_captured_solve_reads_nothing_on_the_host_and_falls_back_on_the_device(monkeypatch, kind, iters):
+    """The solve as a CUDA graph captures it (``captured``): every iteration queued, none read on the
+    host; converged, the same states and stats as the eager solve; not converged in ``iters``, the
+    native states from the device's fallback (not the last iterate) and stats that say so."""
+    from bppsa_core.dispatch import ScanOptions
+    from bppsa_core.layer import cell_of
+
+    ref, ours = pair(kind, 2, 8, dtype=torch.float32)
+    x = torch.randn(40, 3, 2, generator=torch.Generator().manual_seed(5))
+    cell = cell_of(ours.mode)
+    w = LayerWeights(*(p.detach() for p in ours._flat_weights[:4]))
+    s0 = torch.zeros(3, 8)
+    options, scan_options = newton.SolverOptions("newton", max_iters=iters), ScanOptions("triton")
+    monkeypatch.setattr(newton._Watch, "stopped", lambda self: pytest.fail("read on the host"))
+    captured, stats = newton._solve(cell, x, s0, w, None, options, scan_options, None, True, captured=True)
+    monkeypatch.undo()
+    eager, eager_stats = newton.solve(cell, x, s0, w, None, options, scan_options)
+    assert isinstance(stats, torch.Tensor) and newton.SolveStats.from_tensor(stats) == eager_stats
+    assert eager_stats.converged == (iters == 100)
+    if eager_stats.converged:
+        assert torch.equal(captured, eager)
+    else:
+        native = ref(x, s0.unsqueeze(0))[0].detach()
+        assert eager_stats.iterations == iters and rel_err(captured, native) < 1e-5
+        last_iterate = newton.solve(cell, x, s0, w, None, options, ScanOptions("chunked"))[0]
+        assert rel_err(last_iterate, native) > 1e-3  # what the fallback replaced
