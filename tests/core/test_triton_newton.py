@@ -164,12 +164,19 @@ def test_the_kernels_freeze_the_iterate_past_the_stop(monkeypatch, kind) -> None
     stop found them, so they and the stats are those of a check after every iteration, bit for bit."""
     _, ours = pair(kind, 2, 6, dtype=torch.float32, strategy="triton", forward_solver="newton")
     x = torch.randn(30, 2, 2, generator=torch.Generator().manual_seed(3))
+    same_read_early_or_late(monkeypatch, ours, x, "cpu", 2)
+
+
+def same_read_early_or_late(monkeypatch, module, x: torch.Tensor, device: str, late: int) -> torch.Tensor:
+    """``module``'s output when the host reads the stopping flag ``late`` iterations late and when
+    it reads it at once: bit for bit the same, with the same stats, converged; returns the first."""
     results = []
-    for late in (0, 2):
-        monkeypatch.setitem(newton.LOOKAHEAD, "cpu", late)
-        results.append((ours(x)[0], ours.solver_stats[0]))
+    for lookahead in (late, 0):
+        monkeypatch.setitem(newton.LOOKAHEAD, device, lookahead)
+        results.append((module(x)[0], module.solver_stats[0]))
     (a, stats_a), (b, stats_b) = results
     assert stats_a.converged and stats_a == stats_b and torch.equal(a, b)
+    return a
 
 
 @pytest.mark.parametrize("terms", [1, 3])
@@ -206,12 +213,8 @@ def test_a_newton_forward_on_a_gpu_gives_cudnns_outputs_and_gradients(monkeypatc
     ref, ours = ref.cuda(), ours.cuda()
     x = torch.randn(500, 16, 3, generator=torch.Generator().manual_seed(0)).cuda().requires_grad_()
     out = ref(x)[0]
-    results = []
-    for late in (1, 0):
-        monkeypatch.setitem(newton.LOOKAHEAD, "cuda", late)
-        results.append((ours(x)[0], ours.solver_stats[0]))
-    (got, stats), (got_at_once, stats_at_once) = results
-    assert stats.converged and stats == stats_at_once and torch.equal(got, got_at_once)
+    got = same_read_early_or_late(monkeypatch, ours, x, "cuda", 1)
+    stats = ours.solver_stats[0]
     assert (out - got).abs().max() < 1e-5
     assert len(calls) == (2 * stats.iterations + 1 if solver == "newton" and kind != "lstm" else 0)
     g = torch.randn_like(out)
