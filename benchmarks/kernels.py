@@ -472,15 +472,18 @@ def row(
 
 def representative(configs: Iterable[KernelConfig]) -> list[KernelConfig]:
     """A subset with every kernel and every mode: at each kernel's widest H (a multiple of 16, the
-    variant with vectorized loads) with offsets, a diagonal where the mode may have one, and every K."""
+    variant with vectorized loads) with offsets, a diagonal where the mode may have one, and every K;
+    a Newton iteration's pointwise kernels and walk (``newton_configs``: no offsets) at theirs."""
     configs = list(configs)
     widest: dict[str, int] = {}
     for c in configs:
         widest[c.mode] = max(widest.get(c.mode, 0), c.hidden[-1])
+    newton = ("residual", "update", "decide", "fallback")
     return [
         c
         for c in configs
-        if c.hidden[-1] == widest[c.mode] and c.affine and (c.diag or c.mode in ("TANH", "RELU"))
+        if c.hidden[-1] == widest[c.mode]
+        and (c.role in newton or (c.affine and (c.diag or c.mode in ("TANH", "RELU"))))
     ]
 
 
