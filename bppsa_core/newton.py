@@ -39,7 +39,7 @@ The stopping rule runs on the device (``_Watch``): the host never waits on an it
 queued. On a GPU it reads the flag of the iteration ``LOOKAHEAD`` before the one it has queued, so
 the device always has work while the host decides, and an iterate stops changing once its flag is
 set: the iterations queued past it leave it as it was, and the result is the one a check after
-every iteration gives.
+every iteration gives. Inside a CUDA graph capture the host reads nothing: see ``solve``.
 """
 
 from __future__ import annotations
