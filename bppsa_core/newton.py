@@ -95,10 +95,20 @@ class SolveStats:
     converged: bool
     change: float
 
-    def as_tensor(self) -> Tensor:
-        if self is NATIVE:  # every native forward's: a copy, cheaper than a tensor from a list
-            return _NATIVE_TENSOR.clone()
-        return torch.tensor([self.iterations, float(self.converged), self.change], dtype=torch.float64)
+    def as_tensor(self, device: torch.device | None = None) -> Tensor:
+        """(iterations, converged, change) as a float64 tensor, on the CPU or on ``device``. A GPU's
+        copy of the native forward's is made by device ops, never copied from the host, so a
+        compiled graph that returns it can be captured in a CUDA graph."""
+        if device is None or device.type == "cpu":
+            if self is NATIVE:  # every native forward's: a copy, cheaper than a tensor from a list
+                return _NATIVE_TENSOR.clone()
+            return torch.tensor([self.iterations, float(self.converged), self.change], dtype=torch.float64)
+        if self is NATIVE:
+            if device not in _NATIVE_ON:
+                _NATIVE_ON[device] = torch.zeros(3, dtype=torch.float64, device=device)
+                _NATIVE_ON[device][1] = 1.0
+            return _NATIVE_ON[device].clone()
+        return self.as_tensor().to(device)
 
     @classmethod
     def from_tensor(cls, t: Tensor) -> SolveStats:
@@ -108,6 +118,7 @@ class SolveStats:
 
 NATIVE = SolveStats(0, True, 0.0)
 _NATIVE_TENSOR = torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)
+_NATIVE_ON: dict[torch.device, Tensor] = {}  # NATIVE's stats on each GPU, made there
 
 
 def solve(

@@ -57,7 +57,7 @@ def _forward_op(
         mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, max_iters)
     )
     weights = _present(w_ih, w_hh, b_ih, b_hh)
-    return _solved(config, x, h0, c0, weights, lengths, guess, copies=True)
+    return _solved(config, x, h0, c0, weights, lengths, guess, copies=True, stats_on=x.device)
 
 
 def _solved(
@@ -70,21 +70,24 @@ def _solved(
     guess: Tensor | None,
     copies: bool,
     tape: bppsa_layer.LSTMTape | None = None,
+    stats_on: torch.device | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The forward's four results (``layer.solved_forward``, no c as an empty tensor, the solve's
-    stats as a tensor); ``copies``: the last states copied, as an operator's results may not be
-    views of its others; ``tape``: filled for the backward (``layer.new_tape``)."""
+    stats as a tensor, on the CPU or ``stats_on``); ``copies``: the last states copied, as an
+    operator's results may not be views of its others; ``tape``: filled for the backward
+    (``layer.new_tape``). The operator keeps its stats on x's device: a compiled graph with a CPU
+    result is not captured by inductor's CUDA graphs (``mode="reduce-overhead"``)."""
     out, h, c, stats = bppsa_layer.solved_forward(config, x, h0, c0, weights, lengths, guess, tape)
     if copies:
         h, c = h.clone(), (None if c is None else c.clone())
-    stats = stats if isinstance(stats, Tensor) else stats.as_tensor()  # a tensor: a captured solve's
+    stats = stats if isinstance(stats, Tensor) else stats.as_tensor(stats_on)  # a tensor: captured
     return out, h, (_empty(h) if c is None else c), stats
 
 
 @_forward_op.register_fake
 def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, *rest):  # rest: lengths .. levels
     out = x.new_empty((x.shape[0], x.shape[1], w_hh.shape[1]))
-    stats = torch.empty((3,), dtype=torch.float64)  # on the CPU, as the real one
+    stats = torch.empty((3,), dtype=torch.float64, device=x.device)  # on x's device, as the real one
     return out, h0.new_empty(h0.shape), (_empty(h0) if c0 is None else c0.new_empty(c0.shape)), stats
 
 
