@@ -200,29 +200,27 @@ def newton_configs(largest: int) -> list[KernelConfig]:
     def config(role: str, mode: str, hidden: tuple[int, ...], launch: Launch) -> KernelConfig:
         return KernelConfig(role, mode, 0, False, False, False, hidden, launch)
 
-    rnn = (("tanh", chunk_scan.TANH.value), ("relu", chunk_scan.RELU.value))
+    modes = (("tanh", chunk_scan.TANH.value), ("relu", chunk_scan.RELU.value), ("gru", chunk_scan.GRU.value))
     configs = [
-        config("residual", f"{name} residual", every, newton.newton_launches(act, False, False)["residual"])
-        for name, act in rnn
+        config("residual", f"{name} residual", every, newton.residual_launch(mode))
+        for name, mode in modes[:2]
     ]
     configs += [
-        config("residual", "gru residual", hidden, newton.newton_launches(None, False, False)["residual"])
-        for hidden in gru
+        config("residual", "gru residual", hidden, newton.residual_launch(modes[2][1])) for hidden in gru
     ]
-    walks = (("tanh", chunk_scan.TANH.value), ("relu", chunk_scan.RELU.value), ("gru", chunk_scan.GRU.value))
     configs += [
         config("fallback", f"{name} walk", hidden, newton.walk_launch(mode, padded(hidden[0])))
         for hidden in h_variants(largest)
-        for name, mode in walks
+        for name, mode in modes
     ]
     for flag, (update_mode, decide_mode) in (
         (False, ("d in time order", "newton")),
         (True, ("d reversed", "quasi-newton")),
     ):
-        launches = newton.newton_launches(None, flag, flag)
+        update, decide = newton.update_launches(flag, flag)
         configs += [
-            config("update", update_mode, every, launches["update"]),
-            config("decide", decide_mode, every, launches["decide"]),
+            config("update", update_mode, every, update),
+            config("decide", decide_mode, every, decide),
         ]
     return configs
 

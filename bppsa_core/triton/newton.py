@@ -29,6 +29,8 @@ kernels without that hint.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -230,25 +232,29 @@ def _walk(
 # ------------------------------------------------------------------------------------------- launch
 
 
-def newton_launches(act: int | None, quasi: bool, reversed_: bool) -> dict[str, Launch]:
-    """The kernels of an iteration by role (``residual``, ``update``, ``decide``), as the entry points
-    run them and ``benchmarks.kernels`` compiles them. ``act``: TANH's or RELU's value for an RNN's
-    residual, GRU (None) for a GRU's; the update reads the corrections ``reversed_``."""
-    residual = (
-        Launch(_gru_residual, {"BLOCK": BLOCK}, WARPS)
-        if act is None
-        else Launch(_rnn_residual, {"ACT": act, "BLOCK": BLOCK}, WARPS)
+@cache
+def residual_launch(mode: int) -> Launch:
+    """``_rnn_residual`` (``mode`` TANH's or RELU's value) or ``_gru_residual`` (GRU's), as
+    ``FusedIteration`` runs it and ``benchmarks.kernels`` compiles it; made once."""
+    if mode == GRU.value:
+        return Launch(_gru_residual, {"BLOCK": BLOCK}, WARPS)
+    return Launch(_rnn_residual, {"ACT": mode, "BLOCK": BLOCK}, WARPS)
+
+
+@cache
+def update_launches(quasi: bool, reversed_: bool) -> tuple[Launch, Launch]:
+    """``_update`` (reading the corrections ``reversed_``) and ``_decide`` (``quasi``'s rule), as
+    ``newton_update`` runs them and ``benchmarks.kernels`` compiles them; made once."""
+    return (
+        Launch(_update, {"REVERSED": reversed_, "BLOCK": BLOCK}, WARPS),
+        Launch(_decide, {"QUASI": quasi, "BLOCK": BLOCK}, WARPS),
     )
-    return {
-        "residual": residual,
-        "update": Launch(_update, {"REVERSED": reversed_, "BLOCK": BLOCK}, WARPS),
-        "decide": Launch(_decide, {"QUASI": quasi, "BLOCK": BLOCK}, WARPS),
-    }
 
 
+@cache
 def walk_launch(mode: int, hp: int) -> Launch:
     """``_walk`` for ``mode`` (TANH's, RELU's or GRU's value) at ``hp`` = ``padded(H)``: the scan
-    kernels' warps for its weights (``chunk_scan.num_warps``)."""
+    kernels' warps for its weights (``chunk_scan.num_warps``); made once."""
     return Launch(_walk, {"MODE": mode, "HP": hp}, num_warps(3 if mode == GRU.value else 1, hp))
 
 
@@ -261,9 +267,9 @@ def newton_update(
     n = s.numel()
     programs = max(1, triton.cdiv(n, BLOCK))
     partial = s.new_empty(2 * programs)
-    launches = newton_launches(None, quasi, reversed_)
+    update, decide = update_launches(quasi, reversed_)
     bh = s[0].numel() if s.shape[0] else 1
-    launches["update"].run(
+    update.run(
         (programs,),
         s_ptr=s,
         d_ptr=d,
@@ -274,7 +280,7 @@ def newton_update(
         N=n,
         BH=bh,
     )
-    launches["decide"].run((1,), partial_ptr=partial, record_ptr=record, P=programs)
+    decide.run((1,), partial_ptr=partial, record_ptr=record, P=programs)
 
 
 def newton_update_ref(
@@ -312,15 +318,18 @@ class FusedIteration:
         chunk: int | None,
     ) -> None:
         steps, batch, hidden = states.shape[0] - 1, states.shape[1], states.shape[2]
+        self.steps, self.batch, self.hidden = steps, batch, hidden
         self.states, self.lo, self.hi, self.record = states, lo, hi, record
         self.gru = isinstance(cell, GRUCell)
+        self.mode = GRU.value if self.gru else cell_act(cell)  # the residual's and the walk's
         self.chunk = chunk or dispatch.default_chunk(steps)
         self.w_hh = w.w_hh.contiguous()
         self.w_hh_t = self.w_hh.t()
-        self.act = None if self.gru else cell_act(cell)
         self.prev = states[:-1].view(steps * batch, hidden)
-        self.launch = newton_launches(self.act, False, True)
         rows = steps * batch
+        # the pointwise kernels' grid and sizes: one program per BLOCK states
+        self.grid = (max(1, triton.cdiv(rows * hidden, BLOCK)),)
+        self.sizes = {"N": rows * hidden, "BH": batch * hidden}
         projected = torch.nn.functional.linear(x.reshape(rows, -1), w.w_ih, w.b_ih)
         if self.gru:
             self.gi = projected
@@ -341,32 +350,30 @@ class FusedIteration:
     def fall_back(self) -> None:
         """Where the solve has not converged (the record read on the device), the native forward
         into the states, sample by sample (``_walk``): a captured solve's fallback."""
-        steps, batch, hidden = self.states.shape[0] - 1, self.states.shape[1], self.states.shape[2]
-        if steps == 0:
+        if self.steps == 0:
             return
         bias = self.b_hh if self.gru else self.gi  # not read by an RNN's walk: its biases are in gi
-        walk_launch(GRU.value if self.gru else self.act, padded(hidden)).run(
-            (batch,), gi_ptr=self.gi, w_ptr=self.w_hh, b_ptr=bias, record_ptr=self.record,
-            states_ptr=self.states, T=steps, B=batch, H=hidden,
+        walk_launch(self.mode, padded(self.hidden)).run(
+            (self.batch,), gi_ptr=self.gi, w_ptr=self.w_hh, b_ptr=bias, record_ptr=self.record,
+            states_ptr=self.states, T=self.steps, B=self.batch, H=self.hidden,
         )  # fmt: skip
 
     def __call__(self) -> None:
         """One iteration: the states and the record updated in place, on the device."""
         s = self.states[1:]
-        n = s.numel()
-        grid = (max(1, triton.cdiv(n, BLOCK)),)
-        sizes = {"N": n, "BH": s[0].numel()}
+        residual = residual_launch(self.mode)
         if self.gru:
             torch.addmm(self.b_hh, self.prev, self.w_hh_t, out=self.pre)
-            self.launch["residual"].run(
-                grid, gi_ptr=self.gi, gh_ptr=self.pre, prev_ptr=self.prev, s_ptr=s, record_ptr=self.record,
-                res_ptr=self.residual, scales_ptr=self.scales, diag_ptr=self.diag, H=s.shape[-1], **sizes,
+            residual.run(
+                self.grid, gi_ptr=self.gi, gh_ptr=self.pre, prev_ptr=self.prev, s_ptr=s,
+                record_ptr=self.record, res_ptr=self.residual, scales_ptr=self.scales, diag_ptr=self.diag,
+                H=self.hidden, **self.sizes,
             )  # fmt: skip
         else:
             torch.addmm(self.gi, self.prev, self.w_hh_t, out=self.pre)
-            self.launch["residual"].run(
-                grid, pre_ptr=self.pre, s_ptr=s, record_ptr=self.record, res_ptr=self.residual,
-                fp_ptr=self.scales, **sizes,
+            residual.run(
+                self.grid, pre_ptr=self.pre, s_ptr=s, record_ptr=self.record, res_ptr=self.residual,
+                fp_ptr=self.scales, **self.sizes,
             )  # fmt: skip
         d = factored_scan(self.chain, self.zero, self.residual, self.chunk, stop=self.record)
         newton_update(s, d, self.lo, self.hi, self.record, False, True)

@@ -84,9 +84,7 @@ def test_the_decision_over_many_partials_is_the_rule(quasi, change, size, last) 
     partial = torch.rand(pairs, 2, generator=g) * torch.tensor([change, size]) * 0.5
     partial[1777] = torch.tensor([change, size])  # the largest of each, in the last block
     rec, rec_ref = record(last=last), record(last=last)
-    kernels.newton_launches(None, quasi, False)["decide"].run(
-        (1,), partial_ptr=partial.view(-1), record_ptr=rec, P=pairs
-    )
+    kernels.update_launches(quasi, False)[1].run((1,), partial_ptr=partial.view(-1), record_ptr=rec, P=pairs)
     newton.judge(rec_ref, torch.tensor(change, dtype=torch.float32), torch.tensor(size), quasi)
     assert torch.equal(rec, rec_ref), (rec, rec_ref)
 
