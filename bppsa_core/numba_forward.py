@@ -29,11 +29,21 @@ import torch
 from numba import njit, prange
 from torch import Tensor
 
-from bppsa_core.numba_math import ACTIVATIONS, UNUSED, add_hidden, build, put, threads
+from bppsa_core.numba_math import (
+    ACTIVATIONS,
+    GATE_SIGMOID,
+    GATE_TANH,
+    UNUSED,
+    add_hidden,
+    build,
+    put,
+    threads,
+)
 
 # The kernels' activations: float64's here, each dtype's in its build (``numba_math.build``); the
 # LSTM's untaped build, whose taped one (``_kernel``) sets _TAPED.
-_, _tanh, _sigmoid = ACTIVATIONS[np.float64]
+_, _tanh, _sigmoid, _gate = ACTIVATIONS[np.float64]
+_GATE_SIGMOID, _GATE_TANH = GATE_SIGMOID, GATE_TANH
 _TAPED = False
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -114,30 +124,44 @@ def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
     w_t (H, 4H) = W_hh^T (rows i, f, g, o), h0 and c0 (B, H); writes the outputs and the last
     (h, c); otherwise as ``_rnn``. Its taped build (``_TAPED``) also writes the activated gates
     (S, B, 4H) and the cell states c_0..c_S into cells (S + 1, B, H), what the backward takes
-    (``layer.LSTMTape``); a build of its own, as a run-time flag in the loop slows both down."""
+    (``layer.LSTMTape``); a build of its own, as a run-time flag in the loop slows both down.
+
+    A step activates each sample's 4H gates in one loop (``_gate``, sigmoid or tanh by column) and
+    the group's new cell states' tanh in another, over all its samples at once: loops of 4H and
+    group x H, not one of H per sample whose remainder runs in narrower vectors."""
     seg, batch, rows = xw.shape
     hid = rows // 4
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
+        n = hi - lo
         h, c = h0[lo:hi].copy(), c0[lo:hi].copy()
         if _TAPED:
             put(cells[0, lo:hi], c)
-        acc = np.empty((hi - lo, rows), h.dtype)
+        acc = np.empty((n, rows), h.dtype)
+        scale, p, q = np.empty(rows, h.dtype), np.empty(rows, h.dtype), np.empty(rows, h.dtype)
+        for j in range(rows):  # the g gate's columns are tanh, the others sigmoid
+            scale[j], p[j], q[j] = _GATE_TANH if 2 * hid <= j < 3 * hid else _GATE_SIGMOID
+        c_new, tanh_c = np.empty(n * hid, h.dtype), np.empty(n * hid, h.dtype)
         for t in range(seg):
             _load(acc, xw, t, lo)
             add_hidden(acc, h, w_t)
-            for b in range(hi - lo):
+            for b in range(n):
+                for j in range(rows):
+                    acc[b, j] = _gate(acc[b, j], scale[j], p[j], q[j])
+            for b in range(n):  # c' = f c + i g
+                for j in range(hid):
+                    c_new[b * hid + j] = acc[b, hid + j] * c[b, j] + acc[b, j] * acc[b, 2 * hid + j]
+            for k in range(n * hid):
+                tanh_c[k] = _tanh(c_new[k])
+            for b in range(n):
                 if t < steps[lo + b]:
-                    for j in range(hid):
-                        i = _sigmoid(acc[b, j])
-                        f = _sigmoid(acc[b, hid + j])
-                        gg = _tanh(acc[b, 2 * hid + j])
-                        o = _sigmoid(acc[b, 3 * hid + j])
-                        c[b, j] = f * c[b, j] + i * gg
-                        h[b, j] = o * _tanh(c[b, j])
-                        if _TAPED:
-                            gates[t, lo + b, j], gates[t, lo + b, hid + j] = i, f
-                            gates[t, lo + b, 2 * hid + j], gates[t, lo + b, 3 * hid + j] = gg, o
+                    for j in range(hid):  # h' = o tanh(c')
+                        c[b, j] = c_new[b * hid + j]
+                        h[b, j] = acc[b, 3 * hid + j] * tanh_c[b * hid + j]
+                    if _TAPED:
+                        for j in range(rows):
+                            gates[t, lo + b, j] = acc[b, j]
+                        for j in range(hid):
                             cells[t + 1, lo + b, j] = c[b, j]
             _store(out, t, lo, steps, h)
         put(h_last[lo:hi], h)

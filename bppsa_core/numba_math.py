@@ -61,9 +61,10 @@ def _float(typingctx, bits, like):
 _LN2 = Decimal("0.69314718055994530941723212145817656807550013436")  # ln 2 past float64's digits
 
 
-def _make_activations(dtype: type) -> tuple[Callable, Callable, Callable]:
-    """``expm1``, ``tanh`` and ``sigmoid`` for scalars of ``dtype`` (np.float32 or np.float64),
-    their constants in that dtype so that no step widens."""
+def _make_activations(dtype: type) -> tuple[Callable, Callable, Callable, Callable]:
+    """``expm1``, ``tanh``, ``sigmoid`` and ``gate`` (either of the two by its constants:
+    ``GATE_SIGMOID``, ``GATE_TANH``) for scalars of ``dtype`` (np.float32 or np.float64), their
+    constants in that dtype so that no step widens."""
     f = dtype
     double = dtype is np.float64
     mantissa = 52 if double else 23
@@ -126,10 +127,26 @@ def _make_activations(dtype: type) -> tuple[Callable, Callable, Callable]:
         v = one / (expm1(y) + two)
         return zero if -x > high else v  # below the smallest normal number, as if flushed
 
-    return expm1, tanh, sigmoid
+    @njit(inline="always", error_model="numpy")
+    def gate(x, scale, p, q):
+        y0 = scale * x
+        y = high if y0 > high else y0
+        y = low if y < low else y
+        e = expm1(y)
+        v = (p + q * e) / (e + two)
+        return q if y0 > high else v  # the limit: sigmoid's 0 (as if flushed), tanh's -1
+
+    return expm1, tanh, sigmoid, gate
 
 
 ACTIVATIONS = {np.float32: _make_activations(np.float32), np.float64: _make_activations(np.float64)}
+
+# ``gate``'s constants (scale, p, q): it is (p + q e) / (e + 2) with e = expm1(scale x), sigmoid
+# or tanh by the constants alone, so that a row of gates mixing the two (an LSTM's i, f, g, o) is
+# one vectorized loop over per-column constants instead of a loop per gate, each of H columns and
+# its remainder (re-measured by ``python -m benchmarks.forward --tables compiled --models lstm``).
+GATE_SIGMOID = (-1.0, 1.0, 0.0)
+GATE_TANH = (-2.0, 0.0, -1.0)
 
 
 # Lanes of the hidden product's vectors: 256 bits, which AVX2 holds in a register and AVX-512
@@ -349,7 +366,7 @@ _OPTIONS_TAG = "ng4"
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:
     """``fn`` compiled under a name of its own (numba's on-disk cache is keyed by the function's
     name, not by its globals or options): its serial or parallel build and, given ``dtype``
-    (np.float32 or np.float64), with that dtype's ``_tanh`` and ``_sigmoid``; ``constants``: globals
+    (np.float32 or np.float64), with that dtype's ``_tanh``, ``_sigmoid`` and ``_gate``; ``constants``: globals
     it reads set for this build (compile-time constants, each a build of its own). Every build
     releases the interpreter while it runs (nogil): a long call (an LSTM layer's backward over a
     million steps) leaves it to other threads, a sequence-parallel run's heartbeat among them."""
@@ -360,7 +377,7 @@ def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: 
     )
     scope = dict(fn.__globals__)
     if dtype is not None:
-        _, scope["_tanh"], scope["_sigmoid"] = ACTIVATIONS[dtype]
+        _, scope["_tanh"], scope["_sigmoid"], scope["_gate"] = ACTIVATIONS[dtype]
     scope.update({f"_{k.upper()}": v for k, v in constants.items()})
     renamed = types.FunctionType(fn.__code__, scope, name, fn.__defaults__, fn.__closure__)
     renamed.__qualname__ = name

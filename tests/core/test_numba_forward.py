@@ -127,36 +127,58 @@ def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype)
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_the_activations_are_accurate_to_a_few_ulps(dtype) -> None:
-    """tanh, sigmoid and expm1 against float64 references (math's, or float128's where there is
-    one): at most 4 ulps of the dtype, over the whole range, with NaN and infinities as PyTorch's."""
+    """tanh, sigmoid and expm1, and ``gate`` as each of tanh and sigmoid, against float64 references
+    (math's, or float128's where there is one): at most 4 ulps of the dtype, over the whole range,
+    with NaN and infinities as PyTorch's."""
     import numba
 
-    expm1, tanh, sigmoid = numba_math.ACTIVATIONS[dtype]
+    expm1, tanh, sigmoid, gate = numba_math.ACTIVATIONS[dtype]
 
     @numba.njit(error_model="numpy")
     def apply(f, a, out):
         for i in range(a.size):
             out[i] = f(a[i])
 
+    def gated(constants):
+        scale, p, q = (dtype(v) for v in constants)
+
+        @numba.njit(error_model="numpy")
+        def apply_gate(a, out):
+            for i in range(a.size):
+                out[i] = gate(a[i], scale, p, q)
+
+        def run(x, out):
+            apply_gate(x, out)
+
+        return run
+
     grid = np.concatenate([np.linspace(-50, 50, 20001), np.geomspace(1e-30, 30, 4001)])
     grid = np.concatenate([grid, -grid]).astype(dtype)
     wide = grid.astype(np.longdouble)
-    references = {
-        tanh: np.tanh(wide),
-        sigmoid: 1 / (1 + np.exp(-wide)),
-        expm1: np.expm1(np.clip(wide, -20, 80)),
-    }
-    for f, ref in references.items():
-        x = np.clip(grid, -20, 80).astype(dtype) if f is expm1 else grid
+    tanh_ref, sigmoid_ref = np.tanh(wide), 1 / (1 + np.exp(-wide))
+    references = [
+        (lambda x, out: apply(tanh, x, out), tanh_ref, "tanh"),
+        (lambda x, out: apply(sigmoid, x, out), sigmoid_ref, "sigmoid"),
+        (gated(numba_math.GATE_TANH), tanh_ref, "gate as tanh"),
+        (gated(numba_math.GATE_SIGMOID), sigmoid_ref, "gate as sigmoid"),
+        (lambda x, out: apply(expm1, x, out), np.expm1(np.clip(wide, -20, 80)), "expm1"),
+    ]
+    for run, ref, name in references:
+        x = np.clip(grid, -20, 80).astype(dtype) if name == "expm1" else grid
         out = np.empty_like(x)
-        apply(f, x, out)
+        run(x, out)
         ulp = np.spacing(np.abs(ref.astype(dtype)))
         normal = np.abs(ref) > np.finfo(dtype).tiny
-        assert (np.abs(out - ref)[normal] / ulp[normal]).max() <= 4, f
+        assert (np.abs(out - ref)[normal] / ulp[normal]).max() <= 4, name
     special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], dtype)
-    for f, torch_f in ((tanh, torch.tanh), (sigmoid, torch.sigmoid)):
+    for run, torch_f in (
+        (lambda x, out: apply(tanh, x, out), torch.tanh),
+        (lambda x, out: apply(sigmoid, x, out), torch.sigmoid),
+        (gated(numba_math.GATE_TANH), torch.tanh),
+        (gated(numba_math.GATE_SIGMOID), torch.sigmoid),
+    ):
         out = np.empty_like(special)
-        apply(f, special, out)
+        run(special, out)
         np.testing.assert_array_equal(out, torch_f(torch.from_numpy(special)).numpy())
 
 
