@@ -615,10 +615,11 @@ def layer_grads(
     for s in reversed(range(0, steps, block)):
         t = slice(s, s + block)
         gi, gh = deltas(t)
-        shared = gh is gi  # an RNN: both sides share one pre-activation
-        gi2, gh2 = gi.flatten(0, -2), gh.flatten(0, -2)
-        d_w_ih = _add_product(d_w_ih, gi2.t(), x[t].flatten(0, -2))
-        d_w_hh = _add_product(d_w_hh, gh2.t(), h_prev[t].flatten(0, -2))
+        shared = gh is gi  # an RNN or an LSTM: both sides share one pre-activation
+        gi2 = gi.flatten(0, -2)
+        gh2 = gi2 if shared else gh.flatten(0, -2)
+        d_w_ih = _add_product(d_w_ih, gi2, x[t].flatten(0, -2))
+        d_w_hh = _add_product(d_w_hh, gh2, h_prev[t].flatten(0, -2))
         if w.b_ih is not None:
             d_b_ih = gi2.sum(0) if d_b_ih is None else d_b_ih.add_(gi2.sum(0))
         if w.b_hh is not None and not shared:
@@ -634,18 +635,19 @@ def layer_grads(
     return dx, LayerWeights(d_w_ih, d_w_hh, d_b_ih, d_b_hh)
 
 
-def _add_product(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
-    """``total += a @ b`` in place, or ``a @ b`` itself for the first block (no zero fill).
+def _add_product(total: Tensor | None, d: Tensor, b: Tensor) -> Tensor:
+    """``total += d^T @ b`` in place, or ``d^T @ b`` itself for the first block (no zero fill); d
+    (N, rows) a block's pre-activation gradients, b (N, columns) its inputs or previous states.
 
     A product of a few columns (``_NARROW``) and more rows, such as a GRU's or an LSTM's dW_hh at
     H = 20 (60 or 80 x 20), is kept column-major, so that every block's GEMM is the transposed one
     with the wide side as its columns: 15-30 % faster on one CPU thread, and slower from 64 columns
     (re-measured by ``python -m benchmarks.backward --model lstm --threads 1``)."""
     if total is not None:
-        return total.addmm_(a, b)  # a column-major total stays so: the same transposed GEMM
-    if a.device.type == "cpu" and b.shape[1] <= _NARROW < a.shape[0]:
-        return torch.mm(b.t(), a.t()).t()
-    return torch.mm(a, b)
+        return total.addmm_(d.t(), b)  # a column-major total stays so: the same transposed GEMM
+    if d.device.type == "cpu" and b.shape[1] <= _NARROW < d.shape[1]:
+        return torch.mm(b.t(), d).t()
+    return torch.mm(d.t(), b)
 
 
 # Columns up to which a CPU weight gradient with more rows is accumulated column-major (``_add_product``).

@@ -22,6 +22,7 @@ outputs are 0 and its state is carried to the last state.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -183,6 +184,13 @@ def _kernel(cell: str, dtype: torch.dtype, parallel: bool, taped: bool = False) 
 # ------------------------------------------------------------------------------------------- calls
 
 
+@functools.lru_cache(maxsize=64)
+def _running(batch: int, steps: int) -> np.ndarray:
+    """The steps each sample runs in a segment without lengths: all of them (the kernels only read
+    it; made once per shape, as a short layer's call costs a few such allocations)."""
+    return np.full(batch, steps, np.int64)
+
+
 def layer_forward(
     mode: str,
     x: Tensor,
@@ -222,7 +230,7 @@ def layer_forward(
     whole = steps <= segment  # one segment: the tensors themselves, no slices (each costs its view)
     for s in range(0, steps, segment):
         e = min(steps, s + segment)
-        seg = np.full(batch, e - s, np.int64) if ends is None else np.clip(ends - s, 0, e - s)
+        seg = _running(batch, e - s) if ends is None else np.clip(ends - s, 0, e - s)
         seg_x = flat if whole else flat[s * batch : e * batch]
         # one input feature (the paper's bitstream): the projection is an outer product, which
         # addcmul makes in about half addmm's time (python -m benchmarks.forward)

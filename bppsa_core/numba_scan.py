@@ -480,7 +480,8 @@ class LSTMWalk:
         self._kernel = _lstm_layer_parallel if n_threads > 1 else _lstm_layer_serial
         self._head = (u is not None, has_c, one, tiny if flush else one - one, min(n_threads, batch))
         self._arrays = (
-            *_arrays(gates.view(steps, batch, 4 * hidden), h),
+            gates.view(steps, batch, 4 * hidden).numpy(),  # a tape or gates made in the backward: no grad
+            *_arrays(h),
             cells.numpy(),
             *_arrays(w_hh),
             UNUSED[h.dtype] if u is None else _arrays(u)[0],
