@@ -366,10 +366,11 @@ _OPTIONS_TAG = "ng4"
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:
     """``fn`` compiled under a name of its own (numba's on-disk cache is keyed by the function's
     name, not by its globals or options): its serial or parallel build and, given ``dtype``
-    (np.float32 or np.float64), with that dtype's ``_tanh``, ``_sigmoid`` and ``_gate``; ``constants``: globals
-    it reads set for this build (compile-time constants, each a build of its own). Every build
-    releases the interpreter while it runs (nogil): a long call (an LSTM layer's backward over a
-    million steps) leaves it to other threads, a sequence-parallel run's heartbeat among them."""
+    (np.float32 or np.float64), with that dtype's ``_tanh``, ``_sigmoid`` and ``_gate``;
+    ``constants``: globals it reads set for this build (compile-time constants, each a build of its
+    own). Every build releases the interpreter while it runs (nogil): a long call (an LSTM layer's
+    backward over a million steps) leaves it to other threads, a sequence-parallel run's heartbeat
+    among them."""
     variant = "".join(f"{k}_" for k, v in sorted(constants.items()) if v)
     name = (
         f"{fn.__name__}_{np.dtype(dtype).name + '_' if dtype else ''}{variant}"
