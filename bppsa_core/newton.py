@@ -216,6 +216,8 @@ def _solve(
             if newton_kernels.takes(cell, options.method, keep, w):
                 chunk = scan_options.chunk
                 fused = newton_kernels.FusedIteration(cell, x, w, states, lo, hi, watch.record, chunk)
+            else:  # the update's scratch, made once for every iteration
+                partial = newton_kernels.update_partials(s)
         for _ in range(options.max_iters):
             if fused is not None:
                 fused()
@@ -228,7 +230,7 @@ def _solve(
                 else:
                     d = forward_scan(cell.tangent_chain(factors, w), zero, residual, scan_options)[1:]
                 if kernels:
-                    newton_kernels.newton_update(s, d.contiguous(), lo, hi, watch.record, quasi, False)
+                    newton_kernels.newton_update(s, d.contiguous(), lo, hi, watch.record, quasi, False, partial)
                 else:  # read at once (lookahead 0): every iteration run counts, none to freeze
                     update(s, d, lo, hi, watch.record, quasi, freeze=watch.lookahead > 0)
             if not captured and watch.stopped():
@@ -295,24 +297,27 @@ class _Watch:
         self.record = torch.zeros(6, dtype=torch.float64, device=device)  # filled on the device:
         self.record[CHANGE], self.record[LAST], self.record[TOL] = math.nan, math.inf, tol  # capturable
         self.lookahead = LOOKAHEAD.get(device.type, LOOKAHEAD["cuda"])
-        self.queued: list[tuple[Tensor, torch.cuda.Event | None]] = []
+        # a ring of lookahead + 1 host copies of the flag (pinned on a GPU), each with the event of
+        # its copy: a slot is written again only after it has been read, and none is made per iteration
+        cuda = device.type == "cuda"
+        ring = torch.empty(self.lookahead + 1, dtype=torch.float64, pin_memory=cuda)
+        self._flags = list(ring.unbind())
+        self._events = [torch.cuda.Event() for _ in self._flags] if cuda else None
+        self._checks = 0
 
     def stopped(self) -> bool:
         """Whether the rule had stopped ``lookahead`` iterations ago (False before that many)."""
-        if self.record.is_cuda:  # copied as the stream reaches it; read once its event has passed
-            flag = torch.empty((), dtype=torch.float64, pin_memory=True)
-            flag.copy_(self.record[STOPPED], non_blocking=True)
-            reached = torch.cuda.Event()
-            reached.record()
-        else:
-            flag, reached = self.record[STOPPED].clone(), None
-        self.queued.append((flag, reached))
-        if len(self.queued) <= self.lookahead:
+        n, self._checks = self._checks, self._checks + 1
+        slot = n % len(self._flags)
+        self._flags[slot].copy_(self.record[STOPPED], non_blocking=True)  # as the stream reaches it
+        if self._events is not None:
+            self._events[slot].record()
+        if n < self.lookahead:
             return False
-        flag, reached = self.queued.pop(0)
-        if reached is not None:
-            reached.synchronize()
-        return bool(flag)
+        read = (n - self.lookahead) % len(self._flags)
+        if self._events is not None:
+            self._events[read].synchronize()
+        return bool(self._flags[read])
 
     def stats(self) -> SolveStats:
         """What the solve took, from the record (one read)."""

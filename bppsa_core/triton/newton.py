@@ -259,14 +259,23 @@ def walk_launch(mode: int, hp: int) -> Launch:
 
 
 def newton_update(
-    s: Tensor, d: Tensor, lo: Tensor, hi: Tensor, record: Tensor, quasi: bool, reversed_: bool
+    s: Tensor,
+    d: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    record: Tensor,
+    quasi: bool,
+    reversed_: bool,
+    partial: Tensor | None = None,
 ) -> None:
     """``_update`` then ``_decide``: the projected iterate written into ``s`` (T, B, S) from the
     corrections ``d`` ((T, B, S) in time order, or the rows of a transposed scan's output,
-    ``reversed_``) and the bounds lo, hi (B, S), and the stopping rule into ``record``."""
+    ``reversed_``) and the bounds lo, hi (B, S), and the stopping rule into ``record``. ``partial``:
+    the programs' partial maxima (``update_partials``), kept across a solve's iterations, or None
+    for a new one."""
     n = s.numel()
     programs = max(1, triton.cdiv(n, BLOCK))
-    partial = s.new_empty(2 * programs)
+    partial = update_partials(s) if partial is None else partial
     update, decide = update_launches(quasi, reversed_)
     bh = s[0].numel() if s.shape[0] else 1
     update.run(
@@ -281,6 +290,11 @@ def newton_update(
         BH=bh,
     )
     decide.run((1,), partial_ptr=partial, record_ptr=record, P=programs)
+
+
+def update_partials(s: Tensor) -> Tensor:
+    """The scratch ``newton_update`` takes for an iterate ``s``: two partial maxima per program."""
+    return s.new_empty(2 * max(1, triton.cdiv(s.numel(), BLOCK)))
 
 
 def newton_update_ref(
@@ -345,6 +359,7 @@ class FusedIteration:
             self.scales = projected.new_empty((steps, batch, 1, hidden))
             self.chain = FactoredChain(self.scales, w.w_hh.unsqueeze(0), transposed=True)
         self.residual = projected.new_empty((steps, batch, hidden))
+        self.partial = update_partials(states[1:])
         self.zero = projected.new_zeros((batch, hidden))
 
     def fall_back(self) -> None:
@@ -376,7 +391,7 @@ class FusedIteration:
                 fp_ptr=self.scales, **self.sizes,
             )  # fmt: skip
         d = factored_scan(self.chain, self.zero, self.residual, self.chunk, stop=self.record)
-        newton_update(s, d, self.lo, self.hi, self.record, False, True)
+        newton_update(s, d, self.lo, self.hi, self.record, False, True, self.partial)
 
 
 def fused_iteration_ref(
