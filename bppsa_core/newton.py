@@ -230,7 +230,8 @@ def _solve(
                 else:
                     d = forward_scan(cell.tangent_chain(factors, w), zero, residual, scan_options)[1:]
                 if kernels:
-                    newton_kernels.newton_update(s, d.contiguous(), lo, hi, watch.record, quasi, False, partial)
+                    d = d.contiguous()
+                    newton_kernels.newton_update(s, d, lo, hi, watch.record, quasi, False, partial)
                 else:  # read at once (lookahead 0): every iteration run counts, none to freeze
                     update(s, d, lo, hi, watch.record, quasi, freeze=watch.lookahead > 0)
             if not captured and watch.stopped():
