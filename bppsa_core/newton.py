@@ -298,16 +298,24 @@ class _Watch:
         self.record = torch.zeros(6, dtype=torch.float64, device=device)  # filled on the device:
         self.record[CHANGE], self.record[LAST], self.record[TOL] = math.nan, math.inf, tol  # capturable
         self.lookahead = LOOKAHEAD.get(device.type, LOOKAHEAD["cuda"])
-        # a ring of lookahead + 1 host copies of the flag (pinned on a GPU), each with the event of
-        # its copy: a slot is written again only after it has been read, and none is made per iteration
-        cuda = device.type == "cuda"
+        # the host's copies of the flag: made at the first read (a captured solve reads none, and
+        # pinned memory is not made inside a capture)
+        self._flags: list[Tensor] = []
+        self._events: list[torch.cuda.Event] | None = None
+        self._checks = 0
+
+    def _ring(self) -> None:
+        """lookahead + 1 host copies of the flag (pinned on a GPU), each with the event of its copy:
+        a slot is written again only after it has been read, and none is made per iteration."""
+        cuda = self.record.is_cuda
         ring = torch.empty(self.lookahead + 1, dtype=torch.float64, pin_memory=cuda)
         self._flags = list(ring.unbind())
         self._events = [torch.cuda.Event() for _ in self._flags] if cuda else None
-        self._checks = 0
 
     def stopped(self) -> bool:
         """Whether the rule had stopped ``lookahead`` iterations ago (False before that many)."""
+        if not self._flags:
+            self._ring()
         n, self._checks = self._checks, self._checks + 1
         slot = n % len(self._flags)
         self._flags[slot].copy_(self.record[STOPPED], non_blocking=True)  # as the stream reaches it
