@@ -96,26 +96,36 @@ def _rnn(relu, groups, xw, w_t, h0, steps, out, h_last):
 
 def _gru(groups, xw, w_t, b_hn, h0, steps, out, h_last):
     """A GRU's recurrence over a segment: xw (S, B, 3H) the projected inputs with b_ih and the r and
-    z parts of b_hh, w_t (H, 3H) = W_hh^T (rows r, z, n), b_hn (H,); otherwise as ``_rnn``."""
+    z parts of b_hh, w_t (H, 3H) = W_hh^T (rows r, z, n), b_hn (H,); otherwise as ``_rnn``. A step's
+    sigmoids are one loop over a sample's 2H units (r, z side by side), its tanh one loop over the
+    group's candidates n, as the LSTM's (``_lstm``): PyTorch's formulas, in its order."""
     seg, batch, rows = xw.shape
     hid = rows // 3
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
+        n = hi - lo
         h = h0[lo:hi].copy()
-        acc = np.empty((hi - lo, rows), h.dtype)
+        acc = np.empty((n, rows), h.dtype)
+        cand = np.empty(n * hid, h.dtype)
         for t in range(seg):
             _load(acc, xw, t, lo)
-            for b in range(hi - lo):  # the n gate's hidden side starts from b_hn (r multiplies it)
+            for b in range(n):  # the n gate's hidden side starts from b_hn (r multiplies it)
                 for j in range(hid):
                     acc[b, 2 * hid + j] = b_hn[j]
             add_hidden(acc, h, w_t)
-            for b in range(hi - lo):
+            for b in range(n):
+                for j in range(2 * hid):
+                    acc[b, j] = _sigmoid(acc[b, j])
+            for b in range(n):
+                for j in range(hid):
+                    cand[b * hid + j] = xw[t, lo + b, 2 * hid + j] + acc[b, j] * acc[b, 2 * hid + j]
+            for k in range(n * hid):
+                cand[k] = _tanh(cand[k])
+            for b in range(n):
                 if t < steps[lo + b]:
-                    for j in range(hid):
-                        r = _sigmoid(acc[b, j])
-                        z = _sigmoid(acc[b, hid + j])
-                        n = _tanh(xw[t, lo + b, 2 * hid + j] + r * acc[b, 2 * hid + j])
-                        h[b, j] = n + z * (h[b, j] - n)
+                    for j in range(hid):  # h' = n + z (h - n)
+                        c = cand[b * hid + j]
+                        h[b, j] = c + acc[b, hid + j] * (h[b, j] - c)
             _store(out, t, lo, steps, h)
         put(h_last[lo:hi], h)
 
@@ -129,7 +139,8 @@ def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
 
     A step activates each sample's 4H gates in one loop (``_gate``, sigmoid or tanh by column) and
     the group's new cell states' tanh in another, over all its samples at once: loops of 4H and
-    group x H, not one of H per sample whose remainder runs in narrower vectors."""
+    group x H, not one of H per sample whose remainder runs in narrower vectors (re-measured by
+    ``python -m benchmarks.forward --tables compiled``)."""
     seg, batch, rows = xw.shape
     hid = rows // 4
     for g in prange(groups):
