@@ -139,18 +139,14 @@ def test_the_activations_are_accurate_to_a_few_ulps(dtype) -> None:
         for i in range(a.size):
             out[i] = f(a[i])
 
+    @numba.njit(error_model="numpy")
+    def apply_gate(a, scale, p, q, out):
+        for i in range(a.size):
+            out[i] = gate(a[i], scale, p, q)
+
     def gated(constants):
         scale, p, q = (dtype(v) for v in constants)
-
-        @numba.njit(error_model="numpy")
-        def apply_gate(a, out):
-            for i in range(a.size):
-                out[i] = gate(a[i], scale, p, q)
-
-        def run(x, out):
-            apply_gate(x, out)
-
-        return run
+        return lambda x, out: apply_gate(x, scale, p, q, out)
 
     grid = np.concatenate([np.linspace(-50, 50, 20001), np.geomspace(1e-30, 30, 4001)])
     grid = np.concatenate([grid, -grid]).astype(dtype)
