@@ -44,7 +44,6 @@ from bppsa_core.numba_math import (
 # The kernels' activations: float64's here, each dtype's in its build (``numba_math.build``); the
 # LSTM's untaped build, whose taped one (``_kernel``) sets _TAPED.
 _, _tanh, _sigmoid, _gate = ACTIVATIONS[np.float64]
-_GATE_SIGMOID, _GATE_TANH = GATE_SIGMOID, GATE_TANH
 _TAPED = False
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -152,7 +151,7 @@ def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
         acc = np.empty((n, rows), h.dtype)
         scale, p, q = np.empty(rows, h.dtype), np.empty(rows, h.dtype), np.empty(rows, h.dtype)
         for j in range(rows):  # the g gate's columns are tanh, the others sigmoid
-            scale[j], p[j], q[j] = _GATE_TANH if 2 * hid <= j < 3 * hid else _GATE_SIGMOID
+            scale[j], p[j], q[j] = GATE_TANH if 2 * hid <= j < 3 * hid else GATE_SIGMOID
         c_new, tanh_c = np.empty(n * hid, h.dtype), np.empty(n * hid, h.dtype)
         for t in range(seg):
             _load(acc, xw, t, lo)

@@ -274,7 +274,7 @@ def newton_update(
     the programs' partial maxima (``update_partials``), kept across a solve's iterations, or None
     for a new one."""
     n = s.numel()
-    programs = max(1, triton.cdiv(n, BLOCK))
+    programs = _programs(n)
     partial = update_partials(s) if partial is None else partial
     update, decide = update_launches(quasi, reversed_)
     bh = s[0].numel() if s.shape[0] else 1
@@ -294,7 +294,12 @@ def newton_update(
 
 def update_partials(s: Tensor) -> Tensor:
     """The scratch ``newton_update`` takes for an iterate ``s``: two partial maxima per program."""
-    return s.new_empty(2 * max(1, triton.cdiv(s.numel(), BLOCK)))
+    return s.new_empty(2 * _programs(s.numel()))
+
+
+def _programs(n: int) -> int:
+    """The pointwise kernels' programs over n states: one per BLOCK of them, at least one."""
+    return max(1, triton.cdiv(n, BLOCK))
 
 
 def newton_update_ref(
@@ -342,7 +347,7 @@ class FusedIteration:
         self.prev = states[:-1].view(steps * batch, hidden)
         rows = steps * batch
         # the pointwise kernels' grid and sizes: one program per BLOCK states
-        self.grid = (max(1, triton.cdiv(rows * hidden, BLOCK)),)
+        self.grid = (_programs(rows * hidden),)
         self.sizes = {"N": rows * hidden, "BH": batch * hidden}
         projected = torch.nn.functional.linear(x.reshape(rows, -1), w.w_ih, w.b_ih)
         if self.gru:

@@ -148,33 +148,41 @@ def test_the_activations_are_accurate_to_a_few_ulps(dtype) -> None:
         scale, p, q = (dtype(v) for v in constants)
         return lambda x, out: apply_gate(x, scale, p, q, out)
 
+    runs = {
+        "tanh": lambda x, out: apply(tanh, x, out),
+        "sigmoid": lambda x, out: apply(sigmoid, x, out),
+        "gate as tanh": gated(numba_math.GATE_TANH),
+        "gate as sigmoid": gated(numba_math.GATE_SIGMOID),
+        "expm1": lambda x, out: apply(expm1, x, out),
+    }
     grid = np.concatenate([np.linspace(-50, 50, 20001), np.geomspace(1e-30, 30, 4001)])
     grid = np.concatenate([grid, -grid]).astype(dtype)
     wide = grid.astype(np.longdouble)
     tanh_ref, sigmoid_ref = np.tanh(wide), 1 / (1 + np.exp(-wide))
-    references = [
-        (lambda x, out: apply(tanh, x, out), tanh_ref, "tanh"),
-        (lambda x, out: apply(sigmoid, x, out), sigmoid_ref, "sigmoid"),
-        (gated(numba_math.GATE_TANH), tanh_ref, "gate as tanh"),
-        (gated(numba_math.GATE_SIGMOID), sigmoid_ref, "gate as sigmoid"),
-        (lambda x, out: apply(expm1, x, out), np.expm1(np.clip(wide, -20, 80)), "expm1"),
-    ]
-    for run, ref, name in references:
+    references = {
+        "tanh": tanh_ref,
+        "sigmoid": sigmoid_ref,
+        "gate as tanh": tanh_ref,
+        "gate as sigmoid": sigmoid_ref,
+        "expm1": np.expm1(np.clip(wide, -20, 80)),
+    }
+    for name, ref in references.items():
         x = np.clip(grid, -20, 80).astype(dtype) if name == "expm1" else grid
         out = np.empty_like(x)
-        run(x, out)
+        runs[name](x, out)
         ulp = np.spacing(np.abs(ref.astype(dtype)))
         normal = np.abs(ref) > np.finfo(dtype).tiny
         assert (np.abs(out - ref)[normal] / ulp[normal]).max() <= 4, name
     special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], dtype)
-    for run, torch_f in (
-        (lambda x, out: apply(tanh, x, out), torch.tanh),
-        (lambda x, out: apply(sigmoid, x, out), torch.sigmoid),
-        (gated(numba_math.GATE_TANH), torch.tanh),
-        (gated(numba_math.GATE_SIGMOID), torch.sigmoid),
-    ):
+    like_torch = {
+        "tanh": torch.tanh,
+        "sigmoid": torch.sigmoid,
+        "gate as tanh": torch.tanh,
+        "gate as sigmoid": torch.sigmoid,
+    }
+    for name, torch_f in like_torch.items():
         out = np.empty_like(special)
-        run(special, out)
+        runs[name](special, out)
         np.testing.assert_array_equal(out, torch_f(torch.from_numpy(special)).numpy())
 
 
