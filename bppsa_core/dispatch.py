@@ -198,21 +198,31 @@ def compiled_forward(
     strategy: str, mode: str, hidden: int, *tensors: torch.Tensor | None, taped: bool = False
 ) -> bool:
     """Whether a layer's forward runs compiled (``bppsa_core.numba_forward``) rather than by
-    PyTorch's fused kernel: CPU tensors of one dtype, float32 or float64, numba installed, nothing
-    recorded for autograd and no autocast; then always under "numba", and under "auto" where it is
-    the faster (``_COMPILED_FORWARD_MAX_HIDDEN``; ``taped``: an LSTM's forward that keeps its gates
-    for the backward, ``_TAPED_LSTM_MAX_HIDDEN``). Other strategies keep PyTorch's forward."""
+    PyTorch's fused kernel: where ``compiled_forward_takes`` the layer, with nothing recorded for
+    autograd and no autocast."""
     present = [t for t in tensors if t is not None]
-    if strategy not in ("auto", "numba") or not present or present[0].device.type != "cpu":
-        return False
-    widest = _TAPED_LSTM_MAX_HIDDEN if taped and mode == "LSTM" else _COMPILED_FORWARD_MAX_HIDDEN[mode]
-    if strategy == "auto" and hidden > widest:
-        return False
     return (
-        numba_takes(0, *(t.dtype for t in present))
+        bool(present)
+        and compiled_forward_takes(
+            strategy, mode, hidden, present[0].device.type, tuple(t.dtype for t in present), taped
+        )
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in present))
         and not torch.is_autocast_enabled("cpu")
     )
+
+
+@lru_cache(maxsize=256)  # asked once per layer call, whose host work at small T is about as long
+def compiled_forward_takes(
+    strategy: str, mode: str, hidden: int, device_type: str, dtypes: tuple[torch.dtype, ...], taped: bool
+) -> bool:
+    """Whether the compiled forward takes a layer: CPU tensors of one dtype, float32 or float64,
+    numba installed; then always under "numba", and under "auto" where it is the faster
+    (``_COMPILED_FORWARD_MAX_HIDDEN``; ``taped``: an LSTM's forward that keeps its gates for the
+    backward, ``_TAPED_LSTM_MAX_HIDDEN``). Other strategies keep PyTorch's forward."""
+    if strategy not in ("auto", "numba") or device_type != "cpu":
+        return False
+    widest = _TAPED_LSTM_MAX_HIDDEN if taped and mode == "LSTM" else _COMPILED_FORWARD_MAX_HIDDEN[mode]
+    return (strategy != "auto" or hidden <= widest) and numba_takes(0, *dtypes)
 
 
 NUMBA_REFUSED = (

@@ -528,15 +528,17 @@ class PreviousStates:
     previous states (``self[lo:hi]``) and outputs (``outputs(lo, hi)``) are both views, valid until
     the next block is taken. The block's work then reads memory in order, and a rank holds one
     block's copy instead of its group's whole slice, for a little more backward time (re-measured by
-    ``python -m benchmarks.distributed --ranks 2``)."""
+    ``python -m benchmarks.distributed --ranks 2``). ``whole``: h_0..h_{T-1} side by side where the
+    caller has them already (an LSTM's tape, ``layer.LSTMTape``), of which every block is a view."""
 
-    def __init__(self, h0: Tensor, h: Tensor) -> None:
+    def __init__(self, h0: Tensor, h: Tensor, whole: Tensor | None = None) -> None:
         self.h0, self.h = h0, h
         self.shape = h.shape
         self._strided = not h.is_contiguous()  # blocks copied side by side (class docstring)
         self._block: tuple[int, int] | None = None  # the steps lo, hi the buffer holds
         self._buffer: Tensor | None = None
-        self._whole: Tensor | None = None  # ``whole()``'s copy, once made: every block is a view of it
+        # ``whole()``'s copy, once made, or the caller's (``whole``): every block is a view of it
+        self._whole: Tensor | None = whole
 
     def __getitem__(self, t: slice) -> Tensor:
         lo, hi = self._steps(t)

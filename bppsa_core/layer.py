@@ -27,11 +27,12 @@ state that reaches the end of the chain is each sequence's last valid one.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -56,7 +57,9 @@ from bppsa_core.jacobians import (
 from bppsa_core.newton import SolverOptions, SolveStats
 from bppsa_core.scan import forward_scan, scan
 
-if TYPE_CHECKING:  # numba is an optional extra: imported where it runs
+if TYPE_CHECKING:  # numba (and the NumPy it needs) is an optional extra: imported where it runs
+    import numpy as np
+
     from bppsa_core.numba_scan import LSTMWalk
 
 log = logging.getLogger(__name__)
@@ -101,17 +104,22 @@ def cell_of(mode: str) -> Cell:
     return RNNCell("relu" if mode == "RNN_RELU" else "tanh")
 
 
-@dataclass(frozen=True)
-class LSTMTape:
+class LSTMTape(NamedTuple):
     """What an LSTM layer's compiled forward keeps for its fused compiled backward
     (``numba_scan.LSTMWalk``, block by block: ``_lstm_walked``), which otherwise recomputes them
-    (``numba_scan.lstm_layer_backward``) (the gates' two GEMMs and
-    activations, then the cell states, most of its time at small H): the activated gates
-    (T, B, 4, H; i, f, g, o) and the cell states c_0..c_T (T + 1, B, H). 5H numbers a step and
-    sample, fewer than autograd keeps for ``torch.nn.LSTM``."""
+    (``numba_scan.lstm_layer_backward``) (the gates' two GEMMs and activations, then the cell
+    states, most of its time at small H): the activated gates (T, B, 4H; i, f, g, o side by side),
+    the cell states c_0..c_T and the states h_0..h_T (T + 1, B, H each), as the NumPy arrays the
+    kernels write and read (no conversion per call). ``hidden`` is ``states`` as a tensor, the same
+    memory: the backward's outputs h_1..h_T and previous states h_0..h_{T-1}, so the outputs the
+    layer returns are not what its backward reads, and its caller may change them in place with
+    no copy (``ops.layer``'s ``own_output``). 6H numbers a step and sample, fewer than autograd
+    keeps for ``torch.nn.LSTM``."""
 
-    gates: Tensor
-    cells: Tensor
+    gates: np.ndarray
+    cells: np.ndarray
+    states: np.ndarray
+    hidden: Tensor
 
 
 def new_tape(
@@ -122,19 +130,33 @@ def new_tape(
     weights: list[Tensor],
     lengths: Tensor | None,
 ) -> LSTMTape | None:
-    """An empty ``LSTMTape`` for a layer call whose backward will be the fused compiled LSTM's (the
-    scan strategy resolves to "numba", no ``lengths``) and whose forward runs compiled
-    (``dispatch.compiled_forward``, taped), else None; for ``solved_forward`` to fill."""
-    if c0 is None or lengths is not None or config.solver.method != "native" or x.shape[0] == 0:
+    """An empty ``LSTMTape`` for a layer call, inside its forward (nothing recorded there), whose
+    backward will be the fused compiled LSTM's (the scan strategy resolves to "numba", no
+    ``lengths``) and whose forward runs compiled (``dispatch.compiled_forward``, taped), else None;
+    for ``solved_forward`` to fill."""
+    if c0 is None or lengths is not None or config.solver.method != "native" or x.device.type != "cpu":
         return None
     steps, batch, hidden = x.shape[0], x.shape[1], h0.shape[-1]
-    strategy = config.options.strategy
-    dtypes = (x.dtype, h0.dtype, c0.dtype, *(w.dtype for w in weights))
-    if not _route(LSTMCell(), strategy, (steps, batch, hidden), x.device, *dtypes)[2]:
+    dtypes = (x.dtype, h0.dtype, c0.dtype, *[w.dtype for w in weights])
+    if not steps or not _taped(config.options.strategy, (steps, batch, hidden), dtypes):
         return None
-    if not dispatch.compiled_forward(strategy, config.mode, hidden, x, h0, c0, *weights, taped=True):
+    if torch.is_autocast_enabled("cpu"):
         return None
-    return LSTMTape(c0.new_empty((steps, batch, 4, hidden)), c0.new_empty((steps + 1, batch, hidden)))
+    from bppsa_core.numba_forward import tape_arrays
+
+    gates, cells, states = tape_arrays(steps, batch, hidden, x.dtype)
+    return LSTMTape(gates, cells, states, torch.from_numpy(states))
+
+
+@functools.lru_cache(maxsize=256)  # asked once a layer call: a short layer's work costs as much
+def _taped(strategy: str, shape: tuple[int, int, int], dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether a CPU LSTM layer call of this (T, B, H) keeps a tape: its backward routes to the
+    compiled walk (``_route``) and its forward runs compiled, taped
+    (``dispatch.compiled_forward_takes``)."""
+    cpu = torch.device("cpu")
+    return _route(LSTMCell(), strategy, shape, cpu, *dtypes)[2] and dispatch.compiled_forward_takes(
+        strategy, "LSTM", shape[2], "cpu", dtypes, True
+    )
 
 
 # ------------------------------------------------------------------------------------------- forward
@@ -292,7 +314,7 @@ def sequential_forward(
         from bppsa_core import numba_forward
 
         out = _outputs(x, x.shape[0], x.shape[1], hidden, x.dtype, batch_major)
-        kept = None if tape is None else (tape.gates, tape.cells)
+        kept = None if tape is None else (tape.gates, tape.cells, tape.states)
         return numba_forward.layer_forward(mode, x, h0, c0, weights, lengths, segment, out, kept)
     return native_forward(mode, x, h0, c0, weights, lengths, segment, batch_major)
 
@@ -408,7 +430,8 @@ def _backward(
     keep = _keep(lengths, steps, h)
     if grad_out is not None and keep is not None:
         grad_out = grad_out * keep  # outputs past a sequence's end are constants
-    h_prev: Tensor | PreviousStates = PreviousStates(h0, h)
+    # a tape holds h_0..h_T side by side: the previous states are a view of it, not a copy
+    h_prev: Tensor | PreviousStates = PreviousStates(h0, h, None if tape is None else tape.hidden[:-1])
     g_last = _last_grad(grad_out, grad_hn, h)
     g_c_last = None if c0 is None else (torch.zeros_like(g_last) if grad_cn is None else grad_cn)
     fused = None
@@ -497,7 +520,7 @@ def _fused_layer(
             from bppsa_core import numba_scan
 
             if tape is not None:
-                walk = numba_scan.LSTMWalk(tape.gates, h, w.w_hh, u, tape.cells)
+                walk = numba_scan.LSTMWalk(tape.gates, tape.states[1:], w.w_hh, u, tape.cells)
                 return _lstm_walked(walk, steps, g_last, g_c_last)
             gates = cell.activations(x, h_prev.whole(), w)
             delta, g0 = numba_scan.lstm_layer_backward(gates, h, c0, w.w_hh, g_last, g_c_last, u)
@@ -536,13 +559,28 @@ def _route(
     """How a layer's backward runs (``_fused_layer``; ``new_tape`` asks the same): the concrete
     strategy, whether the Triton kernels take the layer, and whether the compiled CPU kernels run
     it (the strategy resolves to "numba" and they take and run it). ``shape``: (T, B, H)."""
-    steps, batch, hidden = shape
     lstm = isinstance(cell, LSTMCell)
+    return _routed(cell.gates, lstm, strategy, tuple(shape), device, dtypes, dispatch.kernels_usable(device))
+
+
+@functools.lru_cache(maxsize=256)  # asked once or twice a layer call: a short layer's work costs as much
+def _routed(
+    gates: int,
+    lstm: bool,
+    strategy: str,
+    shape: tuple[int, int, int],
+    device: torch.device,
+    dtypes: tuple[torch.dtype, ...],
+    _usable: bool,
+) -> tuple[str, bool, bool]:
+    """``_route``'s answer: a function of these and of whether the Triton kernels are usable on the
+    device (``dispatch.kernels_usable``, which "auto" reads: ``_usable`` keys it)."""
+    steps, batch, hidden = shape
     if lstm:
         fits = dispatch.lstm_kernels_take(hidden, *dtypes)
     else:
-        fits = dispatch.kernels_take(cell.gates, hidden, *dtypes)
-    takes = dispatch.numba_takes(cell.gates, *dtypes, lstm=lstm)
+        fits = dispatch.kernels_take(gates, hidden, *dtypes)
+    takes = dispatch.numba_takes(gates, *dtypes, lstm=lstm)
     chosen = dispatch.resolve(strategy, steps, batch, hidden, device, fits, takes)
     return chosen, fits, chosen == "numba" and takes and dispatch.runs_on("numba", device)
 

@@ -153,8 +153,6 @@ class _BPPSAMixin:
         self._check_devices(input, hx)
         x = input.transpose(0, 1) if self.batch_first else input
         out, state = self._layers(x, hx)
-        if not self.bidirectional:  # the top layer keeps its output for its backward: in-place ops on a copy
-            out = out.clone()
         if self.batch_first:
             out = out.transpose(0, 1)
         if not batched:
@@ -232,10 +230,15 @@ class _BPPSAMixin:
                 k = i * directions + d
                 w = self._flat_weights[k * per_call : (k + 1) * per_call]
                 seq = inp if d == 0 else _reverse(inp, lengths)
-                guess = self._guess(k, (*seq.shape[:2], self.hidden_size), seq)
-                out, h, c, solve = layer(seq, h0[k], None if c0 is None else c0[k], w, config, lengths, guess)
+                guess = self._guess(k, (*seq.shape[:2], self.hidden_size), seq) if self._guesses else None
+                # the top layer's outputs are the caller's (as torch.nn's, changed in place at will),
+                # unless a concatenation (bidirectional) or packing (lengths) copies them anyway
+                own = i == self.num_layers - 1 and directions == 1 and lengths is None
+                c0_k = None if c0 is None else c0[k]
+                out, h, c, solve = layer(seq, h0[k], c0_k, w, config, lengths, guess, own_output=own)
                 if self.newton_guess == "previous" and self.forward_solver != "native":
-                    self._guesses[k] = out.detach()
+                    # a copy of the caller's own outputs, which they may change in place
+                    self._guesses[k] = out.detach().clone() if own else out.detach()
                 stats.append(solve)
                 outs.append(out if d == 0 else _reverse(out, lengths))
                 hs.append(h)

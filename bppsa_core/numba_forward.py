@@ -67,13 +67,15 @@ def _store(out, t, lo, steps, h):
             out[t, lo + b, j] = h[b, j] if running else zero
 
 
-def _rnn(relu, groups, xw, w_t, h0, steps, out, h_last):
+def _rnn(relu, groups, xw, w_hh, h0, steps, out, h_last):
     """An RNN's recurrence over a segment: xw (S, B, H) the projected inputs with both biases,
-    w_t (H, H) = W_hh^T, h0 (B, H), ``steps`` (B,) the steps each sample runs (after them it
-    outputs 0 and keeps its state); writes out (S, B, H) and the last states h_last (B, H).
-    ``groups`` of samples run in parallel, each a task that steps its samples together."""
+    w_hh (H, H), h0 (B, H), ``steps`` (B,) the steps each sample runs (after them it outputs 0 and
+    keeps its state); writes out (S, B, H) and the last states h_last (B, H). ``groups`` of
+    samples run in parallel, each a task that steps its samples together. Each kernel transposes
+    its w_hh itself: a copy of G·H² numbers, cheaper than a tensor op on the host per call."""
     seg, batch, hid = xw.shape
     zero = out.dtype.type(0)
+    w_t = np.ascontiguousarray(w_hh.T)
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
         h = h0[lo:hi].copy()
@@ -93,13 +95,14 @@ def _rnn(relu, groups, xw, w_t, h0, steps, out, h_last):
         put(h_last[lo:hi], h)
 
 
-def _gru(groups, xw, w_t, b_hn, h0, steps, out, h_last):
+def _gru(groups, xw, w_hh, b_hn, h0, steps, out, h_last):
     """A GRU's recurrence over a segment: xw (S, B, 3H) the projected inputs with b_ih and the r and
-    z parts of b_hh, w_t (H, 3H) = W_hh^T (rows r, z, n), b_hn (H,); otherwise as ``_rnn``. A step's
+    z parts of b_hh, w_hh (3H, H) (rows r, z, n), b_hn (H,); otherwise as ``_rnn``. A step's
     sigmoids are one loop over a sample's 2H units (r, z side by side), its tanh one loop over the
     group's candidates n, as the LSTM's (``_lstm``): PyTorch's formulas, in its order."""
     seg, batch, rows = xw.shape
     hid = rows // 3
+    w_t = np.ascontiguousarray(w_hh.T)
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
         n = hi - lo
@@ -129,12 +132,13 @@ def _gru(groups, xw, w_t, b_hn, h0, steps, out, h_last):
         put(h_last[lo:hi], h)
 
 
-def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
+def _lstm(groups, xw, w_hh, h0, c0, steps, out, h_last, c_last, gates, cells, states):
     """An LSTM's recurrence over a segment: xw (S, B, 4H) the projected inputs with both biases,
-    w_t (H, 4H) = W_hh^T (rows i, f, g, o), h0 and c0 (B, H); writes the outputs and the last
+    w_hh (4H, H) (rows i, f, g, o), h0 and c0 (B, H); writes the outputs and the last
     (h, c); otherwise as ``_rnn``. Its taped build (``_TAPED``) also writes the activated gates
-    (S, B, 4H) and the cell states c_0..c_S into cells (S + 1, B, H), what the backward takes
-    (``layer.LSTMTape``); a build of its own, as a run-time flag in the loop slows both down.
+    (S, B, 4H), the cell states c_0..c_S into cells (S + 1, B, H) and the states h_0..h_S into
+    states (S + 1, B, H), what the backward takes (``layer.LSTMTape``); a build of its own, as a
+    run-time flag in the loop slows both down.
 
     A step activates each sample's 4H gates in one loop (``_gate``, sigmoid or tanh by column) and
     the group's new cell states' tanh in another, over all its samples at once: loops of 4H and
@@ -142,12 +146,14 @@ def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
     ``python -m benchmarks.forward --tables compiled``)."""
     seg, batch, rows = xw.shape
     hid = rows // 4
+    w_t = np.ascontiguousarray(w_hh.T)
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
         n = hi - lo
         h, c = h0[lo:hi].copy(), c0[lo:hi].copy()
         if _TAPED:
             put(cells[0, lo:hi], c)
+            put(states[0, lo:hi], h)
         acc = np.empty((n, rows), h.dtype)
         scale, p, q = np.empty(rows, h.dtype), np.empty(rows, h.dtype), np.empty(rows, h.dtype)
         for j in range(rows):  # the g gate's columns are tanh, the others sigmoid
@@ -174,17 +180,19 @@ def _lstm(groups, xw, w_t, h0, c0, steps, out, h_last, c_last, gates, cells):
                             gates[t, lo + b, j] = acc[b, j]
                         for j in range(hid):
                             cells[t + 1, lo + b, j] = c[b, j]
+                            states[t + 1, lo + b, j] = h[b, j]
             _store(out, t, lo, steps, h)
         put(h_last[lo:hi], h)
         put(c_last[lo:hi], c)
 
 
 _KERNELS: dict[tuple[str, type, bool, bool], Callable] = {}
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}  # the kernels' dtypes
 _CELLS = {"GRU": "gru", "LSTM": "lstm"}  # the kernel of a mode; the RNN's otherwise
 
 
 def _kernel(cell: str, dtype: torch.dtype, parallel: bool, taped: bool = False) -> Callable:
-    key = (cell, np.float32 if dtype == torch.float32 else np.float64, parallel, taped)
+    key = (cell, _NUMPY[dtype], parallel, taped)
     if key not in _KERNELS:
         fn = {"rnn": _rnn, "gru": _gru, "lstm": _lstm}[cell]
         _KERNELS[key] = build(fn, parallel, key[1], taped=taped)
@@ -192,6 +200,17 @@ def _kernel(cell: str, dtype: torch.dtype, parallel: bool, taped: bool = False) 
 
 
 # ------------------------------------------------------------------------------------------- calls
+
+
+def tape_arrays(steps: int, batch: int, hidden: int, dtype: torch.dtype) -> tuple[np.ndarray, ...]:
+    """An LSTM tape's empty arrays (``layer.LSTMTape``): gates (T, B, 4H), cells and states
+    (T + 1, B, H)."""
+    kind = _NUMPY[dtype]
+    return (
+        np.empty((steps, batch, 4 * hidden), kind),
+        np.empty((steps + 1, batch, hidden), kind),
+        np.empty((steps + 1, batch, hidden), kind),
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -210,32 +229,34 @@ def layer_forward(
     lengths: Tensor | None,
     segment: int,
     out: Tensor,
-    tape: tuple[Tensor, Tensor] | None = None,
+    tape: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One layer's forward: ``native_forward``'s results, written into ``out`` (T, B, H; any
     strides), the inputs' projection one GEMM per segment of at most ``segment`` steps (so that
-    only a segment's of it exists). ``tape``: an LSTM's (gates (T, B, 4, H), cells (T + 1, B, H)),
-    contiguous, into which its activated gates and cell states c_0..c_T are written. Returns
-    (out, h_T, c_T), c_T None but for an LSTM."""
+    only a segment's of it exists). ``tape``: an LSTM's arrays (``layer.LSTMTape``: gates
+    (T, B, 4H), cells and states (T + 1, B, H)), into which its activated gates, cell states
+    c_0..c_T and states h_0..h_T are written. Returns (out, h_T, c_T), c_T None but for an LSTM.
+    Nothing is recorded for autograd here (``dispatch.compiled_forward``)."""
     steps, batch = x.shape[:2]
     hidden = h0.shape[-1]
-    w_ih, w_hh, *biases = [t.detach() for t in weights]
+    w_ih, w_hh, *biases = weights
     rows = w_hh.shape[0]
     bias = biases[0] + biases[1] if biases else x.new_zeros(rows)
     cell = _CELLS.get(mode, "rnn")
     if cell == "gru":  # b_hn is applied inside r (W_hn h + b_hn)
-        b_hn = biases[1][2 * hidden :] if biases else x.new_zeros(hidden)
+        b_hn = biases[1][2 * hidden :].detach().numpy() if biases else np.zeros(hidden, _NUMPY[x.dtype])
         if biases:
             bias[2 * hidden :] = biases[0][2 * hidden :]
-    w_t = w_hh.t().contiguous().numpy()
+    w_hh = w_hh.detach().numpy()
     n_threads = threads()
     groups = min(n_threads, batch)
     kernel = _kernel(cell, x.dtype, n_threads > 1, tape is not None)
-    # each segment reads the state its predecessor wrote: (h, c) in, fresh (h, c) out
-    h = h0.detach().contiguous()
-    c = None if c0 is None else c0.detach().contiguous()
+    # each segment reads the state its predecessor wrote: (h, c) in, fresh (h, c) out, as arrays
+    # (no tensor, no conversion, until the last)
+    h = h0.detach().contiguous().numpy()
+    c = None if c0 is None else c0.detach().contiguous().numpy()
     features = x.shape[-1]
-    flat = x.detach().reshape(steps * batch, features)
+    flat = x.reshape(steps * batch, features)
     ends = None if lengths is None else lengths.to("cpu", torch.int64).numpy()
     whole = steps <= segment  # one segment: the tensors themselves, no slices (each costs its view)
     for s in range(0, steps, segment):
@@ -245,20 +266,19 @@ def layer_forward(
         # one input feature (the paper's bitstream): the projection is an outer product, which
         # addcmul makes in about half addmm's time (python -m benchmarks.forward)
         xw = torch.addcmul(bias, seg_x, w_ih.t()) if features == 1 else torch.addmm(bias, seg_x, w_ih.t())
-        h_next = torch.empty_like(h)
-        args = (groups, xw.view(e - s, batch, rows).numpy(), w_t, h.numpy(), seg)
-        outputs = ((out if whole else out[s:e]).numpy(), h_next.numpy())
+        h_next = np.empty_like(h)
+        args = (groups, xw.numpy().reshape(e - s, batch, rows), w_hh, h, seg)
+        outputs = ((out if whole else out[s:e]).numpy(), h_next)
         if cell == "rnn":
             kernel(mode == "RNN_RELU", *args, *outputs)
         elif cell == "gru":
-            kernel(*args[:3], b_hn.numpy(), *args[3:], *outputs)
+            kernel(*args[:3], b_hn, *args[3:], *outputs)
         else:
-            c_next = torch.empty_like(c)
-            kept = (UNUSED[x.dtype],) * 2
+            c_next = np.empty_like(c)
+            kept = (UNUSED[x.dtype],) * 3
             if tape is not None:
-                gates, cells = tape if whole else (tape[0][s:e], tape[1][s : e + 1])
-                kept = (gates.view(e - s, batch, rows).numpy(), cells.numpy())
-            kernel(*args[:4], c.numpy(), seg, *outputs, c_next.numpy(), *kept)
+                kept = tape if whole else (tape[0][s:e], tape[1][s : e + 1], tape[2][s : e + 1])
+            kernel(*args[:4], c, seg, *outputs, c_next, *kept)
             c = c_next
         h = h_next
-    return out, h, c
+    return out, torch.from_numpy(h), None if c is None else torch.from_numpy(c)

@@ -354,8 +354,9 @@ _lstm_layer_serial = build(_lstm_layer, False)
 _lstm_layer_parallel = build(_lstm_layer, True)
 
 
-def _arrays(*tensors: Tensor) -> list[np.ndarray]:
-    return [t.detach().contiguous().numpy() for t in tensors]
+def _arrays(*tensors: Tensor | np.ndarray) -> list[np.ndarray]:
+    """The kernels' arrays: a tensor's memory (contiguous), an array as it is (an LSTM tape's)."""
+    return [t if isinstance(t, np.ndarray) else t.detach().contiguous().numpy() for t in tensors]
 
 
 def chunked_scan(
@@ -450,41 +451,39 @@ def lstm_layer_backward(
     c = gates.new_empty((steps + 1, batch, hidden))
     c[0] = c0
     g, delta = torch.stack((g_h, g_c)), gates.view(steps, batch, 4 * hidden)
-    LSTMWalk(gates, h, w_hh, u, c, flush=flush, has_c=False)(0, steps, g, g, delta)
+    LSTMWalk(delta, h, w_hh, u, c, flush=flush, has_c=False)(0, steps, g, g, delta)
     return delta, torch.cat((g[0], g[1]), -1)
 
 
 class LSTMWalk:
     """An LSTM layer's compiled backward (``_lstm_layer``) over the kept activated ``gates``
-    (T, B, 4, H), outputs ``h`` (T, B, H), ``cells`` c_0..c_T (T + 1, B, H; ``has_c`` False: only
+    (T, B, 4H), outputs ``h`` (T, B, H), ``cells`` c_0..c_T (T + 1, B, H; ``has_c`` False: only
     c_0 set, the rest made on the first call, which must then cover every step), the hidden
     weights ``w_hh`` (4H, H) and the outputs' gradients ``u`` (T, B, H) or None, walked over any
     block of steps, the latest first: so that a layer's deltas are made and taken block by block
     (``bppsa_core.layer``) and only a block of them exists, in the cache, instead of T steps'
-    through memory. The arrays are handed to the kernel once, not once a block."""
+    through memory. ``gates``, ``h`` and ``cells``: tensors or a tape's arrays
+    (``layer.LSTMTape``). The arrays are handed to the kernel once, not once a block."""
 
     def __init__(
         self,
-        gates: Tensor,
-        h: Tensor,
+        gates: Tensor | np.ndarray,
+        h: Tensor | np.ndarray,
         w_hh: Tensor,
         u: Tensor | None,
-        cells: Tensor,
+        cells: Tensor | np.ndarray,
         *,
         flush: bool = True,
         has_c: bool = True,
     ) -> None:
-        steps, batch, _, hidden = gates.shape
-        one, tiny = _LSTM_SCALARS[h.dtype]
+        one, tiny = _LSTM_SCALARS[w_hh.dtype]
         n_threads = threads()
         self._kernel = _lstm_layer_parallel if n_threads > 1 else _lstm_layer_serial
-        self._head = (u is not None, has_c, one, tiny if flush else one - one, min(n_threads, batch))
+        self._head = (u is not None, has_c, one, tiny if flush else one - one, min(n_threads, gates.shape[1]))
+        # gates, a tape's or made in the backward, and cells need no grad
         self._arrays = (
-            gates.view(steps, batch, 4 * hidden).numpy(),  # a tape or gates made in the backward: no grad
-            *_arrays(h),
-            cells.numpy(),
-            *_arrays(w_hh),
-            UNUSED[h.dtype] if u is None else _arrays(u)[0],
+            *_arrays(gates, h, cells, w_hh),
+            UNUSED[w_hh.dtype] if u is None else _arrays(u)[0],
         )
 
     def __call__(self, first: int, last: int, g_in: Tensor, g_out: Tensor, delta: Tensor) -> None:

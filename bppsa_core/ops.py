@@ -205,6 +205,18 @@ _legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 # ------------------------------------------------------------------------------------------ autograd
 
 
+def _keep(ctx: Any, inputs: tuple, output: tuple, out: Tensor) -> None:
+    """What a layer call's backward and tangent read: its inputs and ``out``, its outputs h_1..h_T
+    (``output[0]``, or a copy the call did not return: ``_EagerLayer``)."""
+    x, h0, c0, lengths, _guess, config, *weights = inputs
+    ctx.config = config
+    ctx.tape = None  # what a compiled LSTM forward kept for the backward (``_EagerLayer``)
+    ctx.save_for_backward(x, h0, c0, lengths, out, *weights)
+    ctx.save_for_forward(x, h0, c0, lengths, out, *weights)
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*((output[2], output[3]) if c0 is None else (output[3],)))
+
+
 class _CompiledLayer(torch.autograd.Function):
     """One layer call; inputs (x, h0, c0, lengths, guess, config, *weights), outputs (out, h_n, c_n,
     stats), the last ``newton.SolveStats.as_tensor`` (not differentiable)."""
@@ -230,13 +242,7 @@ class _CompiledLayer(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        x, h0, c0, lengths, _guess, config, *weights = inputs
-        ctx.config = config
-        ctx.tape = None  # what a compiled LSTM forward kept for the backward (``_EagerLayer``)
-        ctx.save_for_backward(x, h0, c0, lengths, output[0], *weights)
-        ctx.save_for_forward(x, h0, c0, lengths, output[0], *weights)
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*((output[2], output[3]) if c0 is None else (output[3],)))
+        _keep(ctx, inputs, output, output[0])
 
     @staticmethod
     def backward(
@@ -253,7 +259,7 @@ class _CompiledLayer(torch.autograd.Function):
                 config, x, h0, c0, lengths, weights, (grad_out, grad_hn, grad_cn)
             )
             return (*grads[:3], None, None, None, *grads[3:])
-        need = ctx.needs_input_grad[-6 - len(weights) :]  # an ``_EagerLayer``'s has ``record`` first
+        need = ctx.needs_input_grad[-6 - len(weights) :]  # an ``_EagerLayer``'s has ``record``, ``own`` first
         if _plain(x, h0, grad_out, grad_hn, grad_cn):
             need_state = need[1] or (c0 is not None and need[2])
             dx, dh0, dc0, dw = bppsa_layer.bppsa_backward(
@@ -300,28 +306,34 @@ class _Layer(_CompiledLayer):
 class _EagerLayer(torch.autograd.Function):
     """``_Layer`` in plain eager work (``_plain``): its forward runs ``layer.solved_forward`` itself
     and takes its context, so that ``apply`` does not bind the arguments to the forward's signature;
-    not usable under the ``torch.func`` transforms, which ``_plain`` rules out. Its first input,
-    ``record``, says whether the call is recorded for a backward (the grad mode at the call; inside
-    the forward it is off): then a compiled LSTM forward keeps its gates and cell states for the
-    backward (``layer.LSTMTape``) in the context."""
+    not usable under the ``torch.func`` transforms, which ``_plain`` rules out. Its first inputs:
+    ``record``, whether the call is recorded for a backward (the grad mode at the call; inside the
+    forward it is off): then a compiled LSTM forward keeps its gates and states for the backward
+    (``layer.LSTMTape``) in the context; ``own``, ``layer``'s ``own_output``."""
 
     @staticmethod
-    def forward(ctx: Any, record: bool, *inputs: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def forward(ctx: Any, record: bool, own: bool, *inputs: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         x, h0, c0, lengths, guess, config, *weights = inputs
         tape = None
-        if record and any(ctx.needs_input_grad):
+        recorded = record and any(ctx.needs_input_grad)
+        if recorded:
             tape = bppsa_layer.new_tape(config, x, h0, c0, weights, lengths)
         output = _solved(config, x, h0, c0, weights, lengths, guess, copies=False, tape=tape)
-        _Layer.setup_context(ctx, inputs, output)
+        kept = output[0]
+        if tape is not None:  # the tape's copy of the outputs, which the kernel wrote beside them
+            kept = tape.hidden[1:]
+        elif own and recorded:
+            output = (kept.clone(), *output[1:])
+        _keep(ctx, inputs, output, kept)
         ctx.tape = tape
         return output
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple:
-        return (None, *_Layer.backward(ctx, *grads))
+        return (None, None, *_Layer.backward(ctx, *grads))
 
     @staticmethod
-    def jvp(ctx: Any, _record: Any, *tangents: Any) -> tuple:
+    def jvp(ctx: Any, _record: Any, _own: Any, *tangents: Any) -> tuple:
         return _Layer.jvp(ctx, *tangents)
 
 
@@ -333,12 +345,15 @@ def layer(
     config: LayerConfig,
     lengths: Tensor | None = None,
     guess: Tensor | None = None,
+    own_output: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """One layer in one direction, differentiable by BPPSA: x (T, B, I) time-major, h0 and c0 (an
     LSTM's, else None) (B, H), ``weights`` PyTorch's (w_ih, w_hh[, b_ih, b_hh]), ``lengths`` (B,)
     sorted longest first or None, ``guess`` a Newton solver's first iterate of the outputs (T, B, H)
     or None. Returns the outputs (T, B, H), the last h, the last c (or None) and what the forward
-    took (``newton.SolveStats.as_tensor``).
+    took (``newton.SolveStats.as_tensor``). ``own_output``: the outputs returned are not what the
+    backward reads, so that the caller may change them in place (a module's top layer, as
+    ``torch.nn``'s): a copy where the backward keeps them, none where an LSTM's tape holds its own.
     """
     # torch.compile traces autograd.Functions, but not their jvp: compiled graphs get the same
     # function without it (forward-mode differentiation of a compiled graph is not supported anyway).
@@ -346,7 +361,9 @@ def layer(
     if torch.compiler.is_compiling() or not _plain(x, h0):
         function = _CompiledLayer if torch.compiler.is_compiling() else _Layer
         out, h, c, stats = function.apply(x, h0, c0, lengths, guess, config, *weights)
+        if own_output:
+            out = out.clone()
     else:
         record = torch.is_grad_enabled()
-        out, h, c, stats = _EagerLayer.apply(record, x, h0, c0, lengths, guess, config, *weights)
+        out, h, c, stats = _EagerLayer.apply(record, own_output, x, h0, c0, lengths, guess, config, *weights)
     return out, h, (c if c0 is not None else None), stats

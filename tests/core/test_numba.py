@@ -393,6 +393,12 @@ def test_an_lstm_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(m
     expected = grads(ref)
     taped = grads(ours)
     assert taken == [True, True] and all(isinstance(t, layer_mod.LSTMTape) for t in kept)
+    kept.clear()  # the top layer's tape: h_0..h_T and c_0..c_T, a copy of the outputs, not them
+    out, (_, c_n) = ours(x.clone().requires_grad_())
+    top = kept[-1]
+    assert torch.equal(top.hidden[1:], out) and not top.hidden[0].any()
+    assert torch.equal(torch.from_numpy(top.cells[-1]), c_n[-1]) and not top.cells[0].any()
+    assert out.untyped_storage().data_ptr() != top.hidden.untyped_storage().data_ptr()
     twice = grads(ours, retain=True)
     taken.clear()
     monkeypatch.setattr(layer_mod, "new_tape", lambda *a: None)
