@@ -193,10 +193,10 @@ def _plain(*tensors: Tensor | None) -> bool:
         or _get_current_dispatch_mode() is not None
     ):
         return False
-    return all(
-        t is None or (type(t) is Tensor and t.device.type != "meta" and not _legacy_batched(t))
-        for t in tensors
-    )
+    for t in tensors:  # a loop, not all() over a generator: asked twice a layer call
+        if t is not None and (type(t) is not Tensor or t.is_meta or _legacy_batched(t)):
+            return False
+    return True
 
 
 _legacy_batched = torch._C._functorch.is_legacy_batchedtensor
