@@ -200,6 +200,8 @@ def compiled_forward(
     """Whether a layer's forward runs compiled (``bppsa_core.numba_forward``) rather than by
     PyTorch's fused kernel: where ``compiled_forward_takes`` the layer, with nothing recorded for
     autograd and no autocast."""
+    if strategy not in ("auto", "numba"):  # the rest is asked only of the strategies that may take it
+        return False
     present = [t for t in tensors if t is not None]
     return (
         bool(present)
