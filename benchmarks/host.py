@@ -2,6 +2,7 @@
 
     python -m benchmarks.host                          # RNN, GRU, LSTM at T = 10, B = 16, H = 20
     python -m benchmarks.host --device cuda            # the same on a GPU, eager wall-clock
+    python -m benchmarks.host --strategy sequential    # BPPSA's layer around PyTorch's fused forward
 
 At T = 10, B = 16, H = 20 a layer's arithmetic is a few microseconds, so what is timed is the work
 around it that does not grow with T: Python, dispatch, allocations and launches. For each model one
@@ -10,7 +11,9 @@ forward (``forward``) and the forward with the backward of a loss on h_T (``step
 the median of ``--repeats`` rounds after ``--warmup``, all in one process, with ``--threads`` CPU
 threads (default one: the host path, not the parallel work, is what is measured). The last column
 is the largest relative difference of the two modules' gradients, a check that both computed the
-same thing.
+same thing. ``--strategy``: the BPPSA module's (default "auto"); on a CPU "sequential" keeps
+PyTorch's fused forward inside BPPSA's layer, as a GPU's eager forward does, so the forward ratio
+is then the cost of BPPSA's layer call around the same kernel.
 
 Prints Markdown; progress goes to stderr. Imports nothing beyond torch, so it runs on a bare GPU
 machine.
@@ -39,6 +42,7 @@ from benchmarks.common import (
     threads_arg,
 )
 from benchmarks.scan import MODULES, module_pair
+from bppsa_core.dispatch import STRATEGIES, check_device
 from experiments.timing import time_ms
 
 FEATURES = 1  # the paper's bitstream input
@@ -90,10 +94,12 @@ def bench(
     dtype: torch.dtype,
     warmup: int,
     repeats: int,
+    strategy: str = "auto",
 ) -> Row:
-    """One row: both modules' forward and step, taking turns on the same input."""
+    """One row: both modules' forward and step, taking turns on the same input; ``strategy``: the
+    BPPSA module's."""
     torch.manual_seed(0)
-    ref, ours = module_pair(model, FEATURES, hidden, device, dtype)
+    ref, ours = module_pair(model, FEATURES, hidden, device, dtype, strategy=strategy)
     x = torch.randn(steps, batch, FEATURES, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     work: dict[str, Callable[[], object]] = {
         "nn forward": lambda: ref(x),
@@ -160,10 +166,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--H", type=positive_int, default=20, help="hidden size")
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--strategy", choices=STRATEGIES, default="auto", help="the BPPSA module's strategy")
     p.add_argument("--threads", type=threads_arg, default=1, help="CPU threads")
     p.add_argument("--repeats", type=positive_int, default=200, help="timed rounds (the median is shown)")
     p.add_argument("--warmup", type=non_negative_int, default=20, help="untimed rounds before them")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:  # one that cannot run on the device is refused before anything is timed
+        check_device(args.strategy, args.device)
+    except ValueError as exc:
+        p.error(f"--strategy: {exc}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,12 +185,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     device, dtype = args.device, getattr(torch, args.dtype)
     print(machine_line(device))
-    print(f"{args.dtype}, median of {args.repeats} after {args.warmup} warm-up rounds, taking turns")
+    print(
+        f"{args.dtype}, BPPSA strategy {args.strategy}, median of {args.repeats} after {args.warmup} "
+        "warm-up rounds, taking turns"
+    )
     rows = []
     for model in args.models:
         for t in args.T:
             progress(f"{model} T={t} ...")
-            rows.append(bench(model, t, args.B, args.H, device, dtype, args.warmup, args.repeats))
+            row = bench(model, t, args.B, args.H, device, dtype, args.warmup, args.repeats, args.strategy)
+            rows.append(row)
     print(f"\n{LEGEND}\n\n{format_table(rows)}", flush=True)
     progress("done")
     return 0

@@ -76,12 +76,17 @@ TERMS = {"rnn": 1, "gru": 3, "lstm": 4}
 
 
 def module_pair(
-    model: str, features: int, hidden: int, device: torch.device, dtype: torch.dtype = torch.float32
+    model: str,
+    features: int,
+    hidden: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    **options: object,
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """torch.nn's one-layer module of ``model`` and ``bppsa_core``'s with the same weights (from the
-    seed set now)."""
+    seed set now); ``options``: the BPPSA module's (``strategy``, say)."""
     ref = MODULES[model](features, hidden).to(device, dtype)
-    ours = getattr(bnn, MODULES[model].__name__)(features, hidden).to(device, dtype)
+    ours = getattr(bnn, MODULES[model].__name__)(features, hidden, **options).to(device, dtype)
     ours.load_state_dict(ref.state_dict())
     return ref, ours
 

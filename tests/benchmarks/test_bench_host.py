@@ -8,6 +8,7 @@ from helpers import extended_except, markdown_tables
 
 from benchmarks import host
 from benchmarks.scan import MODULES
+from bppsa_core import layer as layer_mod
 
 CPU = torch.device("cpu")
 
@@ -19,6 +20,16 @@ def test_a_row_times_both_modules_and_checks_their_gradients(model) -> None:
     assert min(*row.forward_ms, *row.step_ms) > 0
     assert row.grad_diff < 1e-10  # float64: the two modules' gradients are the same
     assert min(row.ops) > 3 and row.kernels is None  # a step: forward, loss, backward; no GPU here
+
+
+def test_a_strategy_reaches_the_bppsa_module(monkeypatch) -> None:
+    """The "sequential" strategy keeps PyTorch's fused forward inside BPPSA's layer (``layer.native_forward``;
+    torch.nn's module calls its kernel directly), and the gradients still agree."""
+    calls = []
+    real = layer_mod.native_forward
+    monkeypatch.setattr(layer_mod, "native_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    row = host.bench("rnn", 6, 3, 5, CPU, torch.float64, 0, 1, strategy="sequential")
+    assert calls and row.grad_diff < 1e-10
 
 
 def test_dispatched_counts_each_operator_call_once() -> None:
@@ -52,6 +63,8 @@ def test_the_run_prints_one_row_per_model_and_length(capsys) -> None:
         (["--T", "0"], "argument --T: 0 is not positive; accepted: positive integers"),
         (["--models", "transformer"], "argument --models: invalid choice: 'transformer'"),
         (["--threads", "100000"], "argument --threads: 100000 is more than the"),
+        (["--strategy", "fastest"], "argument --strategy: invalid choice: 'fastest'"),
+        (["--strategy", "graph"], "--strategy: strategy='graph' needs a CUDA device, and this device is cpu"),
     ],
 )
 def test_bad_arguments_end_it_in_one_line(argv, message, capsys) -> None:
