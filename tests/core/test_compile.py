@@ -224,6 +224,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.extended  # a dozen seconds of Triton compiles in a child
 def test_loop_bounds_are_not_compiled_in_and_the_test_compiles_what_a_launch_compiles(tmp_path) -> None:
     """Two chains of different lengths (1000, 777), chunk sizes (32, 23) and batches (3, 16) launch
     identical compiles (loop bounds, length and batch are run-time arguments, never specialized), and

@@ -56,6 +56,7 @@ def _at_one_and_two_threads(monkeypatch, builds: tuple[str, str], run) -> list:
     return results
 
 
+@pytest.mark.extended  # the parallel scan's build to compile, a dozen seconds
 def test_threads_change_nothing(monkeypatch) -> None:
     """Every task of a phase is independent, so 2 threads give the 1-thread result bit for bit, with
     all three phases running (chunk 3 of 37 elements: reduce, spine and expand)."""
