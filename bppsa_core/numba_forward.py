@@ -34,6 +34,7 @@ from bppsa_core.numba_math import (
     ACTIVATIONS,
     GATE_SIGMOID,
     GATE_TANH,
+    NUMPY_DTYPES,
     UNUSED,
     add_hidden,
     build,
@@ -187,12 +188,11 @@ def _lstm(groups, xw, w_hh, h0, c0, steps, out, h_last, c_last, gates, cells, st
 
 
 _KERNELS: dict[tuple[str, type, bool, bool], Callable] = {}
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}  # the kernels' dtypes
 _CELLS = {"GRU": "gru", "LSTM": "lstm"}  # the kernel of a mode; the RNN's otherwise
 
 
 def _kernel(cell: str, dtype: torch.dtype, parallel: bool, taped: bool = False) -> Callable:
-    key = (cell, _NUMPY[dtype], parallel, taped)
+    key = (cell, NUMPY_DTYPES[dtype], parallel, taped)
     if key not in _KERNELS:
         fn = {"rnn": _rnn, "gru": _gru, "lstm": _lstm}[cell]
         _KERNELS[key] = build(fn, parallel, key[1], taped=taped)
@@ -205,7 +205,7 @@ def _kernel(cell: str, dtype: torch.dtype, parallel: bool, taped: bool = False) 
 def tape_arrays(steps: int, batch: int, hidden: int, dtype: torch.dtype) -> tuple[np.ndarray, ...]:
     """An LSTM tape's empty arrays (``layer.LSTMTape``): gates (T, B, 4H), cells and states
     (T + 1, B, H)."""
-    kind = _NUMPY[dtype]
+    kind = NUMPY_DTYPES[dtype]
     return (
         np.empty((steps, batch, 4 * hidden), kind),
         np.empty((steps + 1, batch, hidden), kind),
@@ -244,7 +244,7 @@ def layer_forward(
     bias = biases[0] + biases[1] if biases else x.new_zeros(rows)
     cell = _CELLS.get(mode, "rnn")
     if cell == "gru":  # b_hn is applied inside r (W_hn h + b_hn)
-        b_hn = biases[1][2 * hidden :].detach().numpy() if biases else np.zeros(hidden, _NUMPY[x.dtype])
+        b_hn = biases[1][2 * hidden :].detach().numpy() if biases else np.zeros(hidden, NUMPY_DTYPES[x.dtype])
         if biases:
             bias[2 * hidden :] = biases[0][2 * hidden :]
     w_hh = w_hh.detach().numpy()

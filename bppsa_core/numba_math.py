@@ -342,9 +342,12 @@ def add_hidden_reference(acc, h, w_t):
                 acc[b, j] += hk * w_t[k, j]
 
 
+# the kernels' dtypes: each torch dtype they take and its NumPy twin
+NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
 # per dtype, an array the kernels take in place of an absent one (an untaped build's tape, a walk
 # without outside gradients): never read
-UNUSED = {torch.float32: np.zeros((1, 1, 1), np.float32), torch.float64: np.zeros((1, 1, 1), np.float64)}
+UNUSED = {d: np.zeros((1, 1, 1), t) for d, t in NUMPY_DTYPES.items()}
 
 
 @njit(inline="always", error_model="numpy")

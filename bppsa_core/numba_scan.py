@@ -43,6 +43,7 @@ from bppsa_core.chain import LSTMChain
 from bppsa_core.numba_math import (
     LANES,
     LANES_MIN,
+    NUMPY_DTYPES,
     UNUSED,
     Vectors,
     add_hidden,
@@ -480,7 +481,6 @@ class LSTMWalk:
         n_threads = threads()
         self._kernel = _lstm_layer_parallel if n_threads > 1 else _lstm_layer_serial
         self._head = (u is not None, has_c, one, tiny if flush else one - one, min(n_threads, gates.shape[1]))
-        # gates, a tape's or made in the backward, and cells need no grad
         self._arrays = (
             *_arrays(gates, h, cells, w_hh),
             UNUSED[w_hh.dtype] if u is None else _arrays(u)[0],
@@ -495,6 +495,4 @@ class LSTMWalk:
 
 # per dtype, the scalars ``_lstm_layer`` takes: one and the flush threshold in that dtype (no step
 # widens)
-_LSTM_SCALARS = {
-    d: (t(1.0), t(torch.finfo(d).tiny)) for d, t in ((torch.float32, np.float32), (torch.float64, np.float64))
-}
+_LSTM_SCALARS = {d: (t(1.0), t(torch.finfo(d).tiny)) for d, t in NUMPY_DTYPES.items()}
