@@ -192,6 +192,8 @@ def numba_takes(terms: int, *dtypes: torch.dtype, lstm: bool = False) -> bool:
 # charge a forward slower than torch.nn's).
 _COMPILED_FORWARD_MAX_HIDDEN = {"RNN_TANH": 256, "RNN_RELU": 256, "GRU": 256, "LSTM": 0}
 _TAPED_LSTM_MAX_HIDDEN = 128
+# The scan strategies whose layers may run the compiled forward; the others keep PyTorch's.
+COMPILED_FORWARD_STRATEGIES = ("auto", "numba")
 
 
 def compiled_forward(
@@ -200,7 +202,7 @@ def compiled_forward(
     """Whether a layer's forward runs compiled (``bppsa_core.numba_forward``) rather than by
     PyTorch's fused kernel: where ``compiled_forward_takes`` the layer, with nothing recorded for
     autograd and no autocast."""
-    if strategy not in ("auto", "numba"):  # the rest is asked only of the strategies that may take it
+    if strategy not in COMPILED_FORWARD_STRATEGIES:  # the rest is asked only of those that may take it
         return False
     present = [t for t in tensors if t is not None]
     return (
@@ -221,7 +223,7 @@ def compiled_forward_takes(
     numba installed; then always under "numba", and under "auto" where it is the faster
     (``_COMPILED_FORWARD_MAX_HIDDEN``; ``taped``: an LSTM's forward that keeps its gates for the
     backward, ``_TAPED_LSTM_MAX_HIDDEN``). Other strategies keep PyTorch's forward."""
-    if strategy not in ("auto", "numba") or device_type != "cpu":
+    if strategy not in COMPILED_FORWARD_STRATEGIES or device_type != "cpu":
         return False
     widest = _TAPED_LSTM_MAX_HIDDEN if taped and mode == "LSTM" else _COMPILED_FORWARD_MAX_HIDDEN[mode]
     return (strategy != "auto" or hidden <= widest) and numba_takes(0, *dtypes)

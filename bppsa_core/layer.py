@@ -134,11 +134,14 @@ def new_tape(
     backward will be the fused compiled LSTM's (the scan strategy resolves to "numba", no
     ``lengths``) and whose forward runs compiled (``dispatch.compiled_forward``, taped), else None;
     for ``solved_forward`` to fill."""
+    strategy = config.options.strategy
     if c0 is None or lengths is not None or config.solver.method != "native" or x.device.type != "cpu":
+        return None
+    if strategy not in dispatch.COMPILED_FORWARD_STRATEGIES:  # asked first: a layer call's host work counts
         return None
     steps, batch, hidden = x.shape[0], x.shape[1], h0.shape[-1]
     dtypes = (x.dtype, h0.dtype, c0.dtype, *[w.dtype for w in weights])
-    if not steps or not _taped(config.options.strategy, (steps, batch, hidden), dtypes):
+    if not steps or not _taped(strategy, (steps, batch, hidden), dtypes):
         return None
     if torch.is_autocast_enabled("cpu"):
         return None
@@ -184,6 +187,8 @@ def native_forward(
     if steps == 0:  # PyTorch's kernel refuses it, in its own words
         return _native_call(mode, x, None, h0, c0, weights)
     if steps <= segment and not batch_major:
+        if lengths is None:  # one call of the kernel (a short layer's call costs as much as its work)
+            return _native_call(mode, x, None, h0, c0, weights)
         return _segment(mode, x, h0, c0, weights, lengths)
     h, c, outs = h0, c0, None
     for s in range(0, steps, segment):
@@ -252,9 +257,12 @@ def solved_forward(
     When they do not converge the layer says so in the log and runs ``native_forward`` instead.
     Not differentiable.
     """
-    solver = config.solver
+    solver, strategy = config.solver, config.options.strategy
     if solver.method == "native" or x.shape[0] == 0:
-        return *_forward(config, x, h0, c0, weights, lengths, tape), newton.NATIVE
+        out = sequential_forward(
+            strategy, config.mode, x, h0, c0, weights, lengths, config.segment, tape=tape
+        )
+        return *out, newton.NATIVE
     hidden = h0.shape[-1]
     s0 = h0 if c0 is None else torch.cat((h0, c0), -1)
     keep = _keep(lengths, x.shape[0], x)
@@ -272,24 +280,11 @@ def solved_forward(
             stats.change,
             solver.tolerance(x.dtype),
         )
-        return *_forward(config, x, h0, c0, weights, lengths), stats
+        return *sequential_forward(strategy, config.mode, x, h0, c0, weights, lengths, config.segment), stats
     out = states[..., :hidden]
     out = out * keep if keep is not None else out.contiguous()
     c = states[-1, :, hidden:].clone() if c0 is not None else None
     return out, states[-1, :, :hidden].clone(), c, stats
-
-
-def _forward(
-    config: LayerConfig,
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    weights: list[Tensor],
-    lengths: Tensor | None,
-    tape: LSTMTape | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    strategy, mode = config.options.strategy, config.mode
-    return sequential_forward(strategy, mode, x, h0, c0, weights, lengths, config.segment, tape=tape)
 
 
 def sequential_forward(

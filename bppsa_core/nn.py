@@ -93,7 +93,7 @@ class _BPPSAMixin:
         self.strategy, self.chunk, self.levels, self.segment = strategy, chunk, levels, segment
         self.forward_solver, self.newton_tol, self.newton_iters = forward_solver, newton_tol, newton_iters
         self.newton_guess = newton_guess
-        self._stats: list[Tensor] = []
+        self._stats: list[SolveStats | Tensor] = []
         self._guesses: dict[int, Tensor] = {}
 
     def _config(self) -> LayerConfig:
@@ -107,7 +107,7 @@ class _BPPSAMixin:
     def solver_stats(self) -> list[SolveStats]:
         """What the last forward's solve took, per layer and direction (torch.nn's order of h_n):
         Newton iterations (0: the native forward), whether they converged, the last change."""
-        return [SolveStats.from_tensor(t) for t in self._stats]
+        return [s if isinstance(s, SolveStats) else SolveStats.from_tensor(s) for s in self._stats]
 
     def forward(self, input: Tensor | PackedSequence, hx: State | None = None) -> tuple[Any, State]:
         """Same contract as ``torch.nn``'s forward; the backward is BPPSA in ``bppsa`` mode, but for
@@ -118,7 +118,9 @@ class _BPPSAMixin:
             self.backward_mode == "bptt"
             or self._torch_nn_instead()
             or torch.compiler.is_exporting()
-            or torch.onnx.is_in_onnx_export()
+            or (
+                torch.jit.is_tracing() and torch.onnx.is_in_onnx_export()
+            )  # that exporter traces; the check costs
         ):
             return super().forward(input, hx)
         self._update_flat_weights()  # weights swapped by functional_call or a parametrization
@@ -358,5 +360,6 @@ class LSTM(_BPPSAMixin, torch.nn.LSTM):
 
 
 # Whole-model checkpoints: ``torch.load``'s default (``weights_only=True``) unpickles only allowed
-# classes; these hold nothing but torch.nn's state and plain options (strings, numbers, tensors).
-torch.serialization.add_safe_globals([RNN, GRU, LSTM])
+# classes; these hold nothing but torch.nn's state, plain options (strings, numbers, tensors) and
+# the last forward's ``SolveStats`` (three numbers).
+torch.serialization.add_safe_globals([RNN, GRU, LSTM, SolveStats])

@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from bppsa_core import layer as bppsa_layer
 from bppsa_core.dispatch import ScanOptions
 from bppsa_core.layer import LayerConfig
-from bppsa_core.newton import SolverOptions
+from bppsa_core.newton import SolverOptions, SolveStats
 
 # ----------------------------------------------------------------------------------------- operators
 
@@ -57,31 +58,11 @@ def _forward_op(
         mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, max_iters)
     )
     weights = _present(w_ih, w_hh, b_ih, b_hh)
-    return _solved(config, x, h0, c0, weights, lengths, guess, copies=True, stats_on=x.device)
-
-
-def _solved(
-    config: LayerConfig,
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    weights: list[Tensor],
-    lengths: Tensor | None,
-    guess: Tensor | None,
-    copies: bool,
-    tape: bppsa_layer.LSTMTape | None = None,
-    stats_on: torch.device | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The forward's four results (``layer.solved_forward``, no c as an empty tensor, the solve's
-    stats as a tensor, on the CPU or ``stats_on``); ``copies``: the last states copied, as an
-    operator's results may not be views of its others; ``tape``: filled for the backward
-    (``layer.new_tape``). The operator keeps its stats on x's device: a compiled graph with a CPU
-    result is not captured by inductor's CUDA graphs (``mode="reduce-overhead"``)."""
-    out, h, c, stats = bppsa_layer.solved_forward(config, x, h0, c0, weights, lengths, guess, tape)
-    if copies:
-        h, c = h.clone(), (None if c is None else c.clone())
-    stats = stats if isinstance(stats, Tensor) else stats.as_tensor(stats_on)  # a tensor: captured
-    return out, h, (_empty(h) if c is None else c), stats
+    out, h, c, stats = bppsa_layer.solved_forward(config, x, h0, c0, weights, lengths, guess)
+    # an operator's results may not be views of its others; its stats stay on x's device, as a
+    # compiled graph with a CPU result is not captured by inductor's CUDA graphs ("reduce-overhead")
+    stats = stats if isinstance(stats, Tensor) else stats.as_tensor(x.device)  # a tensor: captured
+    return out, h.clone(), (_empty(h) if c is None else c.clone()), stats
 
 
 @_forward_op.register_fake
@@ -207,14 +188,19 @@ _legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 def _keep(ctx: Any, inputs: tuple, output: tuple, out: Tensor) -> None:
     """What a layer call's backward and tangent read: its inputs and ``out``, its outputs h_1..h_T
-    (``output[0]``, or a copy the call did not return: ``_EagerLayer``)."""
+    (``output[0]``, or a copy the call did not return: ``_EagerLayer``). The tangent's copy is made
+    only where forward-mode differentiation is on (a dual level entered): the one place a jvp runs."""
     x, h0, c0, lengths, _guess, config, *weights = inputs
     ctx.config = config
     ctx.tape = None  # what a compiled LSTM forward kept for the backward (``_EagerLayer``)
     ctx.save_for_backward(x, h0, c0, lengths, out, *weights)
-    ctx.save_for_forward(x, h0, c0, lengths, out, *weights)
+    if forward_ad._current_level >= 0:
+        ctx.save_for_forward(x, h0, c0, lengths, out, *weights)
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(*((output[2], output[3]) if c0 is None else (output[3],)))
+    # no c (an RNN's, a GRU's) and the stats, where they are tensors (``_EagerLayer``'s may not be)
+    fixed = [t for t in (output[2:] if c0 is None else output[3:]) if isinstance(t, Tensor)]
+    if fixed:
+        ctx.mark_non_differentiable(*fixed)
 
 
 class _CompiledLayer(torch.autograd.Function):
@@ -309,16 +295,18 @@ class _EagerLayer(torch.autograd.Function):
     not usable under the ``torch.func`` transforms, which ``_plain`` rules out. Its first inputs:
     ``record``, whether the call is recorded for a backward (the grad mode at the call; inside the
     forward it is off): then a compiled LSTM forward keeps its gates and states for the backward
-    (``layer.LSTMTape``) in the context; ``own``, ``layer``'s ``own_output``."""
+    (``layer.LSTMTape``) in the context; ``own``, ``layer``'s ``own_output``. Its results are
+    ``solved_forward``'s as they come, c None without one and the stats a ``SolveStats`` (a tensor
+    inside a capture): outputs autograd passes through, with no empty tensor or copy made for them."""
 
     @staticmethod
-    def forward(ctx: Any, record: bool, own: bool, *inputs: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def forward(ctx: Any, record: bool, own: bool, *inputs: Any) -> tuple[Tensor, Tensor, Tensor | None, Any]:
         x, h0, c0, lengths, guess, config, *weights = inputs
         tape = None
         recorded = record and any(ctx.needs_input_grad)
         if recorded:
             tape = bppsa_layer.new_tape(config, x, h0, c0, weights, lengths)
-        output = _solved(config, x, h0, c0, weights, lengths, guess, copies=False, tape=tape)
+        output = bppsa_layer.solved_forward(config, x, h0, c0, weights, lengths, guess, tape)
         kept = output[0]
         if tape is not None:  # the tape's copy of the outputs, which the kernel wrote beside them
             kept = tape.hidden[1:]
@@ -346,14 +334,15 @@ def layer(
     lengths: Tensor | None = None,
     guess: Tensor | None = None,
     own_output: bool = False,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor | None, SolveStats | Tensor]:
     """One layer in one direction, differentiable by BPPSA: x (T, B, I) time-major, h0 and c0 (an
     LSTM's, else None) (B, H), ``weights`` PyTorch's (w_ih, w_hh[, b_ih, b_hh]), ``lengths`` (B,)
     sorted longest first or None, ``guess`` a Newton solver's first iterate of the outputs (T, B, H)
     or None. Returns the outputs (T, B, H), the last h, the last c (or None) and what the forward
-    took (``newton.SolveStats.as_tensor``). ``own_output``: the outputs returned are not what the
-    backward reads, so that the caller may change them in place (a module's top layer, as
-    ``torch.nn``'s): a copy where the backward keeps them, none where an LSTM's tape holds its own.
+    took: a ``newton.SolveStats``, or its ``as_tensor`` from the operators or a capture.
+    ``own_output``: the outputs returned are not what the backward reads, so that the caller may
+    change them in place (a module's top layer, as ``torch.nn``'s): a copy where the backward keeps
+    them, none where an LSTM's tape holds its own.
     """
     # torch.compile traces autograd.Functions, but not their jvp: compiled graphs get the same
     # function without it (forward-mode differentiation of a compiled graph is not supported anyway).
