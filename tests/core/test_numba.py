@@ -488,4 +488,6 @@ def test_a_kernel_call_leaves_the_interpreter_to_other_threads(monkeypatch) -> N
     done.set()
     thread.join()
     during = [t for t in ticks if start < t < end]
-    assert end - start > 0.05 and len(during) >= 10, (end - start, len(during))
+    # holding the GIL, the call would let the thread tick at most twice (once each side of it);
+    # released, it ticks every millisecond of a call of tens of milliseconds
+    assert len(during) >= 5, (end - start, len(during))
