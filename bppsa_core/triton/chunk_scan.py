@@ -32,6 +32,8 @@ warps instead of 4, which keeps them at 48 registers a thread).
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -372,6 +374,7 @@ def source_count(mode: int, has_diag: bool) -> int:
     return 1
 
 
+@cache  # made once per configuration (read, never changed): a layer backward's host work counts
 def launch_config(
     mode: int, terms: int, has_diag: bool, has_b: bool, shift: int, fused: bool, hp: int, stop: bool = False
 ) -> dict[str, Launch]:

@@ -9,6 +9,7 @@ compiles each configuration once, whatever the sequence length (docs/DESIGN.md, 
 from __future__ import annotations
 
 import math
+from functools import cache
 from typing import Any, NamedTuple
 
 import triton
@@ -28,6 +29,7 @@ BOUNDS = ("C", "REM", "NAGG", "T", "P")
 BY_DATA = (*BOUNDS, "N", "B", "stride_k", "stride_b")
 
 
+@cache  # asked by every launch
 def padded(h: int) -> int:
     """H as the programs hold it: a power of two of at least 16 (``tl.dot``'s minimum)."""
     return max(16, triton.next_power_of_2(h))

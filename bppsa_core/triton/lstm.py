@@ -16,6 +16,8 @@ g_0 and the gates' pre-activation gradients, as ``chunk_scan``'s fused RNN and G
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -332,6 +334,7 @@ def lstm_num_warps(hp: int) -> int:
     return 8 if hp >= 32 else 4
 
 
+@cache  # made once per configuration (read, never changed): a layer backward's host work counts
 def lstm_launch_config(has_hh: bool, has_b: bool, hp: int, fused: bool = False) -> dict[str, Launch]:
     """The three kernels of an LSTM launch by role, as ``lstm_scan`` and ``lstm_layer_backward`` run
     them: ``has_hh``, the h<-h diagonal (sequences of different lengths); ``has_b``, offsets; ``hp``,
@@ -349,6 +352,7 @@ def lstm_launch_config(has_hh: bool, has_b: bool, hp: int, fused: bool = False) 
     return launches
 
 
+@cache
 def _cells_launch(hp: int) -> Launch:
     """``_lstm_cells`` at ``hp`` = ``padded(H)``: tiles of CELL_STEPS steps, 4 warps."""
     return Launch(_lstm_cells, {"TB": CELL_STEPS, "HP": hp}, 4)
