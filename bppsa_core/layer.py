@@ -356,14 +356,17 @@ def _native_call(
     are the same either way.
 
     On cuDNN, the weights of a layer after the first are a slice of the module's flattened buffer
-    that cuDNN does not take as its own, so it copies them per call and warns; the warning is
-    expected here and silenced (the copy is a few KB for the paper's sizes).
+    that cuDNN does not take as its own (it looks for a layer's weights from the start of their
+    storage), so it copies them per call and warns; the warning is expected there and silenced
+    (the copy is a few KB for the paper's sizes). Weights at the start of their storage, the first
+    layer's, are taken in place or warned about as ``torch.nn``'s own call would be.
     """
     hx = (h.unsqueeze(0), c.unsqueeze(0)) if c is not None else h.unsqueeze(0)
     bias = len(weights) == 4
     packed = () if batch_sizes is None else (batch_sizes,)
     flags = (bias, 1, 0.0, torch.is_grad_enabled(), False) + (() if packed else (False,))
-    if x.device.type != "cuda":  # the warning is cuDNN's; catching warnings costs as much as a short layer
+    # the warning is cuDNN's; catching warnings costs as much as a short layer (benchmarks.host)
+    if x.device.type != "cuda" or not weights[0].storage_offset():
         result = _NATIVE[mode](x, *packed, hx, weights, *flags)
     else:
         with warnings.catch_warnings():
