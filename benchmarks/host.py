@@ -7,7 +7,8 @@
 At T = 10, B = 16, H = 20 a layer's arithmetic is a few microseconds, so what is timed is the work
 around it that does not grow with T: Python, dispatch, allocations and launches. For each model one
 torch.nn module and one ``bppsa_core`` module with the same weights run, taking turns, the training
-forward (``forward``) and the forward with the backward of a loss on h_T (``step``); each cell is
+forward (``forward``) and the forward with the backward of a loss on h_T (``step``), then, in rounds
+of its own, the forward under ``torch.no_grad`` (``inference``); each cell is
 the median of ``--repeats`` rounds after ``--warmup``, all in one process, with ``--threads`` CPU
 threads (default one: the host path, not the parallel work, is what is measured). The last column
 is the largest relative difference of the two modules' gradients, a check that both computed the
@@ -56,9 +57,15 @@ class Row:
     hidden: int
     forward_ms: tuple[float, float]  # torch.nn's, BPPSA's
     step_ms: tuple[float, float]
+    inference_ms: tuple[float, float]
     grad_diff: float
     ops: tuple[int, int] = (0, 0)  # a step's ATen operator calls, torch.nn's and BPPSA's
     kernels: tuple[int, int] | None = None  # a step's GPU kernels and copies (CUDA only)
+
+
+def _inference(module: torch.nn.Module, x: Tensor) -> None:
+    with torch.no_grad():
+        module(x)
 
 
 def _step(module: torch.nn.Module, x: Tensor) -> None:
@@ -85,6 +92,26 @@ def dispatched(fn: Callable[[], object], device: torch.device) -> tuple[int, int
     return ops, on_device
 
 
+def _medians(
+    work: dict[str, Callable[[], object]],
+    modules: Sequence[torch.nn.Module],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> dict[str, float]:
+    """The median time of each of ``work``'s calls, taking turns in ``warmup + repeats`` rounds, each
+    round from the ``modules``' gradients unset (its step's gradients are its own)."""
+    times: dict[str, list[float]] = {name: [] for name in work}
+    for r in range(warmup + repeats):
+        for m in modules:
+            m.zero_grad(set_to_none=True)
+        for name, fn in work.items():
+            ms = time_ms(fn, device)
+            if r >= warmup:
+                times[name].append(ms)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def bench(
     model: str,
     steps: int,
@@ -96,50 +123,48 @@ def bench(
     repeats: int,
     strategy: str = "auto",
 ) -> Row:
-    """One row: both modules' forward and step, taking turns on the same input; ``strategy``: the
-    BPPSA module's."""
+    """One row: both modules' forward and step, taking turns on the same input, then their
+    inference, taking turns in rounds of its own (so that it leaves the others' caches as they
+    were); ``strategy``: the BPPSA module's."""
     torch.manual_seed(0)
     ref, ours = module_pair(model, FEATURES, hidden, device, dtype, strategy=strategy)
     x = torch.randn(steps, batch, FEATURES, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-    work: dict[str, Callable[[], object]] = {
+    training: dict[str, Callable[[], object]] = {
         "nn forward": lambda: ref(x),
         "bppsa forward": lambda: ours(x),
         "nn step": lambda: _step(ref, x),
         "bppsa step": lambda: _step(ours, x),
     }
-    times: dict[str, list[float]] = {name: [] for name in work}
-    for r in range(warmup + repeats):
-        for m in (ref, ours):
-            m.zero_grad(set_to_none=True)
-        for name, fn in work.items():
-            ms = time_ms(fn, device)
-            if r >= warmup:
-                times[name].append(ms)
+    inference = {"nn inference": lambda: _inference(ref, x), "bppsa inference": lambda: _inference(ours, x)}
+    med = _medians(training, (ref, ours), device, warmup, repeats)
     diff = max(
         ((a.grad - b.grad).norm() / b.grad.norm().clamp_min(1e-30)).item()
         for a, b in zip(ours.parameters(), ref.parameters(), strict=True)
     )
-    med = {name: statistics.median(t) for name, t in times.items()}
+    med |= _medians(inference, (), device, warmup, repeats)
     (nn_ops, nn_kernels), (our_ops, our_kernels) = (
-        dispatched(work[f"{m} step"], device) for m in ("nn", "bppsa")
+        dispatched(training[f"{m} step"], device) for m in ("nn", "bppsa")
     )
     return Row(
         model, steps, batch, hidden,
-        (med["nn forward"], med["bppsa forward"]), (med["nn step"], med["bppsa step"]), diff,
+        (med["nn forward"], med["bppsa forward"]), (med["nn step"], med["bppsa step"]),
+        (med["nn inference"], med["bppsa inference"]), diff,
         (nn_ops, our_ops), None if nn_kernels is None else (nn_kernels, our_kernels),
     )  # fmt: skip
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """Markdown: per model, each module's forward and step time and BPPSA's ratio to torch.nn's."""
+    """Markdown: per model, each module's forward, inference and step time and BPPSA's ratio to
+    torch.nn's."""
     on_gpu = any(r.kernels is not None for r in rows)
     head = ["model", "T", "B", "H", "nn forward ms", "BPPSA forward ms", "forward ratio"]
+    head += ["nn inference ms", "BPPSA inference ms", "inference ratio"]
     head += ["nn step ms", "BPPSA step ms", "step ratio", "nn ops", "BPPSA ops"]
     head += ["nn kernels", "BPPSA kernels"] if on_gpu else []
     body = []
     for r in rows:
         cells = [r.model, str(r.steps), str(r.batch), str(r.hidden)]
-        for nn_ms, ours_ms in (r.forward_ms, r.step_ms):
+        for nn_ms, ours_ms in (r.forward_ms, r.inference_ms, r.step_ms):
             cells += [fmt_ms(nn_ms), fmt_ms(ours_ms), f"{ours_ms / nn_ms:.2f}"]
         cells += [str(n) for n in r.ops]
         if on_gpu:
@@ -149,11 +174,12 @@ def format_table(rows: Sequence[Row]) -> str:
 
 
 LEGEND = (
-    "'forward': the training forward of one layer; 'step': that forward and the backward of a loss on "
-    "h_T; 'ratio': BPPSA's time over torch.nn's (below 1: BPPSA is faster); 'ops': the ATen operator "
-    "calls of one step, views included, each a dispatch on the host; 'kernels' (GPU): the kernels and "
-    "copies one step runs on the device; 'grad rel. diff': the largest relative difference of the "
-    "parameter gradients between the two modules."
+    "'forward': the training forward of one layer; 'inference': the forward under torch.no_grad; "
+    "'step': the training forward and the backward of a loss on h_T; 'ratio': BPPSA's time over "
+    "torch.nn's (below 1: BPPSA is faster); 'ops': the ATen operator calls of one step, views "
+    "included, each a dispatch on the host; 'kernels' (GPU): the kernels and copies one step runs on "
+    "the device; 'grad rel. diff': the largest relative difference of the parameter gradients between "
+    "the two modules."
 )
 
 

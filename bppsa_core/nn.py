@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 from torch.nn.functional import dropout
 from torch.nn.utils.rnn import PackedSequence
 
-from bppsa_core.dispatch import ScanOptions, torch_nn_instead
+from bppsa_core.dispatch import ScanOptions, compiled_forward_takes, torch_nn_instead
 from bppsa_core.layer import SEGMENT, LayerConfig
-from bppsa_core.newton import DEFAULT_MAX_ITERS, SolverOptions, SolveStats
+from bppsa_core.newton import DEFAULT_MAX_ITERS, NATIVE, SolverOptions, SolveStats
 from bppsa_core.ops import layer
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
@@ -113,15 +114,17 @@ class _BPPSAMixin:
         """Same contract as ``torch.nn``'s forward; the backward is BPPSA in ``bppsa`` mode, but for
         a module that "auto" leaves to ``torch.nn`` (``_torch_nn_instead``), which is its. While a
         model is exported (``torch.export``, ``torch.onnx.export``) it is ``torch.nn``'s forward,
-        exported as ``torch.nn``'s is: an exported graph is run, not differentiated by BPPSA."""
+        exported as ``torch.nn``'s is: an exported graph is run, not differentiated by BPPSA. So is
+        inference that would run PyTorch's fused kernel in every layer (``_fused_inference``)."""
+        # the ONNX exporter's flag only under tracing, which that exporter does: asking costs imports
         if (
             self.backward_mode == "bptt"
             or self._torch_nn_instead()
+            or self._fused_inference()
             or torch.compiler.is_exporting()
-            or (
-                torch.jit.is_tracing() and torch.onnx.is_in_onnx_export()
-            )  # that exporter traces; the check costs
+            or (torch.jit.is_tracing() and torch.onnx.is_in_onnx_export())
         ):
+            self.__dict__["_stats"] = [NATIVE] * (self.num_layers * self._directions)
             return super().forward(input, hx)
         self._update_flat_weights()  # weights swapped by functional_call or a parametrization
         lstm = self.mode == "LSTM"
@@ -168,6 +171,26 @@ class _BPPSAMixin:
         weight = self._flat_weights[0]
         return self.forward_solver == "native" and torch_nn_instead(
             self.strategy, self.mode, self.hidden_size, weight.device, weight.dtype
+        )
+
+    def _fused_inference(self) -> bool:
+        """Whether this call is inference (nothing records, carries a tangent or is transformed by
+        ``torch.func``; not compiling or tracing, which see one graph either way) whose layers would
+        each run PyTorch's fused kernel, the native forward not compiled
+        (``dispatch.compiled_forward_takes``): then ``torch.nn``'s forward runs, the same kernel, all
+        layers in one call, and no layer call's host work (``benchmarks.host``, inference)."""
+        if (
+            torch.is_grad_enabled()
+            or self.forward_solver != "native"
+            or forward_ad._current_level >= 0
+            or torch.compiler.is_compiling()
+            or torch.jit.is_tracing()
+            or torch._C._are_functorch_transforms_active()
+        ):
+            return False
+        weight = self._flat_weights[0]
+        return not compiled_forward_takes(
+            self.strategy, self.mode, self.hidden_size, weight.device.type, (weight.dtype,), False
         )
 
     def _check_devices(self, x: Tensor, hx: State) -> None:

@@ -352,6 +352,10 @@ def layer(
         out, h, c, stats = function.apply(x, h0, c0, lengths, guess, config, *weights)
         if own_output:
             out = out.clone()
+    elif not torch.is_grad_enabled() and forward_ad._current_level < 0:
+        # inference: nothing records or carries a tangent, so no Function (its call costs as much as
+        # a short layer's forward) and no copy of the outputs, which no backward keeps
+        out, h, c, stats = bppsa_layer.solved_forward(config, x, h0, c0, weights, lengths, guess)
     else:
         record = torch.is_grad_enabled()
         out, h, c, stats = _EagerLayer.apply(record, own_output, x, h0, c0, lengths, guess, config, *weights)

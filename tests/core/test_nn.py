@@ -9,9 +9,11 @@ from helpers import rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from recurrent import F64, KINDS, assert_same, pair, run, state, state_leaves
+from torch.autograd import forward_ad
 from torch.nn.utils.rnn import pack_sequence
 
 from bppsa_core import nn as bnn
+from bppsa_core import ops as bppsa_ops
 
 # Indices into recurrent.flat's list: output, h_n (and an LSTM's c_n).
 LOSSES = {"h_n": [1], "output": [0], "all": None}
@@ -184,16 +186,53 @@ def test_bptt_mode_is_torch_nn(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_inference_output_matches_and_builds_no_graph(kind: str) -> None:
+def test_inference_output_matches_and_builds_no_graph(kind: str, monkeypatch) -> None:
     """Under no_grad the outputs are torch.nn's (to float64 rounding: the compiled CPU forward sums
-    in another order) and no graph is built."""
+    in another order) and no graph is built: the layers make no autograd Function call at all.
+    Forward-mode tangents still reach the outputs under no_grad, through the Function's jvp."""
     ref, ours = pair(kind, 2, 3, num_layers=2)
+    x, tangent = torch.randn(5, 2, 2, dtype=F64), torch.randn(5, 2, 2, dtype=F64)
+    calls = []
+    real = bppsa_ops._EagerLayer.apply
+    monkeypatch.setattr(bppsa_ops._EagerLayer, "apply", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        out = run(ours, x)
+    assert all(t.grad_fn is None for t in out) and not calls
+    for a, b in zip(out, run(ref, x), strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12)
+    tangents = []
+    for module in (ref, ours):
+        with torch.no_grad(), forward_ad.dual_level():
+            outputs = run(module, forward_ad.make_dual(x, tangent))
+            tangents.append(forward_ad.unpack_dual(outputs[0]).tangent)
+    assert len(calls) == 2 and rel_err(tangents[0], tangents[1]) < 1e-10  # two layers
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_inference_on_pytorchs_kernel_is_torch_nns_forward(kind: str, monkeypatch) -> None:
+    """Under no_grad, a module whose layers would each run PyTorch's fused kernel ("sequential")
+    runs torch.nn's forward instead: no layer call, torch.nn's outputs, every layer's stats native.
+    One whose layers run the compiled CPU forward (strategy "numba") keeps its layers."""
+    from bppsa_core import layer as layer_mod
+    from bppsa_core.newton import NATIVE
+
+    calls = []
+    real = layer_mod.solved_forward
+    monkeypatch.setattr(layer_mod, "solved_forward", lambda *a: calls.append(1) or real(*a))
+    ref, ours = pair(kind, 2, 3, num_layers=2, bidirectional=True, strategy="sequential")
     x = torch.randn(5, 2, 2, dtype=F64)
     with torch.no_grad():
         out = run(ours, x)
-    assert all(t.grad_fn is None for t in out)
-    for a, b in zip(out, run(ref, x), strict=True):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12)
+        expected = run(ref, x)
+    assert not calls and ours.solver_stats == [NATIVE] * 4
+    for a, b in zip(out, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ours.strategy = "numba"
+    with torch.no_grad():
+        out = run(ours, x)
+    assert len(calls) == 4
+    for a, b in zip(out, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("cls", [bnn.RNN, bnn.LSTM])
