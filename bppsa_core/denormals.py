@@ -95,7 +95,7 @@ def _runtime() -> _Runtime | None:
     """The runtime on this machine, or None where flushing in every thread is not possible."""
     layout = _LAYOUT.get(platform.machine())
     libm_name = ctypes.util.find_library("m")
-    gomp_path = _loaded("libgomp")
+    gomp_path = _loaded("libgomp", prefer=str(Path(torch.__file__).parent))
     if layout is None or libm_name is None or gomp_path is None:
         log.debug(
             "flush-to-zero not available (%s, libm %s, libgomp %s)", platform.machine(), libm_name, gomp_path
@@ -108,17 +108,19 @@ def _runtime() -> _Runtime | None:
         return None
 
 
-def _loaded(name: str) -> str | None:
-    """The path of a shared library this process has loaded whose file name starts with ``name``."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    for line in maps.splitlines():
-        path = line.split()[-1] if len(line.split()) >= 6 else ""
-        if Path(path).name.startswith(name) and ".so" in path:
-            return path
-    return None
+def _loaded(name: str, prefer: str = "", maps: str | None = None) -> str | None:
+    """The path of a shared library this process has loaded whose file name starts with ``name``:
+    the first whose path starts with ``prefer``, else the first (``maps``: /proc/self/maps's text).
+    PyTorch's wheels bundle their libgomp (in torch/lib, or torch.libs under a hashed name), and
+    numba's OpenMP layer may load the system's beside it: torch's is the pool its GEMMs run on."""
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return None
+    paths = [line.split()[-1] for line in maps.splitlines() if len(line.split()) >= 6]
+    found = [p for p in paths if Path(p).name.startswith(name) and ".so" in p]
+    return next((p for p in found if p.startswith(prefer)), found[0] if found else None)
 
 
 def available() -> bool:

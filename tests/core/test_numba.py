@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -491,3 +492,63 @@ def test_a_kernel_call_leaves_the_interpreter_to_other_threads(monkeypatch) -> N
     # holding the GIL, the call would let the thread tick at most twice (once each side of it);
     # released, it ticks every millisecond of a call of tens of milliseconds
     assert len(during) >= 5, (end - start, len(during))
+
+
+def test_numbas_pool_starts_with_its_threads_waiting_passively(monkeypatch) -> None:
+    """Two OpenMP pools on the same cores (PyTorch's libgomp and the system's, which numba's layer
+    loads) stall each other while idle threads spin: numba's starts with libgomp told to let its
+    threads sleep, the variable removed again afterwards, and a policy the user set is kept."""
+    import numba
+
+    seen = []
+    monkeypatch.setattr(numba, "get_num_threads", lambda: seen.append(dict(os.environ)) or 2)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    numba_math._start_pool.cache_clear()
+    try:
+        numba_math._start_pool()
+        assert seen[0]["OMP_WAIT_POLICY"] == "PASSIVE" and "OMP_WAIT_POLICY" not in os.environ
+        numba_math._start_pool()
+        assert len(seen) == 1  # once a process
+        numba_math._start_pool.cache_clear()
+        monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+        numba_math._start_pool()
+        assert len(seen) == 1 and os.environ["GOMP_SPINCOUNT"] == "1000"
+        assert "OMP_WAIT_POLICY" not in os.environ
+    finally:
+        numba_math._start_pool.cache_clear()
+
+
+def test_flush_to_zero_reaches_torchs_pool_beside_numbas(monkeypatch) -> None:
+    """With numba's OpenMP pool loaded beside PyTorch's, ``flush_denormals`` still sets the mode in
+    the threads PyTorch's ops run on: a two-thread product makes no subnormal inside the block."""
+    from bppsa_core import denormals
+
+    if not denormals.available():
+        pytest.skip("flush-to-zero cannot be set here")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        numba_math.threads()  # numba's pool started, its OpenMP runtime loaded
+        denormals._runtime.cache_clear()
+        many = torch.full((1 << 22,), 1e-30)
+        with denormals.flush_denormals():
+            product = many * 1e-10
+        assert not ((product != 0) & (product.abs() < torch.finfo(F32).tiny)).any()
+    finally:
+        torch.set_num_threads(before)
+        denormals._runtime.cache_clear()
+
+
+def test_the_runtime_is_torchs_libgomp_where_two_are_loaded() -> None:
+    from bppsa_core import denormals
+
+    maps = "\n".join(
+        f"7f00{i}000-7f00{i}fff r-xp 00000000 08:01 {i} {path}"
+        for i, path in enumerate(
+            ["/usr/lib/libgomp.so.1.0.0", "/env/torch/lib/libgomp.so.1", "/env/torch.libs/libgomp-a3.so.1"]
+        )
+    )
+    assert denormals._loaded("libgomp", prefer="/env/torch", maps=maps) == "/env/torch/lib/libgomp.so.1"
+    assert denormals._loaded("libgomp", prefer="/opt/torch", maps=maps) == "/usr/lib/libgomp.so.1.0.0"
+    assert denormals._loaded("libiomp", maps=maps) is None
