@@ -16,6 +16,9 @@ the methods taking turns, all in one process:
 * ``captured``: the GPU time of a whole training step (forward, backward, an SGD step) captured once
   in a CUDA graph (``torch.cuda.graph``, the capture PyTorch documents) and replayed, on both sides:
   what is left once no host work is; CUDA only;
+* ``captured bwd``: the GPU time of the backward alone, captured as ``make_graphed_callables`` does
+  (the forward in one graph, the backward in another sharing its memory pool), each timed replay
+  after an untimed one of the forward: the backward's GPU work, both sides; CUDA only;
 * ``peak MiB``: the memory the backward allocates beyond what was allocated before it, on both
   sides; CUDA only.
 
@@ -91,6 +94,38 @@ def _cell_from(module: torch.nn.Module) -> torch.nn.Module:
     return cell
 
 
+def _warm_up(module: torch.nn.Module, x: Tensor, optimizer: torch.optim.Optimizer, rounds: int) -> None:
+    """Training steps on a side stream, so that the kernels are compiled and cuDNN's plans chosen
+    outside a capture (PyTorch's documented warm-up before ``torch.cuda.graph``)."""
+    device = x.device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(max(rounds, 3)):
+            optimizer.zero_grad(set_to_none=True)
+            _loss(module, x).backward()
+            optimizer.step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _replay_ms(
+    graph: torch.cuda.CUDAGraph, warmup: int, repeats: int, device: torch.device,
+    before: torch.cuda.CUDAGraph | None = None,
+) -> float:  # fmt: skip
+    """The median GPU ms of ``repeats`` replays of ``graph`` after ``warmup``, each after an untimed
+    replay of ``before`` (the graph that makes its inputs) where one is given."""
+    times = []
+    for r in range(max(warmup, 1) + repeats):
+        if before is not None:
+            before.replay()
+        with Interval(device) as it:
+            graph.replay()
+        if r >= max(warmup, 1):
+            times.append(it.seconds * 1e3)
+    return statistics.median(times)
+
+
 def captured_step_ms(
     module: torch.nn.Module, x: Tensor, warmup: int, repeats: int, error_mode: str = "global"
 ) -> float:
@@ -99,33 +134,32 @@ def captured_step_ms(
     then the median of ``repeats`` timed replays. ``error_mode``: ``torch.cuda.graph``'s
     ``capture_error_mode`` ("global", PyTorch's default, fails a capture on an unsafe CUDA call
     from any thread; "thread_local" only from the capturing one; "relaxed" on none)."""
-    device = x.device
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-6)
     static_x = x.clone()
-
-    def step() -> None:
-        _loss(module, static_x).backward()
-        optimizer.step()
-
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(max(warmup, 3)):  # the kernels compiled and cuDNN's plans chosen outside the capture
-            optimizer.zero_grad(set_to_none=True)
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    optimizer.zero_grad(set_to_none=True)
+    _warm_up(module, static_x, optimizer, warmup)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode=error_mode):
-        step()
-    for _ in range(max(warmup, 1)):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        with Interval(device) as it:
-            graph.replay()
-        times.append(it.seconds * 1e3)
-    return statistics.median(times)
+        _loss(module, static_x).backward()
+        optimizer.step()
+    return _replay_ms(graph, warmup, repeats, x.device)
+
+
+def captured_backward_ms(
+    module: torch.nn.Module, x: Tensor, warmup: int, repeats: int, error_mode: str = "global"
+) -> float:
+    """GPU ms of the backward alone, captured as ``make_graphed_callables`` does: the forward in one
+    graph, the backward in a second graph sharing its memory pool (so the saved tensors it reads stay
+    where the forward's replay writes them); each timed replay of the backward follows an untimed one
+    of the forward. ``error_mode`` as in ``captured_step_ms``."""
+    static_x = x.clone()
+    _warm_up(module, static_x, torch.optim.SGD(module.parameters(), lr=1e-6), warmup)
+    pool = torch.cuda.graph_pool_handle()
+    forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(forward, pool=pool, capture_error_mode=error_mode):
+        loss = _loss(module, static_x)
+    with torch.cuda.graph(backward, pool=pool, capture_error_mode=error_mode):
+        loss.backward()
+    return _replay_ms(backward, warmup, repeats, x.device, before=forward)
 
 
 def backward_peak_mib(module: torch.nn.Module, x: Tensor) -> float:
@@ -187,6 +221,7 @@ def bench(
     for side, module in (("cuDNN", ref), ("BPPSA", ours)):
         for what, measure in (
             ("captured", lambda m=module: captured_step_ms(m, x, warmup, repeats, error_mode)),
+            ("captured bwd", lambda m=module: captured_backward_ms(m, x, warmup, repeats, error_mode)),
             ("peak MiB", lambda m=module: backward_peak_mib(m, x)),
         ):
             name = f"{side} {what}"
@@ -201,9 +236,10 @@ def bench(
 
 
 COLUMNS = (
-    "cuDNN eager", "BPPSA eager", "naive eager", "cuDNN captured", "BPPSA captured", "cuDNN peak MiB",
-    "BPPSA peak MiB",
+    "cuDNN eager", "BPPSA eager", "naive eager", "cuDNN captured", "BPPSA captured", "cuDNN captured bwd",
+    "BPPSA captured bwd", "cuDNN peak MiB", "BPPSA peak MiB",
 )  # fmt: skip
+TIMES = 7  # COLUMNS[:TIMES] are in ms
 
 
 def _ratio(a: Cell | None, b: Cell | None) -> str:
@@ -214,20 +250,22 @@ def format_table(rows: Sequence[Row], device: torch.device) -> str:
     """Markdown: per row the times, and BPPSA's speedup over cuDNN and over the naive loop."""
     baseline = "cuDNN" if device.type == "cuda" else "torch.nn"
     head = ["model", "T", "B", "H"]
-    head += [c.replace("cuDNN", baseline) + ("" if "MiB" in c else " ms") for c in COLUMNS[:5]]
+    head += [c.replace("cuDNN", baseline) + " ms" for c in COLUMNS[:TIMES]]
     head += [f"{baseline} / BPPSA eager", "naive / BPPSA eager", f"{baseline} / BPPSA captured"]
-    head += [c.replace("cuDNN", baseline) for c in COLUMNS[5:]]
+    head += [f"{baseline} / BPPSA captured bwd"]
+    head += [c.replace("cuDNN", baseline) for c in COLUMNS[TIMES:]]
     body = []
     for r in rows:
         c = r.cells
         cells = [r.model, str(r.steps), str(r.batch), str(r.hidden)]
-        cells += [fmt_ms(c.get(k, "–")) for k in COLUMNS[:5]]
+        cells += [fmt_ms(c.get(k, "–")) for k in COLUMNS[:TIMES]]
         cells += [
             _ratio(c.get("cuDNN eager"), c.get("BPPSA eager")),
             _ratio(c.get("naive eager"), c.get("BPPSA eager")),
             _ratio(c.get("cuDNN captured"), c.get("BPPSA captured")),
+            _ratio(c.get("cuDNN captured bwd"), c.get("BPPSA captured bwd")),
         ]
-        cells += [f"{v:.3g}" if isinstance(v, float) else v for v in (c.get(k, "–") for k in COLUMNS[5:])]
+        cells += [f"{v:.3g}" if isinstance(v, float) else v for v in (c.get(k, "–") for k in COLUMNS[TIMES:])]
         body.append(cells)
     return markdown(head, body)
 
@@ -235,7 +273,8 @@ def format_table(rows: Sequence[Row], device: torch.device) -> str:
 LEGEND = (
     "'eager': the backward's wall-clock time (forward excluded); 'naive': the backward of a loop of "
     "torch.nn's cells; 'captured': GPU time of a whole training step (forward, backward, SGD step) "
-    "replayed from a CUDA graph; a ratio above 1 means BPPSA is faster; 'peak MiB': what the backward "
+    "replayed from a CUDA graph; 'captured bwd': GPU time of the backward alone, its graph replayed "
+    "after the forward's; a ratio above 1 means BPPSA is faster; 'peak MiB': what the backward "
     "allocates beyond what was allocated before it."
 )
 

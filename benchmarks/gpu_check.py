@@ -10,9 +10,10 @@ and its output (or why it failed, or was skipped):
    cuDNN; the Newton iteration's kernels and a Newton forward against cuDNN's outputs; a whole
    training step captured in a CUDA graph; the sparse Jacobians; sequence parallel
    over NCCL, a rank per GPU);
-2. ``capture``: BPPSA's backward against cuDNN's, eager (wall-clock) and as captured training steps
-   (GPU time), and against a naive loop of ``torch.nn``'s cells, with the backward's peak memory:
-   RNN, GRU and LSTM, H = 20, 64, 128, 256, T = 1,000 and 10,000 (``benchmarks.capture``);
+2. ``capture``: BPPSA's backward against cuDNN's, eager (wall-clock), as captured training steps
+   and as captured backwards alone (GPU time), and against a naive loop of ``torch.nn``'s cells,
+   with the backward's peak memory: RNN, GRU and LSTM, H = 20, 64, 128, 256, T = 1,000 and 10,000
+   (``benchmarks.capture``);
 3. ``host``: short layers (T = 10, 100, 1,000) against ``torch.nn``'s, the host path
    (``benchmarks.host``);
 4. ``backward``: the paper's backward tables, cuDNN's BPTT against every BPPSA strategy (PyTorch

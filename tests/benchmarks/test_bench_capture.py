@@ -17,7 +17,8 @@ def test_a_row_on_the_cpu_times_the_eager_and_naive_backwards(model) -> None:
     row = capture.bench(model, 12, 3, 5, CPU, 0, 2, naive_max_t=12)
     assert all(isinstance(row.cells[k], float) and row.cells[k] > 0 for k in capture.COLUMNS[:3])
     assert all(row.cells[k] == "n/a" for k in capture.COLUMNS[3:])
-    assert row.notes["captured"] == row.notes["peak MiB"] == "needs a CUDA device"
+    for what in ("captured", "captured bwd", "peak MiB"):
+        assert row.notes[what] == "needs a CUDA device"
 
 
 def test_where_auto_runs_torch_nn_the_row_times_the_graph_scan(monkeypatch) -> None:
@@ -61,8 +62,10 @@ def test_the_run_prints_a_table_per_model_and_the_reasons(capsys) -> None:
     tables = markdown_tables(out)
     for head, rows in tables:
         assert head[:5] == ["model", "T", "B", "H", "torch.nn eager ms"] and "naive / BPPSA eager" in head
+        assert "torch.nn captured bwd ms" in head and "torch.nn / BPPSA captured bwd" in head
+        assert all(len(r) == len(head) for r in rows)
         assert [(r[1], r[3]) for r in rows] == [("8", "4"), ("8", "6")]
-    assert "- captured: needs a CUDA device" in out
+    assert "- captured: needs a CUDA device" in out and "- captured bwd: needs a CUDA device" in out
 
 
 @pytest.mark.parametrize(
