@@ -17,11 +17,9 @@ parallel, rounds alike and the threads change no bit of the results.
 from __future__ import annotations
 
 import math
-import os
 import types
 from collections.abc import Callable
 from decimal import Decimal
-from functools import cache
 
 import numba
 import numpy as np
@@ -394,30 +392,5 @@ def threads() -> int:
     """The threads the kernels take: torch's, within numba's pool (set to them when more than one)."""
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     if threads > 1:
-        _start_pool()
         numba.set_num_threads(threads)
     return threads
-
-
-# libgomp's environment variables for how its idle threads wait; the user's, where set, are kept
-_WAIT_POLICY = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-
-
-@cache
-def _start_pool() -> None:
-    """Start numba's thread pool with its OpenMP threads waiting passively. PyTorch's Linux wheels
-    bundle a libgomp of their own, and numba's OpenMP layer loads the system's: two pools on the same
-    cores, whose idle threads spin for a while (libgomp's default) and so take the cores from the
-    other pool's work for whole scheduler ticks, 10-40 times a short layer's time with two threads
-    (re-measured by ``python -m benchmarks.host --threads 2``). libgomp reads the policy once, as it
-    loads, so it is set only while numba starts its pool (``get_num_threads`` does), and then
-    removed; PyTorch's pool, loaded with torch, keeps its own. Without effect where numba's pool is
-    PyTorch's runtime, TBB or numba's own (``numba.threading_layer()``), where it had started
-    before, or where the user set either variable."""
-    if any(name in os.environ for name in _WAIT_POLICY):
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        numba.get_num_threads()
-    finally:
-        del os.environ["OMP_WAIT_POLICY"]

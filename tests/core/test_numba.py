@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -492,31 +491,6 @@ def test_a_kernel_call_leaves_the_interpreter_to_other_threads(monkeypatch) -> N
     # holding the GIL, the call would let the thread tick at most twice (once each side of it);
     # released, it ticks every millisecond of a call of tens of milliseconds
     assert len(during) >= 5, (end - start, len(during))
-
-
-def test_numbas_pool_starts_with_its_threads_waiting_passively(monkeypatch) -> None:
-    """Two OpenMP pools on the same cores (PyTorch's libgomp and the system's, which numba's layer
-    loads) stall each other while idle threads spin: numba's starts with libgomp told to let its
-    threads sleep, the variable removed again afterwards, and a policy the user set is kept."""
-    import numba
-
-    seen = []
-    monkeypatch.setattr(numba, "get_num_threads", lambda: seen.append(dict(os.environ)) or 2)
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    numba_math._start_pool.cache_clear()
-    try:
-        numba_math._start_pool()
-        assert seen[0]["OMP_WAIT_POLICY"] == "PASSIVE" and "OMP_WAIT_POLICY" not in os.environ
-        numba_math._start_pool()
-        assert len(seen) == 1  # once a process
-        numba_math._start_pool.cache_clear()
-        monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
-        numba_math._start_pool()
-        assert len(seen) == 1 and os.environ["GOMP_SPINCOUNT"] == "1000"
-        assert "OMP_WAIT_POLICY" not in os.environ
-    finally:
-        numba_math._start_pool.cache_clear()
 
 
 def test_flush_to_zero_reaches_torchs_pool_beside_numbas(monkeypatch) -> None:
