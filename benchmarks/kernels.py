@@ -1,7 +1,7 @@
 """The Triton scan kernels compiled for NVIDIA GPUs without one: registers, spills, shared memory and a
 static estimate of their loops.
 
-    python -m benchmarks.kernels [--arch 80 90] [--T 1000] [--chunk 32] [--summary]
+    python -m benchmarks.kernels [--arch 80 90] [--T 1000] [--chunk 32] [--dot ieee] [--summary]
 
 Every kernel configuration the modules can launch (``launch_configs``: kernel, mode, terms, diagonal,
 offsets, fused or not, the H it serves, with the constexprs and warps of ``bppsa_core.triton``'s
@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 from benchmarks.common import positive_int
 from bppsa_core.triton import chunk_scan
-from bppsa_core.triton.launch import Launch, padded
+from bppsa_core.triton.launch import DOT_PRECISION, Launch, padded
 from bppsa_core.triton.lstm import CELL_STEPS, lstm_launch_config
 from toolbox.cli import OneLineParser, cpu_cores
 from toolbox.errors import SuiteError
@@ -184,6 +184,18 @@ def launch_configs() -> list[KernelConfig]:
         )
         unique.setdefault(key, config)
     return list(unique.values())
+
+
+def with_dot(configs: list[KernelConfig], precision: str) -> list[KernelConfig]:
+    """``configs`` with ``tl.dot``'s precision ``precision`` where a kernel takes one (``DOT``: the
+    reduce kernels), to compare the library's (``launch.DOT_PRECISION``) with another compiled."""
+    out = []
+    for config in configs:
+        launch = config.launch
+        if "DOT" in launch.constexprs:
+            launch = launch._replace(constexprs={**launch.constexprs, "DOT": precision})
+        out.append(config._replace(launch=launch))
+    return out
 
 
 def newton_configs(largest: int) -> list[KernelConfig]:
@@ -704,6 +716,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "widest H (with offsets, diagonal)",
     )
     parser.add_argument(
+        "--dot",
+        choices=("ieee", "tf32x3", "tf32"),
+        default=DOT_PRECISION,
+        help="tl.dot's input_precision in the reduce kernels (the library's: ieee)",
+    )
+    parser.add_argument(
         "--summary", action="store_true", help="one line per kernel, mode and HP instead of every row"
     )
     parser.add_argument(
@@ -716,6 +734,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             configs = representative(configs)
         elif args.configs == "listed":
             configs = listed(configs)
+        configs = with_dot(configs, args.dot)
         rows = compile_all(args.arch, configs, args.T, args.chunk)
     except ToolchainError as exc:
         print(f"benchmarks.kernels: {exc}", file=sys.stderr)

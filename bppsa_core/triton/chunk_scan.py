@@ -41,7 +41,7 @@ from torch import Tensor
 
 from bppsa_core.chain import FactoredChain
 from bppsa_core.scan import chunked_scan
-from bppsa_core.triton.launch import BY_DATA, Launch, chain_args, padded, three_launches
+from bppsa_core.triton.launch import BY_DATA, DOT_PRECISION, Launch, chain_args, padded, three_launches
 
 # How ``_element`` reads an element's factors (see the module docstring).
 SCALES = tl.constexpr(0)
@@ -143,14 +143,14 @@ def _element(
 
 
 @triton.jit
-def _mat_step(agg, f, w, K: tl.constexpr, HAS_DIAG: tl.constexpr):
+def _mat_step(agg, f, w, K: tl.constexpr, HAS_DIAG: tl.constexpr, DOT: tl.constexpr):
     """agg @ M for one element given as its factors ``f`` (``_element``) and the weights ``w``
-    (never transposed: see ``_reduce``)."""
-    out = tl.dot(agg * f[0][None, :], w[0], input_precision="ieee")
+    (never transposed: see ``_reduce``); ``DOT``: the products' precision (``DOT_PRECISION``)."""
+    out = tl.dot(agg * f[0][None, :], w[0], input_precision=DOT)
     if K > 1:
-        out += tl.dot(agg * f[1][None, :], w[1], input_precision="ieee")
+        out += tl.dot(agg * f[1][None, :], w[1], input_precision=DOT)
     if K > 2:
-        out += tl.dot(agg * f[2][None, :], w[2], input_precision="ieee")
+        out += tl.dot(agg * f[2][None, :], w[2], input_precision=DOT)
     if HAS_DIAG:
         out += agg * f[3][None, :]
     return out
@@ -245,7 +245,7 @@ def _reduce(
     stride_k, stride_b,
     # meta-parameters
     K: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_B: tl.constexpr, MODE: tl.constexpr,
-    SHIFT: tl.constexpr, STOP: tl.constexpr, HP: tl.constexpr,
+    SHIFT: tl.constexpr, STOP: tl.constexpr, HP: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     """Chunk q (1..P-2) of sample b folded into one aggregate: agg[q - 1] and agg_offsets[q - 1].
 
@@ -273,7 +273,7 @@ def _reduce(
         f = _element(src_ptrs, k_mat, b, B, H, stride_k, stride_b, K, HAS_DIAG, MODE, HP)
         if HAS_B and MODE == SCALES_T:
             c += tl.sum(agg * _offset(offsets_ptr, k_mat, b, B, H, r, vec, SHIFT)[None, :], axis=1)
-        agg = _mat_step(agg, f, w, K, HAS_DIAG)
+        agg = _mat_step(agg, f, w, K, HAS_DIAG, DOT)
         if HAS_B and MODE != SCALES_T:
             c = _vec_step(c, f, w, K, HAS_DIAG, MODE)
             c += _offset(offsets_ptr, k, b, B, H, r, vec, SHIFT)
@@ -390,6 +390,7 @@ def launch_config(
     chain = {"K": terms, "HAS_DIAG": has_diag or gru, "HAS_B": has_b, "MODE": mode, "SHIFT": shift}
     chain |= {"STOP": stop, "HP": hp}
     walks = {**chain, "FUSED": fused}  # the kernels that walk elements and write x_k or deltas
+    reduce = {**chain, "DOT": DOT_PRECISION}  # the one kernel with matrix products
     warps = num_warps(terms, hp)
     sources = source_count(mode, has_diag)
     # Compile settings under which no configuration spills to a stack slot (re-checked by
@@ -401,7 +402,7 @@ def launch_config(
     stages, reduce_cap = (1, 128 if gru else None) if unpipelined else (None, None)
     expand_cap = 64 if gru and hp == 16 and not has_b else None
     return {
-        "reduce": Launch(_reduce, chain, warps, num_stages=stages, maxnreg=reduce_cap, sources=sources),
+        "reduce": Launch(_reduce, reduce, warps, num_stages=stages, maxnreg=reduce_cap, sources=sources),
         "spine": Launch(_spine, walks, warps, sources=sources),
         "expand": Launch(_expand, walks, warps, maxnreg=expand_cap, sources=sources),
     }

@@ -27,6 +27,11 @@ BOUNDS = ("C", "REM", "NAGG", "T", "P")
 # (Triton would otherwise compile again whenever one is 1 or turns a multiple of 16). Only H, fixed
 # for a model, keeps Triton's specialization: a multiple of 16 lets the compiler vectorize row loads.
 BY_DATA = (*BOUNDS, "N", "B", "stride_k", "stride_b")
+# ``tl.dot``'s precision in the reduce kernels (their ``DOT``), the only products on tensor-core
+# shapes: full float32. "tf32x3" (three TF32 products) is the alternative; compiled for sm_90 it
+# issues more instructions a step than "ieee" at HP = 16 and 32 (the paper's H = 20) and fewer only
+# at HP = 64, where a GRU's reduce then spills (``python -m benchmarks.kernels --dot tf32x3``).
+DOT_PRECISION = "ieee"
 
 
 @cache  # asked by every launch

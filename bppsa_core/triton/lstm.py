@@ -27,7 +27,7 @@ from bppsa_core.chain import LSTMChain
 from bppsa_core.jacobians import LSTMCell
 from bppsa_core.scan import chunked_scan, elementwise_recurrence
 from bppsa_core.triton.chunk_scan import _shifted
-from bppsa_core.triton.launch import BY_DATA, Launch, chain_args, padded, three_launches
+from bppsa_core.triton.launch import BY_DATA, DOT_PRECISION, Launch, chain_args, padded, three_launches
 
 # ------------------------------------------------------------------------------ per-element helpers
 
@@ -100,14 +100,14 @@ def _lstm_stored(src_ptrs, kb, H, r, vec):
 
 
 @triton.jit
-def _lstm_mat_step(a_h, a_c, f, w, HAS_HH: tl.constexpr):
+def _lstm_mat_step(a_h, a_c, f, w, HAS_HH: tl.constexpr, DOT: tl.constexpr):
     """(a_h | a_c) @ M for one element (its factors ``f``, ``_lstm_element``): rows of the aggregate,
-    its h columns and its c columns."""
+    its h columns and its c columns; ``DOT``: the products' precision (``DOT_PRECISION``)."""
     sh, sc, d_hc, d_cc, d_hh = f
-    out_h = tl.dot(a_h * sh[0][None, :] + a_c * sc[0][None, :], w[0], input_precision="ieee")
-    out_h += tl.dot(a_h * sh[1][None, :] + a_c * sc[1][None, :], w[1], input_precision="ieee")
-    out_h += tl.dot(a_h * sh[2][None, :] + a_c * sc[2][None, :], w[2], input_precision="ieee")
-    out_h += tl.dot(a_h * sh[3][None, :] + a_c * sc[3][None, :], w[3], input_precision="ieee")
+    out_h = tl.dot(a_h * sh[0][None, :] + a_c * sc[0][None, :], w[0], input_precision=DOT)
+    out_h += tl.dot(a_h * sh[1][None, :] + a_c * sc[1][None, :], w[1], input_precision=DOT)
+    out_h += tl.dot(a_h * sh[2][None, :] + a_c * sc[2][None, :], w[2], input_precision=DOT)
+    out_h += tl.dot(a_h * sh[3][None, :] + a_c * sc[3][None, :], w[3], input_precision=DOT)
     if HAS_HH:
         out_h += a_h * d_hh[None, :]
     out_c = a_h * d_hc[None, :] + a_c * d_cc[None, :]
@@ -182,6 +182,7 @@ def _lstm_reduce(
     src_ptrs, w_ptr, offsets_ptr, agg_ptr, agg_offsets_ptr,  # pointers: read, then the aggregates written
     B, H, C,  # sizes: batch, hidden, chunk
     HAS_HH: tl.constexpr, HAS_B: tl.constexpr, FUSED: tl.constexpr, HP: tl.constexpr,  # meta-parameters
+    DOT: tl.constexpr,
 ):  # fmt: skip
     """Chunk q (1..P-2) of sample b folded into one (2H x 2H) aggregate and its offset."""
     q = tl.program_id(0) + 1
@@ -197,7 +198,7 @@ def _lstm_reduce(
     for i in range(0, C):  # the chunk's last element is applied first
         k = q * C + C - 1 - i
         f = _lstm_element(src_ptrs, k, b, B, H, HAS_HH, FUSED, HP)
-        a_h, a_c = _lstm_mat_step(a_h, a_c, f, w, HAS_HH)
+        a_h, a_c = _lstm_mat_step(a_h, a_c, f, w, HAS_HH, DOT)
         if HAS_B:
             o_h, o_c = _lstm_vec_step(o_h, o_c, f, w, HAS_HH)
             b_h, b_c = _lstm_offset(offsets_ptr, k, b, B, H, r, vec, FUSED, HP)
@@ -342,8 +343,9 @@ def lstm_launch_config(has_hh: bool, has_b: bool, hp: int, fused: bool = False) 
     settings = {"HAS_HH": has_hh, "HAS_B": has_b, "FUSED": fused, "HP": hp}
     warps = lstm_num_warps(hp)
     sources = 2 if fused else 5 if has_hh else 4
+    reduce = {**settings, "DOT": DOT_PRECISION}  # the one kernel with matrix products
     launches = {  # the reduce unpipelined, as ``chunk_scan.launch_config``'s
-        "reduce": Launch(_lstm_reduce, settings, warps, num_stages=1, sources=sources),
+        "reduce": Launch(_lstm_reduce, reduce, warps, num_stages=1, sources=sources),
         "spine": Launch(_lstm_spine, settings, warps, sources=sources),
         "expand": Launch(_lstm_expand, settings, warps, sources=sources),
     }

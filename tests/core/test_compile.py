@@ -245,6 +245,43 @@ def test_loop_bounds_are_not_compiled_in_and_the_test_compiles_what_a_launch_com
         assert r["compile_test_matches_jit"], where
 
 
+DOT_CHECK = """
+import json
+from benchmarks import kernels
+from bppsa_core.triton import chunk_scan, lstm
+from bppsa_core.triton.launch import padded
+launches = {"rnn": chunk_scan.launch_config(chunk_scan.TANH.value, 1, False, False, 1, True, padded(20)),
+            "lstm": lstm.lstm_launch_config(False, False, padded(20), True)}
+report = {}
+for name, launch in launches.items():
+    for dot in ("ieee", "tf32x3"):
+        configs = kernels.with_dot([kernels.config_of(launch[role], 20) for role in launch], dot)
+        for config in configs:
+            sass = kernels.cuobjdump(kernels.compile_config(config, 90).asm["cubin"])
+            ops = [line.split(";")[0].split()[1:2] for line in sass.splitlines() if "/*" in line]
+            report[f"{name} {config.role} {dot}"] = {
+                "dot": config.launch.constexprs.get("DOT"),
+                "tensor_core": sum(op[0].startswith(("HMMA.", "HGMMA.")) for op in ops if op),
+            }
+print(json.dumps(report))
+"""
+
+
+def test_the_products_are_ieee_float32_unless_another_precision_is_compiled() -> None:
+    """The reduce kernels' ``tl.dot`` runs as float32 FMAs (``launch.DOT_PRECISION``): no
+    tensor-core instruction in the sm_90 SASS of an RNN's or an LSTM's layer backward; the
+    benchmark's ``--dot tf32x3`` reaches those kernels alone and compiles TF32 tensor-core products."""
+    argv = [sys.executable, "-c", DOT_CHECK]
+    done = subprocess.run(argv, cwd=ROOT, env=compiled_env(), capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    for where, r in report.items():
+        reduce, dot = " reduce " in where, where.rsplit(" ", 1)[1]
+        assert r["dot"] == (dot if reduce else None), where
+        assert (r["tensor_core"] > 0) == (reduce and dot == "tf32x3"), (where, r)
+    assert len(report) == 14  # (RNN: 3 kernels; LSTM: 4, its cell states' included) x 2 precisions
+
+
 # ------------------------------------------------------------------------------------------ pure parts
 
 
