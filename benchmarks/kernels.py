@@ -256,6 +256,8 @@ def compile_inputs(config: KernelConfig, arch: int) -> Inputs:
         name = param.name
         if name in constexprs:
             signature[name] = "constexpr"
+            if isinstance(constexprs[name], str):  # the JIT gives a string (``DOT``) an empty attribute list
+                attrs[(param.num,)] = []
         elif name == "src_ptrs":  # a tuple of pointers, each aligned as the others
             signature[name] = ("*fp32",) * config.launch.sources
             for i in range(config.launch.sources):
