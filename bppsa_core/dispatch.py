@@ -185,12 +185,15 @@ def numba_takes(terms: int, *dtypes: torch.dtype, lstm: bool = False) -> bool:
 
 # Widest state at which the compiled CPU forward (``bppsa_core.numba_forward``) beats PyTorch's fused
 # kernel, per mode: its per-step loop wins while a step's multiply-adds are few, PyTorch's GEMMs
-# beyond; PyTorch's LSTM kernel is the faster at every width (re-measured by
+# beyond; PyTorch's LSTM kernel is the faster at every width on one thread (re-measured by
 # ``python -m benchmarks.forward --tables compiled``). A taped LSTM forward (``layer.LSTMTape``)
 # spares its backward the gates' recomputation: forward and backward together win up to
 # _TAPED_LSTM_MAX_HIDDEN (re-measured by ``python -m benchmarks.backward --model lstm``, whose cells
-# charge a forward slower than torch.nn's).
+# charge a forward slower than torch.nn's). On more threads the compiled LSTM shares its samples
+# among them, where PyTorch's kernel's per-step products are too small to: it wins below H = 32
+# (re-measured by ``python -m benchmarks.forward --tables compiled --models lstm --threads 2``).
 _COMPILED_FORWARD_MAX_HIDDEN = {"RNN_TANH": 256, "RNN_RELU": 256, "GRU": 256, "LSTM": 0}
+_PARALLEL_LSTM_MAX_HIDDEN = 31
 _TAPED_LSTM_MAX_HIDDEN = 128
 # The scan strategies whose layers may run the compiled forward; the others keep PyTorch's.
 COMPILED_FORWARD_STRATEGIES = ("auto", "numba")
@@ -215,17 +218,28 @@ def compiled_forward(
     )
 
 
-@lru_cache(maxsize=256)  # asked once per layer call, whose host work at small T is about as long
 def compiled_forward_takes(
     strategy: str, mode: str, hidden: int, device_type: str, dtypes: tuple[torch.dtype, ...], taped: bool
 ) -> bool:
     """Whether the compiled forward takes a layer: CPU tensors of one dtype, float32 or float64,
     numba installed; then always under "numba", and under "auto" where it is the faster
     (``_COMPILED_FORWARD_MAX_HIDDEN``; ``taped``: an LSTM's forward that keeps its gates for the
-    backward, ``_TAPED_LSTM_MAX_HIDDEN``). Other strategies keep PyTorch's forward."""
+    backward, ``_TAPED_LSTM_MAX_HIDDEN``; an LSTM's on more than one thread,
+    ``_PARALLEL_LSTM_MAX_HIDDEN``). Other strategies keep PyTorch's forward."""
+    threads = torch.get_num_threads() > 1
+    return _compiled_forward_takes(strategy, mode, hidden, device_type, dtypes, taped, threads)
+
+
+@lru_cache(maxsize=256)  # asked once per layer call, whose host work at small T is about as long
+def _compiled_forward_takes(
+    strategy: str, mode: str, hidden: int, device_type: str, dtypes: tuple[torch.dtype, ...], taped: bool,
+    threads: bool,
+) -> bool:  # fmt: skip
     if strategy not in COMPILED_FORWARD_STRATEGIES or device_type != "cpu":
         return False
-    widest = _TAPED_LSTM_MAX_HIDDEN if taped and mode == "LSTM" else _COMPILED_FORWARD_MAX_HIDDEN[mode]
+    widest = _COMPILED_FORWARD_MAX_HIDDEN[mode]
+    if mode == "LSTM":
+        widest = _TAPED_LSTM_MAX_HIDDEN if taped else _PARALLEL_LSTM_MAX_HIDDEN if threads else widest
     return (strategy != "auto" or hidden <= widest) and numba_takes(0, *dtypes)
 
 
