@@ -237,9 +237,12 @@ def _compiled_forward_takes(
 ) -> bool:  # fmt: skip
     if strategy not in COMPILED_FORWARD_STRATEGIES or device_type != "cpu":
         return False
-    widest = _COMPILED_FORWARD_MAX_HIDDEN[mode]
-    if mode == "LSTM":
-        widest = _TAPED_LSTM_MAX_HIDDEN if taped else _PARALLEL_LSTM_MAX_HIDDEN if threads else widest
+    if mode == "LSTM" and taped:
+        widest = _TAPED_LSTM_MAX_HIDDEN
+    elif mode == "LSTM" and threads:
+        widest = _PARALLEL_LSTM_MAX_HIDDEN
+    else:
+        widest = _COMPILED_FORWARD_MAX_HIDDEN[mode]
     return (strategy != "auto" or hidden <= widest) and numba_takes(0, *dtypes)
 
 
