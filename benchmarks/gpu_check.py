@@ -13,7 +13,8 @@ and its output (or why it failed, or was skipped):
 2. ``capture``: BPPSA's backward against cuDNN's, eager (wall-clock), as captured training steps
    and as captured backwards alone (GPU time), and against a naive loop of ``torch.nn``'s cells,
    with the backward's peak memory: RNN, GRU and LSTM, H = 20, 64, 128, 256, T = 1,000 and 10,000
-   (``benchmarks.capture``);
+   (``benchmarks.capture``); then the RNN at H = 20 in processes of its own, at T = 10,000 and
+   100,000, and at T = 10,000 with ``--capture-error-mode thread_local`` (``LONG_CAPTURE``);
 3. ``host``: short layers (T = 10, 100, 1,000) against ``torch.nn``'s, the host path
    (``benchmarks.host``);
 4. ``backward``: the paper's backward tables, cuDNN's BPTT against every BPPSA strategy (PyTorch
@@ -103,6 +104,13 @@ TITLES = {
     "kernels": "Compiled kernels: resources and static estimate",
     "ranks": "Sequence parallel over ranks (gloo on CPU cores, NCCL on GPUs)",
 }
+# The capture step's own processes after its grid: the paper's RNN at the longest targets, each
+# row the first of its process (a capture failure there is not an earlier row's), and at T = 10,000
+# with only the capturing thread's unsafe calls failing the capture.
+LONG_CAPTURE = (
+    ["--T", "10000", "100000", "--H", "20"],
+    ["--T", "10000", "--H", "20", "--capture-error-mode", "thread_local"],
+)
 NEWTON_WIDTHS = ["--H", "20", "64"]  # the Newton forward's widths: the paper's, and the kernels' widest
 RANKS_T = 100_000  # the sequence-parallel benchmark's length (docs/SCHEMES.md)
 RANKS_REPEATS = 3  # BPTT takes seconds an iteration there
@@ -132,6 +140,7 @@ def plan(
     device = ["--device", "cpu" if dry else "cuda", "--repeats", str(repeats), "--warmup", str(warmup)]
     suite = ["--suite", "paper", *(["--quick"] if dry else [])]
     gpu_only = "needs a CUDA device"
+    capture = [sys.executable, "-m", "benchmarks.capture", *device]
     if dry:
         compiled = ["numba"] if runs_on("numba", torch.device("cpu")) else []  # where it is installed
         chunk_shape = ["--T", "30", "60", "--B", "4", "--H", "5", "--strategies", "chunked", *compiled]
@@ -141,12 +150,11 @@ def plan(
         block_shape = ["--T", "1000", "30000", "100000", "--strategies", "triton", "auto"]
     return {
         "tests": gpu_only if dry else [[sys.executable, "-m", "pytest", "-q", "-m", "gpu", *GPU_TEST_FILES]],
-        "capture": [
-            [
-                sys.executable, "-m", "benchmarks.capture", *device,
-                *(["--T", "30", "--H", "8", "20", "--naive-max-T", "30"] if dry else []),
-            ]
-        ],
+        "capture": (
+            [[*capture, "--T", "30", "--H", "8", "20", "--naive-max-T", "30"]]
+            if dry
+            else [capture, *([*capture, "--models", "rnn", *shape] for shape in LONG_CAPTURE)]
+        ),
         "host": [[sys.executable, "-m", "benchmarks.host", *device, "--T", "10", "100", "1000"]],
         "backward": [_bench(*suite, "--tables", "backward", *device)],
         "epoch": [_bench(*suite, "--tables", "epoch", "--epoch-samples", "64" if dry else "3200", *device)],

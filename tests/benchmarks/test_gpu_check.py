@@ -23,9 +23,12 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
             assert argv[1:3] == ["-m", "benchmarks.backward"]
             assert "--device" in argv and argv[argv.index("--device") + 1] == "cuda"
             assert "--quick" not in argv
-    (capture,) = steps["capture"]
-    assert capture[1:3] == ["-m", "benchmarks.capture"] and capture[capture.index("--device") + 1] == "cuda"
+    capture, *long = steps["capture"]
+    for argv in steps["capture"]:
+        assert argv[1:3] == ["-m", "benchmarks.capture"] and argv[argv.index("--device") + 1] == "cuda"
     assert "--T" not in capture and "--H" not in capture  # the tool's defaults: T = 1,000 and 10,000, four H
+    assert [a[a.index("--T") + 1 : a.index("--H")] for a in long] == [["10000", "100000"], ["10000"]]
+    assert [a[-1] for a in long] == ["20", "thread_local"]
     (host,) = steps["host"]
     assert host[1:3] == ["-m", "benchmarks.host"] and host[host.index("--device") + 1] == "cuda"
     (forward,) = steps["forward"]
