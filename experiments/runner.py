@@ -61,6 +61,7 @@ from experiments.train import (
     TrainState,
     evaluate,
     load_checkpoint,
+    prime,
     save_checkpoint,
     train_epoch,
 )
@@ -483,6 +484,8 @@ def _train(job: Job, state: TrainState, rows: list[dict]) -> None:
             trainer.warmup_iters,
             len(job.train),
         )
+    if state.epoch < trainer.epochs and len(job.train):
+        prime(job.model, job.train, job.device)
     # the other ranks on this machine are this run's work, not other work
     threads = (job.columns.get("threads_used") or 0) * job.ranks.local_size
     cores = job.columns.get("cpu_cores")

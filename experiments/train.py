@@ -3,7 +3,8 @@
 Each iteration is timed in three phases, forward (model and loss), backward (``loss.backward()``;
 for BPPSA this includes building the Jacobians, as the paper counts it) and optimizer step: CUDA
 events on a GPU, a synchronized wall clock on the CPU. The first ``warmup_iters`` iterations of a
-run are left out of the phase sums. One row per epoch records the sums, the iteration counts, the
+run are left out of the phase sums, and one untimed forward and backward (``prime``) comes before
+the first epoch. One row per epoch records the sums, the iteration counts, the
 epoch's wall time, loss, accuracy and throughput, so no second "no-backward" run is needed to get
 the backward time.
 """
@@ -112,6 +113,19 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tupl
         count += len(y)
     model.train()
     return total / max(count, 1), correct / max(count, 1)
+
+
+def prime(model: nn.Module, loader: DataLoader, device: torch.device) -> None:
+    """One forward and backward on the first training batch, before any epoch is timed: one-time
+    work (the compiled kernels' first compile, cuDNN's plans) stays out of the epochs' times. Its
+    gradients are dropped and every random state is restored, so training goes on as without it."""
+    order = loader.generator.get_state() if loader.generator is not None else None
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        x, y = next(iter(loader))
+        _forward(model, x.to(device), y.to(device))[1].backward()
+    model.zero_grad(set_to_none=True)
+    if order is not None:
+        loader.generator.set_state(order)
 
 
 def train_epoch(

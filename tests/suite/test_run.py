@@ -178,6 +178,25 @@ def test_a_warm_up_longer_than_an_epoch_is_said(tmp_path: Path) -> None:
     assert "no timed iteration (all 4 were warm-up, trainer.warmup_iters=100)" in done.stdout
 
 
+def test_priming_runs_a_backward_and_leaves_the_training_as_it_was() -> None:
+    """The untimed step before the first epoch: a backward runs, then parameters, gradients, the
+    random state (a dropout draws from it) and the loader's order are as before."""
+    torch.manual_seed(0)
+    model = train.Classifier(GRU(3, 4, num_layers=2, dropout=0.5, batch_first=True), classes=2)
+    data = torch.utils.data.TensorDataset(torch.randn(12, 5, 3), torch.randint(2, (12,)))
+    order = torch.Generator().manual_seed(7)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=order)
+    params = [p.detach().clone() for p in model.parameters()]
+    rng, loader_rng = torch.get_rng_state(), order.get_state()
+    backwards = []
+    model.head.weight.register_hook(lambda g: backwards.append(g.clone()))
+    train.prime(model, loader, torch.device("cpu"))
+    assert len(backwards) == 1 and backwards[0].abs().sum() > 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(order.get_state(), loader_rng)
+
+
 def test_the_load_meter_sees_other_work_and_flags_the_timings() -> None:
     from experiments.hardware import LoadMeter, contended
 
