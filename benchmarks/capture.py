@@ -94,6 +94,14 @@ def _cell_from(module: torch.nn.Module) -> torch.nn.Module:
     return cell
 
 
+def _eager_backward_ms(forward: Callable[[], Tensor], device: torch.device) -> float:
+    """Wall-clock ms of the backward of ``forward()``'s loss. The loss dies here: a graph kept alive
+    keeps its parameters' gradient accumulators on the stream that made them, and a later capture's
+    backward would then wait on that stream (PyTorch warns that this breaks a capture)."""
+    loss = forward()
+    return time_ms(loss.backward, device)
+
+
 def _warm_up(module: torch.nn.Module, x: Tensor, optimizer: torch.optim.Optimizer, rounds: int) -> None:
     """Training steps on a side stream, so that the kernels are compiled and cuDNN's plans chosen
     outside a capture (PyTorch's documented warm-up before ``torch.cuda.graph``)."""
@@ -208,8 +216,7 @@ def bench(
     for r in range(warmup + repeats):
         for name, forward in list(eager.items()):
             try:
-                loss = forward()
-                ms = time_ms(loss.backward, device)
+                ms = _eager_backward_ms(forward, device)
             except (ValueError, RuntimeError) as exc:
                 row.cells[name], row.notes[name] = failure(exc)
                 del eager[name]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from helpers import extended_except, markdown_tables
@@ -19,6 +21,28 @@ def test_a_row_on_the_cpu_times_the_eager_and_naive_backwards(model) -> None:
     assert all(row.cells[k] == "n/a" for k in capture.COLUMNS[3:])
     for what in ("captured", "captured bwd", "peak MiB"):
         assert row.notes[what] == "needs a CUDA device"
+
+
+def test_no_eager_loss_outlives_its_backward(monkeypatch) -> None:
+    """When the eager rounds end (their medians taken, the captures next) every loss they made is
+    gone: a graph kept alive keeps its parameters' gradient accumulators, and a capture's backward
+    would wait on the stream that made them."""
+    losses, alive = [], []
+    loss, median = capture._loss, capture.statistics.median
+
+    def kept(module, x):
+        out = loss(module, x)
+        losses.append(weakref.ref(out))
+        return out
+
+    def checked(values):
+        alive.append(sum(ref() is not None for ref in losses))
+        return median(values)
+
+    monkeypatch.setattr(capture, "_loss", kept)
+    monkeypatch.setattr(capture.statistics, "median", checked)
+    capture.bench("rnn", 12, 2, 4, CPU, 0, 2, naive_max_t=0)
+    assert len(losses) == 4 and alive == [0, 0]
 
 
 def test_where_auto_runs_torch_nn_the_row_times_the_graph_scan(monkeypatch) -> None:
