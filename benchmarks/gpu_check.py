@@ -40,6 +40,10 @@ and its output (or why it failed, or was skipped):
     with two GPUs or more, once for each sample-group count of the BPPSA backward (``--micro-batches``
     1 to 16), which sets the GPU ranks' own.
     Both print each rank's BPPSA backward span by span (``--timeline``): where a rank waits.
+13. ``reproduction``: the paper's RNN experiments (figs. 7 and 8) trained on this GPU by
+    ``docs/reproduction/run.sh --device cuda --only`` ``REPRODUCTION_ONLY``, BPTT on cuDNN against
+    BPPSA: their tables, figures and report.md go to docs/reproduction/cuda/, and the step shows the
+    speedup table. It needs Hydra (``run.py``); where Hydra is missing it is skipped, saying so.
 
 ``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
 GPU: what needs CUDA (the tests, the graph and Triton strategies, green contexts) is reported as
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import os
 import platform
 import shlex
@@ -79,7 +84,7 @@ from toolbox.files import output_file, write_atomic
 
 STEPS = (
     "tests", "capture", "host", "backward", "epoch", "scan", "chunk", "blocks", "workers", "forward",
-    "kernels", "ranks",
+    "kernels", "ranks", "reproduction",
 )  # fmt: skip
 CHUNKS = (8, 16, 32, 64, 128)
 BLOCK_MIBS = (8, 32, 256)  # the BPPSA backward's blocks of time steps (``--block-mib``)
@@ -103,6 +108,7 @@ TITLES = {
     "forward": "Newton forward against cuDNN's",
     "kernels": "Compiled kernels: resources and static estimate",
     "ranks": "Sequence parallel over ranks (gloo on CPU cores, NCCL on GPUs)",
+    "reproduction": "The paper's RNN experiments on this GPU (docs/reproduction/run.sh)",
 }
 # The capture step's own processes after its grid: the paper's RNN at the longest targets, each
 # row the first of its process (a capture failure there is not an earlier row's), and at T = 10,000
@@ -116,6 +122,8 @@ RANKS_T = 100_000  # the sequence-parallel benchmark's length (docs/SCHEMES.md)
 RANKS_REPEATS = 3  # BPTT takes seconds an iteration there
 GPU_MICRO_BATCHES = (1, 2, 4, 8, 16)  # the NCCL ranks' sample-group counts, with two GPUs or more
 ROOT = Path(__file__).resolve().parents[1]
+# The reproduction step's sweeps (run.sh --only): figs. 7 and 8, the paper's own setting on a GPU
+REPRODUCTION_ONLY = "rnn_seq_len,rnn_batch,rnn_curve"
 
 
 @dataclass
@@ -186,7 +194,17 @@ def plan(
             # then NCCL, a rank per GPU up to 4; its tables only (the cost model's points are the CPU ranks')
             *([] if dry else gpu_rank_runs(repeats, warmup)),
         ],
+        "reproduction": gpu_only if dry else reproduction_plan(),
     }
+
+
+def reproduction_plan() -> list[list[str]] | str:
+    """The reproduction step's command (``REPRODUCTION_ONLY``'s sweeps of ``run.sh`` on the GPU,
+    into docs/reproduction/cuda/), or why it is skipped: ``run.py`` needs Hydra."""
+    missing = [m for m in ("hydra", "omegaconf") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"needs {' and '.join(missing)} (the suite's requirements: run.py composes its configs)"
+    return [["bash", "docs/reproduction/run.sh", "--device", "cuda", "--only", REPRODUCTION_ONLY]]
 
 
 def _distributed(ranks: Sequence[int], steps: int, repeats: int, warmup: int, *extra: str) -> list[str]:
@@ -250,12 +268,18 @@ def architectures(dry: bool) -> list[str]:
     return [f"{major}{minor}"]
 
 
+def _shown(argv: Sequence[str]) -> list[str]:
+    """A command as the report shows it: this interpreter as ``python``."""
+    return ["python", *argv[1:]] if argv[0] == sys.executable else list(argv)
+
+
 def run_command(argv: Sequence[str], timeout: float) -> tuple[bool, str]:
     """Run one tool; (succeeded, its stdout, and when it failed or was stopped, the tail of its
     stderr: a stopped benchmark's progress lines keep what it had measured). Never under Triton's
     interpreter: the report is about compiled kernels."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": path}
+    env["PYTHON"] = sys.executable  # the interpreter run.sh takes (the reproduction step)
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired as exc:
@@ -377,7 +401,7 @@ def run_step(name: str, todo: list[list[str]] | str, args: argparse.Namespace) -
             lambda: (True, worker_scaling(args.dry, args.repeats, args.warmup))
         ]
     else:
-        section.commands = [shlex.join(["python", *argv_[1:]]) for argv_ in todo]
+        section.commands = [shlex.join(_shown(argv_)) for argv_ in todo]
         work = [lambda a=argv_: run_command(a, args.step_timeout) for argv_ in todo]
     outputs = []
     for job in work:

@@ -8,6 +8,8 @@
 #   bash docs/reproduction/run.sh --device cuda    # the same runs on a GPU, into docs/reproduction/cuda/
 #                                                  # (the ranks sweep: one GPU per rank; fig. 10 and
 #                                                  # Table 1 are the CPU's)
+#   bash docs/reproduction/run.sh --only rnn_seq_len,rnn_curve   # those sweeps alone (no fig. 10 or
+#                                                  # Table 1), then everything drawn from the tables there
 #
 # Runs go to results/reproduction[-<device>]/<table>/; a sweep re-run skips its completed jobs, so
 # an interrupted script continues where it stopped (delete that folder to measure anew).
@@ -17,14 +19,28 @@ cd "$(dirname "$0")/../.."
 py=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python )}
 device=cpu
 draw_only=0
+only=""
+# the sweeps' tables, in the order the report lists them
+TABLES=(rnn_batch rnn_curve rnn_seq_len workers ranks gru_curves gru_irmas)
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --draw) draw_only=1 ;;
-        --device) device="$2"; shift ;;
-        *) echo "run.sh: unknown argument $1; accepted: --draw, --device cpu|cuda" >&2; exit 2 ;;
+        --device) device="${2:-}"; shift ;;
+        --only) only="${2:-}"; shift ;;
+        *) echo "run.sh: unknown argument $1; accepted: --draw, --device cpu|cuda, --only TABLE[,TABLE...]" >&2
+           exit 2 ;;
     esac
     shift
 done
+for table in ${only//,/ }; do
+    if [[ " ${TABLES[*]} " != *" $table "* ]]; then
+        echo "run.sh: --only $only: unknown table $table; accepted: ${TABLES[*]}" >&2
+        exit 2
+    fi
+done
+wanted() {  # wanted <table>: whether this run sweeps it
+    [[ -z $only || ",$only," == *",$1,"* ]]
+}
 here=docs/reproduction
 tables=$here
 work=results/reproduction
@@ -35,8 +51,9 @@ fi
 mkdir -p "$tables"
 
 swept=()
-sweep() {  # sweep <table> <preset> <overrides...>: run the preset shrunk
+sweep() {  # sweep <table> <preset> <overrides...>: run the preset shrunk, if it is wanted
     local table=$1 preset=$2; shift 2
+    wanted "$table" || return 0
     mkdir -p "$work"
     echo "== $table (log: $work/$table.log)"
     if ! "$py" run.py -m "experiment=$preset" "$@" logger=csv "hardware.device=$device" \
@@ -51,7 +68,9 @@ sweep() {  # sweep <table> <preset> <overrides...>: run the preset shrunk
 
 if [[ $draw_only == 0 ]]; then
     irmas=$work/irmas-synthetic
-    [[ -d $irmas ]] || "$py" -m datasets.synthetic_irmas --out "$irmas" --per-class 40
+    if wanted gru_irmas || wanted gru_curves; then
+        [[ -d $irmas ]] || "$py" -m datasets.synthetic_irmas --out "$irmas" --per-class 40
+    fi
     gru=(dataset.root="$irmas" dataset.cache_dir="$work/irmas-cache" trainer.warmup_iters=2)
     # fig. 8 a, c, e: T = 10 ... 30,000 at B = 16
     sweep rnn_seq_len rnn_seq_len dataset.num_samples=400 trainer.epochs=3
@@ -78,7 +97,7 @@ if [[ $draw_only == 0 ]]; then
     # the merged tables are copied only now: a table copied into the checkout earlier would mark
     # every later run's records as made from a modified tree (their `dirty` column)
     for table in "${swept[@]}"; do cp "$work/$table/records.csv" "$tables/$table.csv"; done
-    if [[ "$device" == cpu ]]; then
+    if [[ "$device" == cpu && -z $only ]]; then
         # fig. 10: the pruned VGG-11 study at a quarter of the width; Table 1: CSR against autograd
         "$py" -m benchmarks.pruned_vgg --out "$work/pruned_vgg" --width 0.25 --steps 50 > /dev/null
         cp "$work/pruned_vgg/products.csv" "$here/fig10_products.csv"
@@ -87,8 +106,18 @@ if [[ $draw_only == 0 ]]; then
     fi
 fi
 
-"$py" -m analysis.report "$tables"/rnn_*.csv "$tables"/workers.csv "$tables"/ranks.csv "$tables"/gru_*.csv --out "$tables" > /dev/null
+drawn=()
+for table in "${TABLES[@]}"; do
+    if [[ -f "$tables/$table.csv" ]]; then drawn+=("$tables/$table.csv"); fi
+done
+if [[ ${#drawn[@]} == 0 ]]; then
+    echo "run.sh: no table in $tables to draw from; run the sweeps first (without --draw)" >&2
+    exit 1
+fi
+"$py" -m analysis.report "${drawn[@]}" --out "$tables" > /dev/null
 if [[ "$device" == cpu ]]; then
     "$py" -m analysis.fig10 "$here/fig10_products.csv" --out "$here" > /dev/null
 fi
-ls "$tables"
+echo "drawn into $tables from ${drawn[*]##*/}"
+# the speedup table of report.md
+sed -n '/^## Speedups/,/^## Figures/p' "$tables/report.md" | sed '$d'

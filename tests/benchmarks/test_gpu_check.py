@@ -80,6 +80,19 @@ def test_the_ranks_step_takes_one_core_per_rank_up_to_four(monkeypatch) -> None:
     assert gpu_check.rank_counts(dry=True) == [1, 2]
 
 
+def test_the_reproduction_step_trains_the_rnn_sweeps_on_the_gpu_where_hydra_is(monkeypatch) -> None:
+    (argv,) = gpu_check.plan(dry=False, repeats=10, warmup=3)["reproduction"]
+    assert argv[:4] == ["bash", "docs/reproduction/run.sh", "--device", "cuda"] and argv[4] == "--only"
+    for table in argv[5].split(","):  # tables the CPU's reproduction commits too
+        assert table.startswith("rnn_") and (ROOT / "docs" / "reproduction" / f"{table}.csv").is_file()
+    assert gpu_check._shown(argv) == argv and gpu_check._shown([sys.executable, "-m", "x"])[0] == "python"
+    real = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda m: None if m == "hydra" else real(m))
+    said = gpu_check.plan(dry=False, repeats=10, warmup=3)["reproduction"]
+    assert said == "needs hydra (the suite's requirements: run.py composes its configs)"
+    assert gpu_check.plan(dry=True, repeats=1, warmup=0)["reproduction"] == "needs a CUDA device"
+
+
 def test_the_dry_plan_skips_what_needs_cuda_and_shrinks_the_rest() -> None:
     steps = gpu_check.plan(dry=True, repeats=1, warmup=0)
     assert steps["tests"] == "needs a CUDA device"
@@ -174,7 +187,7 @@ def test_the_dry_run_goes_end_to_end(tmp_path) -> None:
     text = out.read_text()
     assert text.startswith("# GPU check (dry run)")
     for name in gpu_check.STEPS:
-        assert f"Step `{name}`: " + ("skipped" if name == "tests" else "ok") in text
+        assert f"Step `{name}`: " + ("skipped" if name in ("tests", "reproduction") else "ok") in text
     assert len(markdown_tables(text)) >= 10
     assert "| kernel | mode |" in text and "estimate" in text  # the compiled kernels' table
     assert "| T | ranks | backward |" in text  # the sequence-parallel table

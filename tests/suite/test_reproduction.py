@@ -72,9 +72,24 @@ def test_every_file_the_report_shows_or_names_exists() -> None:
         assert (ROOT / "docs" / path).is_file(), path
 
 
-def test_the_script_refuses_an_unknown_argument_in_one_line() -> None:
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (
+            ["--fast"],
+            "run.sh: unknown argument --fast; accepted: --draw, --device cpu|cuda, --only TABLE[,TABLE...]",
+        ),
+        (
+            ["--only", "rnn_curve,fig7"],
+            "run.sh: --only rnn_curve,fig7: unknown table fig7; accepted: rnn_batch rnn_curve rnn_seq_len "
+            "workers ranks gru_curves gru_irmas",
+        ),
+    ],
+    ids=["argument", "table"],
+)
+def test_the_script_refuses_bad_input_in_one_line_before_any_work(args: list[str], said: str) -> None:
     done = subprocess.run(
-        ["bash", str(HERE / "run.sh"), "--fast"], capture_output=True, text=True, cwd=ROOT, timeout=60
+        ["bash", str(HERE / "run.sh"), *args], capture_output=True, text=True, cwd=ROOT, timeout=60
     )
     assert done.returncode == 2
-    assert done.stderr.strip() == "run.sh: unknown argument --fast; accepted: --draw, --device cpu|cuda"
+    assert done.stderr.strip() == said and not done.stdout
