@@ -3,10 +3,11 @@ and reading the Markdown tables the tools print."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,17 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 # A run of seconds: the bitstream task shrunk, two epochs, one warm-up iteration.
 TINY = ["dataset.seq_len=8", "dataset.num_samples=80", "trainer.epochs=2", "trainer.warmup_iters=1"]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run a block with torch's thread count at ``n``, then put it back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

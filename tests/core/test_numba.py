@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import extended_except, rel_err
+from helpers import extended_except, rel_err, torch_threads
 from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case
 from recurrent import assert_same
 
@@ -44,14 +44,10 @@ def _at_one_and_two_threads(monkeypatch, builds: tuple[str, str], run) -> list:
     for build in builds:
         kernel = getattr(numba_scan, build)
         monkeypatch.setattr(numba_scan, build, lambda *a, k=kernel, n=build: ran.append(n) or k(*a))
-    before = torch.get_num_threads()
     results = []
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
+    for threads in (1, 2):
+        with torch_threads(threads):
             results.append(run())
-    finally:
-        torch.set_num_threads(before)
     assert ran == list(builds)
     return results
 
@@ -500,17 +496,15 @@ def test_flush_to_zero_reaches_torchs_pool_beside_numbas(monkeypatch) -> None:
 
     if not denormals.available():
         pytest.skip("flush-to-zero cannot be set here")
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
     try:
-        numba_math.threads()  # numba's pool started, its OpenMP runtime loaded
-        denormals._runtime.cache_clear()
-        many = torch.full((1 << 22,), 1e-30)
-        with denormals.flush_denormals():
-            product = many * 1e-10
+        with torch_threads(2):
+            numba_math.threads()  # numba's pool started, its OpenMP runtime loaded
+            denormals._runtime.cache_clear()
+            many = torch.full((1 << 22,), 1e-30)
+            with denormals.flush_denormals():
+                product = many * 1e-10
         assert not ((product != 0) & (product.abs() < torch.finfo(F32).tiny)).any()
     finally:
-        torch.set_num_threads(before)
         denormals._runtime.cache_clear()
 
 

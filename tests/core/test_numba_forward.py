@@ -3,14 +3,12 @@ modules that take it."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
-from helpers import extended_except, rel_err
+from helpers import extended_except, rel_err, torch_threads
 from recurrent import pair
 
 pytest.importorskip("numba")
@@ -265,24 +263,13 @@ def test_batch_major_outputs_are_the_time_major_ones(mode) -> None:
         assert (e is None and g is None) or torch.equal(e, g)
 
 
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """Run a block with torch's thread count at ``n``, then put it back."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_auto_takes_the_compiled_lstm_forward_below_h_32_on_more_threads_only() -> None:
     """PyTorch's fused LSTM is the faster on one thread at every width; on more, the compiled loop
     shares its samples among them and wins below H = 32 (``dispatch._PARALLEL_LSTM_MAX_HIDDEN``).
     The taped forward (kept for a backward) and strategy "numba" do not depend on the threads."""
     takes = dispatch.compiled_forward_takes
     for threads, widest in ((1, 0), (2, 31)):
-        with _threads(threads):
+        with torch_threads(threads):
             assert [takes("auto", "LSTM", h, "cpu", (F32,), False) for h in (1, 20, 31, 32, 64)] == [
                 h <= widest for h in (1, 20, 31, 32, 64)
             ]
@@ -302,7 +289,7 @@ def test_an_lstm_in_inference_on_two_threads_runs_compiled_and_gives_torch_nns_o
     monkeypatch.setattr(numba_forward, "layer_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
     ref, ours = pair("lstm", 3, 20, num_layers=2, dtype=F32)
     x = torch.randn(30, 5, 3)
-    with _threads(2), torch.no_grad():
+    with torch_threads(2), torch.no_grad():
         out, expected = ours(x), ref(x)
     assert len(calls) == 2  # both layers compiled, not torch.nn's forward
     torch.testing.assert_close(out[0], expected[0], rtol=1e-5, atol=1e-6)
