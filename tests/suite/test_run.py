@@ -197,6 +197,25 @@ def test_priming_runs_a_backward_and_leaves_the_training_as_it_was() -> None:
     assert torch.equal(torch.get_rng_state(), rng) and torch.equal(order.get_state(), loader_rng)
 
 
+def test_evaluation_records_no_graph_and_scores_as_the_training_forward_does() -> None:
+    """Evaluation differentiates nothing: the model runs with autograd off, in eval mode, and its
+    loss and accuracy are those of a recorded forward in eval mode; training mode comes back."""
+    torch.manual_seed(0)
+    model = train.Classifier(GRU(3, 4, num_layers=2, dropout=0.5, batch_first=True), classes=3)
+    data = torch.utils.data.TensorDataset(torch.randn(10, 6, 3), torch.randint(3, (10,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    modes = []
+    model.head.register_forward_hook(lambda m, i, o: modes.append((torch.is_grad_enabled(), m.training)))
+    loss, accuracy = train.evaluate(model, loader, torch.device("cpu"))
+    assert modes == [(False, False)] * 3 and model.training
+    model.eval()
+    logits = model(data.tensors[0])
+    assert logits.requires_grad  # the reference is the recorded forward
+    expected = torch.nn.functional.cross_entropy(logits, data.tensors[1]).item()
+    assert loss == pytest.approx(expected, rel=1e-6)
+    assert accuracy == (logits.argmax(-1) == data.tensors[1]).float().mean().item()
+
+
 def test_the_load_meter_sees_other_work_and_flags_the_timings() -> None:
     from experiments.hardware import LoadMeter, contended
 
