@@ -23,7 +23,7 @@ PDF metadata, no software stamp in the PNGs, and a fixed bootstrap seed for the 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -517,13 +517,19 @@ def tell_notes(prog: str, data: pd.DataFrame) -> None:
         print(f"{prog}: {note}", file=sys.stderr)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(
-        prog="python -m analysis.figures",
-        description=__doc__.split("\n\n")[0],
-    )
+def results_main(
+    prog: str,
+    description: str,
+    default_out: str,
+    make: Callable[[list[str], Path, pd.DataFrame], Iterable[Path]],
+    argv: Sequence[str] | None,
+) -> int:
+    """The command line of a tool that reads sweeps' results and writes into ``--out``: the results
+    read (an unreadable one refused in one line, exit status 2, before ``--out`` is made), their
+    notes told, then ``make(paths, out, data)``'s files printed one a line."""
+    parser = OneLineParser(prog=prog, description=description)
     parser.add_argument("paths", nargs="+", help="sweep folders, run folders or records.csv files")
-    parser.add_argument("--out", type=output_folder, default="figures", help="output folder")
+    parser.add_argument("--out", type=output_folder, default=default_out, help="output folder")
     parser.add_argument(
         "--keep-contended", action="store_true", help="keep epochs measured while the machine was busy"
     )
@@ -535,9 +541,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     out = output_made(parser, Path(args.out))
     tell_notes(parser.prog, data)
-    for path in make_figures(data, out):
+    for path in make(args.paths, out, data):
         print(path)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return results_main(
+        "python -m analysis.figures",
+        __doc__.split("\n\n")[0],
+        "figures",
+        lambda _paths, out, data: make_figures(data, out),
+        argv,
+    )
 
 
 if __name__ == "__main__":

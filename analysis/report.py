@@ -9,7 +9,6 @@ interval (see ``analysis.data``), then every figure, then the git commits and ve
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,16 +16,13 @@ import pandas as pd
 
 from analysis.data import (
     BACKWARD_COLUMNS,
-    AnalysisError,
     identity_columns,
     load_results,
     provenance,
     speedups,
     telling_apart,
 )
-from analysis.figures import FIGURES, key_text, made_folder, make_figures, output_made, tell_notes
-from toolbox.cli import OneLineParser
-from toolbox.files import output_folder
+from analysis.figures import FIGURES, key_text, made_folder, make_figures, results_main
 
 # What every row of the table shows: its configuration's main keys, its device and its BPPSA variant.
 ALWAYS = ("model", "dataset", "frames", "seq_len", "batch_size", "device_name", "ranks")
@@ -137,25 +133,13 @@ def write_report(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = OneLineParser(
-        prog="python -m analysis.report",
-        description=__doc__.split("\n\n")[0],
+    return results_main(
+        "python -m analysis.report",
+        __doc__.split("\n\n")[0],
+        "report",
+        lambda paths, out, data: [write_report(paths, out, data=data)],
+        argv,
     )
-    parser.add_argument("paths", nargs="+", help="sweep folders, run folders or records.csv files")
-    parser.add_argument("--out", type=output_folder, default="report", help="output folder")
-    parser.add_argument(
-        "--keep-contended", action="store_true", help="keep epochs measured while the machine was busy"
-    )
-    args = parser.parse_args(argv)
-    try:
-        data = load_results(args.paths, args.keep_contended)
-    except AnalysisError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
-    out = output_made(parser, Path(args.out))
-    tell_notes(parser.prog, data)
-    print(write_report(args.paths, out, data=data))
-    return 0
 
 
 if __name__ == "__main__":
