@@ -16,7 +16,7 @@ and its output (or why it failed, or was skipped):
    (``benchmarks.capture``); then the RNN at H = 20 in processes of its own, at T = 10,000 and
    100,000, and at T = 10,000 with ``--capture-error-mode thread_local`` (``LONG_CAPTURE``);
 3. ``host``: short layers (T = 10, 100, 1,000) against ``torch.nn``'s, the host path
-   (``benchmarks.host``);
+   (``benchmarks.host``), and a profile of where BPPSA's step at T = 10 spends its host time;
 4. ``backward``: the paper's backward tables, cuDNN's BPTT against every BPPSA strategy (PyTorch
    picks cuDNN's persistent small-hidden algorithm for these shapes: the baseline to beat);
 5. ``epoch``: one training epoch of the bitstream RNN, BPTT against BPPSA;
@@ -163,7 +163,9 @@ def plan(
             if dry
             else [capture, *([*capture, "--models", "rnn", *shape] for shape in LONG_CAPTURE)]
         ),
-        "host": [[sys.executable, "-m", "benchmarks.host", *device, "--T", "10", "100", "1000"]],
+        "host": [
+            [sys.executable, "-m", "benchmarks.host", *device, "--T", "10", "100", "1000", "--profile", "300"]
+        ],
         "backward": [_bench(*suite, "--tables", "backward", *device)],
         "epoch": [_bench(*suite, "--tables", "epoch", "--epoch-samples", "64" if dry else "3200", *device)],
         "scan": [_bench(*suite, "--tables", "scan", "--peers", "torch", "jax", *device)],

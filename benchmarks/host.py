@@ -3,6 +3,7 @@
     python -m benchmarks.host                          # RNN, GRU, LSTM at T = 10, B = 16, H = 20
     python -m benchmarks.host --device cuda            # the same on a GPU, eager wall-clock
     python -m benchmarks.host --strategy sequential    # BPPSA's layer around PyTorch's fused forward
+    python -m benchmarks.host --profile 300            # and where a BPPSA step's host time goes
 
 At T = 10, B = 16, H = 20 a layer's arithmetic is a few microseconds, so what is timed is the work
 around it that does not grow with T: Python, dispatch, allocations and launches. For each model one
@@ -14,7 +15,10 @@ threads (default one: the host path, not the parallel work, is what is measured)
 is the largest relative difference of the two modules' gradients, a check that both computed the
 same thing. ``--strategy``: the BPPSA module's (default "auto"); on a CPU "sequential" keeps
 PyTorch's fused forward inside BPPSA's layer, as a GPU's eager forward does, so the forward ratio
-is then the cost of BPPSA's layer call around the same kernel.
+is then the cost of BPPSA's layer call around the same kernel. ``--profile CALLS``: then, per model
+at the first T, CALLS training steps of each module under ``cProfile``, and the functions that take
+most of BPPSA's step by their own time (the host's time: on a GPU the launches, not the kernels), so
+that a GPU machine's host path can be read and cut where no GPU is.
 
 Prints Markdown; progress goes to stderr. Imports nothing beyond torch, so it runs on a bare GPU
 machine.
@@ -23,9 +27,12 @@ machine.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -153,6 +160,57 @@ def bench(
     )  # fmt: skip
 
 
+def profiled(
+    model: str,
+    steps: int,
+    batch: int,
+    hidden: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    strategy: str,
+    calls: int,
+) -> tuple[pstats.Stats, pstats.Stats]:
+    """torch.nn's and BPPSA's ``calls`` training steps (forward, and backward of a loss on h_T) under
+    ``cProfile``, each module warmed up first; on a GPU the host's time up to the last launch."""
+    torch.manual_seed(0)
+    modules = module_pair(model, FEATURES, hidden, device, dtype, strategy=strategy)
+    x = torch.randn(steps, batch, FEATURES, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    stats = []
+    for m in modules:
+        for _ in range(3):
+            _step(m, x)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(calls):
+            _step(m, x)
+        profile.disable()
+        stats.append(pstats.Stats(profile))
+    return stats[0], stats[1]
+
+
+def _where(func: tuple[str, int, str]) -> str:
+    """A profiled function as ``name (file:line)``, the file its last two path parts; a builtin's name."""
+    path, line, name = func
+    if path == "~":
+        return name
+    return f"{name} ({'/'.join(Path(path).parts[-2:])}:{line})"
+
+
+def format_profile(model: str, nn_stats: pstats.Stats, stats: pstats.Stats, calls: int, top: int = 15) -> str:
+    """Markdown: the ``top`` functions of BPPSA's profiled step by own time, per step, under a line
+    with both modules' whole step as the profiler saw it."""
+    us = 1e6 / calls
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    body = [
+        [_where(f), f"{nc / calls:g}", f"{tt * us:.1f}", f"{ct * us:.1f}"] for f, (_, nc, tt, ct, _) in rows
+    ]
+    line = (
+        f"{model}: a step under the profiler, {calls} steps: torch.nn {nn_stats.total_tt * us:.0f} µs, "
+        f"BPPSA {stats.total_tt * us:.0f} µs"
+    )
+    return line + "\n\n" + markdown(["BPPSA function", "calls a step", "own µs", "with callees µs"], body)
+
+
 def format_table(rows: Sequence[Row]) -> str:
     """Markdown: per model, each module's forward, inference and step time and BPPSA's ratio to
     torch.nn's."""
@@ -196,6 +254,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=threads_arg, default=1, help="CPU threads")
     p.add_argument("--repeats", type=positive_int, default=200, help="timed rounds (the median is shown)")
     p.add_argument("--warmup", type=non_negative_int, default=20, help="untimed rounds before them")
+    p.add_argument(
+        "--profile", type=positive_int, default=None, metavar="CALLS", help="profile CALLS steps a model"
+    )
     args = p.parse_args(argv)
     try:  # one that cannot run on the device is refused before anything is timed
         check_device(args.strategy, args.device)
@@ -222,6 +283,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             row = bench(model, t, args.B, args.H, device, dtype, args.warmup, args.repeats, args.strategy)
             rows.append(row)
     print(f"\n{LEGEND}\n\n{format_table(rows)}", flush=True)
+    if args.profile:
+        print(f"\nWhere a step's host time goes (T = {args.T[0]}; cProfile's own overhead included):")
+        for model in args.models:
+            progress(f"{model} profile ...")
+            stats = profiled(model, args.T[0], args.B, args.H, device, dtype, args.strategy, args.profile)
+            print(f"\n{format_profile(model, *stats, args.profile)}", flush=True)
     progress("done")
     return 0
 

@@ -57,6 +57,23 @@ def test_the_run_prints_one_row_per_model_and_length(capsys) -> None:
     assert max(float(r[-1]) for r in rows) < 1e-10  # float64
 
 
+def test_the_profile_shows_where_a_bppsa_step_spends_its_host_time(capsys) -> None:
+    argv = ["--models", "gru", "--T", "4", "9", "--B", "2", "--H", "4", "--repeats", "1", "--warmup", "0"]
+    assert host.main([*argv, "--profile", "3"]) == 0
+    out = capsys.readouterr().out
+    head, profile = out.split("Where a step's host time goes (T = 4;")
+    ((_, rows),) = markdown_tables(head)
+    assert len(rows) == 2  # the timing table as without the profile
+    line = profile.split("\n\n")[1]
+    assert line.startswith("gru: a step under the profiler, 3 steps: torch.nn ") and line.endswith(" µs")
+    ((names, functions),) = markdown_tables(profile)
+    assert names == ["BPPSA function", "calls a step", "own µs", "with callees µs"]
+    assert 0 < len(functions) <= 15
+    assert any("bppsa_core/" in f[0] for f in functions)  # the layer's own code, by file and line
+    own = [float(f[2]) for f in functions]
+    assert own == sorted(own, reverse=True) and all(float(f[3]) >= float(f[2]) for f in functions)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -65,6 +82,7 @@ def test_the_run_prints_one_row_per_model_and_length(capsys) -> None:
         (["--threads", "100000"], "argument --threads: 100000 is more than the"),
         (["--strategy", "fastest"], "argument --strategy: invalid choice: 'fastest'"),
         (["--strategy", "graph"], "--strategy: strategy='graph' needs a CUDA device, and this device is cpu"),
+        (["--profile", "0"], "argument --profile: 0 is not positive; accepted: positive integers"),
     ],
 )
 def test_bad_arguments_end_it_in_one_line(argv, message, capsys) -> None:
