@@ -119,6 +119,17 @@ def _medians(
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _modules_and_input(
+    model: str, steps: int, batch: int, hidden: int, device: torch.device, dtype: torch.dtype, strategy: str
+) -> tuple[torch.nn.Module, torch.nn.Module, Tensor]:
+    """torch.nn's module and BPPSA's with the same weights (``strategy`` BPPSA's), and an input
+    (T, B, FEATURES): the same for every table and profile of a shape."""
+    torch.manual_seed(0)
+    ref, ours = module_pair(model, FEATURES, hidden, device, dtype, strategy=strategy)
+    x = torch.randn(steps, batch, FEATURES, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    return ref, ours, x
+
+
 def bench(
     model: str,
     steps: int,
@@ -133,9 +144,7 @@ def bench(
     """One row: both modules' forward and step, taking turns on the same input, then their
     inference, taking turns in rounds of its own (so that it leaves the others' caches as they
     were); ``strategy``: the BPPSA module's."""
-    torch.manual_seed(0)
-    ref, ours = module_pair(model, FEATURES, hidden, device, dtype, strategy=strategy)
-    x = torch.randn(steps, batch, FEATURES, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    ref, ours, x = _modules_and_input(model, steps, batch, hidden, device, dtype, strategy)
     training: dict[str, Callable[[], object]] = {
         "nn forward": lambda: ref(x),
         "bppsa forward": lambda: ours(x),
@@ -172,9 +181,7 @@ def profiled(
 ) -> tuple[pstats.Stats, pstats.Stats]:
     """torch.nn's and BPPSA's ``calls`` training steps (forward, and backward of a loss on h_T) under
     ``cProfile``, each module warmed up first; on a GPU the host's time up to the last launch."""
-    torch.manual_seed(0)
-    modules = module_pair(model, FEATURES, hidden, device, dtype, strategy=strategy)
-    x = torch.randn(steps, batch, FEATURES, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    *modules, x = _modules_and_input(model, steps, batch, hidden, device, dtype, strategy)
     stats = []
     for m in modules:
         for _ in range(3):
