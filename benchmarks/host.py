@@ -209,7 +209,8 @@ def format_profile(model: str, nn_stats: pstats.Stats, stats: pstats.Stats, call
     us = 1e6 / calls
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     body = [
-        [_where(f), f"{nc / calls:g}", f"{tt * us:.1f}", f"{ct * us:.1f}"] for f, (_, nc, tt, ct, _) in rows
+        [f"`{_where(f)}`", f"{nc / calls:g}", f"{tt * us:.1f}", f"{ct * us:.1f}"]
+        for f, (_, nc, tt, ct, _) in rows
     ]
     line = (
         f"{model}: a step under the profiler, {calls} steps: torch.nn {nn_stats.total_tt * us:.0f} µs, "
