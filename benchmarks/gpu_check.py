@@ -16,7 +16,8 @@ and its output (or why it failed, or was skipped):
    (``benchmarks.capture``); then the RNN at H = 20 in processes of its own, at T = 10,000 and
    100,000, and at T = 10,000 with ``--capture-error-mode thread_local`` (``LONG_CAPTURE``);
 3. ``host``: short layers (T = 10, 100, 1,000) against ``torch.nn``'s, the host path
-   (``benchmarks.host``), and a profile of where BPPSA's step at T = 10 spends its host time;
+   (``benchmarks.host``), a profile of where BPPSA's step at T = 10 spends its host time, and what
+   handing the backward to autograd's device thread costs;
 4. ``backward``: the paper's backward tables, cuDNN's BPTT against every BPPSA strategy (PyTorch
    picks cuDNN's persistent small-hidden algorithm for these shapes: the baseline to beat);
 5. ``epoch``: one training epoch of the bitstream RNN, BPTT against BPPSA;

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import pstats
 import statistics
 from collections.abc import Callable, Sequence
@@ -178,21 +179,36 @@ def profiled(
     dtype: torch.dtype,
     strategy: str,
     calls: int,
-) -> tuple[pstats.Stats, pstats.Stats]:
+) -> tuple[pstats.Stats, pstats.Stats, dict[str, float]]:
     """torch.nn's and BPPSA's ``calls`` training steps (forward, and backward of a loss on h_T) under
-    ``cProfile``, each module warmed up first; on a GPU the host's time up to the last launch."""
-    *modules, x = _modules_and_input(model, steps, batch, hidden, device, dtype, strategy)
+    ``cProfile``, each module warmed up first; on a GPU the host's time up to the last launch. The
+    backward runs on the profiled thread: a GPU's runs on autograd's device thread otherwise, which
+    cProfile does not see. Then, unprofiled, the median step of each module (``calls`` rounds) with
+    the backward on autograd's device threads ("on") and on the calling thread ("off"), taking
+    turns: what the hand-over to the device thread costs (on a CPU nothing: its backward runs on
+    the calling thread either way)."""
+    ref, ours, x = _modules_and_input(model, steps, batch, hidden, device, dtype, strategy)
     stats = []
-    for m in modules:
-        for _ in range(3):
-            _step(m, x)
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(calls):
-            _step(m, x)
-        profile.disable()
-        stats.append(pstats.Stats(profile))
-    return stats[0], stats[1]
+    with torch.autograd.set_multithreading_enabled(False):
+        for m in (ref, ours):
+            for _ in range(3):
+                _step(m, x)
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(calls):
+                _step(m, x)
+            profile.disable()
+            stats.append(pstats.Stats(profile))
+    work: dict[str, Callable[[], object]] = {}
+    for name, m in (("nn", ref), ("bppsa", ours)):
+        work[f"{name} on"] = functools.partial(_step, m, x)
+        work[f"{name} off"] = functools.partial(_on_calling_thread, m, x)
+    return stats[0], stats[1], _medians(work, (ref, ours), device, 3, calls)
+
+
+def _on_calling_thread(module: torch.nn.Module, x: Tensor) -> None:
+    with torch.autograd.set_multithreading_enabled(False):
+        _step(module, x)
 
 
 def _where(func: tuple[str, int, str]) -> str:
@@ -203,9 +219,17 @@ def _where(func: tuple[str, int, str]) -> str:
     return f"{name} ({'/'.join(Path(path).parts[-2:])}:{line})"
 
 
-def format_profile(model: str, nn_stats: pstats.Stats, stats: pstats.Stats, calls: int, top: int = 15) -> str:
+def format_profile(
+    model: str,
+    nn_stats: pstats.Stats,
+    stats: pstats.Stats,
+    steps: dict[str, float],
+    calls: int,
+    top: int = 15,
+) -> str:
     """Markdown: the ``top`` functions of BPPSA's profiled step by own time, per step, under a line
-    with both modules' whole step as the profiler saw it."""
+    with both modules' whole step as the profiler saw it and one with their unprofiled medians
+    (``profiled``'s ``steps``)."""
     us = 1e6 / calls
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     body = [
@@ -213,10 +237,17 @@ def format_profile(model: str, nn_stats: pstats.Stats, stats: pstats.Stats, call
         for f, (_, nc, tt, ct, _) in rows
     ]
     line = (
-        f"{model}: a step under the profiler, {calls} steps: torch.nn {nn_stats.total_tt * us:.0f} µs, "
-        f"BPPSA {stats.total_tt * us:.0f} µs"
+        f"{model}: a step under the profiler, {calls} steps, the backward on the calling thread: "
+        f"torch.nn {nn_stats.total_tt * us:.0f} µs, BPPSA {stats.total_tt * us:.0f} µs"
     )
-    return line + "\n\n" + markdown(["BPPSA function", "calls a step", "own µs", "with callees µs"], body)
+    timed = (
+        f"{model}: a step unprofiled, median of {calls}, the backward on autograd's device threads / on "
+        f"the calling thread: torch.nn {fmt_ms(steps['nn on'])} / {fmt_ms(steps['nn off'])} ms, "
+        f"BPPSA {fmt_ms(steps['bppsa on'])} / {fmt_ms(steps['bppsa off'])} ms"
+    )
+    return f"{line}\n\n{timed}\n\n" + markdown(
+        ["BPPSA function", "calls a step", "own µs", "with callees µs"], body
+    )
 
 
 def format_table(rows: Sequence[Row]) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import extended_except, markdown_tables
@@ -57,15 +59,29 @@ def test_the_run_prints_one_row_per_model_and_length(capsys) -> None:
     assert max(float(r[-1]) for r in rows) < 1e-10  # float64
 
 
-def test_the_profile_shows_where_a_bppsa_step_spends_its_host_time(capsys) -> None:
+def test_the_profile_shows_where_a_bppsa_step_spends_its_host_time(monkeypatch, capsys) -> None:
+    threads = []  # whether autograd may hand the backward to a device thread, at each step's start
+    step = host._step
+    record = torch._C._is_multithreading_enabled
+    monkeypatch.setattr(host, "_step", lambda *a: (threads.append(record()), step(*a)))
     argv = ["--models", "gru", "--T", "4", "9", "--B", "2", "--H", "4", "--repeats", "1", "--warmup", "0"]
     assert host.main([*argv, "--profile", "3"]) == 0
     out = capsys.readouterr().out
     head, profile = out.split("Where a step's host time goes (T = 4;")
     ((_, rows),) = markdown_tables(head)
     assert len(rows) == 2  # the timing table as without the profile
-    line = profile.split("\n\n")[1]
-    assert line.startswith("gru: a step under the profiler, 3 steps: torch.nn ") and line.endswith(" µs")
+    # the profiled steps (3 warm-up and 3 profiled a module) keep the backward on the profiled thread,
+    # then the timed rounds (3 warm-up and 3) take turns: each module with device threads, then without
+    profile_steps, timed_steps = threads[-36:-24], threads[-24:]
+    assert not any(profile_steps) and timed_steps == [True, False] * 12
+    line, timed = profile.split("\n\n")[1:3]
+    assert line.startswith("gru: a step under the profiler, 3 steps, the backward on the calling thread: ")
+    assert re.fullmatch(r".*: torch\.nn \d+ µs, BPPSA \d+ µs", line), line
+    assert re.fullmatch(
+        r"gru: a step unprofiled, median of 3, the backward on autograd's device threads / on the calling "
+        r"thread: torch\.nn [\d.e-]+ / [\d.e-]+ ms, BPPSA [\d.e-]+ / [\d.e-]+ ms",
+        timed,
+    ), timed
     ((names, functions),) = markdown_tables(profile)
     assert names == ["BPPSA function", "calls a step", "own µs", "with callees µs"]
     assert 0 < len(functions) <= 15
