@@ -127,12 +127,12 @@ class _BPPSAMixin:
             self.__dict__["_stats"] = [NATIVE] * (self.num_layers * self._directions)
             return super().forward(input, hx)
         self._update_flat_weights()  # weights swapped by functional_call or a parametrization
+        self._check_flags()
         lstm = self.mode == "LSTM"
-        if lstm and hx is not None and not (isinstance(hx, tuple | list) and len(hx) == 2):
-            raise IndexError(  # torch.nn's class for it: its hx[1] of a one-layer bare tensor
-                f"LSTM: hx must be a tuple (h_0, c_0) of two tensors, got {_described(hx)}"
-            )
-        if isinstance(input, PackedSequence):
+        packed = isinstance(input, PackedSequence)
+        if lstm and hx is not None:
+            hx = _lstm_state(hx, packed)
+        if packed:
             data, batch_sizes, sorted_indices, unsorted_indices = input
             if hx is None:
                 hx = self._zero_state(data, int(batch_sizes[0]))
@@ -140,7 +140,7 @@ class _BPPSAMixin:
                 hx = self.permute_hidden(hx, sorted_indices)
             self.check_forward_args(data, hx, batch_sizes)
             self._check_devices(data, hx)
-            index, lengths = _packing(batch_sizes, data.device)
+            index, lengths = _packing(batch_sizes, data.shape[0], data.device)
             out, state = self._layers(_unpack(data, index, lengths), hx, lengths, index)
             packed = PackedSequence(_pack(out, index), batch_sizes, sorted_indices, unsorted_indices)
             return packed, self.permute_hidden(state, unsorted_indices)
@@ -192,6 +192,14 @@ class _BPPSAMixin:
         return not compiled_forward_takes(
             self.strategy, self.mode, self.hidden_size, weight.device.type, (weight.dtype,), False
         )
+
+    def _check_flags(self) -> None:
+        """The flags torch.nn's constructor keeps unchecked and its fused kernel then refuses
+        (``TypeError``): ``bidirectional`` not a bool, ``num_layers`` a bool."""
+        if not isinstance(self.bidirectional, bool):
+            raise TypeError(f"{self.mode}: bidirectional must be a bool, got {self.bidirectional!r}")
+        if isinstance(self.num_layers, bool):
+            raise TypeError(f"{self.mode}: num_layers must be an int, got {self.num_layers!r}")
 
     def _check_devices(self, x: Tensor, hx: State) -> None:
         """torch.nn's device checks, in its words (its fused kernel makes them; the layers run theirs
@@ -308,12 +316,25 @@ def _layer_config(
     return LayerConfig(mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, iters))
 
 
+def _lstm_state(hx: object, packed: bool) -> tuple[Tensor, Tensor]:
+    """An LSTM's initial state as the pair (h_0, c_0), torch.nn's list form included; anything else
+    refused naming it, with the class torch.nn's forward raises for it."""
+    if isinstance(hx, tuple | list) and len(hx) == 2 and all(isinstance(h, Tensor) for h in hx):
+        return tuple(hx)
+    message = f"LSTM: hx must be a tuple (h_0, c_0) of two tensors, got {_described(hx)}"
+    if isinstance(hx, tuple | list) and len(hx) != 2:  # torch.nn: its kernel counts them, or no hx[1]
+        raise (RuntimeError if packed or len(hx) > 2 else IndexError)(message)
+    if isinstance(hx, Tensor) and not packed:  # torch.nn: hx[1] of one layer, else its rank check
+        raise (RuntimeError if hx.dim() > 0 and hx.shape[0] > 1 else IndexError)(message)
+    raise TypeError(message)
+
+
 def _described(value: object) -> str:
     """A value in an error message: a tensor by its shape, anything else by its type."""
     if isinstance(value, Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     if isinstance(value, tuple | list):
-        return f"a {type(value).__name__} of {len(value)}"
+        return f"a {type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
     return f"a {type(value).__name__}"
 
 
@@ -341,10 +362,20 @@ def _dropout(x: Tensor, p: float, lengths: Tensor | None, index: Tensor | None) 
 # entry index[r] of the T * B padded steps.
 
 
-def _packing(batch_sizes: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The padded position of every packed row, and each sequence's length (sorted, on the CPU)."""
+def _packing(batch_sizes: Tensor, rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The padded position of every packed row, and each sequence's length (sorted, on the CPU);
+    a PackedSequence whose batch sizes grow or do not count its ``rows`` refused (torch.nn's class
+    where its kernel fails on one)."""
+    if batch_sizes.numel() > 1 and bool((batch_sizes[1:] > batch_sizes[:-1]).any()):
+        raise RuntimeError(f"PackedSequence: batch_sizes must not increase, got {batch_sizes.tolist()}")
     running = torch.arange(int(batch_sizes[0])).unsqueeze(0) < batch_sizes.unsqueeze(1)  # (T, B)
-    return running.flatten().nonzero().squeeze(1).to(device), running.sum(0)
+    index = running.flatten().nonzero().squeeze(1)
+    if index.numel() != rows:
+        raise RuntimeError(
+            f"PackedSequence: batch_sizes {batch_sizes.tolist()} count {index.numel()} rows, "
+            f"its data has {rows}"
+        )
+    return index.to(device), running.sum(0)
 
 
 def _unpack(data: Tensor, index: Tensor, lengths: Tensor) -> Tensor:

@@ -408,14 +408,62 @@ def test_tensors_on_another_device_than_the_weights_are_refused_as_torch_nn_does
         assert got[0] is expected[0] and (packed or got[1] == expected[1]), (got, expected)
 
 
-@pytest.mark.parametrize("state", ["bare", "one", "three"])
-def test_an_lstm_state_that_is_not_a_pair_is_refused_naming_it(state) -> None:
-    lstm = bnn.LSTM(3, 4)
-    h = torch.zeros(1, 2, 4)
-    hx = {"bare": h, "one": (h,), "three": (h, h, h)}[state]
-    kind, message = _error(lstm, torch.randn(5, 2, 3), hx)
-    assert kind is IndexError  # torch.nn's class for a bare one-layer state
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize(
+    "state", ["bare", "empty", "one", "three", "three in a list", "a float", "None in it"]
+)
+def test_an_lstm_state_that_is_not_a_pair_is_refused_naming_it(layers, packed, state) -> None:
+    """torch.nn's class for each malformed state (whatever its fused kernel or its indexing happens
+    to raise), or TypeError where that is an accident of its code (an attribute of None)."""
+    ref, ours = pair("lstm", 3, 4, num_layers=layers)
+    h = torch.zeros(layers, 2, 4, dtype=F64)
+    hx = {
+        "bare": h, "empty": (), "one": (h,), "three": (h, h, h), "three in a list": [h, h, h],
+        "a float": 1.0, "None in it": (h, None),
+    }[state]  # fmt: skip
+    x = torch.randn(5, 2, 3, dtype=F64)
+    inp = pack_sequence([x[:, 0], x[:3, 1]]) if packed else x
+    kind, message = _error(ours, inp, hx)
+    expected = TypeError if state == "None in it" else _error(ref, inp, hx)[0]
+    assert kind is expected, (kind, message)
     assert message.startswith("LSTM: hx must be a tuple (h_0, c_0) of two tensors, got ")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_lstm_state_given_as_a_list_is_taken_as_torch_nn_takes_it(packed) -> None:
+    ref, ours = pair("lstm", 3, 4, num_layers=2)
+    x = torch.randn(5, 2, 3, dtype=F64)
+    inp = pack_sequence([x[:, 0], x[:3, 1]]) if packed else x
+    hx = list(state(ref, 2))
+    assert_same(ref, ours, inp, hx, leaves=hx)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("flag", [("bidirectional", 1), ("bidirectional", "yes"), ("num_layers", True)])
+def test_flags_torch_nn_takes_but_its_kernel_refuses_are_refused_by_name(kind, flag) -> None:
+    """torch.nn's constructor keeps a non-bool ``bidirectional`` or a bool ``num_layers`` and its
+    fused kernel then raises TypeError; so does the BPPSA forward, naming the flag."""
+    name, value = flag
+    ref, ours = pair(kind, 3, 4, **{name: value})
+    x = torch.randn(5, 2, 3, dtype=F64)
+    assert _error(ref, x)[0] is TypeError
+    got, message = _error(ours, x)
+    wanted = "a bool" if name == "bidirectional" else "an int"
+    assert got is TypeError and message.endswith(f"{name} must be {wanted}, got {value!r}")
+
+
+@pytest.mark.parametrize("batch_sizes", [[2, 3], [3, 2]])
+def test_a_packed_sequence_that_does_not_describe_its_data_is_refused(batch_sizes) -> None:
+    """Hand-built PackedSequences: batch sizes that grow (torch.nn's kernel raises RuntimeError) or
+    that count fewer rows than the data holds (torch.nn's reads past them)."""
+    from torch.nn.utils.rnn import PackedSequence
+
+    _, ours = pair("gru", 3, 4)
+    packed = PackedSequence(torch.randn(6, 3, dtype=F64), torch.tensor(batch_sizes))
+    kind, message = _error(ours, packed)
+    assert kind is RuntimeError and message.startswith("PackedSequence: batch_sizes ")
+    assert str(batch_sizes) in message
 
 
 def _layer_calls(monkeypatch) -> list[int]:
