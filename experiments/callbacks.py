@@ -17,6 +17,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from experiments.config import required
 from experiments.ranks import launched_follower
 from experiments.records import (
     JOBS,
@@ -135,15 +136,17 @@ def _slurm(config: DictConfig) -> bool:
 
 
 def _check_irmas_root(config: DictConfig) -> None:
-    """A sweep whose every job reads the same IRMAS root, missing or without clips, would fail job by
-    job with the same line: it is refused once, before any job, with that line. A sweep over the
-    dataset or its root is left to its jobs (the others may run), and so is one sent to SLURM (its
-    jobs may see folders this machine does not)."""
+    """A sweep whose every job reads the same IRMAS root, not given, missing or without clips, would
+    fail job by job with the same line: it is refused once, before any job, with that line. A sweep
+    over the dataset or its root is left to its jobs (the others may run); so is one sent to SLURM
+    whose root is given (its jobs may see folders this machine does not)."""
     irmas = OmegaConf.select(config, "dataset._target_", default=None) == "datasets.irmas.IRMAS"
-    if not irmas or _slurm(config) or OmegaConf.is_missing(config.dataset, "root"):
-        return  # a missing root is the jobs' to report, as any missing value
+    if not irmas or _swept(config, {"dataset", "dataset.root"}):
+        return
+    if OmegaConf.is_missing(config.dataset, "root"):
+        raise HydraException(required(config.dataset, "dataset.", "root"))
     root = config.dataset.root
-    if root is None or _swept(config, {"dataset", "dataset.root"}):
+    if root is None or _slurm(config):
         return
     from datasets.irmas import IRMASError, find_clips
 

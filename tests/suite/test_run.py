@@ -300,13 +300,16 @@ def test_a_sweep_over_one_missing_or_empty_irmas_root_is_refused_once_before_any
     empty.mkdir()
     work = tmp_path / "work"
     work.mkdir()
+    missing = tmp_path / "missing"
     for root, why in [
-        (tmp_path / "missing", "does not exist or is not a folder"),
-        (empty, "holds no class folder with .wav clips"),
+        (missing, f"IRMAS root '{missing}' does not exist or is not a folder; expected"),
+        (empty, f"IRMAS root '{empty}' holds no class folder with .wav clips; expected"),
+        (None, "dataset.root is required (pass dataset.root=<folder>); accepted: "),
     ]:
-        done = run_py("-m", "experiment=gru_irmas", f"dataset.root={root}", cwd=work)
+        given = [] if root is None else [f"dataset.root={root}"]
+        done = run_py("-m", "experiment=gru_irmas", *given, cwd=work)
         assert done.returncode == 2
-        assert done.stderr.strip().startswith(f"run.py: error: IRMAS root '{root}' {why}; expected")
+        assert done.stderr.strip().startswith(f"run.py: error: {why}")
         assert len(done.stderr.strip().splitlines()) == 1
         assert not any(work.iterdir())
     cfg = composed("experiment=gru_irmas", f"dataset.root={empty}", hydra=True)
@@ -319,6 +322,20 @@ def test_a_sweep_over_one_missing_or_empty_irmas_root_is_refused_once_before_any
     _check_irmas_root(
         composed("experiment=gru_irmas", f"dataset.root={empty}", "hydra/launcher=slurm", hydra=True)
     )
+
+
+@pytest.mark.parametrize("where", [[], ["hydra/launcher=slurm"]])
+def test_an_irmas_sweep_without_a_root_is_refused_once_before_any_job(where) -> None:
+    """Every job would fail for want of dataset.root, on this machine or on SLURM's: refused with
+    the line a single run gives; a sweep over the dataset or its root is left to its jobs."""
+    from experiments.callbacks import _check_irmas_root
+
+    cfg = composed("experiment=gru_irmas", *where, hydra=True)
+    with pytest.raises(HydraException, match=r"^dataset\.root is required \(pass dataset\.root=<folder>\)"):
+        _check_irmas_root(cfg)
+    for swept in ("dataset.root=/a,/b", "dataset=irmas,bitstream"):
+        cfg.hydra.overrides.task = [swept]
+        _check_irmas_root(cfg)
 
 
 def test_the_default_job_runs_and_records(tmp_path: Path) -> None:
