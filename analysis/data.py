@@ -285,8 +285,21 @@ def _refuse_first(frame: pd.DataFrame, path: Path, column: str, bad: pd.Series, 
     if bad.any():
         row = int(bad.to_numpy().argmax())
         value = frame[column].iloc[row]
-        shown = "empty" if pd.isna(value) else repr(value.item() if hasattr(value, "item") else value)
+        if pd.isna(value):
+            shown = _cell_text(path, column, row)
+        else:
+            shown = repr(value.item() if hasattr(value, "item") else value)
         raise AnalysisError(f"{path}: {column} is {shown} in row {row + 1}; accepted: {accepted}")
+
+
+def _cell_text(path: Path, column: str, row: int) -> str:
+    """A cell read as missing, as the file spells it: 'empty', or its text (``nan``, ``NA``), which
+    the parsed table no longer tells apart from an empty cell."""
+    try:
+        text = pd.read_csv(path, usecols=[column], dtype=str, keep_default_na=False)[column].iloc[row]
+    except (OSError, ValueError, IndexError):  # changed since it was read: say what the table holds
+        return "empty"
+    return text.strip() or "empty"
 
 
 def _check_numbers(frame: pd.DataFrame, path: Path, columns: Sequence[str]) -> None:
@@ -354,24 +367,22 @@ def read_table(
 ) -> pd.DataFrame | None:
     """A CSV table the analysis draws from: AnalysisError naming ``path`` when it cannot be read,
     lacks one of ``columns`` (asking whether it is the ``expected`` kind of file), or holds
-    something other than a number in one of ``numeric``. ``rows_later``: a table without rows yet
-    (a run that has not finished an epoch) is None instead of an error."""
+    something other than a number in one of ``numeric``. ``rows_later``: a table with the columns
+    but no rows yet (a run that has not finished an epoch) is None instead of an error."""
     try:
         frame = pd.read_csv(path, dtype=dict.fromkeys(TEXT, str))
-    except pd.errors.EmptyDataError:
-        if rows_later:
-            return None
+    except pd.errors.EmptyDataError:  # not even a header: no table of any kind
         raise AnalysisError(
             f"{path} is empty; accepted: a table with the columns {', '.join(columns)}"
         ) from None
     except (OSError, ValueError) as exc:
         raise AnalysisError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
-    if rows_later and frame.empty:
-        return None
     missing = [c for c in columns if c not in frame.columns]
-    if missing:
+    if missing:  # checked before the rows: a line of text alone reads as a header without rows
         hint = f"; is it {expected}?" if expected else ""
         raise AnalysisError(f"{path} lacks the columns {', '.join(missing)}{hint}")
+    if rows_later and frame.empty:
+        return None
     _check_numbers(frame, path, numeric)
     return frame
 
@@ -403,7 +414,9 @@ def load_results(paths: Sequence[str | Path], keep_contended: bool = False) -> p
             frame["_away"] = frame["run_path"] != str(table.resolve().parent)  # False (its own) first
             frames.append(frame)
     if not frames:
-        raise AnalysisError("the result files hold no epoch rows yet")
+        raise AnalysisError(
+            f"{_named([str(p) for p in paths])}: no epoch rows yet; accepted: results with a finished epoch"
+        )
     data = _once(pd.concat(frames, ignore_index=True))
     busy = data["contended"].fillna(False).astype(bool) if "contended" in data.columns else None
     dropped = 0 if busy is None or keep_contended else int(busy.sum())

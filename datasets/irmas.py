@@ -41,7 +41,8 @@ its modification time restored (reading and hashing IRMAS's ~6,700 clips, about 
 seconds, against minutes to extract them). The cache holds a checksum of its contents and is checked
 when read: a damaged or foreign file at the cache path is extracted anew. It is written to a
 temporary name and renamed into place, so a killed run never leaves a file that reads as complete; a
-cache that cannot be written is reported, and the features are used all the same.
+cache that cannot be written is reported, and the features are used all the same (the CLI, whose only
+output is the cache, refuses a ``--cache-dir`` it cannot write before extracting).
 
     python -m datasets.irmas --root DIR --frames m
 """
@@ -72,9 +73,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from toolbox.cli import OneLineParser, cpu_cores, is_count
+from toolbox.cli import OneLineParser, cpu_cores, is_count, non_negative_int
 from toolbox.errors import DataError
-from toolbox.files import write_atomic
+from toolbox.files import output_folder, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +137,13 @@ def shown(path: str | Path) -> str:
 
 def find_clips(root: str | Path) -> list[tuple[Path, int]]:
     """(wav path, class index) for every clip under the class folders of ``root``, sorted."""
-    root = Path(root).expanduser()
     expected = (
         f"expected the IRMAS training data: a folder holding the class folders {' '.join(CLASSES)} "
         f"of .wav clips (get IRMAS-TrainingData.zip from {IRMAS_URL}; it is not bundled)"
     )
+    if not str(root).strip():  # Path('') would read as the current folder
+        raise IRMASError(f"IRMAS root {str(root)!r} is empty; {expected}")
+    root = Path(root).expanduser()
     if not root.is_dir():
         raise IRMASError(f"IRMAS root {shown(root)!r} does not exist or is not a folder; {expected}")
     if not os.access(root, os.R_OK | os.X_OK):
@@ -402,7 +405,8 @@ def extract(
         raise IRMASError(
             f"cache_dir is empty; accepted: a folder path, or null for the default ({default_cache_dir()})"
         )
-    root = Path(root).expanduser().resolve()
+    # an empty root is left for find_clips to refuse: resolved, it would name the current folder
+    root = Path(root).expanduser().resolve() if str(root).strip() else root
     clips = find_clips(root)
     listing = _listing(root, clips)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -542,9 +546,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--root", required=True, help="folder with the 11 IRMAS class folders")
     parser.add_argument("--frames", default="m", help="feature setting: s, m or l")
-    parser.add_argument("--cache-dir", default=str(default_cache_dir()), help="where the features are cached")
+    # the cache is this command's only output: one it cannot write is refused before extracting
     parser.add_argument(
-        "--workers", type=int, default=None, help="processes (default or 0: all cores; 1: no subprocess)"
+        "--cache-dir",
+        type=lambda text: output_folder(os.path.expanduser(text)),
+        default=str(default_cache_dir()),
+        help="where the features are cached",
+    )
+    parser.add_argument(
+        "--workers",
+        type=non_negative_int,
+        default=None,
+        help="processes (default or 0: all cores; 1: no subprocess)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,9 +137,13 @@ def test_runs_that_differ_in_any_configuration_key_are_compared_apart() -> None:
     assert len(speedups(legacy)) == 3
 
 
-def test_an_empty_table_says_there_are_no_rows_yet(tmp_path: Path) -> None:
-    (tmp_path / "records.csv").write_text("")
-    with pytest.raises(AnalysisError, match="the result files hold no epoch rows yet"):
+def test_a_table_without_rows_yet_is_named(tmp_path: Path) -> None:
+    from analysis.data import REQUIRED
+
+    (tmp_path / "records.csv").write_text(",".join(REQUIRED) + "\n")  # a run before its first epoch
+    with pytest.raises(
+        AnalysisError, match=f"^{re.escape(str(tmp_path / 'records.csv'))}: no epoch rows yet; accepted"
+    ):
         load_results([tmp_path / "records.csv"])
 
 
@@ -239,6 +244,14 @@ def _records_with(folder: Path, **values) -> Path:
         (lambda p: p / "nowhere", "does not exist"),
         (lambda p: p, "no records.csv under"),
         (
+            lambda p: (p / "afile").write_text("") or p / "afile",
+            "afile is empty; accepted: a table with the columns model, dataset, backward",
+        ),
+        (  # one line of text reads as a header without rows: not a table without rows yet
+            lambda p: (p / "records.csv").write_text("hello world, not a csv\n") and p,
+            "records.csv lacks the columns model, dataset, backward, device_name, seq_len, batch_size",
+        ),
+        (
             lambda p: (p / "records.csv").write_text("a,b\n1,2\n") and p / "records.csv",
             "lacks the columns model",
         ),
@@ -263,6 +276,8 @@ def _records_with(folder: Path, **values) -> Path:
             lambda p: _records_with(p, epoch_s="inf"),
             "epoch_s is inf in row 1; accepted: a finite number >= 0",
         ),
+        (lambda p: _records_with(p, loss="nan"), "loss is nan in row 1; accepted: a finite number"),
+        (lambda p: _records_with(p, loss=None), "loss is empty in row 1; accepted: a finite number"),
         (
             lambda p: _records_with(p, contended="maybe"),
             "contended is 'maybe' in row 1; accepted: True or False",
@@ -280,10 +295,11 @@ def test_missing_or_malformed_input_is_named(tmp_path: Path, setup, message: str
     target = setup(tmp_path)
     with pytest.raises(AnalysisError, match=message):
         load_results([target])
-    assert figures.main([str(target), "--out", str(tmp_path / "fig")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0]
-    assert not (tmp_path / "fig").exists()
+    for tool in (figures, report):  # both through load_results, refused before --out is made
+        assert tool.main([str(target), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0]
+        assert not (tmp_path / "out").exists()
 
 
 def test_a_folder_that_cannot_be_read_is_named(tmp_path: Path, monkeypatch) -> None:

@@ -191,6 +191,53 @@ def test_cli_reports_the_cache_and_fails_in_one_line(tree: Path, tmp_path: Path,
     assert len(err) == 1 and err[0].startswith("python -m datasets.irmas: error: IRMAS root")
 
 
+def _cli_refusal(argv: list[str], capsys) -> str:
+    """The one line ``datasets.irmas`` refuses ``argv`` with, exit status 2 (argparse's or its own)."""
+    try:
+        code = irmas.main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    return err[0].removeprefix("python -m datasets.irmas: error: ")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--root", ""], "IRMAS root '' is empty; expected the IRMAS training data"),
+        (["--cache-dir", ""], "argument --cache-dir: an empty path; accepted: a folder (made if missing)"),
+        (["--cache-dir", "{file}"], "argument --cache-dir: {file} is a file; accepted: a folder"),
+        (["--cache-dir", "{file}/sub"], "argument --cache-dir: {file} is a file; accepted: a folder"),
+        (["--cache-dir", "{denied}/c"], "argument --cache-dir: cannot write in {denied} (permission denied)"),
+        (
+            ["--workers", "abc"],
+            "argument --workers: 'abc' is not an integer; accepted: non-negative integers",
+        ),
+    ],
+)
+def test_cli_refuses_bad_options_before_extracting(
+    tree: Path, tmp_path: Path, capsys, monkeypatch, options: list[str], message: str
+) -> None:
+    paths = {"file": tmp_path / "a-file", "denied": tmp_path / "denied"}
+    paths["file"].write_text("x")
+    real = os.access  # as root every folder is writable: this one is not
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != paths["denied"] and real(path, mode))
+    paths["denied"].mkdir()
+    monkeypatch.setattr(irmas, "load_clip", lambda *a, **k: pytest.fail("extracted"))
+    monkeypatch.chdir(tree)  # a real IRMAS tree: an empty --root must not be read as it
+    argv = ["--root", str(tree), "--cache-dir", str(tmp_path / "cache"), "--workers", "1"]
+    line = _cli_refusal([*argv, *(o.format(**paths) for o in options)], capsys)
+    assert line.startswith(message.format(**paths))
+    assert not (tmp_path / "cache").exists() and paths["file"].read_text() == "x"
+
+
+def test_an_empty_root_is_not_the_current_folder(tree: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tree)
+    with pytest.raises(IRMASError, match="IRMAS root '' is empty"):
+        extract("", "s", workers=1, progress=False)
+
+
 def test_an_unwritable_cache_warns_and_still_returns_features(tmp_path: Path, caplog) -> None:
     (tmp_path / "voi").mkdir()
     soundfile.write(tmp_path / "voi" / "a.wav", stereo_clip(4), RATE)
