@@ -15,9 +15,9 @@ from typing import Any
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
-from experiments.config import required
+from experiments.config import ConfigError, check, one_line, required
 from experiments.ranks import launched_follower
 from experiments.records import (
     JOBS,
@@ -31,7 +31,7 @@ from experiments.records import (
     merge_sweep,
     note_folder,
 )
-from experiments.schema import NAME
+from experiments.schema import CONF, NAME
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class NoteFolders(Callback):
         with _refusing():
             _check_launcher(config)
             _check_irmas_root(config)
+            _check_jobs(config)
             folder = _output_folder(config, "hydra.sweep.dir", (SUMMARY,), "a single run", "a sweep")
             try:
                 subdir = str(config.hydra.sweep.subdir)
@@ -156,12 +157,41 @@ def _check_irmas_root(config: DictConfig) -> None:
         raise HydraException(str(exc)) from exc
 
 
+def _check_jobs(config: DictConfig) -> None:
+    """Every job composed and its values in range (``experiments.config.check``) before the sweep
+    writes anything (Hydra's sweeper composes them too, but after it has written the sweep's
+    ``multirun.yaml``): a job that fails refuses the whole sweep with a single run's line."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
+    arguments = [f"{k}={v}" for k, v in params.items()]  # resolved, as the sweeper reads them
+    arguments += _task(config)
+    loader = GlobalHydra.instance().config_loader()
+    overrides = OverridesParser.create(config_loader=loader).parse_overrides(arguments)
+    for batch in BasicSweeper.split_arguments(overrides, None):
+        for job in batch:
+            try:
+                check(loader.load_sweep_config(master_config=config, sweep_overrides=list(job)))
+            except InterpolationResolutionError:  # the job's to resolve, and to report if it cannot
+                continue
+            except (ConfigError, HydraException, OmegaConfBaseException) as exc:
+                raise HydraException(one_line(exc, CONF)) from exc
+
+
+def _task(config: DictConfig) -> list[str]:
+    """The command line's overrides as typed (an interpolation in one is the job's to resolve)."""
+    task = OmegaConf.select(config, "hydra.overrides.task", default=None)
+    return list(OmegaConf.to_container(task, resolve=False)) if task else []
+
+
 def _swept(config: DictConfig, keys: set[str]) -> bool:
     """Whether the sweep varies any of ``keys``: on the command line (``key=a,b``) or in a preset's
     ``hydra.sweeper.params``."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    task = list(OmegaConf.select(config, "hydra.overrides.task", default=None) or [])
+    task = _task(config)
     varied = {
         o.get_key_element() for o in OverridesParser.create().parse_overrides(task) if o.is_sweep_override()
     }

@@ -300,6 +300,9 @@ def rank_count(cfg: DictConfig, launch: Ranks | None) -> int:
             f"{launch.size} or null"
         )
     size = launch.size if launch is not None else asked or 1
+    steps = cfg.dataset.get("seq_len")
+    if steps is not None and steps < size:  # before any rank starts
+        raise unsplittable(steps, size)
     if size > 1:
         options = {k: v for k, v in cfg.backward.items() if k != "mode"}
         fixed = {k: v for k, v in options.items() if v not in (None, "auto")}
@@ -317,6 +320,14 @@ def rank_count(cfg: DictConfig, launch: Ranks | None) -> int:
                 "forward of its slice); accepted: model.forward_solver=native, or hardware.ranks=1"
             )
     return size
+
+
+def unsplittable(steps: int, size: int) -> ConfigError:
+    """The refusal of a sequence shorter than the ranks it would be split over."""
+    return ConfigError(
+        f"a sequence of {steps} steps cannot be split over {size} ranks; accepted: hardware.ranks of at "
+        f"most {steps}, or longer sequences"
+    )
 
 
 def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None, ranks: Ranks) -> Outcome:
@@ -369,11 +380,8 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
             train, test = data.loaders(cfg.trainer.batch_size, cfg.hardware.data_workers)
             x0, _ = next(iter(test if len(test.dataset) else train))
             layer = build(cfg.model, input_size=x0.shape[-1], batch_first=True, **backward_options(cfg))
-            if x0.shape[1] < ranks.size:
-                raise ConfigError(
-                    f"a sequence of {x0.shape[1]} steps cannot be split over {ranks.size} ranks; accepted: "
-                    f"hardware.ranks of at most {x0.shape[1]}, or longer sequences"
-                )
+            if x0.shape[1] < ranks.size:  # a length the configuration does not give (IRMAS frames)
+                raise unsplittable(x0.shape[1], ranks.size)
             split = (ranks.rank, ranks.size) if ranks.size > 1 else None
             model = Classifier(layer, data.classes, split).to(device)
             optimizer = build(cfg.optimizer, params=model.parameters())

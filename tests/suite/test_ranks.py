@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import ROOT, TINY, run_py
+from helpers import ROOT, TINY, composed, run_py
 
 from experiments.ranks import RankError, Ranks
 from experiments.records import read_table
@@ -135,7 +135,7 @@ def test_slurm_tasks_run_as_ranks_of_one_run(tmp_path: Path) -> None:
         (
             ["dataset.seq_len=1"],
             "a sequence of 1 steps cannot be split over 2 ranks; accepted: hardware.ranks of at most 1",
-            True,
+            False,  # refused before the follower starts
         ),
         (
             ["backward.strategy=chunked"],
@@ -161,6 +161,16 @@ def test_a_launch_that_does_not_add_up_fails_in_one_line_on_every_rank(
     expected = ["run.py (rank 1 of 2): error: ", "run.py: error: "] if every_rank else ["run.py: error: "]
     assert sorted(line[: line.index("error: ") + 7] for line in lines) == expected
     assert not run_dir.exists()
+
+
+def test_a_sequence_shorter_than_its_ranks_is_refused_by_the_rank_count() -> None:
+    """Where the configuration gives the length, ``rank_count`` refuses it, before ``run_job``
+    starts any follower (64 of them would each start, build the data and say the same line)."""
+    from experiments import runner
+
+    with pytest.raises(runner.ConfigError, match=r"^a sequence of 10 steps cannot be split over 64 ranks; "):
+        runner.rank_count(composed("dataset.seq_len=10", "hardware.ranks=64"), None)
+    assert runner.rank_count(composed("dataset.seq_len=10", "hardware.ranks=10"), None) == 10
 
 
 @pytest.mark.extended

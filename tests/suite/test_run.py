@@ -338,6 +338,38 @@ def test_an_irmas_sweep_without_a_root_is_refused_once_before_any_job(where) -> 
         _check_irmas_root(cfg)
 
 
+@pytest.mark.parametrize(
+    ("task", "line"),
+    extended_except(
+        [
+            (["trainer.epochs=1,0"], "trainer.epochs must be a positive integer, got 0"),
+            (["dataset.seq_len=10,abc"], "dataset.seq_len must be a positive integer, got 'abc'"),
+            (["model=rnn,elman"], "unknown model 'elman'; accepted: gru, lstm, rnn"),
+            (["experiment=rnn_seq_len", "dataset.num_samples=1"], "dataset.num_samples=1 with "),
+            (["optimizer.lr=0.1,${oops}"], None),  # each job resolves its own, and reports it
+            *[(preset_args(preset), None) for preset in PRESETS],  # each composes a sweep's jobs: seconds
+        ],
+        first=5,
+    ),
+)
+def test_a_sweep_one_of_whose_jobs_holds_a_bad_value_is_refused_before_it_writes(task, line) -> None:
+    """Every job composed and checked before Hydra's sweeper writes the sweep's multirun.yaml: a bad
+    value in any job refuses the sweep with a single run's line; the presets pass."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.callbacks import _check_jobs
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[o for o in task if "," not in o], return_hydra_config=True)
+        cfg.hydra.overrides.task = task
+        if line is None:
+            _check_jobs(cfg)
+            return
+        with pytest.raises(HydraException) as refused:
+            _check_jobs(cfg)
+    assert str(refused.value).startswith(line)
+
+
 def test_the_default_job_runs_and_records(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done = run_py(*TINY, "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path)
