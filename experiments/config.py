@@ -93,6 +93,12 @@ def one_line(exc: BaseException, conf_dir: Path) -> str:
             f"cannot read the override {override!r}; accepted: key=value, a value of ASCII letters, "
             "digits and _-./: or quoted (key='...')"
         )
+    if str(exc).startswith("Ambiguous value for argument"):  # a sweep's values without -m
+        override = str(exc).splitlines()[0].split("argument ", 1)[-1]
+        return (
+            f"{override} lists several values; accepted: -m before the overrides to sweep over them, "
+            "key=[a,b] for a list, or key='a,b' for a string"
+        )
     full_key = getattr(cause, "full_key", None)
     if isinstance(cause, ValidationError) and full_key:
         rule = _rules(getattr(cause, "object_type", None)).get(str(getattr(cause, "key", "")))
