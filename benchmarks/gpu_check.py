@@ -48,18 +48,23 @@ and its output (or why it failed, or was skipped):
 
 ``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
 GPU: what needs CUDA (the tests, the graph and Triton strategies, green contexts) is reported as
-skipped, everything else runs. The report is rewritten whole after every step (never half a file),
-so a run stopped part-way keeps the steps it finished; ``--steps`` sets which run, in its order.
+skipped, everything else runs. ``--steps`` sets which run, in its order. The report so far is
+rewritten whole after every step into ``<report>.partial`` (never half a file), which becomes the
+report when the last step ends: a run stopped part-way (its time limit, Ctrl-C, SIGTERM) keeps the
+steps it finished there and leaves an earlier report as it was. A step's command runs in a process
+group of its own, stopped whole with the step (a benchmark's ranks, ``run.sh``'s runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import importlib.util
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -80,9 +85,10 @@ from benchmarks.common import (
 )
 from bppsa_core.dispatch import runs_on
 from experiments.timing import time_ms
-from toolbox.cli import OneLineParser
+from toolbox.cli import OneLineParser, Terminated, terminate_as_interrupt
 from toolbox.files import output_file, write_atomic
 
+PROG = "python -m benchmarks.gpu_check"
 STEPS = (
     "tests", "capture", "host", "backward", "epoch", "scan", "chunk", "blocks", "workers", "forward",
     "kernels", "ranks", "reproduction",
@@ -283,16 +289,26 @@ def run_command(argv: Sequence[str], timeout: float) -> tuple[bool, str]:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": path}
     env["PYTHON"] = sys.executable  # the interpreter run.sh takes (the reproduction step)
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    except subprocess.TimeoutExpired as exc:
-        out, err = (
-            t if isinstance(t, str) else (t or b"").decode(errors="replace") for t in (exc.stdout, exc.stderr)
-        )
-        return False, f"{out}\n\nstopped after {timeout:.0f} s (--step-timeout):\n\n    {_tail(err)}"
-    if done.returncode != 0:
-        return False, f"{done.stdout}\n\nexit status {done.returncode}:\n\n    {_tail(done.stderr)}"
-    return True, done.stdout
+    kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "cwd": ROOT, "env": env}
+    with subprocess.Popen(argv, start_new_session=True, **kwargs) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop_group(process)
+            out, err = process.communicate()
+            return False, f"{out}\n\nstopped after {timeout:.0f} s (--step-timeout):\n\n    {_tail(err)}"
+        except BaseException:  # Ctrl-C, SIGTERM: the step's processes end with this one
+            _stop_group(process)
+            raise
+    if process.returncode != 0:
+        return False, f"{out}\n\nexit status {process.returncode}:\n\n    {_tail(err)}"
+    return True, out
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """Kill a step's process group: the tool and whatever it started (ranks, run.sh's runs)."""
+    with contextlib.suppress(ProcessLookupError):  # it has ended, and its group with it
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def _tail(err: str) -> str:
@@ -368,11 +384,8 @@ def render(sections: dict[str, Section], dry: bool, argv: Sequence[str]) -> str:
     return "\n".join(parts)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = OneLineParser(
-        prog="python -m benchmarks.gpu_check",
-        description=__doc__.split("\n\n")[0],
-    )
+def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.Namespace:
+    p = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--out", type=output_file, default=Path("gpu_report.md"), help="where the report is written"
     )
@@ -420,18 +433,32 @@ def run_step(name: str, todo: list[list[str]] | str, args: argparse.Namespace) -
     return section
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the steps, write the report; exit status 1 if any step failed."""
+def partial(out: Path) -> Path:
+    """Where the report stands while its steps run."""
+    return out.with_name(out.name + ".partial")
+
+
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """Run the steps, write the report; exit status 1 if any step failed, 130 (143) if Ctrl-C
+    (SIGTERM) stopped it."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     progress = Progress("gpu_check")
     steps = plan(args.dry, args.repeats, args.warmup, args.out)
     sections: dict[str, Section] = {}
-    for name in args.steps:
-        progress(f"{name} ...")
-        sections[name] = run_step(name, steps[name], args)
-        report = render(sections, args.dry, argv)  # after every step: a stopped run keeps what finished
-        write_atomic(args.out, lambda tmp, text=report: tmp.write_text(text))
+    so_far, name = partial(args.out), args.steps[0]
+    try:
+        with terminate_as_interrupt():
+            for name in args.steps:
+                progress(f"{name} ...")
+                sections[name] = run_step(name, steps[name], args)
+                report = render(sections, args.dry, argv)  # after every step: a stopped run keeps it
+                write_atomic(so_far, lambda tmp, text=report: tmp.write_text(text))
+    except KeyboardInterrupt as exc:
+        kept = f"the finished steps are in {so_far}" if sections else "no step had finished"
+        print(f"{prog}: stopped in step {name}; {kept}", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130  # as a shell reports SIGTERM, SIGINT
+    os.replace(so_far, args.out)
     failed = [n for n, s in sections.items() if s.status == "failed"]
     progress(f"report written to {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

@@ -4,4 +4,4 @@ command itself is ``benchmarks.gpu_check``."""
 from benchmarks.gpu_check import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(prog="python -m experiments.gpu_check"))

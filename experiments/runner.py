@@ -23,11 +23,8 @@ import logging
 import math
 import os
 import secrets
-import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +62,7 @@ from experiments.train import (
     save_checkpoint,
     train_epoch,
 )
+from toolbox.cli import Terminated, terminate_as_interrupt
 from toolbox.errors import DataError, WriteError
 
 log = logging.getLogger(__name__)
@@ -174,30 +172,6 @@ def run_job(cfg: DictConfig, run_dir: Path, launch: Ranks | None = None) -> Outc
 
 
 TERMINATED = "terminated (SIGTERM)"  # how an Outcome's error begins when SIGTERM stopped the run
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (what SLURM and most schedulers send first), taken as Ctrl-C is: the run stops after
-    recording what it finished."""
-
-
-@contextlib.contextmanager
-def terminate_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM raises ``Terminated`` in the main thread, so a run it stops is
-    recorded ``interrupted`` with its finished epochs, as after Ctrl-C; elsewhere (a thread, a
-    platform without signals) the block runs unchanged. The previous handler comes back after."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGTERM"):
-        yield
-        return
-
-    def stop(signum: int, frame: object) -> None:
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _holds_results(run_dir: Path) -> bool:

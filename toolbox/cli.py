@@ -1,12 +1,15 @@
-"""What the suite's commands take: counts, seeds and cores, the bounded number types, and the parser
-whose refusals are one line."""
+"""What the suite's commands take: counts, seeds and cores, the bounded number types, the parser
+whose refusals are one line, and SIGTERM taken as Ctrl-C."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from toolbox.errors import DataError
@@ -86,3 +89,28 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what SLURM and most schedulers send first), taken as Ctrl-C is: a command stops
+    after keeping what it finished."""
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises ``Terminated`` in the main thread, so whatever handles Ctrl-C
+    (recording a run's finished epochs, stopping a child process) handles it too; elsewhere (a
+    thread, a platform without signals) the block runs unchanged. The previous handler comes back
+    after."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGTERM"):
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, markdown_tables, run_module
+from helpers import ROOT, extended_except, markdown_tables, run_module
 
 from benchmarks import gpu_check
 from bppsa_core import dispatch
@@ -113,13 +114,16 @@ def test_the_dry_chunk_sweep_takes_the_compiled_cpu_scan_only_where_it_is_instal
             assert argv[argv.index("--strategies") + 1 : argv.index("--chunk")] == strategies
 
 
-def test_without_a_gpu_the_command_says_how_to_check_it(tmp_path) -> None:
-    done = run_module("benchmarks.gpu_check", "--out", str(tmp_path / "r.md"))
+@pytest.mark.parametrize(
+    "module", extended_except(["benchmarks.gpu_check", "experiments.gpu_check"], first=1)
+)
+def test_without_a_gpu_the_command_says_how_to_check_it(tmp_path, module: str) -> None:
+    done = run_module(module, "--out", str(tmp_path / "r.md"))
     assert done.returncode == 2 and not (tmp_path / "r.md").exists()
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.endswith(
-        "no CUDA device here; accepted: a machine with a GPU, or --dry to check the command on a CPU"
-    )
+    assert done.stderr.strip().splitlines() == [
+        f"python -m {module}: error: no CUDA device here; accepted: a machine with a GPU, or --dry to "
+        "check the command on a CPU"
+    ]
 
 
 def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path, monkeypatch) -> None:
@@ -148,26 +152,64 @@ def test_a_step_stopped_by_its_time_limit_keeps_what_it_printed_on_both_streams(
     assert "| a |" in text and "[distributed] T = 50, 1 rank(s): bppsa backward 1.0 ms" in text
 
 
-def test_a_run_stopped_part_way_keeps_the_steps_it_finished(tmp_path, monkeypatch) -> None:
-    """The report is rewritten after every step: a run killed in its second step (here, the
-    interrupt a time limit sends) leaves the first step's table, in the order ``--steps`` gave."""
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, gpu_check.Terminated])
+def test_a_run_stopped_part_way_keeps_the_steps_it_finished(tmp_path, monkeypatch, capsys, stop) -> None:
+    """The report so far is rewritten after every step into ``<report>.partial``: a run stopped in
+    its second step (Ctrl-C, or SIGTERM as a time limit sends it) leaves the first step's table
+    there, in the order ``--steps`` gave, and an earlier report as it was; a run that ends makes
+    the partial report the report."""
     out = tmp_path / "report.md"
+    so_far = tmp_path / "report.md.partial"
+    out.write_text("an earlier report")
     seen = []
 
     def run(argv, timeout):
-        seen.append(out.read_text() if out.exists() else None)
+        seen.append(so_far.read_text() if so_far.exists() else None)
         if len(seen) == 2:
-            raise KeyboardInterrupt
+            raise stop
         return True, "| a |\n|---|\n| 1 |"
 
     monkeypatch.setattr(gpu_check, "plan", lambda *a: {"scan": [["s"]], "backward": [["b"]]})
     monkeypatch.setattr(gpu_check, "run_command", run)
-    with pytest.raises(KeyboardInterrupt):
-        gpu_check.main(["--dry", "--out", str(out), "--steps", "scan", "backward"])
+    code = gpu_check.main(["--dry", "--out", str(out), "--steps", "scan", "backward"])
+    assert code == (143 if stop is gpu_check.Terminated else 130)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"python -m benchmarks.gpu_check: stopped in step backward; the finished steps are in {so_far}"
+    )
     assert seen[0] is None and "Step `scan`: ok" in seen[1]  # written before the next step began
-    text = out.read_text()
+    text = so_far.read_text()
     assert "Step `scan`: ok" in text and "Step `backward`" not in text
     assert markdown_tables(text)[0][1] == [["1"]]
+    assert out.read_text() == "an earlier report"
+    seen.clear()  # the same run to its end
+    assert gpu_check.main(["--dry", "--out", str(out), "--steps", "scan"]) == 0
+    assert "Step `scan`: ok" in out.read_text() and not so_far.exists()
+
+
+def test_a_stopped_step_takes_every_process_it_started_with_it() -> None:
+    """A step's tool runs in a process group of its own, killed whole when the step is stopped: a
+    process the tool started (a rank, a run of run.sh) does not outlive it."""
+    code = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print(child.pid, flush=True); time.sleep(60)"
+    )
+    ok, text = gpu_check.run_command([sys.executable, "-c", code], timeout=3)
+    assert not ok and "stopped after 3 s" in text
+    grandchild = int(text.split()[0])
+    for _ in range(50):  # killed at once; reaped by init a moment later
+        if not Path(f"/proc/{grandchild}").exists() or "Z" in _state(grandchild):
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{grandchild}").exists() or "Z" in _state(grandchild)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc ("Z": ended, not yet reaped); "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 @pytest.mark.extended  # compiles parallel builds of its own (seconds each); the dry run below runs it too
