@@ -481,11 +481,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--quick shrinks a suite; accepted: --suite paper --quick or --suite long --quick")
     if args.epoch_samples is not None and args.epoch_samples > TRAIN_SAMPLES:
         p.error(f"--epoch-samples: {args.epoch_samples} is more than the {TRAIN_SAMPLES} training samples")
-    for strategy in args.strategies or ():  # asked for by name: one that cannot run here is an error
+    named = [("--strategies", s) for s in args.strategies or ()] + [("--epoch-strategy", args.epoch_strategy)]
+    for flag, strategy in named:  # asked for by name: one that cannot run here is an error
         try:
             check_device(strategy, args.device)
         except ValueError as exc:
-            p.error(f"--strategies: {exc}")
+            p.error(f"{flag}: {exc}")
     args.tables = args.tables or (list(TABLES) if args.suite else ["backward"])
     args.model = args.model or "rnn"
     if not args.suite and "epoch" in args.tables and args.model != "rnn":
@@ -571,4 +572,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_tool("benchmarks.backward", main))
+    raise SystemExit(run_tool("benchmarks.backward", main, "smaller --T, --B, --H, --F or --block-mib"))

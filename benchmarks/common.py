@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from experiments.hardware import HardwareError, cpu_name, out_of_memory, resolve_device
+from experiments.hardware import HardwareError, cpu_name, memory_cause, out_of_memory, resolve_device
 from toolbox.cli import (  # noqa: F401  (the count and number types: the tools import them from here)
     SEEDS,
     OneLineParser,
@@ -36,17 +36,23 @@ def seed_arg(text: str) -> int:
     return seed
 
 
-def run_tool(module: str, main: Callable[[], int]) -> int:
-    """A tool's ``main()`` as its command runs it: memory that runs out (sizes too large for this
-    machine) ends it with one line and status 1 instead of a traceback; it has written nothing, as
-    every tool writes its files at the end."""
+def run_tool(module: str, main: Callable[[], int], sizes: str = "smaller sizes") -> int:
+    """A tool's ``main()`` as its command runs it, with one line on stderr instead of a traceback:
+    Ctrl-C ends it with status 130, and memory that runs out (sizes too large for this machine) with
+    status 1, the line naming ``sizes``, what the tool takes smaller. Either way it has written
+    nothing, as every tool writes its files at the end."""
     try:
         return main()
+    except KeyboardInterrupt:  # asked for, not a failure: no traceback (128 + SIGINT, as a shell says)
+        print(f"python -m {module}: interrupted", file=sys.stderr)
+        return 130
     except Exception as exc:
         if not out_of_memory(exc):
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"python -m {module}: error: out of memory: {first}; accepted: smaller sizes", file=sys.stderr)
+        print(
+            f"python -m {module}: error: out of memory: {memory_cause(exc)}; accepted: {sizes}",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -39,8 +39,9 @@ PAPER = {"Conv2d": (0.99157, 8.3e3), "ReLU": (0.99998, 1.2e6), "MaxPool2d": (0.9
 
 def autograd_rows_time(
     fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int, seed: int
-) -> float:
-    """Seconds per row of building J with autograd: one VJP per output, then its non-zeros."""
+) -> tuple[float, int]:
+    """Seconds per row of building J with autograd (one VJP per output, then its non-zeros), and
+    the rows it sampled: ``rows``, or all of J's where it has fewer."""
     x = x.detach().requires_grad_()
     y = fn(x).reshape(-1)
     picks = torch.randperm(y.numel(), generator=torch.Generator().manual_seed(seed))[:rows]
@@ -50,7 +51,7 @@ def autograd_rows_time(
             (row,) = torch.autograd.grad(y[r], x, retain_graph=True)
             row.reshape(-1).nonzero()
 
-    return time_ms(rows, x.device) / 1e3 / len(picks)
+    return time_ms(rows, x.device) / 1e3 / len(picks), len(picks)
 
 
 def table(
@@ -81,7 +82,7 @@ def table(
         jt = build()
         n_in, n_out = jt.shape
         csr_s = median_ms(build, device, warmup, repeats) / 1e3
-        per_row = autograd_rows_time(fn, inp, rows, seed)
+        per_row, sampled = autograd_rows_time(fn, inp, rows, seed)
         baseline = per_row * n_out  # J has one row per output
         out.append(
             {
@@ -91,6 +92,7 @@ def table(
                 "csr_s": csr_s,
                 "autograd_s": baseline,
                 "per_row_s": per_row,
+                "rows": sampled,
                 "speedup": baseline / csr_s,
             }
         )
@@ -115,9 +117,17 @@ def format_table(results: list[dict], rows: int, repeats: int = 20, warmup: int 
                 _ms(r["autograd_s"] / paper_speedup),
             ]
         )
+    sampled = {r["rows"] for r in results}
+    what = (
+        f"{sampled.pop()} sampled rows"
+        if len(sampled) == 1
+        else "sampled rows " + ", ".join(f"{r['layer']} {r['rows']}" for r in results)
+    )
+    if any(r["rows"] < rows for r in results):  # a J with fewer rows than asked for: all of its rows
+        what += f" (all of J's rows where --rows {rows} is more)"
     notes = [
         f"CSR build: median of {repeats} builds after {warmup} untimed ones.",
-        f"Autograd time: {rows} sampled rows, scaled to all rows of J.",
+        f"Autograd time: {what}, scaled to all rows of J.",
     ]
     return "\n".join([markdown(head, body), "", *notes])
 

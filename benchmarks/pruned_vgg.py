@@ -35,6 +35,7 @@ from torch import nn
 from analysis.schemes.network import CLASSES, build_vgg11
 from benchmarks.common import (
     Progress,
+    bounded,
     non_negative_int,
     parser,
     positive_float,
@@ -180,19 +181,26 @@ def study(
     return pd.DataFrame(summary), pd.DataFrame(products)
 
 
+RATIOS = "0 <= ratio < 1"
+
+
 def _ratio(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a pruning ratio; accepted: 0 <= ratio < 1")
+    """argparse type of ``--ratios``: a pruning ratio, the share of each layer's weights zeroed."""
+    value = bounded(float, RATIOS, positive=False)(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a pruning ratio; accepted: {RATIOS}")
     return value
 
 
 def _level(text: str) -> int | None:
-    if text == "all":
-        return None
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a level count; accepted: 0, 1, 2, ... or all")
-    return int(text)
+    """argparse type of ``--levels``: a count of scan levels, or ``all`` (None: the full scan)."""
+    return None if text == "all" else bounded(int, "0, 1, 2, ... or all", positive=False)(text)
+
+
+def full_levels(n: int) -> int:
+    """The up/down levels of ``sparse.sparse_scan``'s full scan over a chain of ``n`` elements: each
+    level leaves (n - 1) // 2 of them, and the scan ends at none, so more levels change nothing."""
+    return 0 if n == 0 else 1 + full_levels((n - 1) // 2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,16 +212,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=_level,
         nargs="+",
         default=[2, 1, 3, None],
-        help="scan levels, or all (default: 2 1 3 all)",
+        help="scan levels before a sequential middle, 0 (plain BP) up to the full scan's, or all "
+        "(default: 2 1 3 all)",
     )
     p.add_argument("--width", type=positive_float, default=1.0, help="channel multiplier (VGG-11: 1.0)")
     p.add_argument("--image-size", type=positive_int, default=32, help="input side (CIFAR-10: 32)")
     p.add_argument("--steps", type=non_negative_int, default=50, help="retraining steps per ratio")
     args = p.parse_args(argv)
     try:
-        build_vgg11(args.width, args.image_size)
+        length = len(build_vgg11(args.width, args.image_size))  # one Jacobian per layer (jacobian_chain)
     except ValueError as exc:
         p.error(str(exc))
+    most = full_levels(length)
+    for lv in args.levels:
+        if lv is not None and lv > most:  # the same scan as "all": refused rather than labelled otherwise
+            p.error(
+                f"argument --levels: {lv} is more than the {most} levels of the full scan over VGG-11's "
+                f"{length} Jacobians; accepted: 0 to {most} or all"
+            )
     progress = Progress("pruned_vgg")
     summary, products = study(
         args.ratios, args.levels, args.width, args.image_size, args.steps, progress=progress
@@ -228,4 +244,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_tool("benchmarks.pruned_vgg", main))
+    raise SystemExit(run_tool("benchmarks.pruned_vgg", main, "smaller --width or --image-size"))

@@ -20,6 +20,7 @@ Writes ``measured.csv`` (scheme, p, time in seconds, and the settings) and ``cal
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import tempfile
@@ -177,6 +178,8 @@ def measure(args, progress: Callable[[str], None]) -> tuple[list[dict], dict]:
     progress(f"data parallel and GPipe, {RANKS} processes of 1 thread")
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
+        # Its warning that it ends the other process after one fails: the failure's own line says it.
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         mp.spawn(_worker, args=(args, store, out), nprocs=RANKS, join=True)
         two = json.loads(Path(out).read_text())
     settings = {"model": "vgg11", "batch": args.batch, "width": args.width, "threads_per_process": 1}
@@ -251,4 +254,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_tool("benchmarks.schemes", main))
+    raise SystemExit(run_tool("benchmarks.schemes", main, "smaller --pingpong-mb, --batch or --width"))

@@ -217,11 +217,28 @@ def test_a_named_strategy_that_cannot_run_on_the_device_is_refused_before_any_ti
         parse_args(["--strategies", "chunked", "triton"])
     assert exc.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(
-        "python -m benchmarks.backward: error: --strategies: strategy='triton' needs"
-    )
+    assert line.startswith("python -m benchmarks.backward: error: --strategies: strategy='triton' needs")
     assert "and this device is cpu; accepted here: auto, sequential, blelloch, chunked" in line
     assert parse_args(["--strategies", "chunked"]).strategies == ["chunked"]
+
+
+@pytest.mark.parametrize("strategy", ["graph", "triton"])
+def test_an_epoch_strategy_that_cannot_run_on_the_device_is_refused_before_the_epoch(
+    strategy, triton_refused, monkeypatch, capsys
+) -> None:
+    monkeypatch.setattr(backward, "epoch_comparison", lambda *a, **k: pytest.fail("the epoch ran"))
+    with pytest.raises(SystemExit) as exc:
+        backward.main(["--tables", "epoch", "--T", "10", "--epoch-strategy", strategy])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith(
+        f"python -m benchmarks.backward: error: --epoch-strategy: strategy='{strategy}' needs"
+    )
+    assert "and this device is cpu; accepted here: auto, sequential, blelloch, chunked" in line
+    assert captured.out == ""
+    assert parse_args(["--epoch-strategy", "chunked"]).epoch_strategy == "chunked"
+    assert parse_args([]).epoch_strategy == "auto"
 
 
 # Every tool that writes files: its output option, a path that option refuses ({file}: a file,
@@ -298,6 +315,61 @@ def test_memory_that_runs_out_ends_a_tool_in_one_line(capsys) -> None:
     with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
         run_tool("benchmarks.backward", lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
     assert run_tool("benchmarks.backward", lambda: 0) == 0
+
+
+def test_memory_that_runs_out_in_a_spawned_process_is_said_with_its_cause_and_sizes(capsys) -> None:
+    from torch.multiprocessing import ProcessRaisedException
+
+    from benchmarks.common import run_tool
+
+    cause = (
+        "RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+        "can't allocate memory: you tried to allocate 104857600000 bytes."
+    )
+    trace = 'Traceback (most recent call last):\n  File "x.py", line 1, in _pingpong\n    torch.zeros(n)\n'
+    message = f"\n\n-- Process 0 terminated with the following error:\n{trace}{cause}\n"
+
+    def spawned() -> int:
+        raise ProcessRaisedException(message, 0, 1234)  # as torch.multiprocessing.spawn raises it
+
+    assert run_tool("benchmarks.schemes", spawned, "smaller --pingpong-mb or --batch") == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    prefix = "python -m benchmarks.schemes: error: out of memory: "
+    assert line == f"{prefix}{cause}; accepted: smaller --pingpong-mb or --batch"
+
+
+def test_ctrl_c_ends_a_tool_in_one_line_with_status_130(capsys) -> None:
+    from benchmarks.common import run_tool
+
+    def interrupted() -> int:
+        print("a table so far")
+        raise KeyboardInterrupt
+
+    try:
+        assert run_tool("benchmarks.pruned_vgg", interrupted) == 130
+    except KeyboardInterrupt:  # caught here, as pytest would end the whole session on it
+        pytest.fail("Ctrl-C left run_tool as a traceback")
+    captured = capsys.readouterr()
+    assert captured.err == "python -m benchmarks.pruned_vgg: interrupted\n"
+    assert captured.out == "a table so far\n"  # what was printed before stays
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+def test_ctrl_c_in_the_command_itself_gives_its_one_line(monkeypatch, capsys) -> None:
+    import runpy
+
+    def interrupted(device: torch.device) -> Floors:
+        raise KeyboardInterrupt  # what Ctrl-C raises wherever the tool is
+
+    monkeypatch.setattr("benchmarks.floors.measure_floors", interrupted)
+    monkeypatch.setattr(sys, "argv", ["backward", "--T", "10"])
+    with pytest.raises(SystemExit) as exc:
+        try:
+            runpy.run_module("benchmarks.backward", run_name="__main__")
+        except KeyboardInterrupt:  # caught here, as pytest would end the whole session on it
+            pytest.fail("Ctrl-C left the command as a traceback")
+    assert exc.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["python -m benchmarks.backward: interrupted"]
 
 
 def test_cuda_without_a_gpu_is_named(capsys, monkeypatch) -> None:
