@@ -134,6 +134,14 @@ def out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError | torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
 
 
+def memory_cause(exc: BaseException) -> str:
+    """The line of ``exc`` that says what ran out: the last one naming memory, as a spawned process's
+    error ends its traceback with it, else the first line, else the error's type."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    said = [line for line in lines if "memory" in line.lower()]
+    return said[-1] if said else lines[0] if lines else type(exc).__name__
+
+
 def check_data_workers(workers: int) -> None:
     """Refuse more DataLoader worker processes than cores: each is a process, and thousands of them
     stall the machine instead of feeding one run."""

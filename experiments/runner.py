@@ -45,6 +45,7 @@ from experiments.hardware import (
     contended,
     describe,
     limit_workers,
+    memory_cause,
     out_of_memory,
     resolve_device,
 )
@@ -171,6 +172,7 @@ def run_job(cfg: DictConfig, run_dir: Path, launch: Ranks | None = None) -> Outc
         return outcome
 
 
+SMALLER = "smaller dataset.seq_len, trainer.batch_size or model.hidden_size"  # what memory scales with
 TERMINATED = "terminated (SIGTERM)"  # how an Outcome's error begins when SIGTERM stopped the run
 
 
@@ -404,6 +406,8 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
         message = first_line(exc)
         if left is not None:
             message = str(left)
+        elif out_of_memory(exc):  # sizes too large for this machine, not a bug
+            message = f"out of memory: {memory_cause(exc)}; accepted: {SMALLER}"
         elif not isinstance(exc, WriteError):
             message = f"{type(exc).__name__}: {message}"
         summary.update(status="failed", error=message)

@@ -592,6 +592,22 @@ def test_a_non_finite_test_loss_fails_the_run(tmp_path: Path, monkeypatch) -> No
     assert not (tmp_path / "records.csv").exists()
 
 
+def test_a_run_out_of_memory_fails_in_one_line_naming_the_sizes(tmp_path: Path, monkeypatch) -> None:
+    """Memory that runs out is a size too large for the machine: the line says so and which sizes to
+    make smaller, with the allocator's own words, not an error type to debug."""
+    said = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 25600000000 bytes."
+
+    def too_large(*args, **kwargs):
+        raise RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. {said}")
+
+    monkeypatch.setattr(runner, "evaluate", too_large)
+    outcome = runner.run_job(composed(*TINY, "logger=none"), tmp_path)
+    assert outcome.status == "failed" and not outcome.bad_input
+    assert outcome.error.startswith("out of memory: [enforce fail at alloc_cpu.cpp:127] err == 0. ")
+    assert outcome.error.endswith(f"{said}; accepted: {runner.SMALLER}")
+    assert json.loads((tmp_path / "summary.json").read_text())["error"] == outcome.error
+
+
 LR = "a finite positive number a float32 holds (at most 3.4e+38)"
 # Bad input and the one line it fails with; the default run takes the first three, .ci/run all.
 BAD_INPUT = [
