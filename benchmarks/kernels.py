@@ -680,7 +680,9 @@ def _arch(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability like 80 or 90") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number; accepted: a compute capability 75 to 120, like 80 or 90"
+        ) from None
     if value < 75:
         raise argparse.ArgumentTypeError(
             f"sm_{value}: the kernels' tl.dot needs sm_75 or later; accepted: 75 to 120"

@@ -378,7 +378,7 @@ def test_the_tool_fails_in_one_line_without_ptxas(monkeypatch, capsys) -> None:
     [
         ("70", "sm_70: the kernels' tl.dot needs sm_75 or later; accepted: 75 to 120"),
         ("1000", "sm_1000: no such GPU yet; accepted: 75 to 120"),
-        ("hopper", "'hopper' is not a compute capability like 80 or 90"),
+        ("hopper", "'hopper' is not a number; accepted: a compute capability 75 to 120, like 80 or 90"),
     ],
 )
 def test_an_arch_the_kernels_cannot_target_is_refused_in_one_line(arch: str, message: str, capsys) -> None:
