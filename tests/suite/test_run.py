@@ -448,18 +448,25 @@ def test_a_sweep_merges_its_jobs_and_skips_them_when_rerun(tmp_path: Path) -> No
 
 @pytest.mark.extended
 def test_a_failed_job_is_recorded_and_the_others_kept(tmp_path: Path) -> None:
+    """A job refused where it runs (a device this machine lacks: no configuration check can know)
+    is recorded with its line and leaves no folder; the other job completes and is merged. A value
+    out of range refuses the whole sweep before it writes anything."""
     sweep = tmp_path / "sweep"
-    done = run_py(
-        "-m", *TINY[1:], "logger=csv", "dataset.seq_len=0,6", f"hydra.sweep.dir={sweep}", cwd=tmp_path
-    )
+    base = ["-m", *TINY, "logger=csv", f"hydra.sweep.dir={sweep}"]
+    out_of_range = run_py(*base, "trainer.epochs=2,0", cwd=tmp_path)
+    assert out_of_range.returncode == 2 and not sweep.exists()
+    assert out_of_range.stderr.strip() == "run.py: error: trainer.epochs must be a positive integer, got 0"
+    if torch.cuda.is_available():
+        pytest.skip("every device asked for is here")
+    done = run_py(*base, "hardware.device=cpu,cuda", cwd=tmp_path)
     assert done.returncode == 1
     assert "1 of 2 jobs completed" in done.stdout
     jobs = pd.read_csv(sweep / "jobs.csv").set_index("run")
     assert sorted(jobs["outcome"]) == ["completed", "failed"]
     refused = jobs[jobs["outcome"] == "failed"].iloc[0]
-    assert "dataset.seq_len must be a positive integer, got 0" in refused["error"]
+    assert "hardware.device 'cuda' asked for, but CUDA is not available here" in refused["error"]
     assert pd.isna(refused["status"]) and not (sweep / refused.name).exists()  # refused: no folder
-    assert pd.read_csv(sweep / "records.csv")["seq_len"].unique().tolist() == [6]
+    assert pd.read_csv(sweep / "records.csv")["seq_len"].unique().tolist() == [8]
 
 
 @pytest.mark.extended
