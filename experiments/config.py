@@ -47,6 +47,9 @@ def _rules(node_type: type) -> dict[str, schema.Rule]:
 def check(cfg: DictConfig) -> None:
     """Raise ConfigError on the first key whose value is missing or out of range, or on a group whose
     values do not fit together (the schema's ``together``)."""
+    for group, options in schema.OPTIONS.items():  # a group removed (``~model``) or set to nothing
+        if OmegaConf.is_missing(cfg, group):  # False for a key the config lacks
+            raise ConfigError(f"{group} is required; accepted: {', '.join(sorted(options))}")
     nodes = [("", cfg)] + [(f"{group}.", cfg[group]) for group in schema.OPTIONS if group in cfg]
     for prefix, node in nodes:
         node_type = OmegaConf.get_type(node)

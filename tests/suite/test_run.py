@@ -633,6 +633,7 @@ BAD_INPUT = [
     (["--cfg", "nope"], "argument --cfg/-c: invalid choice: 'nope'"),
     (["name=ü"], "cannot read the override 'name=ü'; accepted: key=value, a value of ASCII letters"),
     (["model=["], "cannot read the override 'model=['"),
+    (["~model"], "model is required; accepted: gru, lstm, rnn"),
     (["model=rnn,gru"], "'model=rnn,gru' lists several values; accepted: -m before the overrides to sweep"),
     (["trainer.foo=1"], "unknown key trainer.foo; accepted: epochs, batch_size, warmup_iters"),
     (["foo=1"], "unknown key foo; accepted: name, model, dataset, backward, optimizer, trainer, logger"),
