@@ -22,7 +22,7 @@ arithmetic. Far from the solution, though, a linearised solve over many steps of
 is not contractive (a trained RNN) multiplies its corrections by long products of Jacobians and
 overflows to inf and NaN: plain DEER diverges there. So a correction that is not a number is
 dropped, and every iterate is projected onto the box the cell's states provably lie in
-(``Cell.bounds``: tanh's [-1, 1], a GRU's convex combinations, an LSTM's |c_t| <= |c_0| + t). Both
+(``Cell.bounds``: tanh's [-1, 1], a GRU's convex combinations, an LSTM's |c_t| <= |c_0| + T). Both
 are inactive at the solution, so the fixed point and the first-k-exact property are unchanged, and
 a trained model's solve converges where the plain one stops at NaN (re-measured by
 ``python -m benchmarks.forward --weights trained``).

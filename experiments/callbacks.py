@@ -1,5 +1,7 @@
-"""Hydra callbacks: note the folders Hydra is about to make or write into (so that a refusal leaves
-them as they were), merge a sweep's run tables when the sweep ends, and say how its jobs went."""
+"""Hydra callbacks: refuse a sweep before it writes anything (a launcher that cannot run here, an
+IRMAS root every job would lack, a job whose configuration fails its checks), note the folders Hydra
+is about to make or write into (so that a refusal leaves them as they were), merge a sweep's run
+tables when the sweep ends, and say how its jobs went."""
 
 from __future__ import annotations
 
