@@ -1,7 +1,7 @@
 """Hydra callbacks: refuse a sweep before it writes anything (a launcher that cannot run here, an
-IRMAS root every job would lack, a job whose configuration fails its checks), note the folders Hydra
-is about to make or write into (so that a refusal leaves them as they were), merge a sweep's run
-tables when the sweep ends, and say how its jobs went."""
+IRMAS root every job would find missing or empty, a job whose configuration fails its checks), note
+the folders Hydra is about to make or write into (so that a refusal leaves them as they were), merge
+a sweep's run tables when the sweep ends, and say how its jobs went."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
-from experiments.config import ConfigError, check, one_line, required
+from experiments.config import ConfigError, check, one_line
 from experiments.ranks import launched_follower
 from experiments.records import (
     JOBS,
@@ -139,17 +139,15 @@ def _slurm(config: DictConfig) -> bool:
 
 
 def _check_irmas_root(config: DictConfig) -> None:
-    """A sweep whose every job reads the same IRMAS root, not given, missing or without clips, would
-    fail job by job with the same line: it is refused once, before any job, with that line. A sweep
-    over the dataset or its root is left to its jobs (the others may run); so is one sent to SLURM
-    whose root is given (its jobs may see folders this machine does not)."""
+    """A sweep whose every job reads the same IRMAS root, missing or without clips, would fail job by
+    job with the same line: it is refused once, before any job, with that line. A sweep over the
+    dataset or its root is left to its jobs (the others may run), and so is one sent to SLURM (its
+    jobs may see folders this machine does not)."""
     irmas = OmegaConf.select(config, "dataset._target_", default=None) == "datasets.irmas.IRMAS"
-    if not irmas or _swept(config, {"dataset", "dataset.root"}):
-        return
-    if OmegaConf.is_missing(config.dataset, "root"):
-        raise HydraException(required(config.dataset, "dataset.", "root"))
+    if not irmas or _slurm(config) or OmegaConf.is_missing(config.dataset, "root"):
+        return  # a root not given is refused with every job's other checks (``_check_jobs``)
     root = config.dataset.root
-    if root is None or _slurm(config):
+    if root is None or _swept(config, {"dataset", "dataset.root"}):
         return
     from datasets.irmas import IRMASError, find_clips
 

@@ -61,19 +61,13 @@ def check(cfg: DictConfig) -> None:
                 raise ConfigError(f"unknown key {prefix}{extra[0]}; accepted: {', '.join(shown)}")
         for key, rule in _rules(node_type).items():
             if OmegaConf.is_missing(node, key):
-                raise ConfigError(required(node, prefix, key))
+                raise ConfigError(f"{prefix}{key} is required{rule.hint}; accepted: {rule.what}")
             value = node[key]
             if not rule.ok(value):
                 raise ConfigError(f"{prefix}{key} must be {rule.what}, got {value!r}")
         problem = getattr(node_type, "together", lambda node: None)(node)
         if problem:
             raise ConfigError(problem)
-
-
-def required(node: DictConfig, prefix: str, key: str) -> str:
-    """The line refusing a config whose ``node`` (at ``prefix``) lacks a value for ``key``."""
-    rule = _rules(OmegaConf.get_type(node))[key]
-    return f"{prefix}{key} is required{rule.hint}; accepted: {rule.what}"
 
 
 def build(node: DictConfig, **kwargs: Any) -> Any:

@@ -324,20 +324,6 @@ def test_a_sweep_over_one_missing_or_empty_irmas_root_is_refused_once_before_any
     )
 
 
-@pytest.mark.parametrize("where", [[], ["hydra/launcher=slurm"]])
-def test_an_irmas_sweep_without_a_root_is_refused_once_before_any_job(where) -> None:
-    """Every job would fail for want of dataset.root, on this machine or on SLURM's: refused with
-    the line a single run gives; a sweep over the dataset or its root is left to its jobs."""
-    from experiments.callbacks import _check_irmas_root
-
-    cfg = composed("experiment=gru_irmas", *where, hydra=True)
-    with pytest.raises(HydraException, match=r"^dataset\.root is required \(pass dataset\.root=<folder>\)"):
-        _check_irmas_root(cfg)
-    for swept in ("dataset.root=/a,/b", "dataset=irmas,bitstream"):
-        cfg.hydra.overrides.task = [swept]
-        _check_irmas_root(cfg)
-
-
 @pytest.mark.parametrize(
     ("task", "line"),
     extended_except(
@@ -347,14 +333,19 @@ def test_an_irmas_sweep_without_a_root_is_refused_once_before_any_job(where) -> 
             (["model=rnn,elman"], "unknown model 'elman'; accepted: gru, lstm, rnn"),
             (["experiment=rnn_seq_len", "dataset.num_samples=1"], "dataset.num_samples=1 with "),
             (["optimizer.lr=0.1,${oops}"], None),  # each job resolves its own, and reports it
+            (["experiment=gru_irmas"], "dataset.root is required (pass dataset.root=<folder>); accepted: "),
+            (["experiment=gru_irmas", "hydra/launcher=slurm"], "dataset.root is required (pass "),
+            (["experiment=gru_irmas", "dataset.root=/a,/b"], None),  # each job's root, each job's to read
+            (["experiment=gru_irmas", "dataset=irmas,bitstream"], "dataset.root is required (pass "),
             *[(preset_args(preset), None) for preset in PRESETS],  # each composes a sweep's jobs: seconds
         ],
-        first=5,
+        first=9,
     ),
 )
 def test_a_sweep_one_of_whose_jobs_holds_a_bad_value_is_refused_before_it_writes(task, line) -> None:
     """Every job composed and checked before Hydra's sweeper writes the sweep's multirun.yaml: a bad
-    value in any job refuses the sweep with a single run's line; the presets pass."""
+    value in any job (IRMAS's root not given included) refuses the sweep with a single run's line;
+    the presets pass."""
     from hydra import compose, initialize_config_dir
 
     from experiments.callbacks import _check_jobs
