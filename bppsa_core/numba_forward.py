@@ -3,10 +3,11 @@
 
 PyTorch's CPU kernel issues a handful of small ops per step, each a few microseconds of overhead
 for B·G·H² multiply-adds that take well under one. Here the input projection of a segment is one
-GEMM over all its steps (``x @ W_ih^T + biases``), and the recurrence one compiled loop, each group
-of samples a task (a ``prange`` over ``torch.get_num_threads()`` groups; with one thread, a serial
-build runs in the calling thread) that steps its samples side by side. A step is ``h @ W_hh^T``
-(``numba_math.add_hidden``), then the cell's activations, elementwise:
+GEMM over all its steps (``x @ W_ih^T + biases``; a GRU's b_hh is added in the loop), and the
+recurrence one compiled loop, each group of samples a task (a ``prange`` over
+``torch.get_num_threads()`` groups; with one thread, a serial build runs in the calling thread) that
+steps its samples side by side. A step is ``h @ W_hh^T`` (``numba_math.add_hidden``), then the
+cell's activations, elementwise:
 
 * RNN: ``h' = tanh(a)`` or ``relu(a)``;
 * GRU: ``r, z = sigmoid(.)``, ``n = tanh(a_n + r (W_hn h + b_hn))``, ``h' = n + z (h - n)``;
@@ -96,11 +97,12 @@ def _rnn(relu, groups, xw, w_hh, h0, steps, out, h_last):
         put(h_last[lo:hi], h)
 
 
-def _gru(groups, xw, w_hh, b_hn, h0, steps, out, h_last):
-    """A GRU's recurrence over a segment: xw (S, B, 3H) the projected inputs with b_ih and the r and
-    z parts of b_hh, w_hh (3H, H) (rows r, z, n), b_hn (H,); otherwise as ``_rnn``. A step's
-    sigmoids are one loop over a sample's 2H units (r, z side by side), its tanh one loop over the
-    group's candidates n, as the LSTM's (``_lstm``): PyTorch's formulas, in its order."""
+def _gru(groups, xw, w_hh, b_hh, h0, steps, out, h_last):
+    """A GRU's recurrence over a segment: xw (S, B, 3H) the projected inputs with b_ih, w_hh (3H, H)
+    and b_hh (3H,) (rows r, z, n), added in the step (its n part inside r: no bias sum and slice
+    on the host, a short layer's cost); otherwise as ``_rnn``. A step's sigmoids are one loop over
+    a sample's 2H units (r, z side by side), its tanh one loop over the group's candidates n, as
+    the LSTM's (``_lstm``): PyTorch's formulas, in its order."""
     seg, batch, rows = xw.shape
     hid = rows // 3
     w_t = np.ascontiguousarray(w_hh.T)
@@ -111,10 +113,12 @@ def _gru(groups, xw, w_hh, b_hn, h0, steps, out, h_last):
         acc = np.empty((n, rows), h.dtype)
         cand = np.empty(n * hid, h.dtype)
         for t in range(seg):
-            _load(acc, xw, t, lo)
-            for b in range(n):  # the n gate's hidden side starts from b_hn (r multiplies it)
+            for b in range(n):  # loaded with b_hh in one loop (python -m benchmarks.forward)
+                for j in range(rows):
+                    acc[b, j] = xw[t, lo + b, j] + b_hh[j]
+            for b in range(n):  # the n gate's hidden side starts from b_hn alone (r multiplies it)
                 for j in range(hid):
-                    acc[b, 2 * hid + j] = b_hn[j]
+                    acc[b, 2 * hid + j] = b_hh[2 * hid + j]
             add_hidden(acc, h, w_t)
             for b in range(n):
                 for j in range(2 * hid):
@@ -213,6 +217,20 @@ def tape_arrays(steps: int, batch: int, hidden: int, dtype: torch.dtype) -> tupl
     )
 
 
+def _projected(x: Tensor, w_ih: Tensor, bias: Tensor | None, outer: bool) -> Tensor:
+    """x (N, I) @ w_ih^T (+ bias). One input feature (the paper's bitstream, ``outer``): an outer
+    product, which addcmul makes in about half addmm's time (python -m benchmarks.forward)."""
+    if bias is None:
+        return torch.mul(x, w_ih.t()) if outer else torch.mm(x, w_ih.t())
+    return torch.addcmul(bias, x, w_ih.t()) if outer else torch.addmm(bias, x, w_ih.t())
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(rows: int, kind: type) -> np.ndarray:
+    """A GRU's b_hh without biases: zeros, made once per shape (the kernels only read it)."""
+    return np.zeros(rows, kind)
+
+
 @functools.lru_cache(maxsize=64)
 def _running(batch: int, steps: int) -> np.ndarray:
     """The steps each sample runs in a segment without lengths: all of them (the kernels only read
@@ -238,15 +256,14 @@ def layer_forward(
     c_0..c_T and states h_0..h_T are written. Returns (out, h_T, c_T), c_T None but for an LSTM.
     Nothing is recorded for autograd here (``dispatch.compiled_forward``)."""
     steps, batch = x.shape[:2]
-    hidden = h0.shape[-1]
     w_ih, w_hh, *biases = weights
     rows = w_hh.shape[0]
-    bias = biases[0] + biases[1] if biases else x.new_zeros(rows)
     cell = _CELLS.get(mode, "rnn")
-    if cell == "gru":  # b_hn is applied inside r (W_hn h + b_hn)
-        b_hn = biases[1][2 * hidden :].detach().numpy() if biases else np.zeros(hidden, NUMPY_DTYPES[x.dtype])
-        if biases:
-            bias[2 * hidden :] = biases[0][2 * hidden :]
+    if cell == "gru":  # b_hh in the kernel, whose n part goes inside r (W_hn h + b_hn)
+        bias = biases[0] if biases else None
+        b_hh = biases[1].detach().numpy() if biases else _zeros(rows, NUMPY_DTYPES[x.dtype])
+    else:  # one sum, not an add per step and unit in the kernel (python -m benchmarks.forward)
+        bias = biases[0] + biases[1] if biases else None
     w_hh = w_hh.detach().numpy()
     n_threads = threads()
     groups = min(n_threads, batch)
@@ -263,16 +280,14 @@ def layer_forward(
         e = min(steps, s + segment)
         seg = _running(batch, e - s) if ends is None else np.clip(ends - s, 0, e - s)
         seg_x = flat if whole else flat[s * batch : e * batch]
-        # one input feature (the paper's bitstream): the projection is an outer product, which
-        # addcmul makes in about half addmm's time (python -m benchmarks.forward)
-        xw = torch.addcmul(bias, seg_x, w_ih.t()) if features == 1 else torch.addmm(bias, seg_x, w_ih.t())
+        xw = _projected(seg_x, w_ih, bias, features == 1)
         h_next = np.empty_like(h)
         args = (groups, xw.numpy().reshape(e - s, batch, rows), w_hh, h, seg)
         outputs = ((out if whole else out[s:e]).numpy(), h_next)
         if cell == "rnn":
             kernel(mode == "RNN_RELU", *args, *outputs)
         elif cell == "gru":
-            kernel(*args[:3], b_hn, *args[3:], *outputs)
+            kernel(*args[:3], b_hh, *args[3:], *outputs)
         else:
             c_next = np.empty_like(c)
             kept = (UNUSED[x.dtype],) * 3
