@@ -52,7 +52,8 @@ skipped, everything else runs. ``--steps`` sets which run, in its order. The rep
 rewritten whole after every step into ``<report>.partial`` (never half a file), which becomes the
 report when the last step ends: a run stopped part-way (its time limit, Ctrl-C, SIGTERM) keeps the
 steps it finished there and leaves an earlier report as it was. A step's command runs in a process
-group of its own, stopped whole with the step (a benchmark's ranks, ``run.sh``'s runs).
+group of its own, stopped whole with the step (a benchmark's ranks, ``run.sh``'s runs), in this
+run's session, so that what ends the session (a job killed at its limit) ends the step too.
 """
 
 from __future__ import annotations
@@ -290,7 +291,9 @@ def run_command(argv: Sequence[str], timeout: float) -> tuple[bool, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": path}
     env["PYTHON"] = sys.executable  # the interpreter run.sh takes (the reproduction step)
     kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "cwd": ROOT, "env": env}
-    with subprocess.Popen(argv, start_new_session=True, **kwargs) as process:
+    # a group of its own, to be stopped whole, in this session: a runner or scheduler that ends
+    # this session's processes (a killed job) ends the step's too, where a new session would outlive it
+    with subprocess.Popen(argv, process_group=0, **kwargs) as process:
         try:
             out, err = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -202,6 +203,15 @@ def test_a_stopped_step_takes_every_process_it_started_with_it() -> None:
             break
         time.sleep(0.1)
     assert not Path(f"/proc/{grandchild}").exists() or "Z" in _state(grandchild)
+
+
+def test_a_step_stays_in_the_session_of_the_run() -> None:
+    """A step's group is its own, but its session is the run's: whatever ends the run's session (a
+    job stopped at its time limit) ends the step with it, where a new session would run on."""
+    code = "import os; print(os.getpgid(0), os.getsid(0))"
+    ok, text = gpu_check.run_command([sys.executable, "-c", code], timeout=30)
+    group, session = (int(v) for v in text.split())
+    assert ok and group != os.getpgid(0) and session == os.getsid(0)
 
 
 def _state(pid: int) -> str:
