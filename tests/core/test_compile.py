@@ -4,9 +4,10 @@ back with cuobjdump (``benchmarks.kernels``).
 
 The compiles run in a child process without ``TRITON_INTERPRET`` (conftest sets it for this process
 when there is no GPU, and the kernels are then loaded for the interpreter, which cannot compile). The
-default run compiles one launch for both archs; the ``extended`` tests compile every configuration at
-H = 1, 20, 32 and 64 (``kernels.listed``: each mode, affine or not, fused or not, warps as launched),
-and every configuration at every H from 1 to 64.
+default run compiles an RNN's and an LSTM's layer backward for sm_90, with both products'
+precisions; the ``extended`` tests compile every configuration for both archs at H = 1, 20, 32 and
+64 (``kernels.listed``: each mode, affine or not, fused or not, warps as launched), and every
+configuration at every H from 1 to 64.
 
 Spills: no compile may use local memory or a stack frame. Three of the launches' compile settings
 (``bppsa_core.triton.launch_config``: unpipelined reduce loops, two register caps) are there for this:

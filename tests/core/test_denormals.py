@@ -72,16 +72,26 @@ def test_every_strategy_runs_flushed_and_leaves_the_mode_as_it_was(strategy, mon
     assert makes_subnormals() == (True, True)  # and put back
 
 
-def test_a_module_backward_runs_flushed_and_its_gradients_stay_exact() -> None:
+def test_a_module_backward_runs_flushed_and_its_gradients_stay_exact(monkeypatch) -> None:
+    """Each layer's backward runs flushed beyond its scan: its weight-gradient GEMMs
+    (``layer_grads``, outside ``scan``'s own flush) see the mode, in the calling thread and the
+    workers; the gradients are torch.nn's and the mode is put back."""
+    from bppsa_core import layer as layer_mod
+
     torch.manual_seed(0)
     ref = torch.nn.GRU(3, 8, num_layers=2)
     ours = bnn.GRU(3, 8, num_layers=2, strategy="chunked")
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(400, 4, 3) * 4  # saturating gates: products that underflow
+    inside, real = [], layer_mod.layer_grads
+    monkeypatch.setattr(
+        layer_mod, "layer_grads", lambda *a, **k: inside.append(makes_subnormals()) or real(*a, **k)
+    )
     grads = []
     for m in (ref, ours):
         m(x)[1].pow(2).sum().backward()
         grads.append([p.grad for p in m.parameters()])
+    assert inside == [(False, False)] * 2  # one call per layer, each flushed
     for a, b in zip(*grads, strict=True):
         assert rel_err(a, b) < 1e-5
     assert makes_subnormals() == (True, True)

@@ -188,16 +188,22 @@ def test_bptt_mode_is_torch_nn(kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_inference_output_matches_and_builds_no_graph(kind: str, monkeypatch) -> None:
     """Under no_grad the outputs are torch.nn's (to float64 rounding: the compiled CPU forward sums
-    in another order) and no graph is built: the layers make no autograd Function call at all.
-    Forward-mode tangents still reach the outputs under no_grad, through the Function's jvp."""
-    ref, ours = pair(kind, 2, 3, num_layers=2)
+    in another order) and no graph is built: the layers run, and make no autograd Function call at
+    all. Forward-mode tangents still reach the outputs under no_grad, through the Function's jvp.
+    Strategy "numba": the layers' compiled forward for every kind ("auto" leaves an LSTM's inference
+    to torch.nn's forward on one thread, where no layer would run at all)."""
+    from bppsa_core import layer as layer_mod
+
+    ref, ours = pair(kind, 2, 3, num_layers=2, strategy="numba")
     x, tangent = torch.randn(5, 2, 2, dtype=F64), torch.randn(5, 2, 2, dtype=F64)
-    calls = []
+    calls, forwards = [], []
     real = bppsa_ops._EagerLayer.apply
     monkeypatch.setattr(bppsa_ops._EagerLayer, "apply", lambda *a: calls.append(1) or real(*a))
+    real_forward = layer_mod.solved_forward
+    monkeypatch.setattr(layer_mod, "solved_forward", lambda *a: forwards.append(1) or real_forward(*a))
     with torch.no_grad():
         out = run(ours, x)
-    assert all(t.grad_fn is None for t in out) and not calls
+    assert len(forwards) == 2 and not calls  # both layers ran, neither through a Function
     for a, b in zip(out, run(ref, x), strict=True):
         torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12)
     tangents = []
