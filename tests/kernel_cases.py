@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from bppsa_core.chain import FactoredChain
-from bppsa_core.jacobians import GRUCell, LayerWeights, LSTMCell
+from bppsa_core.jacobians import GRUCell, LayerWeights, LSTMCell, RNNCell
 from bppsa_core.scan import chunked_scan
 
 CHAIN_CASES = [
@@ -47,8 +47,9 @@ def fused_rnn_case(
     non_finite: bool = False,
 ) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor]]:
     """The arguments (h, w_hh, g_last, u) of a fused RNN layer backward, and the twin's g_0 and
-    deltas f'(z_t) * g_t; ``non_finite``: a relu's outputs with a NaN and an inf (what an infinite
-    input leaves), through which autograd passes the gradient."""
+    deltas f'(z_t) * g_t (``RNNCell``'s factors, read off h, scanned); ``non_finite``: a relu's
+    outputs with a NaN and an inf (what an infinite input leaves), through which autograd passes the
+    gradient."""
     g = torch.Generator().manual_seed(n + hidden)
     h = torch.rand(n, batch, hidden, generator=g, dtype=dtype) * 2 - 1  # tanh outputs: (-1, 1)
     h = h if nonlinearity == "tanh" else h.clamp_min(0)
@@ -57,9 +58,10 @@ def fused_rnn_case(
     w = torch.randn(hidden, hidden, generator=g, dtype=dtype) / hidden**0.5
     g_last = torch.randn(batch, hidden, generator=g, dtype=dtype)
     u = torch.randn(n, batch, hidden, generator=g, dtype=dtype) if outside else None
-    fp = 1 - h * h if nonlinearity == "tanh" else (h <= 0).logical_not().to(dtype)
-    x = chunked_scan(FactoredChain(fp.unsqueeze(2), w.unsqueeze(0)), g_last, _shifted(u), chunk=chunk)
-    return (h, w, g_last, u), (x[0], x[1:] * fp)
+    cell, weights = RNNCell(nonlinearity), LayerWeights(torch.empty(hidden, 0, dtype=dtype), w)
+    factors = cell.factors(h, h, h, weights)  # an RNN's factors read h alone
+    x = chunked_scan(cell.chain(factors, weights), g_last, _shifted(u), chunk=chunk)
+    return (h, w, g_last, u), (x[0], cell.preactivation_grads(x[1:].clone(), factors)[0])
 
 
 def _gated_layer(
