@@ -75,7 +75,7 @@ if [[ $draw_only == 0 ]]; then
     # fig. 8 a, c, e: T = 10 ... 30,000 at B = 16
     sweep rnn_seq_len rnn_seq_len dataset.num_samples=400 trainer.epochs=3
     # fig. 8 b, d, f: B = 2 ... 256 at T = 1000
-    sweep rnn_batch rnn_batch dataset.num_samples=800 trainer.epochs=3
+    sweep rnn_batch rnn_batch dataset.num_samples=1600 trainer.epochs=3 trainer.warmup_iters=2
     # fig. 7: loss against wall-clock, T = 1000, B = 16
     sweep rnn_curve rnn_curve dataset.num_samples=2000 trainer.epochs=20
     # worker scaling: threads 1 and 2 (the machine's cores)
