@@ -21,7 +21,8 @@ their run (all but the measurements). Per comparison:
   Jacobian building happens inside its backward, so it is counted as backward work).
 
 The spread is a 95 % bootstrap interval of the ratio of medians (resampling each side's epochs,
-1000 draws, a fixed seed), so the same input always gives the same numbers; with fewer than
+1000 draws, seeded by a fixed seed and the two sides' epoch times), so the same epochs always give
+the same interval, whatever else the tables hold and in whatever order; with fewer than
 ``MIN_INTERVAL_EPOCHS`` epochs on a side there is no interval, and a comparison without timed
 iterations has no speedup: each such cell says why.
 """
@@ -29,6 +30,7 @@ iterations has no speedup: each such cell says why.
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -463,8 +465,12 @@ def _workers_used(data: pd.DataFrame) -> pd.Series:
     return used
 
 
-def _bootstrap(a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
-    """95 % interval of median(a) / median(b) over resampled epochs."""
+def _bootstrap(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """95 % interval of median(a) / median(b) over resampled epochs, its draws seeded by the epochs
+    themselves (sorted): a comparison's interval does not change with the other comparisons read
+    beside it, or with the order of its rows."""
+    a, b = np.sort(a.astype(np.float64)), np.sort(b.astype(np.float64))
+    rng = np.random.default_rng([BOOTSTRAP_SEED, zlib.crc32(a.tobytes()), zlib.crc32(b.tobytes())])
     ra = np.median(rng.choice(a, (BOOTSTRAP_DRAWS, len(a))), axis=1)
     rb = np.median(rng.choice(b, (BOOTSTRAP_DRAWS, len(b))), axis=1)
     lo, hi = np.percentile(ra / rb, [2.5, 97.5])
@@ -507,7 +513,6 @@ def speedups(data: pd.DataFrame) -> pd.DataFrame:
     """One row per comparison (configuration, device, BPPSA variant) with both a BPTT and a BPPSA run:
     every column that describes it (``identity_columns``), the names its runs were given, the overall
     and backward speedups and their spreads."""
-    rng = np.random.default_rng(BOOTSTRAP_SEED)
     keys = comparison_columns(data)
     variant = [c for c in BACKWARD_COLUMNS[1:] if c in data.columns]
     described = [c for c in identity_columns(data) if c not in CONFIG_KEYS]  # lr, num_layers, ...
@@ -535,7 +540,7 @@ def speedups(data: pd.DataFrame) -> pd.DataFrame:
                 if min(len(a), len(b)) < MIN_INTERVAL_EPOCHS:
                     row[f"{label}_note"] = f"{min(len(a), len(b))} epoch(s) on a side: no interval"
                     continue
-                row[f"{label}_lo"], row[f"{label}_hi"] = _bootstrap(a, b, rng)
+                row[f"{label}_lo"], row[f"{label}_hi"] = _bootstrap(a, b)
             row["epochs_bptt"], row["epochs_bppsa"] = len(bptt), len(bppsa)
             rows.append(row)
     table = pd.DataFrame(rows)

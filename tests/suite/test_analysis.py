@@ -111,6 +111,27 @@ def test_the_bootstrap_interval_is_seeded(monkeypatch) -> None:
     assert not other[["backward_lo", "backward_hi"]].equals(first[["backward_lo", "backward_hi"]])
 
 
+def test_an_interval_depends_on_its_own_epochs_alone() -> None:
+    """A comparison's bootstrap interval is the same read alone, beside another comparison (which
+    comes first in the table's order), or with its rows shuffled."""
+
+    def side(backward: str, seq_len: int, scale: float) -> list[dict]:
+        table = rows(backward, seq_len, 16, "H100", 1.0, 1e-3 if backward == "bptt" else 1e-4, epochs=8)
+        for i, row in enumerate(table):  # distinct times, so that draws differ
+            row["backward_s"] *= 1 + scale * i
+            row["comparison_key"] = f"key-{seq_len}"
+        return table
+
+    mine = side("bptt", 100, 0.013) + side("bppsa", 100, 0.021)
+    other = side("bptt", 10, 0.05) + side("bppsa", 10, 0.03)
+    alone = speedups(load_results_from(mine)).set_index("seq_len")
+    beside = speedups(load_results_from(other + mine[::-1])).set_index("seq_len")
+    assert len(beside) == 2 and beside.index[0] == 10  # the other comparison is drawn first
+    columns = ["backward_speedup", "backward_lo", "backward_hi", "overall_lo", "overall_hi"]
+    assert beside.loc[[100], columns].equals(alone.loc[[100], columns])
+    assert alone.loc[100, "backward_lo"] < alone.loc[100, "backward_speedup"] < alone.loc[100, "backward_hi"]
+
+
 def test_runs_that_differ_in_any_configuration_key_are_compared_apart() -> None:
     """Two depths, two learning rates, two BPPSA strategies: one speedup row each, never pooled."""
     table = []
