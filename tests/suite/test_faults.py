@@ -75,6 +75,9 @@ def test_concurrent_writers_train_each_run_once(tmp_path: Path) -> None:
     for (_, err), proc in zip(outs, procs, strict=True):
         if proc.returncode == 2:
             assert "is in use by another run" in err
+    # one trained; a writer that came after it found the run completed and skipped it
+    finished = [out for (out, _), p in zip(outs, procs, strict=True) if p.returncode == 0]
+    assert sum("skipped (already completed)" not in out for out in finished) == 1, outs
     assert pd.read_csv(run_dir / "records.csv")["epoch"].tolist() == [1, 2, 3, 4, 5]
     assert records.read_json(run_dir / "summary.json")["status"] == "completed"
     # two identical sweeps at once: every job trains once, in one of them
