@@ -3,11 +3,11 @@
 
 PyTorch's CPU kernel issues a handful of small ops per step, each a few microseconds of overhead
 for B·G·H² multiply-adds that take well under one. Here the input projection of a segment is one
-GEMM over all its steps (``x @ W_ih^T + biases``; a GRU's b_hh is added in the loop), and the
-recurrence one compiled loop, each group of samples a task (a ``prange`` over
-``torch.get_num_threads()`` groups; with one thread, a serial build runs in the calling thread) that
-steps its samples side by side. A step is ``h @ W_hh^T`` (``numba_math.add_hidden``), then the
-cell's activations, elementwise:
+GEMM over all its steps (``x @ W_ih^T + b_ih``; with one input feature, the paper's bitstream,
+made in the loop's steps instead), and the recurrence one compiled loop, each group of samples a
+task (a ``prange`` over ``torch.get_num_threads()`` groups; with one thread, a serial build runs in
+the calling thread) that steps its samples side by side. A step is the inputs' side plus b_hh plus
+``h @ W_hh^T`` (``numba_math.add_hidden``), then the cell's activations, elementwise:
 
 * RNN: ``h' = tanh(a)`` or ``relu(a)``;
 * GRU: ``r, z = sigmoid(.)``, ``n = tanh(a_n + r (W_hn h + b_hn))``, ``h' = n + z (h - n)``;
@@ -52,11 +52,28 @@ _TAPED = False
 
 
 @njit(inline="always", error_model="numpy")
-def _load(acc, xw, t, lo):
-    """acc (N, R) = the group's projected inputs at step t (samples lo .. lo + N - 1)."""
-    for b in range(acc.shape[0]):
-        for j in range(acc.shape[1]):
-            acc[b, j] = xw[t, lo + b, j]
+def _load(acc, inputs, t, lo):
+    """acc (N, R) = the group's input side at step t (samples lo .. lo + N - 1) + b_hh. ``inputs``
+    = (xw, x1, w_col, b_ih, b_hh): xw (S, B, R) the projected inputs with b_ih; or, with one input
+    feature (x1 (S, B) not empty), x1 w_col + b_ih made here, an outer product a step, so that a
+    short layer makes no tensor op for it on the host (python -m benchmarks.host)."""
+    xw, x1, w_col, b_ih, b_hh = inputs
+    if x1.shape[0]:
+        for b in range(acc.shape[0]):
+            xb = x1[t, lo + b]
+            for j in range(acc.shape[1]):
+                acc[b, j] = (xb * w_col[j] + b_ih[j]) + b_hh[j]
+    else:
+        for b in range(acc.shape[0]):
+            for j in range(acc.shape[1]):
+                acc[b, j] = xw[t, lo + b, j] + b_hh[j]
+
+
+@njit(inline="always", error_model="numpy")
+def _input(inputs, t, i, j):
+    """Sample i's input side of unit j at step t (``_load``'s, without b_hh)."""
+    xw, x1, w_col, b_ih, _ = inputs
+    return x1[t, i] * w_col[j] + b_ih[j] if x1.shape[0] else xw[t, i, j]
 
 
 @njit(inline="always", error_model="numpy")
@@ -69,13 +86,13 @@ def _store(out, t, lo, steps, h):
             out[t, lo + b, j] = h[b, j] if running else zero
 
 
-def _rnn(relu, groups, xw, w_hh, h0, steps, out, h_last):
-    """An RNN's recurrence over a segment: xw (S, B, H) the projected inputs with both biases,
-    w_hh (H, H), h0 (B, H), ``steps`` (B,) the steps each sample runs (after them it outputs 0 and
+def _rnn(relu, groups, inputs, w_hh, h0, steps, out, h_last):
+    """An RNN's recurrence over a segment: ``inputs`` the input side (``_load``), w_hh (H, H),
+    h0 (B, H), ``steps`` (B,) the steps each sample runs (after them it outputs 0 and
     keeps its state); writes out (S, B, H) and the last states h_last (B, H). ``groups`` of
     samples run in parallel, each a task that steps its samples together. Each kernel transposes
     its w_hh itself: a copy of G·H² numbers, cheaper than a tensor op on the host per call."""
-    seg, batch, hid = xw.shape
+    seg, batch, hid = out.shape
     zero = out.dtype.type(0)
     w_t = np.ascontiguousarray(w_hh.T)
     for g in prange(groups):
@@ -83,7 +100,7 @@ def _rnn(relu, groups, xw, w_hh, h0, steps, out, h_last):
         h = h0[lo:hi].copy()
         acc = np.empty_like(h)
         for t in range(seg):
-            _load(acc, xw, t, lo)
+            _load(acc, inputs, t, lo)
             add_hidden(acc, h, w_t)
             for b in range(hi - lo):
                 if t < steps[lo + b]:
@@ -97,14 +114,14 @@ def _rnn(relu, groups, xw, w_hh, h0, steps, out, h_last):
         put(h_last[lo:hi], h)
 
 
-def _gru(groups, xw, w_hh, b_hh, h0, steps, out, h_last):
-    """A GRU's recurrence over a segment: xw (S, B, 3H) the projected inputs with b_ih, w_hh (3H, H)
-    and b_hh (3H,) (rows r, z, n), added in the step (its n part inside r: no bias sum and slice
-    on the host, a short layer's cost); otherwise as ``_rnn``. A step's sigmoids are one loop over
+def _gru(groups, inputs, w_hh, h0, steps, out, h_last):
+    """A GRU's recurrence over a segment: ``inputs`` the input side (``_load``), w_hh (3H, H) (rows
+    r, z, n), b_hh's n part inside r; otherwise as ``_rnn``. A step's sigmoids are one loop over
     a sample's 2H units (r, z side by side), its tanh one loop over the group's candidates n, as
     the LSTM's (``_lstm``): PyTorch's formulas, in its order."""
-    seg, batch, rows = xw.shape
-    hid = rows // 3
+    seg, batch, hid = out.shape
+    rows = w_hh.shape[0]
+    b_hh = inputs[4]
     w_t = np.ascontiguousarray(w_hh.T)
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
@@ -113,9 +130,7 @@ def _gru(groups, xw, w_hh, b_hh, h0, steps, out, h_last):
         acc = np.empty((n, rows), h.dtype)
         cand = np.empty(n * hid, h.dtype)
         for t in range(seg):
-            for b in range(n):  # loaded with b_hh in one loop (python -m benchmarks.forward)
-                for j in range(rows):
-                    acc[b, j] = xw[t, lo + b, j] + b_hh[j]
+            _load(acc, inputs, t, lo)
             for b in range(n):  # the n gate's hidden side starts from b_hn alone (r multiplies it)
                 for j in range(hid):
                     acc[b, 2 * hid + j] = b_hh[2 * hid + j]
@@ -125,7 +140,8 @@ def _gru(groups, xw, w_hh, b_hh, h0, steps, out, h_last):
                     acc[b, j] = _sigmoid(acc[b, j])
             for b in range(n):
                 for j in range(hid):
-                    cand[b * hid + j] = xw[t, lo + b, 2 * hid + j] + acc[b, j] * acc[b, 2 * hid + j]
+                    x_n = _input(inputs, t, lo + b, 2 * hid + j)
+                    cand[b * hid + j] = x_n + acc[b, j] * acc[b, 2 * hid + j]
             for k in range(n * hid):
                 cand[k] = _tanh(cand[k])
             for b in range(n):
@@ -137,9 +153,9 @@ def _gru(groups, xw, w_hh, b_hh, h0, steps, out, h_last):
         put(h_last[lo:hi], h)
 
 
-def _lstm(groups, xw, w_hh, h0, c0, steps, out, h_last, c_last, gates, cells, states):
-    """An LSTM's recurrence over a segment: xw (S, B, 4H) the projected inputs with both biases,
-    w_hh (4H, H) (rows i, f, g, o), h0 and c0 (B, H); writes the outputs and the last
+def _lstm(groups, inputs, w_hh, h0, c0, steps, out, h_last, c_last, gates, cells, states):
+    """An LSTM's recurrence over a segment: ``inputs`` the input side (``_load``), w_hh (4H, H)
+    (rows i, f, g, o), h0 and c0 (B, H); writes the outputs and the last
     (h, c); otherwise as ``_rnn``. Its taped build (``_TAPED``) also writes the activated gates
     (S, B, 4H), the cell states c_0..c_S into cells (S + 1, B, H) and the states h_0..h_S into
     states (S + 1, B, H), what the backward takes (``layer.LSTMTape``); a build of its own, as a
@@ -149,8 +165,8 @@ def _lstm(groups, xw, w_hh, h0, c0, steps, out, h_last, c_last, gates, cells, st
     the group's new cell states' tanh in another, over all its samples at once: loops of 4H and
     group x H, not one of H per sample whose remainder runs in narrower vectors (re-measured by
     ``python -m benchmarks.forward --tables compiled``)."""
-    seg, batch, rows = xw.shape
-    hid = rows // 4
+    seg, batch, hid = out.shape
+    rows = w_hh.shape[0]
     w_t = np.ascontiguousarray(w_hh.T)
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
@@ -165,7 +181,7 @@ def _lstm(groups, xw, w_hh, h0, c0, steps, out, h_last, c_last, gates, cells, st
             scale[j], p[j], q[j] = GATE_TANH if 2 * hid <= j < 3 * hid else GATE_SIGMOID
         c_new, tanh_c = np.empty(n * hid, h.dtype), np.empty(n * hid, h.dtype)
         for t in range(seg):
-            _load(acc, xw, t, lo)
+            _load(acc, inputs, t, lo)
             add_hidden(acc, h, w_t)
             for b in range(n):
                 for j in range(rows):
@@ -217,18 +233,14 @@ def tape_arrays(steps: int, batch: int, hidden: int, dtype: torch.dtype) -> tupl
     )
 
 
-def _projected(x: Tensor, w_ih: Tensor, bias: Tensor | None, outer: bool) -> Tensor:
-    """x (N, I) @ w_ih^T (+ bias). One input feature (the paper's bitstream, ``outer``): an outer
-    product, which addcmul makes in about half addmm's time (python -m benchmarks.forward)."""
-    if bias is None:
-        return torch.mul(x, w_ih.t()) if outer else torch.mm(x, w_ih.t())
-    return torch.addcmul(bias, x, w_ih.t()) if outer else torch.addmm(bias, x, w_ih.t())
-
-
 @functools.lru_cache(maxsize=64)
 def _zeros(rows: int, kind: type) -> np.ndarray:
-    """A GRU's b_hh without biases: zeros, made once per shape (the kernels only read it)."""
+    """The biases of a layer without them: zeros, made once per shape (the kernels only read them)."""
     return np.zeros(rows, kind)
+
+
+# per dtype, the input side's arrays a call does not use (``_load``): x1 and w_col of a projected xw
+_EMPTY = {d: (np.zeros((0, 0), t), np.zeros(0, t)) for d, t in NUMPY_DTYPES.items()}
 
 
 @functools.lru_cache(maxsize=64)
@@ -251,19 +263,20 @@ def layer_forward(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One layer's forward: ``native_forward``'s results, written into ``out`` (T, B, H; any
     strides), the inputs' projection one GEMM per segment of at most ``segment`` steps (so that
-    only a segment's of it exists). ``tape``: an LSTM's arrays (``layer.LSTMTape``: gates
-    (T, B, 4H), cells and states (T + 1, B, H)), into which its activated gates, cell states
-    c_0..c_T and states h_0..h_T are written. Returns (out, h_T, c_T), c_T None but for an LSTM.
+    only a segment's of it exists), or with one input feature made in the kernels' steps.
+    ``tape``: an LSTM's arrays (``layer.LSTMTape``: gates (T, B, 4H), cells and states
+    (T + 1, B, H)), into which its activated gates, cell states c_0..c_T and states h_0..h_T are
+    written. Returns (out, h_T, c_T), c_T None but for an LSTM.
     Nothing is recorded for autograd here (``dispatch.compiled_forward``)."""
     steps, batch = x.shape[:2]
     w_ih, w_hh, *biases = weights
     rows = w_hh.shape[0]
+    kind = NUMPY_DTYPES[x.dtype]
+    if biases:
+        b_ih, b_hh = biases[0].detach().numpy(), biases[1].detach().numpy()
+    else:
+        b_ih = b_hh = _zeros(rows, kind)
     cell = _CELLS.get(mode, "rnn")
-    if cell == "gru":  # b_hh in the kernel, whose n part goes inside r (W_hn h + b_hn)
-        bias = biases[0] if biases else None
-        b_hh = biases[1].detach().numpy() if biases else _zeros(rows, NUMPY_DTYPES[x.dtype])
-    else:  # one sum, not an add per step and unit in the kernel (python -m benchmarks.forward)
-        bias = biases[0] + biases[1] if biases else None
     w_hh = w_hh.detach().numpy()
     n_threads = threads()
     groups = min(n_threads, batch)
@@ -273,27 +286,34 @@ def layer_forward(
     h = h0.detach().contiguous().numpy()
     c = None if c0 is None else c0.detach().contiguous().numpy()
     features = x.shape[-1]
-    flat = x.reshape(steps * batch, features)
+    if features == 1:  # one feature (the paper's bitstream): the kernels make x w_ih + b_ih a step
+        x1 = np.ascontiguousarray(x.detach().numpy().reshape(steps, batch))
+        w_col = w_ih.detach().numpy().reshape(rows)
+    else:
+        flat = x.reshape(steps * batch, features)
     ends = None if lengths is None else lengths.to("cpu", torch.int64).numpy()
     whole = steps <= segment  # one segment: the tensors themselves, no slices (each costs its view)
     for s in range(0, steps, segment):
         e = min(steps, s + segment)
         seg = _running(batch, e - s) if ends is None else np.clip(ends - s, 0, e - s)
-        seg_x = flat if whole else flat[s * batch : e * batch]
-        xw = _projected(seg_x, w_ih, bias, features == 1)
+        if features == 1:
+            inputs = (UNUSED[x.dtype], x1 if whole else x1[s:e], w_col, b_ih, b_hh)
+        else:
+            seg_x = flat if whole else flat[s * batch : e * batch]
+            xw = torch.addmm(biases[0], seg_x, w_ih.t()) if biases else torch.mm(seg_x, w_ih.t())
+            inputs = (xw.numpy().reshape(e - s, batch, rows), *_EMPTY[x.dtype], b_ih, b_hh)
         h_next = np.empty_like(h)
-        args = (groups, xw.numpy().reshape(e - s, batch, rows), w_hh, h, seg)
         outputs = ((out if whole else out[s:e]).numpy(), h_next)
         if cell == "rnn":
-            kernel(mode == "RNN_RELU", *args, *outputs)
+            kernel(mode == "RNN_RELU", groups, inputs, w_hh, h, seg, *outputs)
         elif cell == "gru":
-            kernel(*args[:3], b_hh, *args[3:], *outputs)
+            kernel(groups, inputs, w_hh, h, seg, *outputs)
         else:
             c_next = np.empty_like(c)
             kept = (UNUSED[x.dtype],) * 3
             if tape is not None:
                 kept = tape if whole else (tape[0][s:e], tape[1][s : e + 1], tape[2][s : e + 1])
-            kernel(*args[:4], c, seg, *outputs, c_next, *kept)
+            kernel(groups, inputs, w_hh, h, c, seg, *outputs, c_next, *kept)
             c = c_next
         h = h_next
     return out, torch.from_numpy(h), None if c is None else torch.from_numpy(c)
