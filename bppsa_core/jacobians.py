@@ -91,8 +91,7 @@ def block_budget(nbytes: int | None) -> Iterator[None]:
         _scope.block_bytes = before
 
 
-@contextlib.contextmanager
-def reusing_buffers() -> Iterator[None]:
+class reusing_buffers:  # noqa: N801 (a context manager, named as a function)
     """A scope whose block-by-block walks take their scratch from buffers kept until it ends
     (``buffer``), instead of fresh tensors for every block.
 
@@ -102,15 +101,17 @@ def reusing_buffers() -> Iterator[None]:
     slice in several groups of samples, those faults cost it a good part of its backward on a CPU
     (re-measured by ``python -m benchmarks.distributed --ranks 2``). A scope inside a scope is the
     same scope; the buffers are freed when the outermost one ends. Walks in one scope must run one
-    after another: they share the buffers."""
-    if getattr(_scope, "kept", None) is not None:
-        yield
-        return
-    _scope.kept = {}
-    try:
-        yield
-    finally:
-        _scope.kept = None
+    after another: they share the buffers. A class, not a generator: a short layer's backward
+    enters one (re-measured by ``python -m benchmarks.host``)."""
+
+    def __enter__(self) -> None:
+        self._outer = getattr(_scope, "kept", None) is None
+        if self._outer:
+            _scope.kept = {}
+
+    def __exit__(self, *exc: object) -> None:
+        if self._outer:
+            _scope.kept = None
 
 
 def buffer(name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:

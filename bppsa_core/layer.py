@@ -27,6 +27,7 @@ state that reaches the end of the chain is each sequence's last valid one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
@@ -69,6 +70,10 @@ MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # faster on a CPU and with a peak near the outputs, while 2,048 keeps the paper's GRU sequences
 # (T = 1034) in one call; re-measured by ``python -m benchmarks.forward --T 100000``.
 SEGMENT = 2048
+# The steps from which a layer's backward runs with subnormals flushed (``bppsa_core.denormals``):
+# a shorter chain's products sink too little to pay for switching the mode, which costs a short
+# layer's backward a few percent (re-measured by ``python -m benchmarks.host``).
+FLUSH_MIN_STEPS = 64
 
 _NATIVE = {
     "RNN_TANH": torch._VF.rnn_tanh,
@@ -407,15 +412,16 @@ def bppsa_backward(
     last h and (an LSTM) its last c, by scanning its Jacobian chain from the end; ``tape``: what
     the layer's compiled forward kept (``new_tape``), or None. Without ``need_input`` the gradient
     of x is None, without ``need_state`` those of h0 and c0 (a zero initial state's, say)."""
+    grads = (grad_out, grad_hn, grad_cn)
     # scans and gradient GEMMs: see bppsa_core.denormals; the blocks' scratch: jacobians.reusing_buffers
-    with flush_denormals(x.device), reusing_buffers():
-        grads = (grad_out, grad_hn, grad_cn)
-        return _backward(config, x, h0, c0, weights, lengths, out, *grads, need_input, tape, need_state)
+    flush = flush_denormals(x.device) if out.shape[0] >= FLUSH_MIN_STEPS else contextlib.nullcontext()
+    with flush, reusing_buffers():
+        if tape is not None:
+            return _taped_backward(tape, x, weights, *grads, need_input, need_state)
+        return _backward(config, x, h0, c0, weights, lengths, out, *grads, need_input, need_state)
 
 
-def _backward(
-    config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need_input, tape, need_state
-):
+def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need_input, need_state):
     # Under autocast the forward kept lower-precision states; the backward runs in the weights'
     # dtype (autograd casts each returned gradient back to its input's dtype).
     dtype = weights[0].dtype
@@ -428,13 +434,12 @@ def _backward(
     keep = _keep(lengths, steps, h)
     if grad_out is not None and keep is not None:
         grad_out = grad_out * keep  # outputs past a sequence's end are constants
-    # a tape holds h_0..h_T side by side: the previous states are a view of it, not a copy
-    h_prev: Tensor | PreviousStates = PreviousStates(h0, h, None if tape is None else tape.hidden[:-1])
+    h_prev: Tensor | PreviousStates = PreviousStates(h0, h)
     g_last = _last_grad(grad_out, grad_hn, h)
     g_c_last = None if c0 is None else (torch.zeros_like(g_last) if grad_cn is None else grad_cn)
     fused = None
     if keep is None:
-        fused = _fused_layer(config, cell, x, h_prev, h, w, grad_out, g_last, c0, g_c_last, tape)
+        fused = _fused_layer(config, cell, x, h_prev, h, w, grad_out, g_last, c0, g_c_last)
     if fused is not None:  # made block by block: the previous states too
         deltas, first = fused
     else:
@@ -461,8 +466,39 @@ def _backward(
             g_h0 = g0.clone()
         else:
             g_h0, g_c0 = g0[:, :hidden].clone(), g0[:, hidden:].clone()
-    grads = [t for t in (dw.w_ih, dw.w_hh, dw.b_ih, dw.b_hh) if t is not None]
-    return dx, g_h0, g_c0, grads
+    return dx, g_h0, g_c0, _present(dw)
+
+
+def _taped_backward(
+    tape: LSTMTape,
+    x: Tensor,
+    weights: list[Tensor],
+    grad_out: Tensor | None,
+    grad_hn: Tensor | None,
+    grad_cn: Tensor | None,
+    need_input: bool,
+    need_state: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, list[Tensor]]:
+    """``bppsa_backward`` of an LSTM layer whose compiled forward kept its ``tape``: the compiled
+    walk over the kept gates, block by block from the end (``_lstm_walked``), and the gradients'
+    GEMMs (``layer_grads``), with none of the general path's routing, casts or copies: a short
+    layer's backward is mostly such host work (re-measured by ``python -m benchmarks.host``). A
+    tape is kept only for one dtype throughout and no lengths (``new_tape``)."""
+    from bppsa_core.numba_scan import LSTMWalk
+
+    w = LayerWeights(*weights)
+    g_last = _last_grad(grad_out, grad_hn, tape.hidden)
+    g_c_last = torch.zeros_like(g_last) if grad_cn is None else grad_cn
+    walk = LSTMWalk(tape.gates, tape.states[1:], w.w_hh, grad_out, tape.cells)
+    deltas, first = _lstm_walked(walk, tape.gates.shape[0], g_last, g_c_last)
+    dx, dw = layer_grads(deltas, x, tape.hidden[:-1], w, need_input)
+    g_h0, g_c0 = first() if need_state else (None, None)  # the walk's own (2, B, H): no copy
+    return dx, g_h0, g_c0, _present(dw)
+
+
+def _present(w: LayerWeights) -> list[Tensor]:
+    """A layer's weight gradients as the list its weights came in: without biases, two."""
+    return [t for t in (w.w_ih, w.w_hh, w.b_ih, w.b_hh) if t is not None]
 
 
 def injected(grad_out: Tensor | None) -> Tensor | None:
@@ -490,7 +526,6 @@ def _fused_layer(
     g_last: Tensor,
     c0: Tensor | None,
     g_c_last: Tensor | None,
-    tape: LSTMTape | None = None,
 ) -> tuple[Deltas, Callable[[], Tensor]] | None:
     """A layer's input- and hidden-side pre-activation gradients (``deltas(t)`` for slices of steps)
     and its g_0 (``first()``, once ``layer_grads`` has taken the deltas; an LSTM's (dL/dh_0,
@@ -500,26 +535,21 @@ def _fused_layer(
     "auto" on a GPU) and the kernels take the layer and run on its device: the fused Triton kernels
     of an RNN, a GRU or an LSTM (``bppsa_core.triton.rnn_layer_backward`` / ``gru_layer_backward`` /
     ``lstm_layer_backward``, the LSTM's from its gates and cell states recomputed). Where it
-    resolves to "numba" ("auto" on the CPU): an LSTM's fused compiled backward, walked block by block
-    from the ``tape`` when its forward kept one (``_lstm_walked``), else in one call from its gates
-    recomputed (``numba_scan.lstm_layer_backward``), and an RNN or GRU walked block by block
+    resolves to "numba" ("auto" on the CPU): an LSTM's fused compiled backward in one call from its gates
+    recomputed (``numba_scan.lstm_layer_backward``; a layer whose forward kept them takes
+    ``_taped_backward`` instead), and an RNN or GRU walked block by block
     (``_walked``) where the compiled scan is one chunk. Everything else
     goes through ``scan``, which also gives the strategies' errors.
     """
     steps, batch, hidden = h.shape
     lstm = isinstance(cell, LSTMCell)
     strategy, chunk = config.options.strategy, config.options.chunk
-    compiled = tape is not None  # the forward kept one only where this routes to the compiled LSTM
-    if not compiled:
-        dtypes = (h.dtype, w.w_hh.dtype, g_last.dtype)
-        chosen, fits, compiled = _route(cell, strategy, h.shape, h.device, *dtypes)
+    dtypes = (h.dtype, w.w_hh.dtype, g_last.dtype)
+    chosen, fits, compiled = _route(cell, strategy, h.shape, h.device, *dtypes)
     if compiled:
         if lstm:
             from bppsa_core import numba_scan
 
-            if tape is not None:
-                walk = numba_scan.LSTMWalk(tape.gates, tape.states[1:], w.w_hh, u, tape.cells)
-                return _lstm_walked(walk, steps, g_last, g_c_last)
             gates = cell.activations(x, h_prev.whole(), w)
             delta, g0 = numba_scan.lstm_layer_backward(gates, h, c0, w.w_hh, g_last, g_c_last, u)
             return (lambda t: (delta[t],) * 2), (lambda: g0)  # one object: the biases summed once
@@ -622,7 +652,7 @@ def _lstm_walked(
     after block (``jacobians.reusing_buffers``): the deltas of T steps never exist at once, and a
     block's are still in the cache when ``layer_grads`` takes them (re-measured by ``python -m
     benchmarks.backward --model lstm --threads 1 --strategies numba``). ``first()`` is
-    (dL/dh_0, dL/dc_0) (B, 2H)."""
+    (dL/dh_0, dL/dc_0) stacked (2, B, H), a tensor of the walk's own."""
 
     def block(lo: int, hi: int, g_end: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
         batch, hidden = g_end.shape[1:]
@@ -631,8 +661,7 @@ def _lstm_walked(
         walk(lo, hi, g_end, g, delta)
         return (delta, delta), g  # one object: the biases summed once
 
-    deltas, first = _from_the_end(steps, torch.stack((g_last, g_c_last)), block)
-    return deltas, lambda: torch.cat(tuple(first()), -1)
+    return _from_the_end(steps, torch.stack((g_last, g_c_last)), block)
 
 
 def _from_the_end(

@@ -97,6 +97,35 @@ def test_a_module_backward_runs_flushed_and_its_gradients_stay_exact(monkeypatch
     assert makes_subnormals() == (True, True)
 
 
+@pytest.mark.parametrize("model", ["LSTM", "GRU"])
+def test_a_short_layer_backward_leaves_the_mode_as_it_is(model, monkeypatch) -> None:
+    """Below ``layer.FLUSH_MIN_STEPS`` steps a layer's backward runs in the mode it finds (the
+    switch costs more than so short a chain's subnormals could); from it on, flushed. Both
+    routes: an LSTM's from its compiled forward's tape, a GRU's general one."""
+    from bppsa_core import layer as layer_mod
+
+    inside, real = [], layer_mod.layer_grads
+    monkeypatch.setattr(
+        layer_mod, "layer_grads", lambda *a, **k: inside.append(makes_subnormals()) or real(*a, **k)
+    )
+    torch.manual_seed(0)
+    ref = getattr(torch.nn, model)(2, 6)
+    ours = getattr(bnn, model)(2, 6)
+    ours.load_state_dict(ref.state_dict())
+    for steps, flushed in ((layer_mod.FLUSH_MIN_STEPS - 1, False), (layer_mod.FLUSH_MIN_STEPS, True)):
+        inside.clear()
+        x = torch.randn(steps, 3, 2)
+        grads = []
+        for m in (ref, ours):
+            m.zero_grad()
+            m(x)[0].pow(2).sum().backward()
+            grads.append([p.grad for p in m.parameters()])
+        assert inside == [(not flushed, not flushed)], steps
+        for a, b in zip(*grads, strict=True):
+            assert rel_err(a, b) < 1e-5
+    assert makes_subnormals() == (True, True)
+
+
 def test_float64_scans_are_unchanged() -> None:
     chain = underflowing_chain(n=300)
     chain = FactoredChain(chain.scales.double(), chain.weights.double())
