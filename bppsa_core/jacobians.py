@@ -63,7 +63,7 @@ _scope = threading.local()
 
 def _block_steps(bytes_per_step: int, device: torch.device) -> int:
     """Time steps per block of work on ``device`` that touches ``bytes_per_step`` bytes per step."""
-    budget = getattr(_scope, "block_bytes", None) or default_block_bytes(device)
+    budget = getattr(_scope, "block_bytes", None) or BLOCK_BYTES["cpu" if device.type == "cpu" else "gpu"]
     return max(1, budget // max(1, bytes_per_step))
 
 

@@ -313,7 +313,7 @@ def sequential_forward(
     ):
         from bppsa_core import numba_forward
 
-        out = _outputs(x, x.shape[0], x.shape[1], hidden, x.dtype, batch_major)
+        out = _outputs(x, x.shape[0], x.shape[1], hidden, x.dtype, True) if batch_major else None
         kept = None if tape is None else (tape.gates, tape.cells, tape.states)
         return numba_forward.layer_forward(mode, x, h0, c0, weights, lengths, segment, out, kept)
     return native_forward(mode, x, h0, c0, weights, lengths, segment, batch_major)

@@ -258,41 +258,48 @@ def layer_forward(
     weights: list[Tensor],
     lengths: Tensor | None,
     segment: int,
-    out: Tensor,
+    out: Tensor | None = None,
     tape: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One layer's forward: ``native_forward``'s results, written into ``out`` (T, B, H; any
-    strides), the inputs' projection one GEMM per segment of at most ``segment`` steps (so that
-    only a segment's of it exists), or with one input feature made in the kernels' steps.
-    ``tape``: an LSTM's arrays (``layer.LSTMTape``: gates (T, B, 4H), cells and states
-    (T + 1, B, H)), into which its activated gates, cell states c_0..c_T and states h_0..h_T are
-    written. Returns (out, h_T, c_T), c_T None but for an LSTM.
-    Nothing is recorded for autograd here (``dispatch.compiled_forward``)."""
+    strides; None: new, time-major), the inputs' projection one GEMM per segment of at most
+    ``segment`` steps (so that only a segment's of it exists), or with one input feature made in
+    the kernels' steps. ``tape``: an LSTM's arrays (``layer.LSTMTape``: gates (T, B, 4H), cells and
+    states (T + 1, B, H)), into which its activated gates, cell states c_0..c_T and states h_0..h_T
+    are written. Returns (out, h_T, c_T), c_T None but for an LSTM.
+    Nothing is recorded for autograd here (``dispatch.compiled_forward``). Arrays the kernels write
+    are made as arrays, the tensors returned are their memory: a short layer's call is mostly such
+    host work (re-measured by ``python -m benchmarks.host``)."""
     steps, batch = x.shape[:2]
     w_ih, w_hh, *biases = weights
-    rows = w_hh.shape[0]
+    rows, hidden = w_hh.shape
     kind = NUMPY_DTYPES[x.dtype]
     if biases:
-        b_ih, b_hh = biases[0].detach().numpy(), biases[1].detach().numpy()
+        b_ih, b_hh = biases[0].numpy(force=True), biases[1].numpy(force=True)
     else:
         b_ih = b_hh = _zeros(rows, kind)
     cell = _CELLS.get(mode, "rnn")
-    w_hh = w_hh.detach().numpy()
+    w_hh = w_hh.numpy(force=True)
     n_threads = threads()
     groups = min(n_threads, batch)
     kernel = _kernel(cell, x.dtype, n_threads > 1, tape is not None)
     # each segment reads the state its predecessor wrote: (h, c) in, fresh (h, c) out, as arrays
     # (no tensor, no conversion, until the last)
-    h = h0.detach().contiguous().numpy()
-    c = None if c0 is None else c0.detach().contiguous().numpy()
+    h = h0.contiguous().numpy(force=True)
+    c = None if c0 is None else c0.contiguous().numpy(force=True)
+    if out is None:
+        outs = np.empty((steps, batch, hidden), kind)
+        out = torch.from_numpy(outs)
+    else:
+        outs = out.numpy()
     features = x.shape[-1]
     if features == 1:  # one feature (the paper's bitstream): the kernels make x w_ih + b_ih a step
-        x1 = np.ascontiguousarray(x.detach().numpy().reshape(steps, batch))
-        w_col = w_ih.detach().numpy().reshape(rows)
+        x1 = np.ascontiguousarray(x.numpy(force=True).reshape(steps, batch))
+        w_col = w_ih.numpy(force=True).reshape(rows)
     else:
         flat = x.reshape(steps * batch, features)
     ends = None if lengths is None else lengths.to("cpu", torch.int64).numpy()
-    whole = steps <= segment  # one segment: the tensors themselves, no slices (each costs its view)
+    whole = steps <= segment  # one segment: the arrays themselves, no slices
     for s in range(0, steps, segment):
         e = min(steps, s + segment)
         seg = _running(batch, e - s) if ends is None else np.clip(ends - s, 0, e - s)
@@ -303,7 +310,7 @@ def layer_forward(
             xw = torch.addmm(biases[0], seg_x, w_ih.t()) if biases else torch.mm(seg_x, w_ih.t())
             inputs = (xw.numpy().reshape(e - s, batch, rows), *_EMPTY[x.dtype], b_ih, b_hh)
         h_next = np.empty_like(h)
-        outputs = ((out if whole else out[s:e]).numpy(), h_next)
+        outputs = (outs if whole else outs[s:e], h_next)
         if cell == "rnn":
             kernel(mode == "RNN_RELU", groups, inputs, w_hh, h, seg, *outputs)
         elif cell == "gru":

@@ -357,7 +357,7 @@ _lstm_layer_parallel = build(_lstm_layer, True)
 
 def _arrays(*tensors: Tensor | np.ndarray) -> list[np.ndarray]:
     """The kernels' arrays: a tensor's memory (contiguous), an array as it is (an LSTM tape's)."""
-    return [t if isinstance(t, np.ndarray) else t.detach().contiguous().numpy() for t in tensors]
+    return [t if isinstance(t, np.ndarray) else t.contiguous().numpy(force=True) for t in tensors]
 
 
 def chunked_scan(
