@@ -22,9 +22,9 @@ The pool's threads are reached through libgomp's ``GOMP_parallel`` (the OpenMP r
 Linux builds, also MKL's threading layer there), which runs libm's ``fesetenv`` in each of them.
 PyTorch's wheels bundle their own libgomp, and numba's OpenMP layer loads the system's beside it:
 the one taken is PyTorch's (``_loaded``): regions opened in numba's pool would leave PyTorch's
-threads unflushed and, with two threads, set the two pools taking the cores from each other, a short
-layer's training step 9-18 times ``torch.nn``'s (re-measured by ``python -m benchmarks.host
---threads 2``).
+threads unflushed and, with two threads, set the two pools taking the cores from each other, a
+layer's training step many times ``torch.nn``'s (re-measured by ``python -m benchmarks.host
+--threads 2 --T 1000``).
 Where that is not available (another OS, another OpenMP runtime, another architecture) the block
 runs unchanged, and ``available()`` says so.
 """
