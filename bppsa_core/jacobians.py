@@ -63,13 +63,15 @@ _scope = threading.local()
 
 def _block_steps(bytes_per_step: int, device: torch.device) -> int:
     """Time steps per block of work on ``device`` that touches ``bytes_per_step`` bytes per step."""
-    budget = getattr(_scope, "block_bytes", None) or BLOCK_BYTES["cpu" if device.type == "cpu" else "gpu"]
+    budget = getattr(_scope, "block_bytes", None) or default_block_bytes(device)
     return max(1, budget // max(1, bytes_per_step))
 
 
 def block_kind(device: torch.device) -> str:
-    """The key of ``BLOCK_BYTES`` that holds ``device``'s budget: "cpu" on a CPU, "gpu" on any other."""
-    return "cpu" if torch.device(device).type == "cpu" else "gpu"
+    """The key of ``BLOCK_BYTES`` that holds ``device``'s budget: "cpu" on a CPU, "gpu" on any other.
+    A ``torch.device`` is read as it is (every layer backward asks), a name parsed."""
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return "cpu" if kind == "cpu" else "gpu"
 
 
 def default_block_bytes(device: torch.device) -> int:

@@ -466,7 +466,7 @@ def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_
             g_h0 = g0.clone()
         else:
             g_h0, g_c0 = g0[:, :hidden].clone(), g0[:, hidden:].clone()
-    return dx, g_h0, g_c0, _present(dw)
+    return dx, g_h0, g_c0, _weight_grads(dw)
 
 
 def _taped_backward(
@@ -493,10 +493,10 @@ def _taped_backward(
     deltas, first = _lstm_walked(walk, tape.gates.shape[0], g_last, g_c_last)
     dx, dw = layer_grads(deltas, x, tape.hidden[:-1], w, need_input)
     g_h0, g_c0 = first() if need_state else (None, None)  # the walk's own (2, B, H): no copy
-    return dx, g_h0, g_c0, _present(dw)
+    return dx, g_h0, g_c0, _weight_grads(dw)
 
 
-def _present(w: LayerWeights) -> list[Tensor]:
+def _weight_grads(w: LayerWeights) -> list[Tensor]:
     """A layer's weight gradients as the list its weights came in: without biases, two."""
     return [t for t in (w.w_ih, w.w_hh, w.b_ih, w.b_hh) if t is not None]
 
