@@ -280,8 +280,10 @@ class _BPPSAMixin:
             if self.training and self.dropout > 0 and i < self.num_layers - 1:
                 inp = _dropout(inp, self.dropout, lengths, index)
         self.__dict__["_stats"] = stats  # a plain attribute: no nn.Module.__setattr__ per call
-        h_n = _stacked(hs)
-        return inp, ((h_n, _stacked(cs)) if lstm else h_n)
+        # a tensor of its own even for one layer, as torch.nn's: a view of a layer's result may not be
+        # detached in place, nor (PyTorch's kernel's) changed in place
+        h_n = torch.stack(hs)
+        return inp, ((h_n, torch.stack(cs)) if lstm else h_n)
 
     def _guess(self, k: int, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
         """With ``newton_guess="previous"``, layer-direction k's outputs of the last forward when
@@ -300,11 +302,6 @@ class _BPPSAMixin:
             if self.forward_solver != "native":
                 s += f", forward_solver={self.forward_solver!r}"
         return s
-
-
-def _stacked(states: list[Tensor]) -> Tensor:
-    """The layers' last states (layers * directions, B, H); one layer's as a view, not a copy."""
-    return states[0].unsqueeze(0) if len(states) == 1 else torch.stack(states)
 
 
 @functools.lru_cache(maxsize=256, typed=True)

@@ -81,16 +81,22 @@ def test_a_checkpoint_moves_between_torch_nn_and_bppsa_core_by_state_dict(kind) 
 # ------------------------------------------------------------------------------ results in place
 
 
+# "auto" takes the compiled forward on a CPU where numba is installed; "chunked" PyTorch's fused
+# kernel, as every strategy does on a GPU (its last states are views of the kernel's result)
+FORWARDS = ["auto", "chunked"]
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("layers", [1, 2])
-def test_results_changed_in_place_get_torch_nns_gradients(kind, layers) -> None:
+@pytest.mark.parametrize("strategy", FORWARDS)
+def test_results_changed_in_place_get_torch_nns_gradients(kind, layers, strategy) -> None:
     """The outputs and last states may be changed in place before the loss, as ``torch.nn``'s may
-    (the layers keep what their backward reads elsewhere; one layer's last states are a view of
-    its own result): the same gradients, float64."""
+    (the layers keep what their backward reads elsewhere, and the last states are a tensor of
+    their own, one layer's too): the same gradients, float64."""
     ref_cls, ours_cls = KINDS[kind]
     torch.manual_seed(0)
     ref = ref_cls(3, 5, num_layers=layers).double()
-    ours = ours_cls(3, 5, num_layers=layers).double()
+    ours = ours_cls(3, 5, num_layers=layers, strategy=strategy).double()
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(6, 2, 3, dtype=F64)
     grads = []
@@ -101,6 +107,32 @@ def test_results_changed_in_place_get_torch_nns_gradients(kind, layers) -> None:
         for s in states:
             s[-1].add_(1).mul_(2)
         (out.sin().sum() + sum(s.pow(2).sum() for s in states)).backward()
+        grads.append([p.grad for p in module.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert rel_err(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("strategy", FORWARDS)
+def test_last_states_detached_in_place_carry_over_as_torch_nns(kind, strategy) -> None:
+    """Truncated BPTT's idiom: ``h_n.detach_()`` after each chunk's backward (a view may not be
+    detached in place), the detached state fed to the next chunk: the same gradients, float64."""
+    ref_cls, ours_cls = KINDS[kind]
+    torch.manual_seed(0)
+    ref = ref_cls(3, 5).double()
+    ours = ours_cls(3, 5, strategy=strategy).double()
+    ours.load_state_dict(ref.state_dict())
+    chunks = torch.randn(3, 6, 2, 3, dtype=F64)
+    grads = []
+    for module in (ref, ours):
+        state = None
+        for x in chunks:
+            module.zero_grad(set_to_none=True)
+            out, state = module(x, state)
+            out.sin().sum().backward()
+            for s in state if isinstance(state, tuple) else (state,):
+                s.detach_()
+                assert not s.requires_grad
         grads.append([p.grad for p in module.parameters()])
     for a, b in zip(*grads, strict=True):
         assert rel_err(a, b) < 1e-10
