@@ -14,6 +14,7 @@ import copy
 import itertools
 import pickle
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,7 +22,28 @@ from helpers import extended_except, rel_err
 from recurrent import CLASSES, F64, KINDS, assert_same, flat, pair, run, state, state_leaves
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from bppsa_core import dispatch
+from bppsa_core import layer as layer_mod
 from bppsa_core import nn as bnn
+
+
+@pytest.fixture(autouse=True, params=["compiled", pytest.param("fused", marks=pytest.mark.extended)])
+def forward_route(request, monkeypatch) -> Iterator[None]:
+    """Every test under each forward of the modules: the compiled CPU forward, where "auto" takes it
+    (numba installed), and PyTorch's fused kernel, the one every strategy runs on a GPU."""
+    if request.param == "fused":
+        monkeypatch.setattr(dispatch, "_compiled_forward_takes", lambda *args: False)
+        if dispatch.numba_installed():  # and it is never called
+            from bppsa_core import numba_forward
+
+            monkeypatch.setattr(numba_forward, "layer_forward", _not_called)
+    layer_mod._taped.cache_clear()  # an LSTM's tape follows the compiled forward: asked afresh
+    yield
+    layer_mod._taped.cache_clear()
+
+
+def _not_called(*args, **kwargs):
+    raise AssertionError("the compiled forward ran where PyTorch's fused one was asked for")
 
 
 def outcome(fn) -> tuple[str, str] | None:
