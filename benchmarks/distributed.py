@@ -42,10 +42,10 @@ Prints, per T and p:
   while the other ranks walk theirs.
 
 ``--out`` writes ``measured.csv`` rows (scheme ``bppsa-allgather`` / ``bptt-distributed``, p,
-time per iteration) that ``python -m analysis.schemes --measured`` draws beside its model, and,
-when ``--ranks`` has 1, ``calibration.json`` (else an earlier one there is removed; ``--out`` takes
-one layer, as the model does): what one rank's kernels cost at the largest T, the costs the model
-charges a device that runs ``bppsa_core.distributed`` (``--calibration``):
+time per iteration) that ``python -m analysis.schemes --measured measured.csv`` draws beside its
+model, and, when ``--ranks`` has 1, ``calibration.json`` (else an earlier one there is removed;
+``--out`` takes one layer, as the model does): what one rank's kernels cost at the largest T, the
+costs the model charges a device that runs ``bppsa_core.distributed`` (``--calibration``):
 - ``forward_step``: seconds per step of the fused forward (the whole batch at once);
 - ``walk``: seconds per step and sample of BPPSA's backward of a slice from a given gradient;
 - ``fold``: seconds per step and sample of a middle rank's fold of its slice into one matrix per

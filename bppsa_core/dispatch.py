@@ -101,7 +101,7 @@ def default_chunk(n: int, element_bytes: int = 0) -> int:
     op count is ~2·C + n/C: minimal near C = sqrt(n / 2). Each reduce step also works on one
     element per chunk (``element_bytes`` each, with its GEMM's scaled copy: B·K·H²·itemsize); when
     those would pass ``_CHUNK_WORKING_SET``, fewer, longer chunks keep a step's working set in the
-    CPU's cache (re-measured by ``python -m benchmarks.backward --suite long --model gru``).
+    CPU's cache (re-measured by ``python -m benchmarks.backward --suite long``, its GRU rows).
     """
     c = max(1, round(math.sqrt(n / 2)))
     if element_bytes:

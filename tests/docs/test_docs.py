@@ -1,5 +1,6 @@
 """What the documents say holds: the README opens with the two set-up commands a newcomer runs, the
-commands that README.md and docs/ show in code are ones the tools take today (each tool's arguments
+commands that README.md and docs/ show in code, and the suite's docstrings and comments name (the
+benchmark that re-measures a constant, say), are ones the tools take today (each tool's arguments
 parse, run.py's overrides compose: a sweep's first value; nothing is run), the README's Python
 examples run, and every tool's --help gives each default once. Nothing here counts prose: a document
 may grow or shrink as long as what it shows still works."""
@@ -29,17 +30,34 @@ def joined(path) -> str:
     return re.sub(r"\\\n\s*", " ", path.read_text())
 
 
-def documented() -> list[tuple[str, str, list[str]]]:
-    """(file, tool, arguments) of every command in the docs' code, each once."""
+# In the suite's code, also a command named inline, ``python -m tool args``, as comments name the
+# benchmark that re-measures what they explain; a usage synopsis's [optional] brackets are dropped
+# and its placeholders take a sample value; a tool named without arguments is asked for its --help.
+INLINE = re.compile(r"``(?:\.venv/bin/)?python3? (run\.py|-m [\w.]*\w)( [^`]*)?``")
+PLACEHOLDERS = {"M": "2", "N": "64", "DIR": "data"}
+SUITE = ("bppsa_core", "benchmarks", "experiments", "analysis", "datasets", "toolbox")
+SOURCES = [*sorted(path for folder in SUITE for path in (ROOT / folder).rglob("*.py")), ROOT / "run.py"]
+
+
+def documented(paths, inline: bool = False) -> list[tuple[str, str, list[str]]]:
+    """(file, tool, arguments) of every command in the files' code blocks (``inline``: and named
+    inline), each once per file."""
     found: dict[tuple[str, str], list[str]] = {}
-    for path in DOCS:
-        for tool, rest in COMMAND.findall(joined(path)):
-            words = shlex.split(re.split(r"\s#|\s>", rest)[0])  # no comment, no redirection
-            found.setdefault((path.name, f"{tool} {shlex.join(words)}".strip()), [tool, *words])
+    for path in paths:
+        text = joined(path)
+        for tool, rest in COMMAND.findall(text) + (INLINE.findall(text) if inline else []):
+            rest = re.split(r"\s#|\s>", rest)[0]  # no comment, no redirection
+            if inline:
+                rest = rest.replace("[", "").replace("]", "")
+            words = [PLACEHOLDERS.get(w, w) for w in shlex.split(rest)] if inline else shlex.split(rest)
+            name = str(path.relative_to(ROOT))
+            argv = [tool, *words] if words or not inline or tool == "run.py" else [tool, "--help"]
+            found.setdefault((name, f"{tool} {shlex.join(words)}".strip()), argv)
     return [(name, line, argv) for (name, line), argv in found.items()]
 
 
-COMMANDS = documented()
+COMMANDS = documented(DOCS)
+NAMED = documented(SOURCES, inline=True)
 
 
 def test_the_readme_opens_with_the_two_set_up_commands() -> None:
@@ -75,7 +93,7 @@ SHOWING = [doc for doc in DOCS if fenced_commands(doc)]
 def test_the_extraction_finds_every_command_a_doc_shows(doc) -> None:
     """Each tool command of a fenced block is among those the test below parses, so a command the
     extraction missed cannot go unchecked."""
-    taken = {line for name, line, _ in COMMANDS if name == doc.name}
+    taken = {line for name, line, _ in COMMANDS if name == str(doc.relative_to(ROOT))}
     assert taken
     for line in fenced_commands(doc):
         tool, rest = COMMAND.match(line).groups()
@@ -91,15 +109,19 @@ def test_the_readme_shows_how_to_run_the_suite() -> None:
     assert any(tool.startswith("-m benchmarks.") for tool in tools), tools
 
 
+# The refusals a GPU command gets on a machine without one: the only ones a documented command may get.
+NO_GPU = ("'cuda' asked for, but CUDA is not available here", "error: no CUDA device here; accepted:")
+
+
 class Parsed(Exception):  # noqa: N818  (not an error: the stop it asks for)
     """Raised in place of running a tool once its arguments have parsed."""
 
 
-# The README's commands in the default run; those of docs/ under extended.
+# The README's commands in the default run; those of docs/ and the code under extended.
 @pytest.mark.parametrize(
     ("doc", "line", "argv"),
-    extended_except(COMMANDS, *(c for c in COMMANDS if c[0] == "README.md")),
-    ids=[f"{d}: {c}" for d, c, _ in COMMANDS],
+    extended_except(COMMANDS + NAMED, *(c for c in COMMANDS if c[0] == "README.md")),
+    ids=[f"{d}: {c}" for d, c, _ in COMMANDS + NAMED],
 )
 def test_a_documented_command_is_taken(doc: str, line: str, argv: list[str], monkeypatch, capsys) -> None:
     tool, args = argv[0], argv[1:]
@@ -113,19 +135,24 @@ def test_a_documented_command_is_taken(doc: str, line: str, argv: list[str], mon
         ]
         composed(*first, hydra=any(o.key_or_group.startswith("hydra") for o in overrides))
         return
-    parse = argparse.ArgumentParser.parse_args
-
-    def parse_then_stop(self, *a, **k):
-        raise Parsed(parse(self, *a, **k))
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
     module = importlib.import_module(tool.removeprefix("-m "))
+    # stopped after the tool's own parse_args, where it has one (its checks beyond argparse's
+    # included), else after argparse's
+    owner = module if hasattr(module, "parse_args") else argparse.ArgumentParser
+    parse = owner.parse_args
+
+    def parse_then_stop(*a, **k):
+        raise Parsed(parse(*a, **k))
+
+    monkeypatch.setattr(owner, "parse_args", parse_then_stop)
     with pytest.raises((Parsed, SystemExit)) as stop:
         module.main(args)
-    if stop.type is SystemExit:
+    if args == ["--help"]:  # a tool named, not a command: it is there and answers
+        assert stop.type is SystemExit and stop.value.code == 0
+    elif stop.type is SystemExit:
         refusal = capsys.readouterr().err.strip()
         cuda_here = torch.cuda.is_available()
-        assert not cuda_here and "'cuda' asked for, but CUDA is not available here" in refusal, refusal
+        assert not cuda_here and any(no_gpu in refusal for no_gpu in NO_GPU), refusal
 
 
 def test_the_readme_python_examples_run() -> None:
