@@ -26,6 +26,7 @@ from toolbox.cli import (  # noqa: F401  (the count and number types: the tools 
     positive_float,
     positive_int,
 )
+from toolbox.errors import SuiteError
 
 
 def seed_arg(text: str) -> int:
@@ -39,13 +40,17 @@ def seed_arg(text: str) -> int:
 def run_tool(module: str, main: Callable[[], int], sizes: str = "smaller sizes") -> int:
     """A tool's ``main()`` as its command runs it, with one line on stderr instead of a traceback:
     Ctrl-C ends it with status 130, and memory that runs out (sizes too large for this machine) with
-    status 1, the line naming ``sizes``, what the tool takes smaller. Either way it has written
-    nothing, as every tool writes its files at the end."""
+    status 1, the line naming ``sizes``, what the tool takes smaller; so does a suite error (a result
+    file that cannot be written: a full disk), in its own line. Either way it has written nothing
+    partial, as every tool writes its files at the end, each whole or not at all."""
     try:
         return main()
     except KeyboardInterrupt:  # asked for, not a failure: no traceback (128 + SIGINT, as a shell says)
         print(f"python -m {module}: interrupted", file=sys.stderr)
         return 130
+    except SuiteError as exc:
+        print(f"python -m {module}: error: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
         if not out_of_memory(exc):
             raise

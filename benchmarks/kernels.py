@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from benchmarks.common import positive_int
+from benchmarks.common import positive_int, run_tool
 from bppsa_core.triton import chunk_scan
 from bppsa_core.triton.launch import DOT_PRECISION, Launch, padded
 from bppsa_core.triton.lstm import CELL_STEPS, lstm_launch_config
@@ -752,4 +752,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool("benchmarks.kernels", main))

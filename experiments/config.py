@@ -184,7 +184,10 @@ def refusing_in_one_line(prog: str, conf_dir: Path) -> Iterator[None]:
         sys.exit(130)
     except OSError as exc:  # an output folder that cannot be made or written
         where = f"cannot write {exc.filename}: " if exc.filename and not isinstance(exc, WriteError) else ""
-        print(f"{prog}: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        print(
+            f"{prog}: error: {where}{exc.strerror or exc}; accepted: a folder you may write in",
+            file=sys.stderr,
+        )
         sys.exit(2)
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -329,6 +329,26 @@ def test_memory_that_runs_out_ends_a_tool_in_one_line(capsys) -> None:
     assert run_tool("benchmarks.backward", lambda: 0) == 0
 
 
+def test_a_result_that_cannot_be_written_at_the_end_is_said_in_one_line(tmp_path: Path, capsys) -> None:
+    """A write that fails after the work (the disk filled meanwhile; here its folder became a file)
+    ends the tool with status 1 and one line naming the file, no traceback and no file."""
+    from benchmarks.common import run_tool
+    from toolbox.files import write_atomic
+
+    (tmp_path / "out").write_text("a file where the folder was")
+    target = tmp_path / "out" / "measured.csv"
+
+    def late_write() -> int:
+        write_atomic(target, lambda tmp: tmp.write_text("p,seconds\n"))
+        return 0
+
+    assert run_tool("benchmarks.distributed", late_write) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    why = f"{tmp_path / 'out'} is a file, not a folder"
+    assert line == f"python -m benchmarks.distributed: error: cannot write {target}: {why}"
+    assert not target.exists()
+
+
 def test_memory_that_runs_out_in_a_spawned_process_is_said_with_its_cause_and_sizes(capsys) -> None:
     from torch.multiprocessing import ProcessRaisedException
 

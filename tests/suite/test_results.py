@@ -359,6 +359,17 @@ def test_an_output_folder_that_cannot_be_made_is_named(tmp_path: Path) -> None:
     assert blocker.read_text() == "not a folder"
 
 
+@pytest.mark.extended
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc here")
+def test_a_run_folder_where_no_folder_can_be_made_is_refused_in_one_line(tmp_path: Path) -> None:
+    """/proc takes no new folder, even from root, for whom the permission check passes: the folder's
+    making then fails, said in the same one line with what is accepted."""
+    done = run_py(*TINY, *CSV, "hydra.run.dir=/proc/bppsa-run", cwd=tmp_path)
+    assert done.returncode == 2
+    line = one_line_error(done)
+    assert "/proc" in line and line.endswith("; accepted: a folder you may write in"), line
+
+
 def test_a_write_that_fails_names_the_file_and_keeps_the_old_one(tmp_path: Path, monkeypatch) -> None:
     target = tmp_path / "table.csv"
     target.write_text("complete")
