@@ -82,6 +82,7 @@ from benchmarks.common import (
     non_negative_int,
     positive_float,
     positive_int,
+    run_tool,
     version,
 )
 from bppsa_core.dispatch import runs_on
@@ -468,4 +469,4 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_tool("benchmarks.gpu_check", main))
