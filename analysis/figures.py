@@ -45,7 +45,8 @@ from analysis.data import (
     telling_apart,
 )
 from toolbox.cli import OneLineParser
-from toolbox.files import nearest_folder, output_folder
+from toolbox.errors import WriteError
+from toolbox.files import nearest_folder, output_folder, write_atomic
 
 sns.set_theme(style="whitegrid")  # every figure of the suite, fig. 10 included, in one style
 plt.rcParams.update({"svg.hashsalt": "bppsa", "pdf.compression": 6})
@@ -467,16 +468,21 @@ def _backward_against(
 
 
 def save(fig: plt.Figure, out: Path, name: str) -> list[Path]:
-    """PNG and PDF, without timestamps or version stamps, so equal input gives equal bytes."""
-    out.mkdir(parents=True, exist_ok=True)
+    """PNG and PDF, without timestamps or version stamps, so equal input gives equal bytes; each
+    written whole or not at all (``write_atomic``: a killed run leaves no truncated figure)."""
     paths = [out / f"{name}.png", out / f"{name}.pdf"]
-    fig.savefig(paths[0], dpi=150, metadata={"Software": None}, bbox_inches="tight")
-    fig.savefig(
-        paths[1],
-        metadata={"CreationDate": None, "ModDate": None, "Producer": None, "Creator": None},
-        bbox_inches="tight",
-    )
-    plt.close(fig)
+    options = {
+        "png": {"dpi": 150, "metadata": {"Software": None}},
+        "pdf": {"metadata": {"CreationDate": None, "ModDate": None, "Producer": None, "Creator": None}},
+    }
+    try:
+        for path in paths:
+            kind = path.suffix[1:]
+            write_atomic(
+                path, lambda tmp, k=kind: fig.savefig(tmp, format=k, bbox_inches="tight", **options[k])
+            )
+    finally:
+        plt.close(fig)
     return paths
 
 
@@ -541,7 +547,12 @@ def results_main(
         return 2
     out = output_made(parser, Path(args.out))
     tell_notes(parser.prog, data)
-    for path in make(args.paths, out, data):
+    try:
+        written = make(args.paths, out, data)
+    except WriteError as exc:  # a full disk, say: each file is whole or absent
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
+    for path in written:
         print(path)
     return 0
 

@@ -23,6 +23,7 @@ from analysis.data import (
     telling_apart,
 )
 from analysis.figures import FIGURES, key_text, made_folder, make_figures, results_main
+from toolbox.files import write_atomic
 
 # What every row of the table shows: its configuration's main keys, its device and its BPPSA variant.
 ALWAYS = ("model", "dataset", "frames", "seq_len", "batch_size", "device_name", "ranks")
@@ -127,8 +128,8 @@ def write_report(
         "Versions: " + ("; ".join(origin["versions"]) or "unknown"),
     ]
     report = out / "report.md"
-    report.write_text("\n\n".join(parts) + "\n")
-    table.to_csv(out / "speedups.csv", index=False)
+    write_atomic(out / "speedups.csv", lambda tmp: table.to_csv(tmp, index=False))
+    write_atomic(report, lambda tmp: tmp.write_text("\n\n".join(parts) + "\n"))
     return report
 
 

@@ -382,6 +382,19 @@ def test_report_from_a_real_tiny_sweep(tmp_path: Path) -> None:
     assert (tmp_path / "report" / "fig8.pdf").is_file()
 
 
+def test_a_report_that_cannot_be_written_ends_in_one_line_leaving_whole_files(tmp_path: Path, capsys) -> None:
+    """A file the report cannot write (here a folder has its name; a full disk alike) ends the
+    command with status 1 and one line naming it; each file written is whole, no temporary left."""
+    sweep = write_sweep(tmp_path / "sweep", t_sweep())
+    out = tmp_path / "report"
+    (out / "report.md").mkdir(parents=True)
+    assert report.main([str(sweep), "--out", str(out)]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"python -m analysis.report: error: cannot write {out / 'report.md'}: "), line
+    assert (out / "report.md").is_dir() and not list(out.glob(".*"))
+    assert (out / "fig8.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_gru_figures_split_by_feature_setting(tmp_path: Path) -> None:
     table = []
     for frames, t in (("s", 259), ("m", 517), ("l", 1034)):
