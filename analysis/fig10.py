@@ -26,7 +26,7 @@ from analysis.data import (
     require_flags,
     require_rows,
 )
-from analysis.figures import output_made, plt, save
+from analysis.figures import output_made, plt, print_written, save
 from toolbox.cli import OneLineParser
 from toolbox.files import output_folder
 
@@ -36,9 +36,7 @@ COLUMNS = ("ratio", "method", "flops", "mnk", "critical")
 def load_products(folder: str | Path) -> pd.DataFrame:
     path = Path(folder) / "products.csv" if Path(folder).is_dir() else Path(folder)
     if not path.is_file():
-        raise AnalysisError(
-            f"no products.csv at {str(path)!r}; run python -m benchmarks.pruned_vgg first"
-        )
+        raise AnalysisError(f"no products.csv at {str(path)!r}; run python -m benchmarks.pruned_vgg first")
     products = read_table(path, COLUMNS, ("ratio", "flops", "mnk"))
     require_rows(products, path, "the products of python -m benchmarks.pruned_vgg")
     require(products, path, ("ratio", "flops", "mnk"), finite_at_least_zero, "a finite number >= 0")
@@ -112,9 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AnalysisError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
-    for path in save(fig10(products), output_made(parser, Path(args.out)), "fig10"):
-        print(path)
-    return 0
+    return print_written(
+        parser.prog, lambda: save(fig10(products), output_made(parser, Path(args.out)), "fig10")
+    )
 
 
 if __name__ == "__main__":

@@ -467,19 +467,22 @@ def _backward_against(
     return fig
 
 
+# Each figure's formats and their savefig options: no timestamp or version stamp in either.
+SAVED = {
+    "png": {"dpi": 150, "metadata": {"Software": None}},
+    "pdf": {"metadata": {"CreationDate": None, "ModDate": None, "Producer": None, "Creator": None}},
+}
+
+
 def save(fig: plt.Figure, out: Path, name: str) -> list[Path]:
     """PNG and PDF, without timestamps or version stamps, so equal input gives equal bytes; each
     written whole or not at all (``write_atomic``: a killed run leaves no truncated figure)."""
-    paths = [out / f"{name}.png", out / f"{name}.pdf"]
-    options = {
-        "png": {"dpi": 150, "metadata": {"Software": None}},
-        "pdf": {"metadata": {"CreationDate": None, "ModDate": None, "Producer": None, "Creator": None}},
-    }
+    paths = []
     try:
-        for path in paths:
-            kind = path.suffix[1:]
+        for kind, options in SAVED.items():
+            paths.append(out / f"{name}.{kind}")
             write_atomic(
-                path, lambda tmp, k=kind: fig.savefig(tmp, format=k, bbox_inches="tight", **options[k])
+                paths[-1], lambda tmp, k=kind, o=options: fig.savefig(tmp, format=k, bbox_inches="tight", **o)
             )
     finally:
         plt.close(fig)
@@ -547,10 +550,16 @@ def results_main(
         return 2
     out = output_made(parser, Path(args.out))
     tell_notes(parser.prog, data)
+    return print_written(parser.prog, lambda: make(args.paths, out, data))
+
+
+def print_written(prog: str, write: Callable[[], Iterable[Path]]) -> int:
+    """``write()``'s files printed one a line (status 0), or the one line of a write that failed
+    (status 1: a full disk, say; each file is whole or absent)."""
     try:
-        written = make(args.paths, out, data)
-    except WriteError as exc:  # a full disk, say: each file is whole or absent
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        written = write()
+    except WriteError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     for path in written:
         print(path)

@@ -522,6 +522,20 @@ def test_fig10_merges_methods_that_draw_the_same_points(tmp_path: Path) -> None:
     plt.close(fig)
 
 
+def test_fig10_that_cannot_be_written_ends_in_one_line(tmp_path: Path, capsys) -> None:
+    from analysis import fig10
+
+    path = tmp_path / "products.csv"
+    row = {"ratio": 0.5, "method": "BP", "flops": 10, "mnk": 3, "kind": "seq", "critical": True}
+    pd.DataFrame([row]).to_csv(path, index=False)
+    out = tmp_path / "figures"
+    (out / "fig10.png").mkdir(parents=True)  # a folder where the figure goes; a full disk alike
+    assert fig10.main([str(path), "--out", str(out)]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"python -m analysis.fig10: error: cannot write {out / 'fig10.png'}: "), line
+    assert not list(out.glob(".*"))
+
+
 def test_fig10_names_a_products_table_it_cannot_draw(tmp_path: Path, capsys) -> None:
     from analysis import fig10
 
