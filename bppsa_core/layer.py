@@ -180,9 +180,11 @@ def native_forward(
     segment: int = SEGMENT,
     batch_major: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """PyTorch's fused forward of one layer: x (T, B, I), h0 and c0 (an LSTM's) (B, H).
+    """PyTorch's fused forward of one layer: x (T, B, I), h0 and c0 (an LSTM's) (B, H), or
+    (1, B, H) as the kernel takes them (a module's layer states: no view made on the way).
 
-    Returns the outputs h_1..h_T (T, B, H), 0 past each sequence's end, and the last state (h, c).
+    Returns the outputs h_1..h_T (T, B, H), 0 past each sequence's end, and the last state (h, c),
+    shaped as h0 and c0.
     Runs in segments of at most ``segment`` steps, each written into the outputs as it is made (the
     outputs exist once, not once more as a list of segments). ``batch_major``: the outputs are a
     (T, B, H) view of (B, T, H) memory, each sample's steps side by side, for a backward that walks
@@ -223,8 +225,8 @@ def _outputs(
 def _segment(
     mode: str, x: Tensor, h: Tensor, c: Tensor | None, weights: list[Tensor], lengths: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One call of PyTorch's fused kernel over x (T, B, I) from (h, c), the sequences of ``lengths``
-    (sorted longest first, 0 for one that has ended) packed."""
+    """One call of PyTorch's fused kernel over x (T, B, I) from (h, c) ((B, H) or (1, B, H)), the
+    sequences of ``lengths`` (sorted longest first, 0 for one that has ended) packed."""
     if lengths is None:
         return _native_call(mode, x, None, h, c, weights)
     steps, batch = x.shape[:2]
@@ -233,14 +235,15 @@ def _segment(
         return x.new_zeros((steps, batch, h.shape[-1])), h, c
     packed = pack_padded_sequence(x[:, :active], lengths[:active])
     data, h_a, c_a = _native_call(
-        mode, packed.data, packed.batch_sizes, h[:active], _head(c, active), weights
+        mode, packed.data, packed.batch_sizes, _samples(h, 0, active), _samples(c, 0, active), weights
     )
     out = pad_packed_sequence(PackedSequence(data, packed.batch_sizes), total_length=steps)[0]
     if active == batch:
         return out, h_a, c_a
     # the sequences that have ended keep their state, and output 0
     out = torch.cat((out, out.new_zeros((steps, batch - active, out.shape[-1]))), 1)
-    return out, torch.cat((h_a, h[active:])), (None if c is None else torch.cat((c_a, c[active:])))
+    h = torch.cat((h_a, _samples(h, active, batch)), -2)
+    return out, h, (None if c is None else torch.cat((c_a, _samples(c, active, batch)), -2))
 
 
 def solved_forward(
@@ -255,7 +258,7 @@ def solved_forward(
 ) -> tuple[Tensor, Tensor, Tensor | None, SolveStats | Tensor]:
     """``native_forward``'s results by ``config.solver``, and what the solve took (inside a CUDA
     graph capture, as a tensor on the device: ``newton.solve``); ``tape`` (from ``new_tape``) is
-    filled by the compiled forward.
+    filled by the compiled forward. h0 and c0 (B, H) or (1, B, H), the last states shaped as they are.
 
     The Newton methods solve the states parallel in time (``bppsa_core.newton.solve``) from ``guess``
     (h_1..h_T (T, B, H), or None for zeros; an LSTM's c follows from it, ``LSTMCell.cell_states``).
@@ -268,12 +271,14 @@ def solved_forward(
             strategy, config.mode, x, h0, c0, weights, lengths, config.segment, tape=tape
         )
         return *out, newton.NATIVE
-    hidden = h0.shape[-1]
+    hidden, lead = h0.shape[-1], h0.dim() == 3
     s0 = h0 if c0 is None else torch.cat((h0, c0), -1)
+    if lead:  # a module's layer states (1, B, H); the solve's are (B, H)
+        s0 = s0[0]
     keep = _keep(lengths, x.shape[0], x)
     cell, w = cell_of(config.mode), LayerWeights(*weights)
     if guess is not None and c0 is not None:
-        c = cell.cell_states(x, torch.cat((h0.unsqueeze(0), guess[:-1])), w, c0, keep)
+        c = cell.cell_states(x, torch.cat((s0[None, :, :hidden], guess[:-1])), w, s0[:, hidden:], keep)
         guess = torch.cat((guess, c), -1)
     states, stats = newton.solve(cell, x, s0, w, keep, solver, config.options, guess)
     if isinstance(stats, SolveStats) and not stats.converged:  # a tensor: captured, fallen back already
@@ -288,8 +293,9 @@ def solved_forward(
         return *sequential_forward(strategy, config.mode, x, h0, c0, weights, lengths, config.segment), stats
     out = states[..., :hidden]
     out = out * keep if keep is not None else out.contiguous()
-    c = states[-1, :, hidden:].clone() if c0 is not None else None
-    return out, states[-1, :, :hidden].clone(), c, stats
+    last = slice(-1, None) if lead else -1  # the last step's states, shaped as h0
+    c = states[last, :, hidden:].clone() if c0 is not None else None
+    return out, states[last, :, :hidden].clone(), c, stats
 
 
 def sequential_forward(
@@ -346,8 +352,9 @@ def stepwise_forward(
 _CELLS = {"RNN_TANH": torch.rnn_tanh_cell, "RNN_RELU": torch.rnn_relu_cell, "GRU": torch.gru_cell}
 
 
-def _head(c: Tensor | None, n: int) -> Tensor | None:
-    return None if c is None else c[:n]
+def _samples(state: Tensor | None, start: int, end: int) -> Tensor | None:
+    """Samples start..end-1 of a state, (B, H) or (1, B, H)."""
+    return None if state is None else state[..., start:end, :]
 
 
 def _native_call(
@@ -366,7 +373,10 @@ def _native_call(
     (the copy is a few KB for the paper's sizes). Weights at the start of their storage, the first
     layer's, are taken in place or warned about as ``torch.nn``'s own call would be.
     """
-    hx = (h.unsqueeze(0), c.unsqueeze(0)) if c is not None else h.unsqueeze(0)
+    lead = h.dim() == 3  # (1, B, H), as the kernel takes and gives the states: no view either way
+    if not lead:
+        h, c = h.unsqueeze(0), (None if c is None else c.unsqueeze(0))
+    hx = h if c is None else (h, c)
     bias = len(weights) == 4
     packed = () if batch_sizes is None else (batch_sizes,)
     flags = (bias, 1, 0.0, torch.is_grad_enabled(), False) + (() if packed else (False,))
@@ -377,9 +387,10 @@ def _native_call(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*not part of single contiguous chunk of memory.*")
             result = _NATIVE[mode](x, *packed, hx, weights, *flags)
-    if c is not None:
-        return result[0], result[1][0], result[2][0]
-    return result[0], result[1][0], None
+    h, c = result[1], (result[2] if c is not None else None)
+    if not lead:
+        h, c = h[0], (None if c is None else c[0])
+    return result[0], h, c
 
 
 # ------------------------------------------------------------------------------------------ backward

@@ -254,7 +254,8 @@ class _BPPSAMixin:
         h0, c0 = hx if lstm else (hx, None)
         config = self._config()
         directions = self._directions
-        per_call = len(self._flat_weights) // (self.num_layers * directions)
+        calls = self.num_layers * directions
+        per_call = len(self._flat_weights) // calls
         hs, cs, stats = [], [], []
         inp = x
         for i in range(self.num_layers):
@@ -267,8 +268,10 @@ class _BPPSAMixin:
                 # the top layer's outputs are the caller's (as torch.nn's, changed in place at will),
                 # unless a concatenation (bidirectional) or packing (lengths) copies them anyway
                 own = i == self.num_layers - 1 and directions == 1 and lengths is None
-                c0_k = None if c0 is None else c0[k]
-                out, h, c, solve = layer(seq, h0[k], c0_k, w, config, lengths, guess, own_output=own)
+                # the layer's states (1, B, H), as PyTorch's kernel takes them: h0 itself for one call
+                h0_k = h0 if calls == 1 else h0[k : k + 1]
+                c0_k = None if c0 is None else (c0 if calls == 1 else c0[k : k + 1])
+                out, h, c, solve = layer(seq, h0_k, c0_k, w, config, lengths, guess, own_output=own)
                 if self.newton_guess == "previous" and self.forward_solver != "native":
                     # a copy of the caller's own outputs, which they may change in place
                     self._guesses[k] = out.detach().clone() if own else out.detach()
@@ -280,10 +283,7 @@ class _BPPSAMixin:
             if self.training and self.dropout > 0 and i < self.num_layers - 1:
                 inp = _dropout(inp, self.dropout, lengths, index)
         self.__dict__["_stats"] = stats  # a plain attribute: no nn.Module.__setattr__ per call
-        # a tensor of its own even for one layer, as torch.nn's: a view of a layer's result may not be
-        # detached in place, nor (PyTorch's kernel's) changed in place
-        h_n = torch.stack(hs)
-        return inp, ((h_n, torch.stack(cs)) if lstm else h_n)
+        return inp, ((_last(hs), _last(cs)) if lstm else _last(hs))
 
     def _guess(self, k: int, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
         """With ``newton_guess="previous"``, layer-direction k's outputs of the last forward when
@@ -311,6 +311,15 @@ def _layer_config(
 ) -> LayerConfig:  # fmt: skip
     """A ``LayerConfig``, checked once per set of options: checking costs as much as a short layer."""
     return LayerConfig(mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, iters))
+
+
+def _last(states: list[Tensor]) -> Tensor:
+    """The layer calls' last states (1, B, H each) as torch.nn's (num_layers * directions, B, H): a
+    tensor of its own, as torch.nn's, since a view may not be detached or changed in place; one
+    call's own result (PyTorch's kernel's, say) as it is."""
+    if len(states) == 1 and not states[0]._is_view():
+        return states[0]
+    return torch.cat(states)
 
 
 def _lstm_state(hx: object, packed: bool) -> tuple[Tensor, Tensor]:

@@ -261,7 +261,8 @@ def layer_forward(
     out: Tensor | None = None,
     tape: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One layer's forward: ``native_forward``'s results, written into ``out`` (T, B, H; any
+    """One layer's forward: ``native_forward``'s results (h0 and c0 (B, H) or (1, B, H), the last
+    states shaped as they are), written into ``out`` (T, B, H; any
     strides; None: new, time-major), the inputs' projection one GEMM per segment of at most
     ``segment`` steps (so that only a segment's of it exists), or with one input feature made in
     the kernels' steps. ``tape``: an LSTM's arrays (``layer.LSTMTape``: gates (T, B, 4H), cells and
@@ -285,8 +286,8 @@ def layer_forward(
     kernel = _kernel(cell, x.dtype, n_threads > 1, tape is not None)
     # each segment reads the state its predecessor wrote: (h, c) in, fresh (h, c) out, as arrays
     # (no tensor, no conversion, until the last)
-    h = h0.contiguous().numpy(force=True)
-    c = None if c0 is None else c0.contiguous().numpy(force=True)
+    h = h0.contiguous().numpy(force=True).reshape(batch, hidden)  # NumPy's reshapes: no tensor views
+    c = None if c0 is None else c0.contiguous().numpy(force=True).reshape(batch, hidden)
     if out is None:
         outs = np.empty((steps, batch, hidden), kind)
         out = torch.from_numpy(outs)
@@ -323,4 +324,5 @@ def layer_forward(
             kernel(groups, inputs, w_hh, h, c, seg, *outputs, c_next, *kept)
             c = c_next
         h = h_next
-    return out, torch.from_numpy(h), None if c is None else torch.from_numpy(c)
+    c = None if c is None else torch.from_numpy(c.reshape(h0.shape))
+    return out, torch.from_numpy(h.reshape(h0.shape)), c

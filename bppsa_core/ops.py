@@ -186,6 +186,17 @@ _legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 # ------------------------------------------------------------------------------------------ autograd
 
 
+def _squeezed(*states: Tensor | None) -> list[Tensor | None]:
+    """A layer call's states and their gradients or tangents, (1, B, H) as the call takes them
+    (``layer``), as (B, H): the backward's and the tangent's shapes."""
+    return [None if s is None else s[0] for s in states]
+
+
+def _unsqueezed(*states: Tensor | None) -> list[Tensor | None]:
+    """``_squeezed``'s inverse: (B, H) gradients or tangents as the call's (1, B, H)."""
+    return [None if s is None else s.unsqueeze(0) for s in states]
+
+
 def _keep(ctx: Any, inputs: tuple, output: tuple, out: Tensor) -> None:
     """What a layer call's backward and tangent read: its inputs and ``out``, its outputs h_1..h_T
     (``output[0]``, or a copy the call did not return: ``_EagerLayer``). The tangent's copy is made
@@ -240,11 +251,12 @@ class _CompiledLayer(torch.autograd.Function):
             grad_cn = None
         if grad_out is None and grad_hn is None and grad_cn is None:
             return (None,) * (6 + len(weights))
+        h0, c0, grad_hn, grad_cn = _squeezed(h0, c0, grad_hn, grad_cn)
         if torch.is_grad_enabled():  # the gradient will itself be differentiated
             grads = bppsa_layer.differentiable_vjp(
                 config, x, h0, c0, lengths, weights, (grad_out, grad_hn, grad_cn)
             )
-            return (*grads[:3], None, None, None, *grads[3:])
+            return (grads[0], *_unsqueezed(*grads[1:3]), None, None, None, *grads[3:])
         need = ctx.needs_input_grad[-6 - len(weights) :]  # an ``_EagerLayer``'s has ``record``, ``own`` first
         if _plain(x, h0, grad_out, grad_hn, grad_cn):
             need_state = need[1] or (c0 is not None and need[2])
@@ -258,15 +270,8 @@ class _CompiledLayer(torch.autograd.Function):
                 x, h0, c0, *(*weights, None, None)[:4], lengths, out, grad_out, grad_hn, grad_cn,
                 config.mode, o.strategy, o.chunk, o.levels, need[0],
             )  # fmt: skip
-        return (
-            dx if need[0] else None,
-            dh0,
-            dc0 if c0 is not None else None,
-            None,
-            None,
-            None,
-            *dw[: len(weights)],
-        )
+        dh0, dc0 = _unsqueezed(dh0, dc0 if c0 is not None else None)
+        return (dx if need[0] else None, dh0, dc0, None, None, None, *dw[: len(weights)])
 
 
 class _Layer(_CompiledLayer):
@@ -277,6 +282,7 @@ class _Layer(_CompiledLayer):
         x, h0, c0, lengths, out, *weights = ctx.saved_tensors
         config: LayerConfig = ctx.config
         dweights = (*rest[3:], None, None)[:4]
+        h0, c0, dh0, dc0 = _squeezed(h0, c0, dh0, dc0)
         if _plain(x, h0, dx, dh0, dc0):
             tangents = [dx, dh0, dc0, *dweights]
             d_out, d_h, d_c = bppsa_layer.bppsa_tangent(config, x, h0, c0, weights, lengths, out, tangents)
@@ -286,7 +292,7 @@ class _Layer(_CompiledLayer):
                 x, h0, c0, *(*weights, None, None)[:4], lengths, out, dx, dh0, dc0, *dweights,
                 config.mode, o.strategy, o.chunk, o.levels,
             )  # fmt: skip
-        return d_out, d_h, (d_c if c0 is not None else None), None
+        return d_out, *_unsqueezed(d_h, d_c if c0 is not None else None), None
 
 
 class _EagerLayer(torch.autograd.Function):
@@ -336,10 +342,12 @@ def layer(
     own_output: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None, SolveStats | Tensor]:
     """One layer in one direction, differentiable by BPPSA: x (T, B, I) time-major, h0 and c0 (an
-    LSTM's, else None) (B, H), ``weights`` PyTorch's (w_ih, w_hh[, b_ih, b_hh]), ``lengths`` (B,)
-    sorted longest first or None, ``guess`` a Newton solver's first iterate of the outputs (T, B, H)
-    or None. Returns the outputs (T, B, H), the last h, the last c (or None) and what the forward
-    took: a ``newton.SolveStats``, or its ``as_tensor`` from the operators or a capture.
+    LSTM's, else None) (1, B, H), the layer's slice of a module's states, as PyTorch's kernel takes
+    and gives them (no view made on the way: ``benchmarks.host``, the forward), ``weights``
+    PyTorch's (w_ih, w_hh[, b_ih, b_hh]), ``lengths`` (B,) sorted longest first or None, ``guess`` a
+    Newton solver's first iterate of the outputs (T, B, H) or None. Returns the outputs (T, B, H),
+    the last h and c (or None) (1, B, H), and what the forward took: a ``newton.SolveStats``, or its
+    ``as_tensor`` from the operators or a capture.
     ``own_output``: the outputs returned are not what the backward reads, so that the caller may
     change them in place (a module's top layer, as ``torch.nn``'s): a copy where the backward keeps
     them, none where an LSTM's tape holds its own.

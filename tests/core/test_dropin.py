@@ -82,7 +82,7 @@ def test_a_checkpoint_moves_between_torch_nn_and_bppsa_core_by_state_dict(kind) 
 
 
 # "auto" takes the compiled forward on a CPU where numba is installed; "chunked" PyTorch's fused
-# kernel, as every strategy does on a GPU (its last states are views of the kernel's result)
+# kernel, as every strategy does on a GPU (a one-layer module's last states are the kernel's own)
 FORWARDS = ["auto", "chunked"]
 
 

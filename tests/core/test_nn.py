@@ -559,3 +559,27 @@ def test_an_initial_state_that_needs_no_gradient_gets_none_computed(kind: str) -
     leaf = zeros.clone().requires_grad_()
     assert clones((leaf, zeros) if lstm else leaf) - clones(None) == (4 if lstm else 2)
     check(kind, 6, 2, 3, 5, h0=True, num_layers=2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_one_layer_forward_on_pytorchs_kernel_makes_no_view_or_copy_of_its_states(kind: str) -> None:
+    """A layer call takes and gives its states as (1, B, H), the shape of PyTorch's kernel and of the
+    module's states, so a one-layer training forward on that kernel (a GPU's) issues torch.nn's
+    operator calls and one more, the copy of the outputs the caller may change in place: no
+    select, unsqueeze or stack of the states (the host path of a short forward). Its last states
+    are the layer's own tensors, not views."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def top_level_ops(module: torch.nn.Module) -> tuple[list[str], object]:
+        module(x)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _, h_n = module(x)
+        top = [e for e in prof.events() if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+        return [e.name for e in top if e.name.startswith("aten::")], h_n
+
+    ref_cls, cls, options = KINDS[kind]
+    x = torch.randn(6, 2, 3)
+    nn_ops, _ = top_level_ops(ref_cls(3, 5, **options))
+    ops, h_n = top_level_ops(cls(3, 5, strategy="chunked", **options))
+    assert len(ops) == len(nn_ops) + 1 and ops.count("aten::clone") == 1, (nn_ops, ops)
+    assert not any(s._is_view() for s in (h_n if isinstance(h_n, tuple) else (h_n,)))
