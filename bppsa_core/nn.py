@@ -26,7 +26,7 @@ Newton iterations over the same scans (``bppsa_core.newton``; ``newton_tol``, ``
 backward is unchanged. What each layer's solve took is in ``solver_stats`` after every forward.
 Not taken: an LSTM with ``proj_size > 0`` (refused at construction; ``backward="bptt"`` runs it).
 Under ``strategy="auto"``, a module of a width at which ``torch.nn``'s own kernels (cuDNN's
-persistent ones on a GPU) are faster than any BPPSA path is ``torch.nn``'s (``dispatch.torch_nn_instead``).
+on a GPU) are faster than any BPPSA path is ``torch.nn``'s (``dispatch.torch_nn_instead``).
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ def test_auto_choices() -> None:
         ("auto", "LSTM", 64, GPU, F32, True),  # above the LSTM kernels' 32, within cuDNN's 128
         ("auto", "LSTM", 128, GPU, F32, True),
         ("auto", "LSTM", 32, GPU, F32, False),  # the Triton kernels take it
-        ("auto", "LSTM", 256, GPU, F32, False),  # past cuDNN's persistent kernels
+        ("auto", "LSTM", 256, GPU, F32, True),  # past cuDNN's persistent kernels, still ahead there
+        ("auto", "LSTM", 1024, GPU, F32, True),
         ("auto", "GRU", 64, GPU, F32, False),
         ("auto", "GRU", 128, GPU, F32, True),
         ("auto", "GRU", 256, GPU, F32, False),
