@@ -52,22 +52,21 @@ _CHUNK_WORKING_SET = 24 << 20
 # Largest Blelloch up-sweep (bytes of dense float32 elements) that "auto" accepts on a GPU.
 _GPU_BLELLOCH_BYTES = 1 << 30
 # Per device type and mode, the widths (lo, hi] at which no BPPSA path beats torch.nn's own module,
-# so "auto" runs that instead (``torch_nn_instead``). A GPU: above the Triton kernels' widths and
-# within cuDNN's persistent kernels (RNN H <= 256, GRU 128), where BPPSA's general scans (H times a
-# matrix-vector step's work) lose 2-30 times; past them cuDNN's kernels slow down and a GRU's scan is
-# ahead (1.1-1.2 times at H = 256), but an LSTM's, over (h, c), still loses in time and memory there
-# (0.7-0.8 times) and more the wider it is (H^3 work against H^2): an LSTM above the Triton kernels'
-# widths is always torch.nn's. A CPU: from where the compiled walk's small products lose to the
-# batched GEMMs of PyTorch's kernel (above the widths where they were seen to win: GRU H = 192 and
-# LSTM H = 256 1.03-1.35 times slower at T = 100 to 1,000, even at 10,000). Re-measured by
-# ``python -m benchmarks.gpu_check --steps capture`` and ``python -m benchmarks.backward --threads 1
-# --strategies numba --H 128 --F 128`` (and 192, 256).
-_TORCH_NN_HIDDEN: dict[str, dict[str, tuple[int, float]]] = {
+# so "auto" runs that instead (``torch_nn_instead``). A GPU: every width above the Triton kernels'
+# (H = 64, an LSTM's 32), where the general scans do H times a matrix-vector step's work: within
+# cuDNN's persistent kernels (RNN H <= 256, GRU and LSTM 128) they lose 2-30 times; at H = 256, past
+# them, only a GRU's scan is ahead (1.1-1.2 times; an LSTM's 0.7-0.8), and wider the H^3 work against
+# cuDNN's H^2 halves a lead with each doubling of H. A CPU: from where the compiled walk's small
+# products lose to the batched GEMMs of PyTorch's kernel (above the widths where they were seen to
+# win: GRU H = 192 and LSTM H = 256 1.03-1.35 times slower at T = 100 to 1,000, even at 10,000).
+# Re-measured by ``python -m benchmarks.gpu_check --steps capture`` and ``python -m
+# benchmarks.backward --threads 1 --strategies numba --H 128 --F 128`` (and 192, 256).
+_TORCH_NN_HIDDEN: dict[str, dict[str, tuple[tuple[int, float], ...]]] = {
     "cuda": {
-        "RNN_TANH": (MAX_HIDDEN, 256), "RNN_RELU": (MAX_HIDDEN, 256), "GRU": (MAX_HIDDEN, 128),
-        "LSTM": (MAX_LSTM_HIDDEN, math.inf),
+        "RNN_TANH": ((MAX_HIDDEN, math.inf),), "RNN_RELU": ((MAX_HIDDEN, math.inf),),
+        "GRU": ((MAX_HIDDEN, 128), (256, math.inf)), "LSTM": ((MAX_LSTM_HIDDEN, math.inf),),
     },
-    "cpu": {"GRU": (128, math.inf), "LSTM": (192, math.inf)},
+    "cpu": {"GRU": ((128, math.inf),), "LSTM": ((192, math.inf),)},
 }  # fmt: skip
 
 T = TypeVar("T")
@@ -353,11 +352,11 @@ def torch_nn_instead(strategy: str, mode: str, hidden: int, device: torch.device
     H and parameter ``dtype`` as ``torch.nn`` does, its fused forward and autograd's backward
     (cuDNN's on a GPU): float32, at the widths of ``_TORCH_NN_HIDDEN`` for the device, where no
     BPPSA path is faster. Any other strategy runs BPPSA as asked."""
-    lo, hi = _TORCH_NN_HIDDEN.get(device.type, {}).get(mode, (0, 0))
+    widths = _TORCH_NN_HIDDEN.get(device.type, {}).get(mode, ())
     return (
         strategy == "auto"
         and dtype == torch.float32
-        and lo < hidden <= hi
+        and any(lo < hidden <= hi for lo, hi in widths)
         and (device.type != "cuda" or torch.backends.cudnn.enabled)
     )
 

@@ -40,10 +40,14 @@ def test_auto_choices() -> None:
         ("auto", "LSTM", 1024, GPU, F32, True),
         ("auto", "GRU", 64, GPU, F32, False),
         ("auto", "GRU", 128, GPU, F32, True),
+        ("auto", "GRU", 129, GPU, F32, False),  # past cuDNN's persistent kernels the GRU's scan leads
         ("auto", "GRU", 256, GPU, F32, False),
+        ("auto", "GRU", 257, GPU, F32, True),  # until its H^3 work takes the lead back
+        ("auto", "GRU", 1024, GPU, F32, True),
         ("auto", "RNN_TANH", 256, GPU, F32, True),
         ("auto", "RNN_RELU", 65, GPU, F32, True),
-        ("auto", "RNN_TANH", 512, GPU, F32, False),
+        ("auto", "RNN_RELU", 64, GPU, F32, False),
+        ("auto", "RNN_TANH", 512, GPU, F32, True),  # wider still: the scan's H^3 work loses more
         ("auto", "LSTM", 192, CPU, F32, False),  # the CPU's compiled walk is faster up to there
         ("auto", "LSTM", 256, CPU, F32, True),
         ("auto", "GRU", 128, CPU, F32, False),
