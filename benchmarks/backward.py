@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from benchmarks.capture import warm_up
 from benchmarks.common import (
     Progress,
     device_arg,
@@ -111,6 +113,11 @@ class EpochRow:
     bppsa_s: float
     bptt_loss: float
     bppsa_loss: float
+    # the same epoch with the step captured in a CUDA graph (``_captured_epoch``): BPTT's and BPPSA's
+    # seconds (or the cell of one that did not run) and mean losses; None where it was not run
+    captured_s: tuple[float | str, float | str] | None = None
+    captured_loss: tuple[float, float] | None = None
+    notes: dict[str, str] = field(default_factory=dict)
 
 
 def default_strategies(device: torch.device) -> list[str]:
@@ -276,6 +283,55 @@ def _train(
     return total
 
 
+def _captured_epoch(
+    model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], lr: float, warmup: int
+) -> tuple[float, float]:
+    """Seconds and mean loss of ``_train``'s epoch as the README's fast path runs it: one training
+    step (forward, loss, backward, Adam step) captured once in a CUDA graph over fixed input tensors,
+    then per batch the batch copied in and the graph replayed, one synchronization at the end. The
+    warm-up's updates are undone in place (weights and Adam's state), so the epoch starts from the
+    model's weights as given, as ``_train``'s does."""
+    x0, y0 = batches[0]
+    if any(x.shape != x0.shape or y.shape != y0.shape for x, y in batches):
+        raise ValueError("a captured step replays batches of one shape; --epoch-samples a multiple of B")
+    start = copy.deepcopy(model.state_dict())
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, capturable=True)
+    static_x, static_y = x0.clone(), y0.clone()
+    total = torch.zeros((), device=x0.device)
+
+    def step() -> None:
+        loss = F.cross_entropy(model(static_x), static_y)
+        loss.backward()
+        optimizer.step()
+        total.add_(loss.detach())
+
+    def fresh_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        step()
+
+    warm_up(fresh_step, x0.device, warmup)
+    optimizer.zero_grad(set_to_none=True)  # the capture allocates the gradients in its own pool
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    with torch.no_grad():  # in place: the graph reads these tensors where they are
+        for name, value in model.state_dict().items():
+            value.copy_(start[name])
+        for state in optimizer.state.values():
+            for value in state.values():
+                value.zero_()  # a fresh Adam's (capturable: "step" is a tensor too)
+        total.zero_()
+
+    def epoch() -> None:
+        for x, y in batches:
+            static_x.copy_(x)
+            static_y.copy_(y)
+            graph.replay()
+
+    ms = time_ms(epoch, x0.device)
+    return ms / 1e3, total.item() / len(batches)
+
+
 def epoch_comparison(
     steps: int,
     batch: int,
@@ -293,6 +349,8 @@ def epoch_comparison(
     The batches are generated beforehand and kept on the device, so the epoch times forward, loss,
     backward and Adam step of every batch, with one synchronization at its end. ``warmup``
     iterations on a copy of each model come first (cuDNN plans, Triton compilation, graph capture).
+    On a GPU each side also runs the epoch with its step captured (``_captured_epoch``), from the
+    same weights, on a copy of its model.
     """
     say = progress or (lambda text: None)
     say(f"bitstream: {samples} samples, T={steps} ...")
@@ -305,6 +363,13 @@ def epoch_comparison(
         layer = bnn.RNN(1, hidden, batch_first=True, backward=mode, strategy=strategy)
         models[mode] = Classifier(layer, CLASSES).to(device)
     models["bppsa"].load_state_dict(models["bptt"].state_dict())
+    fresh = {}  # the captured epochs' models: copies before any training, cuDNN's weights flattened
+    if device.type == "cuda":
+        for name, model in models.items():
+            fresh[name] = copy.deepcopy(model)
+            for m in fresh[name].modules():
+                if isinstance(m, torch.nn.RNNBase):
+                    m.flatten_parameters()
     seconds, losses = [], []
     for name, model in models.items():
         say(f"epoch with {name} ...")
@@ -314,19 +379,42 @@ def epoch_comparison(
         seconds.append(ms / 1e3)
         losses.append(total.item() / len(batches))
     taken = sum(len(y) for _, y in batches)
-    return EpochRow(steps, batch, hidden, taken, len(batches), strategy, *seconds, *losses)
+    row = EpochRow(steps, batch, hidden, taken, len(batches), strategy, *seconds, *losses)
+    if fresh:
+        cells, captured_losses = [], []
+        for name, model in fresh.items():
+            say(f"captured epoch with {name} ...")
+            try:
+                s, loss = _captured_epoch(model, batches, lr, warmup)
+            except (ValueError, RuntimeError) as exc:
+                cell, row.notes[f"{name.upper()} captured"] = failure(exc)
+                s, loss = cell, math.nan
+            cells.append(s)
+            captured_losses.append(loss)
+        row.captured_s, row.captured_loss = (cells[0], cells[1]), (captured_losses[0], captured_losses[1])
+    return row
 
 
 def format_epoch_table(rows: Sequence[EpochRow]) -> str:
-    """Markdown table: epoch seconds of BPTT and BPPSA, their ratio, and each epoch's mean loss."""
+    """Markdown table: epoch seconds of BPTT and BPPSA, their ratio, and each epoch's mean loss; the
+    same for the captured epochs where any row ran them (a GPU's)."""
     strategy = rows[0].strategy if rows else "auto"
+    captured = any(r.captured_s is not None for r in rows)
     head = ["model", "T", "B", "H", "samples", "iterations", "BPTT epoch s", f"BPPSA ({strategy}) epoch s"]
     head += ["BPTT / BPPSA", "BPTT mean loss", "BPPSA mean loss"]
+    if captured:
+        head += ["BPTT captured s", "BPPSA captured s", "captured BPTT / BPPSA"]
+        head += ["BPTT captured mean loss", "BPPSA captured mean loss"]
     body = []
     for r in rows:
         cells = ["rnn", str(r.steps), str(r.batch), str(r.hidden), str(r.samples), str(r.iterations)]
         cells += [f"{r.bptt_s:.4g}", f"{r.bppsa_s:.4g}", f"{r.bptt_s / r.bppsa_s:.3g}"]
         cells += [f"{r.bptt_loss:.6f}", f"{r.bppsa_loss:.6f}"]
+        if captured:
+            s, loss = r.captured_s or ("n/a", "n/a"), r.captured_loss or (math.nan, math.nan)
+            cells += [c if isinstance(c, str) else f"{c:.4g}" for c in s]
+            cells.append(f"{s[0] / s[1]:.3g}" if all(isinstance(c, float) for c in s) else "–")
+            cells += ["–" if math.isnan(v) else f"{v:.6f}" for v in loss]
         body.append(cells)
     return markdown(head, body)
 
@@ -402,7 +490,9 @@ NOT_TIMED = "Not timed (n/a: the method refused this device or shape; error: it 
 EPOCH_NOTE = (
     f"One epoch each from the same weights over the same shuffled batches (Adam, lr {PAPER_LR:g}, "
     "loss on h_T), batches generated on the device beforehand; forward, loss, backward and step "
-    "of every batch, one synchronization at the end. Mean losses agreeing shows the same training."
+    "of every batch, one synchronization at the end. Mean losses agreeing shows the same training. "
+    "'captured' (a GPU): the same epoch from the same weights with the step (Adam capturable) captured "
+    "once in a CUDA graph, each batch copied into its inputs and the graph replayed."
 )
 
 
@@ -557,7 +647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Exception as exc:  # reported, so that the tables after it still run
                 failed.append(f"- T={t}: {type(exc).__name__}: {exc}".splitlines()[0])
         text = format_epoch_table(rows) + ("\n\nFailed:\n" + "\n".join(failed) if failed else "")
-        table("End-to-end training epoch: bitstream RNN, BPTT vs BPPSA", f"{text}\n\n{EPOCH_NOTE}")
+        table("End-to-end training epoch: bitstream RNN, BPTT vs BPPSA", f"{text}\n\n{EPOCH_NOTE}", rows)
     if "scan" in args.tables:
         if dtype != torch.float32:
             progress("the scan table runs in float32 (the peers and Triton take float32)")

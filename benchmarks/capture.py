@@ -102,18 +102,28 @@ def _eager_backward_ms(forward: Callable[[], Tensor], device: torch.device) -> f
     return time_ms(loss.backward, device)
 
 
-def _warm_up(module: torch.nn.Module, x: Tensor, optimizer: torch.optim.Optimizer, rounds: int) -> None:
-    """Training steps on a side stream, so that the kernels are compiled and cuDNN's plans chosen
-    outside a capture (PyTorch's documented warm-up before ``torch.cuda.graph``)."""
-    device = x.device
+def warm_up(step: Callable[[], object], device: torch.device, rounds: int) -> None:
+    """``step``, a training step, ``rounds`` times (at least 3) on a side stream, so that the kernels
+    are compiled and cuDNN's plans chosen outside a capture (PyTorch's documented warm-up before
+    ``torch.cuda.graph``)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(max(rounds, 3)):
-            optimizer.zero_grad(set_to_none=True)
-            _loss(module, x).backward()
-            optimizer.step()
+            step()
     torch.cuda.current_stream(device).wait_stream(side)
+
+
+def _warm_up(module: torch.nn.Module, x: Tensor, optimizer: torch.optim.Optimizer, rounds: int) -> None:
+    """``warm_up`` with SGD steps of the loss on h_T; the gradients are unset after it, so that a
+    capture allocates them in its own pool."""
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        _loss(module, x).backward()
+        optimizer.step()
+
+    warm_up(step, x.device, rounds)
     optimizer.zero_grad(set_to_none=True)
 
 

@@ -20,7 +20,8 @@ and its output (or why it failed, or was skipped):
    handing the backward to autograd's device thread costs;
 4. ``backward``: the paper's backward tables, cuDNN's BPTT against every BPPSA strategy (PyTorch
    picks cuDNN's persistent small-hidden algorithm for these shapes: the baseline to beat);
-5. ``epoch``: one training epoch of the bitstream RNN, BPTT against BPPSA;
+5. ``epoch``: one training epoch of the bitstream RNN, BPTT against BPPSA, eager and with the
+   training step captured in a CUDA graph (the README's fast path);
 6. ``scan``: the scan alone against ``torch``'s and ``jax``'s ``associative_scan``;
 7. ``chunk``: the Triton kernels' chunk-size sweep at T = 1000 and 30,000;
 8. ``blocks``: the BPPSA backward's blocks of time steps (``--block-mib`` 8, 32 and 256: a CPU's
@@ -103,6 +104,8 @@ GPU_TEST_FILES = (
     "tests/core/test_capture.py",
     "tests/core/test_sparse.py",
     "tests/core/test_distributed.py",
+    "tests/core/test_nn.py",
+    "tests/benchmarks/test_bench.py",
 )
 TITLES = {
     "tests": "GPU tests",

@@ -4,6 +4,7 @@ answers to bad input."""
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from pathlib import Path
 
@@ -114,6 +115,43 @@ def test_the_epoch_comparison_trains_both_models_alike() -> None:
     assert row.bptt_s > 0 and row.bppsa_s > 0
     # same weights, same batches, same gradients: the two epochs train alike
     assert row.bppsa_loss == pytest.approx(row.bptt_loss, rel=1e-4)
+
+
+def _epoch_row(captured_s=None, captured_loss=None) -> backward.EpochRow:
+    return backward.EpochRow(20, 4, 5, 16, 4, "auto", 2.0, 1.0, 0.5, 0.5, captured_s, captured_loss)
+
+
+def test_the_epoch_table_shows_captured_epochs_only_where_they_ran() -> None:
+    ((head, _),) = markdown_tables(backward.format_epoch_table([_epoch_row()]))
+    assert not any("captured" in h for h in head)  # a CPU's: no captured epoch, no columns
+    rows = [_epoch_row((3.0, 1.5), (0.25, 0.25)), _epoch_row(("n/a", "error"), (math.nan, math.nan))]
+    ((head, (ran, failed)),) = markdown_tables(backward.format_epoch_table(rows))
+    cells = dict(zip(head, ran, strict=True))
+    assert cells["BPTT / BPPSA"] == "2" and cells["captured BPTT / BPPSA"] == "2"
+    assert cells["BPPSA captured s"] == "1.5" and cells["BPPSA captured mean loss"] == "0.250000"
+    cells = dict(zip(head, failed, strict=True))
+    assert (cells["BPTT captured s"], cells["BPPSA captured s"]) == ("n/a", "error")
+    assert cells["captured BPTT / BPPSA"] == cells["BPTT captured mean loss"] == "–"
+
+
+def test_a_captured_epoch_refuses_batches_of_two_shapes_before_any_capture() -> None:
+    batches = backward.bitstream_batches(10, 4, 6, CPU)  # 4 samples, then 2
+    model = torch.nn.Linear(1, 1)
+    with pytest.raises(ValueError, match="batches of one shape; --epoch-samples a multiple of B"):
+        backward._captured_epoch(model, batches, 1e-3, 0)
+
+
+@pytest.mark.gpu
+def test_the_captured_epoch_trains_as_the_eager_one_does() -> None:
+    """On a GPU the epoch also runs with its step captured in a CUDA graph, from the same weights:
+    each side's captured epoch gets its eager epoch's mean loss."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    row = epoch_comparison(20, 4, 5, 16, torch.device("cuda"), warmup=1)
+    assert row.captured_s is not None and row.captured_loss is not None, row.notes
+    assert all(isinstance(s, float) and s > 0 for s in row.captured_s), row.notes
+    for eager, captured in zip((row.bptt_loss, row.bppsa_loss), row.captured_loss, strict=True):
+        assert captured == pytest.approx(eager, rel=1e-4)
 
 
 def test_the_block_option_sets_the_blocks_the_bppsa_backward_takes(monkeypatch, capsys) -> None:

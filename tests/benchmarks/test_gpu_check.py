@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -93,6 +94,13 @@ def test_the_reproduction_step_trains_the_rnn_sweeps_on_the_gpu_where_hydra_is(m
     said = gpu_check.plan(dry=False, repeats=10, warmup=3)["reproduction"]
     assert said == "needs hydra (the suite's requirements: run.py composes its configs)"
     assert gpu_check.plan(dry=True, repeats=1, warmup=0)["reproduction"] == "needs a CUDA device"
+
+
+def test_the_tests_step_runs_every_file_that_has_gpu_tests() -> None:
+    marker = re.compile(r"^@pytest\.mark\.gpu$", re.MULTILINE)
+    files = (ROOT / "tests").rglob("test_*.py")
+    marked = {str(p.relative_to(ROOT)) for p in files if marker.search(p.read_text())}
+    assert marked == set(gpu_check.GPU_TEST_FILES)
 
 
 def test_the_dry_plan_skips_what_needs_cuda_and_shrinks_the_rest() -> None:

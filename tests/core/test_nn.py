@@ -525,7 +525,10 @@ def test_auto_runs_torch_nn_on_a_cpu_at_a_width_where_it_wins(monkeypatch) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("cls", "hidden"), [(bnn.LSTM, 64), (bnn.GRU, 128), (bnn.RNN, 128)])
+@pytest.mark.parametrize(
+    ("cls", "hidden"),
+    [(bnn.LSTM, 64), (bnn.GRU, 128), (bnn.RNN, 128), (bnn.LSTM, 256), (bnn.GRU, 512), (bnn.RNN, 512)],
+)
 def test_auto_runs_cudnn_on_a_gpu_where_it_wins(monkeypatch, cls, hidden) -> None:
     """On a GPU, "auto" runs these widths as torch.nn (cuDNN's backward); an explicit strategy runs
     BPPSA there."""
