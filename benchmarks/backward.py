@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from benchmarks.capture import warm_up
+from benchmarks.capture import capture_step
 from benchmarks.common import (
     Progress,
     device_arg,
@@ -305,15 +305,7 @@ def _captured_epoch(
         optimizer.step()
         total.add_(loss.detach())
 
-    def fresh_step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        step()
-
-    warm_up(fresh_step, x0.device, warmup)
-    optimizer.zero_grad(set_to_none=True)  # the capture allocates the gradients in its own pool
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    replay = capture_step(step, optimizer, x0.device, warmup)
     with torch.no_grad():  # in place: the graph reads these tensors where they are
         for name, value in model.state_dict().items():
             value.copy_(start[name])
@@ -326,7 +318,7 @@ def _captured_epoch(
         for x, y in batches:
             static_x.copy_(x)
             static_y.copy_(y)
-            graph.replay()
+            replay()
 
     ms = time_ms(epoch, x0.device)
     return ms / 1e3, total.item() / len(batches)

@@ -102,64 +102,77 @@ def _eager_backward_ms(forward: Callable[[], Tensor], device: torch.device) -> f
     return time_ms(loss.backward, device)
 
 
-def warm_up(step: Callable[[], object], device: torch.device, rounds: int) -> None:
-    """``step``, a training step, ``rounds`` times (at least 3) on a side stream, so that the kernels
-    are compiled and cuDNN's plans chosen outside a capture (PyTorch's documented warm-up before
-    ``torch.cuda.graph``)."""
+def warm_up(
+    step: Callable[[], object], optimizer: torch.optim.Optimizer, device: torch.device, rounds: int
+) -> None:
+    """``step``, a training step over fixed tensors (forward, backward, ``optimizer``'s step),
+    ``rounds`` times (at least 3) on a side stream, so that the kernels are compiled and cuDNN's plans
+    chosen outside a capture (PyTorch's documented warm-up before ``torch.cuda.graph``); the
+    gradients are unset before each step and after the last, so that a capture allocates them in
+    its own pool."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(max(rounds, 3)):
+            optimizer.zero_grad(set_to_none=True)
             step()
     torch.cuda.current_stream(device).wait_stream(side)
-
-
-def _warm_up(module: torch.nn.Module, x: Tensor, optimizer: torch.optim.Optimizer, rounds: int) -> None:
-    """``warm_up`` with SGD steps of the loss on h_T; the gradients are unset after it, so that a
-    capture allocates them in its own pool."""
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        _loss(module, x).backward()
-        optimizer.step()
-
-    warm_up(step, x.device, rounds)
     optimizer.zero_grad(set_to_none=True)
 
 
+def capture_step(
+    step: Callable[[], object],
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    rounds: int,
+    error_mode: str = "global",
+) -> Callable[[], None]:
+    """``step`` warmed up (``warm_up``), then captured once in a CUDA graph; returns the graph's
+    ``replay``. ``error_mode``: ``torch.cuda.graph``'s ``capture_error_mode`` ("global", PyTorch's
+    default, fails a capture on an unsafe CUDA call from any thread; "thread_local" only from the
+    capturing one; "relaxed" on none)."""
+    warm_up(step, optimizer, device, rounds)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=error_mode):
+        step()
+    return graph.replay
+
+
 def _replay_ms(
-    graph: torch.cuda.CUDAGraph, warmup: int, repeats: int, device: torch.device,
-    before: torch.cuda.CUDAGraph | None = None,
+    replay: Callable[[], object], warmup: int, repeats: int, device: torch.device,
+    before: Callable[[], object] | None = None,
 ) -> float:  # fmt: skip
-    """The median GPU ms of ``repeats`` replays of ``graph`` after ``warmup``, each after an untimed
-    replay of ``before`` (the graph that makes its inputs) where one is given."""
+    """The median GPU ms of ``repeats`` calls of ``replay`` (a graph's) after ``warmup``, each after
+    an untimed call of ``before`` (the replay of the graph that makes its inputs) where one is given."""
     times = []
     for r in range(max(warmup, 1) + repeats):
         if before is not None:
-            before.replay()
+            before()
         with Interval(device) as it:
-            graph.replay()
+            replay()
         if r >= max(warmup, 1):
             times.append(it.seconds * 1e3)
     return statistics.median(times)
 
 
+def _sgd_step(module: torch.nn.Module, x: Tensor) -> tuple[Callable[[], None], torch.optim.Optimizer]:
+    """A training step of the loss on h_T over ``x`` with a tiny SGD step, and its optimizer."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-6)
+
+    def step() -> None:
+        _loss(module, x).backward()
+        optimizer.step()
+
+    return step, optimizer
+
+
 def captured_step_ms(
     module: torch.nn.Module, x: Tensor, warmup: int, repeats: int, error_mode: str = "global"
 ) -> float:
-    """GPU ms of one training step (forward, backward, SGD step) captured once in a CUDA graph and
-    replayed: warm-up on a side stream, capture with the gradients allocated in the graph's pool,
-    then the median of ``repeats`` timed replays. ``error_mode``: ``torch.cuda.graph``'s
-    ``capture_error_mode`` ("global", PyTorch's default, fails a capture on an unsafe CUDA call
-    from any thread; "thread_local" only from the capturing one; "relaxed" on none)."""
-    optimizer = torch.optim.SGD(module.parameters(), lr=1e-6)
-    static_x = x.clone()
-    _warm_up(module, static_x, optimizer, warmup)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode=error_mode):
-        _loss(module, static_x).backward()
-        optimizer.step()
-    return _replay_ms(graph, warmup, repeats, x.device)
+    """GPU ms of one training step (forward, backward, SGD step) captured once in a CUDA graph
+    (``capture_step``; ``error_mode`` there) and replayed: the median of ``repeats`` timed replays."""
+    step, optimizer = _sgd_step(module, x.clone())
+    return _replay_ms(capture_step(step, optimizer, x.device, warmup, error_mode), warmup, repeats, x.device)
 
 
 def captured_backward_ms(
@@ -168,16 +181,16 @@ def captured_backward_ms(
     """GPU ms of the backward alone, captured as ``make_graphed_callables`` does: the forward in one
     graph, the backward in a second graph sharing its memory pool (so the saved tensors it reads stay
     where the forward's replay writes them); each timed replay of the backward follows an untimed one
-    of the forward. ``error_mode`` as in ``captured_step_ms``."""
+    of the forward. ``error_mode`` as in ``capture_step``."""
     static_x = x.clone()
-    _warm_up(module, static_x, torch.optim.SGD(module.parameters(), lr=1e-6), warmup)
+    warm_up(*_sgd_step(module, static_x), x.device, warmup)
     pool = torch.cuda.graph_pool_handle()
     forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(forward, pool=pool, capture_error_mode=error_mode):
         loss = _loss(module, static_x)
     with torch.cuda.graph(backward, pool=pool, capture_error_mode=error_mode):
         loss.backward()
-    return _replay_ms(backward, warmup, repeats, x.device, before=forward)
+    return _replay_ms(backward.replay, warmup, repeats, x.device, before=forward.replay)
 
 
 def backward_peak_mib(module: torch.nn.Module, x: Tensor) -> float:

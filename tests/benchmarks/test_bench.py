@@ -4,6 +4,7 @@ answers to bad input."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import sys
 from pathlib import Path
@@ -139,6 +140,35 @@ def test_a_captured_epoch_refuses_batches_of_two_shapes_before_any_capture() -> 
     model = torch.nn.Linear(1, 1)
     with pytest.raises(ValueError, match="batches of one shape; --epoch-samples a multiple of B"):
         backward._captured_epoch(model, batches, 1e-3, 0)
+
+
+def test_a_captured_epoch_starts_from_the_given_weights_and_sums_every_batch(monkeypatch) -> None:
+    """The captured epoch on a CPU, its capture stood in for: warmed up as ``capture_step`` does,
+    its "replay" the step from unset gradients (what a replay of a step captured so computes: its
+    gradients are written, not added), and Adam without ``capturable`` (CPU tensors). At a large
+    learning rate the warm-up's three updates would show in the loss: undone, the epoch trains
+    exactly as the eager one from the same weights."""
+    from experiments.train import Classifier
+
+    def stand_in(step, optimizer, device, rounds, error_mode="global"):
+        def fresh():
+            optimizer.zero_grad(set_to_none=True)
+            step()
+
+        for _ in range(max(rounds, 3)):
+            fresh()
+        optimizer.zero_grad(set_to_none=True)
+        return fresh
+
+    adam = torch.optim.Adam
+    monkeypatch.setattr(backward, "capture_step", stand_in)
+    monkeypatch.setattr(torch.optim, "Adam", lambda params, **kw: adam(params, **{**kw, "capturable": False}))
+    torch.manual_seed(0)
+    model = Classifier(torch.nn.RNN(1, 5, batch_first=True), backward.CLASSES)
+    batches = backward.bitstream_batches(12, 4, 16, CPU)
+    eager = backward._train(copy.deepcopy(model), batches, 1e-2).item() / len(batches)
+    seconds, loss = backward._captured_epoch(model, batches, 1e-2, 1)
+    assert seconds > 0 and loss == pytest.approx(eager, rel=1e-6)
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import pytest
@@ -55,6 +56,48 @@ def test_where_auto_runs_torch_nn_the_row_times_the_graph_scan(monkeypatch) -> N
     assert row.cells["BPPSA eager"] == "n/a"
     assert "graph" in row.notes["BPPSA eager"] and "CUDA" in row.notes["BPPSA eager"]
     assert isinstance(row.cells["cuDNN eager"], float)
+
+
+def test_the_capture_glue_runs_end_to_end_with_cuda_stood_in_for(monkeypatch) -> None:
+    """The captured measurements' host code on a CPU: streams, graphs and pools stood in for (a
+    "capture" runs its body once, a "replay" nothing), so that what only a GPU runs is still called
+    with the arguments it takes. Each warm-up unsets the gradients before its steps and after them."""
+    steps = []
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def replay(self):
+            steps.append("replay")
+
+    @contextlib.contextmanager
+    def context(*args, **kwargs):
+        yield
+
+    for name, value in {
+        "Stream": Stream, "current_stream": Stream, "stream": context, "CUDAGraph": Graph, "graph": context,
+        "graph_pool_handle": lambda: None,
+    }.items():  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, value)
+    loss = capture._loss
+    module = torch.nn.RNN(1, 5)
+
+    def counted(m, x):  # a step, and whether it started from unset gradients
+        steps.append("step" if all(p.grad is None for p in module.parameters()) else "step on grads")
+        return loss(m, x)
+
+    monkeypatch.setattr(capture, "_loss", counted)
+    x = torch.randn(4, 2, 1)
+    assert capture.captured_step_ms(module, x, 0, 2) >= 0
+    assert steps == ["step"] * 4 + ["replay"] * 3  # 3 warm-up steps, the capture, 1 + 2 replays
+    steps.clear()
+    assert capture.captured_backward_ms(module, x, 1, 1) >= 0
+    assert steps == ["step"] * 4 + ["replay"] * 4  # the forward's and the backward's, twice each
 
 
 def test_the_naive_loop_gives_the_modules_gradients() -> None:
