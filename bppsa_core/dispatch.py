@@ -59,8 +59,8 @@ _GPU_BLELLOCH_BYTES = 1 << 30
 # cuDNN's H^2 halves a lead with each doubling of H. A CPU: from where the compiled walk's small
 # products lose to the batched GEMMs of PyTorch's kernel (above the widths where they were seen to
 # win: GRU H = 192 and LSTM H = 256 1.03-1.35 times slower at T = 100 to 1,000, even at 10,000).
-# Re-measured by ``python -m benchmarks.gpu_check --steps capture`` and ``python -m
-# benchmarks.backward --threads 1 --strategies numba --H 128 --F 128`` (and 192, 256).
+# Re-measured by ``python -m benchmarks.gpu_check --steps capture`` and
+# ``python -m benchmarks.backward --threads 1 --strategies numba --H 128 --F 128`` (and 192, 256).
 _TORCH_NN_HIDDEN: dict[str, dict[str, tuple[tuple[int, float], ...]]] = {
     "cuda": {
         "RNN_TANH": ((MAX_HIDDEN, math.inf),), "RNN_RELU": ((MAX_HIDDEN, math.inf),),

@@ -661,8 +661,8 @@ def _lstm_walked(
     """An LSTM layer's compiled backward over its kept gates (``numba_scan.LSTMWalk``), made block by
     block from the end as ``layer_grads`` asks for the deltas, a block's in one buffer reused block
     after block (``jacobians.reusing_buffers``): the deltas of T steps never exist at once, and a
-    block's are still in the cache when ``layer_grads`` takes them (re-measured by ``python -m
-    benchmarks.backward --model lstm --threads 1 --strategies numba``). ``first()`` is
+    block's are still in the cache when ``layer_grads`` takes them (re-measured by
+    ``python -m benchmarks.backward --model lstm --threads 1 --strategies numba``). ``first()`` is
     (dL/dh_0, dL/dc_0) stacked (2, B, H), a tensor of the walk's own."""
 
     def block(lo: int, hi: int, g_end: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
