@@ -23,8 +23,8 @@ Linux builds, also MKL's threading layer there), which runs libm's ``fesetenv`` 
 PyTorch's wheels bundle their own libgomp, and numba's OpenMP layer loads the system's beside it:
 the one taken is PyTorch's (``_loaded``): regions opened in numba's pool would leave PyTorch's
 threads unflushed and, with two threads, set the two pools taking the cores from each other, a
-layer's training step many times ``torch.nn``'s (re-measured by ``python -m benchmarks.host
---threads 2 --T 1000``).
+layer's training step many times ``torch.nn``'s (re-measured by
+``python -m benchmarks.host --threads 2 --T 1000``).
 Where that is not available (another OS, another OpenMP runtime, another architecture) the block
 runs unchanged, and ``available()`` says so.
 """

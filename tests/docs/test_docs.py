@@ -60,6 +60,13 @@ COMMANDS = documented(DOCS)
 NAMED = documented(SOURCES, inline=True)
 
 
+def test_a_command_named_in_the_code_is_on_one_line() -> None:
+    """Else ``NAMED`` misses it, or takes it without the words past the break (a comment's ``#``)."""
+    broken = re.compile(r"``(?:\.venv/bin/)?python3?(?: [^`]*)?\n[^`]*``")
+    split = [f"{p.relative_to(ROOT)}: {m[0]!r}" for p in SOURCES for m in broken.finditer(p.read_text())]
+    assert not split, split
+
+
 def test_the_readme_opens_with_the_two_set_up_commands() -> None:
     blocks = re.findall(r"```\w*\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert [b.strip() for b in blocks[:2]] == list(SET_UP)
