@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from benchmarks.capture import capture_step
 from benchmarks.common import (
     Progress,
     device_arg,
@@ -59,6 +58,7 @@ from benchmarks.scan import MODULES, TERMS, bench_scan, format_scan_table
 from bppsa_core import jacobians
 from bppsa_core import nn as bnn
 from bppsa_core.dispatch import STRATEGIES, check_device
+from experiments.graphs import Snapshot, capture_step
 from experiments.timing import time_ms
 
 MODELS = tuple(MODULES)
@@ -294,8 +294,8 @@ def _captured_epoch(
     x0, y0 = batches[0]
     if any(x.shape != x0.shape or y.shape != y0.shape for x, y in batches):
         raise ValueError("a captured step replays batches of one shape; --epoch-samples a multiple of B")
-    start = copy.deepcopy(model.state_dict())
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, capturable=True)
+    start = Snapshot(model, optimizer)
     static_x, static_y = x0.clone(), y0.clone()
     total = torch.zeros((), device=x0.device)
 
@@ -306,13 +306,8 @@ def _captured_epoch(
         total.add_(loss.detach())
 
     replay = capture_step(step, optimizer, x0.device, warmup)
-    with torch.no_grad():  # in place: the graph reads these tensors where they are
-        for name, value in model.state_dict().items():
-            value.copy_(start[name])
-        for state in optimizer.state.values():
-            for value in state.values():
-                value.zero_()  # a fresh Adam's (capturable: "step" is a tensor too)
-        total.zero_()
+    start.restore()
+    total.zero_()
 
     def epoch() -> None:
         for x, y in batches:

@@ -51,6 +51,7 @@ from benchmarks.common import (
     threads_arg,
 )
 from benchmarks.scan import MODULES, module_pair
+from experiments.graphs import capture_step, warm_up
 from experiments.timing import Interval, time_ms
 
 FEATURES = 1  # the paper's bitstream input
@@ -100,42 +101,6 @@ def _eager_backward_ms(forward: Callable[[], Tensor], device: torch.device) -> f
     backward would then wait on that stream (PyTorch warns that this breaks a capture)."""
     loss = forward()
     return time_ms(loss.backward, device)
-
-
-def warm_up(
-    step: Callable[[], object], optimizer: torch.optim.Optimizer, device: torch.device, rounds: int
-) -> None:
-    """``step``, a training step over fixed tensors (forward, backward, ``optimizer``'s step),
-    ``rounds`` times (at least 3) on a side stream, so that the kernels are compiled and cuDNN's plans
-    chosen outside a capture (PyTorch's documented warm-up before ``torch.cuda.graph``); the
-    gradients are unset before each step and after the last, so that a capture allocates them in
-    its own pool."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(max(rounds, 3)):
-            optimizer.zero_grad(set_to_none=True)
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    optimizer.zero_grad(set_to_none=True)
-
-
-def capture_step(
-    step: Callable[[], object],
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    rounds: int,
-    error_mode: str = "global",
-) -> Callable[[], None]:
-    """``step`` warmed up (``warm_up``), then captured once in a CUDA graph; returns the graph's
-    ``replay``. ``error_mode``: ``torch.cuda.graph``'s ``capture_error_mode`` ("global", PyTorch's
-    default, fails a capture on an unsafe CUDA call from any thread; "thread_local" only from the
-    capturing one; "relaxed" on none)."""
-    warm_up(step, optimizer, device, rounds)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode=error_mode):
-        step()
-    return graph.replay
 
 
 def _replay_ms(

@@ -106,6 +106,7 @@ GPU_TEST_FILES = (
     "tests/core/test_distributed.py",
     "tests/core/test_nn.py",
     "tests/benchmarks/test_bench.py",
+    "tests/suite/test_train.py",
 )
 TITLES = {
     "tests": "GPU tests",

@@ -129,6 +129,16 @@ def check_strategy(mode: str, strategy: str, device: torch.device) -> None:
         raise HardwareError(f"backward.{exc}") from None
 
 
+def check_capture(capture: bool, device: torch.device, asked: str) -> None:
+    """Refuse a captured training step (``trainer.capture``) where there are no CUDA graphs."""
+    if capture and device.type != "cuda":
+        raise HardwareError(
+            f"trainer.capture=true needs a CUDA device, and this run's is {device} "
+            f"(hardware.device={asked}); accepted: hardware.device=cuda (or auto) on a machine with a GPU, "
+            "or trainer.capture=false"
+        )
+
+
 def out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` says that memory ran out (a size too large for the machine, not a bug)."""
     return isinstance(exc, MemoryError | torch.OutOfMemoryError) or "can't allocate memory" in str(exc)

@@ -55,6 +55,10 @@ NON_RESULT_KEYS = (
 # Result keys that are not part of a run's identity (config_hash, comparison_key): how many epochs a
 # run has is how far it has gone, not what it is.
 IDENTITY_FREE = ("trainer.epochs",)
+# Result keys added after runs were recorded, with the value that computes what those runs did: at
+# that value a key is left out, so a run recorded before the key keeps its identity (a sweep rerun
+# skips it, a resume takes it).
+ADDED_KEYS = {"trainer.capture": False}
 # Overrides that name or place the sweep, not one of its jobs: left out of job folder names.
 SWEEP_KEYS = ("name", "experiment", "sweep", "hydra")
 # The model's keys of the forward solver (conf/forward/solver.yaml): BPPSA variants, as the backward's are.
@@ -124,7 +128,7 @@ def read_table(path: Path) -> pd.DataFrame | None:
 
 
 def _result_keys(config: dict) -> dict[str, Any]:
-    """The configuration as dotted keys, less NON_RESULT_KEYS."""
+    """The configuration as dotted keys, less NON_RESULT_KEYS and ADDED_KEYS at their old values."""
     flat: dict[str, Any] = {}
 
     def walk(node: Any, prefix: tuple[str, ...]) -> None:
@@ -137,7 +141,7 @@ def _result_keys(config: dict) -> dict[str, Any]:
             flat[".".join(prefix)] = node
 
     walk(json.loads(json.dumps(config, default=str)), ())
-    return flat
+    return {k: v for k, v in flat.items() if k not in ADDED_KEYS or v != ADDED_KEYS[k]}
 
 
 def _identity_keys(config: dict) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from experiments.config import ConfigError, build, check
 from experiments.hardware import (
     HardwareError,
     LoadMeter,
+    check_capture,
     check_data_workers,
     check_sample_count,
     check_strategy,
@@ -57,6 +58,7 @@ from experiments.train import (
     Classifier,
     NonFiniteLossError,
     TrainState,
+    capture_steps,
     evaluate,
     load_checkpoint,
     prime,
@@ -295,6 +297,11 @@ def rank_count(cfg: DictConfig, launch: Ranks | None) -> int:
                 f"model.forward_solver={solver} is not taken on {size} ranks (each rank runs the native "
                 "forward of its slice); accepted: model.forward_solver=native, or hardware.ranks=1"
             )
+        if cfg.trainer.capture:
+            raise ConfigError(
+                f"trainer.capture=true is not taken on {size} ranks (the ranks' exchanges are not captured); "
+                "accepted: trainer.capture=false, or hardware.ranks=1"
+            )
     return size
 
 
@@ -344,6 +351,7 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
     try:
         device = resolve_device(cfg.hardware.device, local_rank=ranks.local_rank if ranks.size > 1 else None)
         check_strategy(cfg.backward.mode, cfg.backward.get("strategy", "auto"), device)
+        check_capture(cfg.trainer.capture, device, cfg.hardware.device)
         check_data_workers(cfg.hardware.data_workers)
         check_sample_count(cfg.dataset.get("num_samples"), cfg.dataset.get("train_fraction", 1.0))
         torch.manual_seed(cfg.trainer.seed)
@@ -361,6 +369,9 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
             split = (ranks.rank, ranks.size) if ranks.size > 1 else None
             model = Classifier(layer, data.classes, split).to(device)
             optimizer = build(cfg.optimizer, params=model.parameters())
+            for group in optimizer.param_groups if cfg.trainer.capture else ():
+                if "capturable" in group:  # Adam's: its step count on the device, read there
+                    group["capturable"] = True
             rows: list[dict] = []
             resume = (lambda: _resume(cfg, config, run_dir, model, optimizer)) if plan == "resume" else None
             resumed = ranks.together(resume, BAD_INPUT)
@@ -470,8 +481,11 @@ def _train(job: Job, state: TrainState, rows: list[dict]) -> None:
             trainer.warmup_iters,
             len(job.train),
         )
+    captured = None
     if state.epoch < trainer.epochs and len(job.train):
         prime(job.model, job.train, job.device)
+        if trainer.capture:
+            captured = capture_steps(job.model, job.optimizer, job.train, job.device)
     # the other ranks on this machine are this run's work, not other work
     threads = (job.columns.get("threads_used") or 0) * job.ranks.local_size
     cores = job.columns.get("cpu_cores")
@@ -481,8 +495,9 @@ def _train(job: Job, state: TrainState, rows: list[dict]) -> None:
         job.train.generator.manual_seed(trainer.seed * 1_000_003 + epoch)  # same order on resume
         meter = LoadMeter()
         row = train_epoch(
-            job.model, job.optimizer, job.train, job.device, state, trainer.warmup_iters, job.progress
-        )
+            job.model, job.optimizer, job.train, job.device, state, trainer.warmup_iters, job.progress,
+            captured,
+        )  # fmt: skip
         row["other_load"] = meter.other_cores(job.ranks.siblings_seconds(meter.own_seconds()))
         row["contended"] = bool(threads and cores and contended(row["other_load"], threads, cores))
         row["initial_loss"] = state.initial_loss

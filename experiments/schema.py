@@ -181,6 +181,7 @@ class Trainer:
     seed: int = checked(SEED)
     resume: bool = checked(BOOL)
     eval: bool = checked(BOOL)
+    capture: bool = checked(BOOL)
 
 
 # ---------------------------------------------------------------------------------- logger, hardware
@@ -228,12 +229,20 @@ class Config:
 
     @staticmethod
     def together(node: Any) -> str | None:
-        """A Newton forward belongs to the BPPSA layer: BPTT runs PyTorch's own forward and backward."""
+        """A Newton forward belongs to the BPPSA layer: BPTT runs PyTorch's own forward and backward.
+        A captured step replays without the host: quasi-Newton and an LSTM's Newton forward need it."""
         solver = node.model.get("forward_solver", "native")
         if node.backward.mode == "bptt" and solver != "native":
             return (
                 f"model.forward_solver={solver} needs backward=bppsa; accepted with backward=bptt: "
                 "model.forward_solver=native"
+            )
+        lstm = str(node.model.get("_target_", "")).endswith("LSTM")
+        if node.trainer.get("capture") and (solver == "quasi-newton" or (lstm and solver == "newton")):
+            accepted = "native or newton" if not lstm else "native"
+            return (
+                f"model.forward_solver={solver} needs the host during the step, which trainer.capture=true "
+                f"replays without it; accepted with trainer.capture=true: model.forward_solver={accepted}"
             )
         return None
 

@@ -6,7 +6,9 @@ events on a GPU, a synchronized wall clock on the CPU. The first ``warmup_iters`
 run are left out of the phase sums, and one untimed forward and backward (``prime``) comes before
 the first epoch. One row per epoch records the sums, the iteration counts, the
 epoch's wall time, loss, accuracy and throughput, so no second "no-backward" run is needed to get
-the backward time.
+the backward time. With ``trainer.capture`` each phase is the replay of a CUDA graph
+(``experiments.graphs.CapturedStep``); either way the losses are read from the device only every
+``READ_EVERY`` iterations (``Tally``).
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from bppsa_core.distributed import SequenceParallel
+from experiments.graphs import CapturedStep
 from experiments.timing import Interval
 from toolbox.errors import SuiteError
 from toolbox.files import write_atomic
 
 PHASES = ("forward", "backward", "step")
+# Iterations between reads of the loss per device type: a GPU's read waits for its queue to drain.
+READ_EVERY = {"cpu": 1, "cuda": 100}
 
 
 class NonFiniteLossError(SuiteError, RuntimeError):
@@ -90,6 +95,41 @@ class PhaseTimer:
         return totals
 
 
+class Tally:
+    """Each iteration's loss and correct count, kept where they were computed and read every
+    ``every`` iterations: on a GPU a read waits for the device, so the loop reads rarely and the
+    host runs ahead; a loss that is not finite stops the run at the read that sees it."""
+
+    def __init__(self, every: int, hint: str) -> None:
+        self.every, self.hint = every, hint
+        self.pending: list[tuple[Tensor, int, str]] = []
+        self.loss_sum, self.correct, self.seen = 0.0, 0, 0
+        self.last = math.nan  # the last loss read
+
+    def add(self, logits: Tensor, loss: Tensor, y: Tensor, where: str) -> None:
+        """Count one iteration (``where``: its place, for the error); read if ``every`` are pending."""
+        correct = (logits.detach().argmax(-1) == y).sum().to(loss.dtype)
+        self.pending.append((torch.stack((loss.detach(), correct)), len(y), where))
+        if len(self.pending) >= self.every:
+            self.read()
+
+    def read(self) -> None:
+        """Add the pending iterations to the sums (one wait for the device)."""
+        if not self.pending:
+            return
+        values = torch.stack([v for v, _, _ in self.pending]).tolist()
+        for (loss, correct), (_, n, where) in zip(values, self.pending, strict=True):
+            if not math.isfinite(loss):
+                self.pending.clear()
+                why = f"training loss became {loss} at {where}; the run stops ({self.hint})"
+                raise NonFiniteLossError(why)
+            self.loss_sum += loss * n
+            self.correct += round(correct)
+            self.seen += n
+            self.last = loss
+        self.pending.clear()
+
+
 @dataclass
 class TrainState:
     """What a checkpoint holds besides the model and optimizer."""
@@ -136,39 +176,48 @@ def train_epoch(
     state: TrainState,
     warmup_iters: int,
     progress: bool,
+    captured: dict[tuple, CapturedStep] | None = None,
 ) -> dict:
-    """One epoch; returns its row (phase sums, counts, loss, accuracy, throughput)."""
-    from tqdm import tqdm
-
+    """One epoch; returns its row (phase sums, counts, loss, accuracy, throughput). ``captured``
+    (``capture_steps``): each batch's step replays the graphs of its shape instead of running eagerly."""
     timer = PhaseTimer(device)
-    loss_sum, correct, seen, timed, iterations = 0.0, 0, 0, 0, 0
+    lr = optimizer.param_groups[0]["lr"]
+    tally = Tally(READ_EVERY.get(device.type, 1), f"try an optimizer.lr below {lr:g}")
+    timed, iterations = 0, 0
     solves: list = []  # every layer's forward solve of the epoch (bppsa_core.newton.SolveStats)
     t0 = time.perf_counter()
-    bar = tqdm(loader, desc=f"epoch {state.epoch + 1}", leave=False, disable=not progress, file=sys.stderr)
-    for x, y in bar:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    bar = None
+    if progress:  # tqdm only for a bar: a GPU machine's bare Python may lack it
+        from tqdm import tqdm
+
+        bar = tqdm(loader, desc=f"epoch {state.epoch + 1}", leave=False, file=sys.stderr)
+    for x, y in bar if bar is not None else loader:
         record = state.iteration >= warmup_iters
-        logits, loss = timer.time("forward", lambda x=x, y=y: _forward(model, x, y), record)
+        if captured is not None:
+            step = captured[_shape(x, y)]
+            step.load(x, y)
+            y = step.y
+            for phase, replay in zip(PHASES, (step.forward, step.backward, step.step), strict=True):
+                timer.time(phase, replay, record)
+            logits, loss = step.logits, step.loss
+        else:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            logits, loss = timer.time("forward", lambda x=x, y=y: _forward(model, x, y), record)
+            optimizer.zero_grad(set_to_none=True)
+            timer.time("backward", loss.backward, record)
+            timer.time("step", optimizer.step, record)
         solves += model.rnn.solver_stats
-        optimizer.zero_grad(set_to_none=True)
-        timer.time("backward", loss.backward, record)
-        timer.time("step", optimizer.step, record)
-        value = loss.item()
-        if not math.isfinite(value):
-            raise NonFiniteLossError(
-                f"training loss became {value} at epoch {state.epoch + 1}, iteration {state.iteration + 1}; "
-                f"the run stops (try an optimizer.lr below {optimizer.param_groups[0]['lr']:g})"
-            )
-        loss_sum += value * len(y)
-        correct += (logits.argmax(-1) == y).sum().item()
-        seen += len(y)
+        tally.add(logits, loss, y, f"epoch {state.epoch + 1}, iteration {state.iteration + 1}")
         timed += record
         iterations += 1
         state.iteration += 1
-        bar.set_postfix(loss=f"{value:.4f}", refresh=False)
+        if bar is not None and not tally.pending:
+            bar.set_postfix(loss=f"{tally.last:.4f}", refresh=False)
+    tally.read()
     epoch_s = time.perf_counter() - t0
     state.wall += epoch_s
     phases = timer.collect()
+    seen = tally.seen
     return {
         "epoch": state.epoch + 1,
         "iterations": iterations,
@@ -176,13 +225,37 @@ def train_epoch(
         **{f"{p}_s": phases[p] for p in PHASES},
         "epoch_s": epoch_s,
         "wall_s": state.wall,
-        "loss": loss_sum / max(seen, 1),
-        "accuracy": correct / max(seen, 1),
+        "loss": tally.loss_sum / max(seen, 1),
+        "accuracy": tally.correct / max(seen, 1),
         "samples_per_s": seen / epoch_s if epoch_s > 0 else float("nan"),
         # Newton iterations per layer forward (0: the native forward), and the solves that fell back
         "newton_iterations": sum(s.iterations for s in solves) / max(len(solves), 1),
         "newton_fallbacks": sum(not s.converged for s in solves),
     }
+
+
+def _shape(x: Tensor, y: Tensor) -> tuple:
+    return (*x.shape, *y.shape)
+
+
+def capture_steps(
+    model: Classifier, optimizer: torch.optim.Optimizer, loader: DataLoader, device: torch.device
+) -> dict[tuple, CapturedStep]:
+    """The training step captured (``experiments.graphs.CapturedStep``) for each batch shape the
+    loader gives: its batch size and, where the samples do not divide into batches, the last
+    batch's, from the first batch; the weights, the optimizer state and the loader's order stay as
+    they were."""
+    order = loader.generator.get_state() if loader.generator is not None else None
+    x, y = next(iter(loader))
+    if order is not None:
+        loader.generator.set_state(order)
+    x, y = x.to(device), y.to(device)
+    samples, size = len(loader.dataset), loader.batch_size
+    sizes = {min(size, samples), 0 if loader.drop_last else samples % size} - {0}
+    steps = {}
+    for n in sorted(sizes, reverse=True):
+        steps[_shape(x[:n], y[:n])] = CapturedStep(model, optimizer, x[:n], y[:n])
+    return steps
 
 
 def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -128,6 +128,17 @@ def test_keys_that_do_not_change_results_keep_the_folders_and_duplicates_are_mer
     assert jobs["duplicate_of"].notna().sum() == 2
 
 
+def test_a_key_added_later_keeps_the_identity_of_runs_recorded_before_it_at_its_old_value() -> None:
+    """``trainer.capture``: false computes what runs did before the key existed, so their hash, the
+    comparison key and a resume's check of the configuration stay; true is another run."""
+    before = {"model": {"hidden_size": 20}, "trainer": {"epochs": 3, "seed": 0}}
+    off, on = ({**before, "trainer": {**before["trainer"], "capture": c}} for c in (False, True))
+    assert records.config_hash(off) == records.config_hash(before) != records.config_hash(on)
+    assert records.comparison_key(off) == records.comparison_key(before) != records.comparison_key(on)
+    assert records.differing_keys(before, off) == {}
+    assert records.differing_keys(before, on) == {"trainer.capture": (None, True)}
+
+
 def test_the_merge_writes_every_cell_back_as_it_was(tmp_path: Path) -> None:
     """A hash made of digits (with one 'e') stays that text in the merged table and in the analysis."""
     sweep = tmp_path / "sweep"

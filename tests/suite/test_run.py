@@ -654,6 +654,26 @@ BAD_INPUT = [
         ["hardware.device=cpu", "backward.strategy=graph"],
         "backward.strategy='graph' needs a CUDA device, and this device is cpu; accepted here: auto",
     ),
+    (
+        ["hardware.device=cpu", "trainer.capture=true"],
+        "trainer.capture=true needs a CUDA device, and this run's is cpu (hardware.device=cpu); accepted: "
+        "hardware.device=cuda (or auto) on a machine with a GPU, or trainer.capture=false",
+    ),
+    (["trainer.capture=maybe"], "trainer.capture must be true or false, got 'maybe'"),
+    (
+        ["trainer.capture=true", "model=lstm", "model.forward_solver=newton"],
+        "model.forward_solver=newton needs the host during the step, which trainer.capture=true replays "
+        "without it; accepted with trainer.capture=true: model.forward_solver=native",
+    ),
+    (
+        ["trainer.capture=true", "model.forward_solver=quasi-newton"],
+        "accepted with trainer.capture=true: model.forward_solver=native or newton",
+    ),
+    (
+        ["trainer.capture=true", "hardware.ranks=2"],
+        "trainer.capture=true is not taken on 2 ranks (the ranks' exchanges are not captured); accepted: "
+        "trainer.capture=false, or hardware.ranks=1",
+    ),
 ]
 
 
