@@ -124,6 +124,7 @@ def identity_columns(
         "lr": cfg.optimizer.lr,
         "workers": cfg.hardware.workers,
         "ranks": ranks,
+        "capture": cfg.trainer.capture,
         **{
             k: device.get(k)
             for k in ("device_name", "device_type", "sm_total", "sm_used", "cpu_cores", "threads_used")

@@ -375,6 +375,7 @@ def test_the_default_job_runs_and_records(tmp_path: Path) -> None:
     assert records["timed_iterations"].sum() == records["iterations"].sum() - 1  # one warm-up iteration
     assert (records["backward_s"] > 0).all()
     assert records["threads_used"].tolist() == [1, 1]  # one thread unless hardware.workers says more
+    assert records["capture"].tolist() == [False, False] and records["accuracy"].between(0, 1).all()
     assert {"other_load", "contended", "initial_loss", "cpu_cores"} <= set(records.columns)
     assert (
         records["initial_loss"].nunique() == 1 and records["initial_loss"].iloc[0] > records["loss"].iloc[-1]
