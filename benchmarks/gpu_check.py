@@ -45,7 +45,9 @@ and its output (or why it failed, or was skipped):
 13. ``reproduction``: the paper's RNN experiments (figs. 7 and 8) trained on this GPU by
     ``docs/reproduction/run.sh --device cuda --only`` ``REPRODUCTION_ONLY``, BPTT on cuDNN against
     BPPSA: their tables, figures and report.md go to docs/reproduction/cuda/, and the step shows the
-    speedup table. It needs Hydra (``run.py``); where Hydra is missing it is skipped, saying so.
+    speedup table; then the same with every training step captured in CUDA graphs on both sides
+    (``--capture``, into docs/reproduction/cuda-captured/). It needs Hydra (``run.py``); where
+    Hydra is missing it is skipped, saying so.
 
 ``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
 GPU: what needs CUDA (the tests, the graph and Triton strategies, green contexts) is reported as
@@ -214,12 +216,14 @@ def plan(
 
 
 def reproduction_plan() -> list[list[str]] | str:
-    """The reproduction step's command (``REPRODUCTION_ONLY``'s sweeps of ``run.sh`` on the GPU,
-    into docs/reproduction/cuda/), or why it is skipped: ``run.py`` needs Hydra."""
+    """The reproduction step's commands (``REPRODUCTION_ONLY``'s sweeps of ``run.sh`` on the GPU,
+    into docs/reproduction/cuda/, then with every step captured, into cuda-captured/), or why it is
+    skipped: ``run.py`` needs Hydra."""
     missing = [m for m in ("hydra", "omegaconf") if importlib.util.find_spec(m) is None]
     if missing:
         return f"needs {' and '.join(missing)} (the suite's requirements: run.py composes its configs)"
-    return [["bash", "docs/reproduction/run.sh", "--device", "cuda", "--only", REPRODUCTION_ONLY]]
+    eager = ["bash", "docs/reproduction/run.sh", "--device", "cuda", "--only", REPRODUCTION_ONLY]
+    return [eager, [*eager, "--capture"]]
 
 
 def _distributed(ranks: Sequence[int], steps: int, repeats: int, warmup: int, *extra: str) -> list[str]:

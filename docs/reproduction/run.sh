@@ -10,6 +10,9 @@
 #                                                  # Table 1 are the CPU's)
 #   bash docs/reproduction/run.sh --only rnn_seq_len,rnn_curve   # those sweeps alone (no fig. 10 or
 #                                                  # Table 1), then everything drawn from the tables there
+#   bash docs/reproduction/run.sh --device cuda --capture   # every step captured in CUDA graphs
+#                                                  # (trainer.capture=true), into docs/reproduction/cuda-captured/
+#                                                  # (no ranks sweep: a captured step runs on one rank)
 #
 # Runs go to results/reproduction[-<device>]/<table>/; a sweep re-run skips its completed jobs, so
 # an interrupted script continues where it stopped (delete that folder to measure anew).
@@ -20,6 +23,7 @@ py=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo pytho
 device=cpu
 draw_only=0
 only=""
+capture=0
 # the sweeps' tables, in the order the report lists them
 TABLES=(rnn_batch rnn_curve rnn_seq_len workers ranks gru_curves gru_irmas)
 while [[ $# -gt 0 ]]; do
@@ -27,27 +31,39 @@ while [[ $# -gt 0 ]]; do
         --draw) draw_only=1 ;;
         --device) device="${2:-}"; shift ;;
         --only) only="${2:-}"; shift ;;
-        *) echo "run.sh: unknown argument $1; accepted: --draw, --device cpu|cuda, --only TABLE[,TABLE...]" >&2
+        --capture) capture=1 ;;
+        *) echo "run.sh: unknown argument $1; accepted: --draw, --device cpu|cuda, --only TABLE[,TABLE...], --capture" >&2
            exit 2 ;;
     esac
     shift
 done
+if [[ $capture == 1 && "$device" == cpu ]]; then
+    echo "run.sh: --capture needs --device cuda (CUDA graphs); accepted: --device cuda --capture, or no --capture" >&2
+    exit 2
+fi
 for table in ${only//,/ }; do
     if [[ " ${TABLES[*]} " != *" $table "* ]]; then
         echo "run.sh: --only $only: unknown table $table; accepted: ${TABLES[*]}" >&2
         exit 2
     fi
+    if [[ $capture == 1 && $table == ranks ]]; then
+        echo "run.sh: --only $only: the ranks sweep splits a step over processes, which --capture does not; accepted with --capture: every other table" >&2
+        exit 2
+    fi
 done
-wanted() {  # wanted <table>: whether this run sweeps it
-    [[ -z $only || ",$only," == *",$1,"* ]]
+wanted() {  # wanted <table>: whether this run sweeps it (a captured step runs on one rank)
+    [[ ($capture == 0 || $1 != ranks) && (-z $only || ",$only," == *",$1,"*) ]]
 }
 here=docs/reproduction
 tables=$here
 work=results/reproduction
 if [[ "$device" != cpu ]]; then
-    tables=$here/$device
-    work=results/reproduction-$device
+    suffix=$device$([[ $capture == 1 ]] && echo -captured || true)
+    tables=$here/$suffix
+    work=results/reproduction-$suffix
 fi
+captured=()
+if [[ $capture == 1 ]]; then captured=(trainer.capture=true); fi
 mkdir -p "$tables"
 
 swept=()
@@ -56,7 +72,7 @@ sweep() {  # sweep <table> <preset> <overrides...>: run the preset shrunk, if it
     wanted "$table" || return 0
     mkdir -p "$work"
     echo "== $table (log: $work/$table.log)"
-    if ! "$py" run.py -m "experiment=$preset" "$@" logger=csv "hardware.device=$device" \
+    if ! "$py" run.py -m "experiment=$preset" "$@" "${captured[@]}" logger=csv "hardware.device=$device" \
         "hydra.sweep.dir=$work/$table" > "$work/$table.log" 2>&1; then
         tail -n 5 "$work/$table.log" >&2
         echo "run.sh: $table did not complete; see $work/$table.log" >&2

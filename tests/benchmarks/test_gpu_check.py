@@ -84,8 +84,9 @@ def test_the_ranks_step_takes_one_core_per_rank_up_to_four(monkeypatch) -> None:
 
 
 def test_the_reproduction_step_trains_the_rnn_sweeps_on_the_gpu_where_hydra_is(monkeypatch) -> None:
-    (argv,) = gpu_check.plan(dry=False, repeats=10, warmup=3)["reproduction"]
+    argv, captured = gpu_check.plan(dry=False, repeats=10, warmup=3)["reproduction"]
     assert argv[:4] == ["bash", "docs/reproduction/run.sh", "--device", "cuda"] and argv[4] == "--only"
+    assert captured == [*argv, "--capture"]
     for table in argv[5].split(","):  # tables the CPU's reproduction commits too
         assert table.startswith("rnn_") and (ROOT / "docs" / "reproduction" / f"{table}.csv").is_file()
     assert gpu_check._shown(argv) == argv and gpu_check._shown([sys.executable, "-m", "x"])[0] == "python"

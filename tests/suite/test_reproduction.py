@@ -77,7 +77,18 @@ def test_every_file_the_report_shows_or_names_exists() -> None:
     [
         (
             ["--fast"],
-            "run.sh: unknown argument --fast; accepted: --draw, --device cpu|cuda, --only TABLE[,TABLE...]",
+            "run.sh: unknown argument --fast; accepted: --draw, --device cpu|cuda, --only TABLE[,TABLE...], "
+            "--capture",
+        ),
+        (
+            ["--capture"],
+            "run.sh: --capture needs --device cuda (CUDA graphs); accepted: --device cuda --capture, or no "
+            "--capture",
+        ),
+        (
+            ["--device", "cuda", "--capture", "--only", "rnn_curve,ranks"],
+            "run.sh: --only rnn_curve,ranks: the ranks sweep splits a step over processes, which --capture "
+            "does not; accepted with --capture: every other table",
         ),
         (
             ["--only", "rnn_curve,fig7"],
@@ -85,7 +96,7 @@ def test_every_file_the_report_shows_or_names_exists() -> None:
             "workers ranks gru_curves gru_irmas",
         ),
     ],
-    ids=["argument", "table"],
+    ids=["argument", "capture on a CPU", "ranks captured", "table"],
 )
 def test_the_script_refuses_bad_input_in_one_line_before_any_work(args: list[str], said: str) -> None:
     done = subprocess.run(
