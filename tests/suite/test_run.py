@@ -393,6 +393,34 @@ def test_the_default_job_runs_and_records(tmp_path: Path) -> None:
     assert not (ROOT / "outputs").exists() or not any((ROOT / "outputs").rglob(run_dir.name))
 
 
+def test_a_captured_run_records_what_the_eager_run_of_its_configuration_does(
+    tmp_path: Path, monkeypatch, cuda_stood_in_for
+) -> None:
+    """``trainer.capture=true`` through the runner, CUDA's graphs stood in for on a CPU: Adam is made
+    capturable, each batch shape's step captured once before the first epoch, and the run records
+    the eager run's losses and accuracies, as another configuration that says it was captured."""
+    monkeypatch.setattr(runner, "check_capture", lambda *args: None)
+    flags = []
+
+    def capture_steps(model, optimizer, loader, device):
+        flags.append([group["capturable"] for group in optimizer.param_groups])
+        for group in optimizer.param_groups:
+            group["capturable"] = False  # a CPU's Adam
+        return train.capture_steps(model, optimizer, loader, device)
+
+    monkeypatch.setattr(runner, "capture_steps", capture_steps)
+    eager = runner.run_job(composed(*TINY, "logger=none"), tmp_path / "eager")
+    captured = runner.run_job(composed(*TINY, "logger=none", "trainer.capture=true"), tmp_path / "captured")
+    assert eager.status == captured.status == "completed" and flags == [[True]]
+    assert cuda_stood_in_for.count("capture _forward") == 2  # 51 samples to train: 3 batches of 16, one of 3
+    assert cuda_stood_in_for.count("_forward") == 8  # every batch of both epochs replayed
+    a, b = (pd.read_csv(tmp_path / run / "records.csv") for run in ("eager", "captured"))
+    assert a["capture"].tolist() == [False, False] and b["capture"].tolist() == [True, True]
+    assert (a["config_hash"] != b["config_hash"]).all() and a["accuracy"].tolist() == b["accuracy"].tolist()
+    assert b["loss"].tolist() == pytest.approx(a["loss"].tolist(), rel=1e-6)
+    assert b["test_loss"].tolist() == pytest.approx(a["test_loss"].tolist(), rel=1e-6)
+
+
 @pytest.mark.extended
 def test_a_newton_forward_runs_and_records_its_iterations(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

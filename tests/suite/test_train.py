@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 
@@ -33,46 +32,6 @@ def epochs(model, optimizer, data, device, count: int, captured=None) -> list[di
         rows.append(train.train_epoch(model, optimizer, data, device, state, 0, False, captured))
         state.epoch += 1
     return rows
-
-
-@pytest.fixture
-def cuda_stood_in_for(monkeypatch) -> list[str]:
-    """Streams, pools and graphs stood in for on a CPU: a "capture" runs its function once, a
-    "replay" runs it again, a backward's from unset gradients (a captured backward writes its
-    gradients, it does not add to them). Returns what ran, in order."""
-    ran: list[str] = []
-
-    class Stream:
-        def __init__(self, device=None):
-            pass
-
-        def wait_stream(self, other):
-            pass
-
-    @contextlib.contextmanager
-    def stream(*args, **kwargs):
-        yield
-
-    def capture(fn, pool):
-        name = getattr(fn, "__name__", "")
-        ran.append(f"capture {name}")
-        fn()
-
-        def replay():
-            ran.append(name)
-            if name == "_backward":
-                for group in fn.__self__.optimizer.param_groups:
-                    for p in group["params"]:
-                        p.grad = None
-            fn()
-
-        return replay
-
-    for name, value in {"Stream": Stream, "current_stream": Stream, "stream": stream}.items():
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(graphs, "capture", capture)
-    return ran
 
 
 def test_a_captured_step_trains_as_the_eager_loop_does(cuda_stood_in_for) -> None:
