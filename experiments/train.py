@@ -108,8 +108,8 @@ class Tally:
 
     def add(self, logits: Tensor, loss: Tensor, y: Tensor, where: str) -> None:
         """Count one iteration (``where``: its place, for the error); read if ``every`` are pending."""
-        correct = (logits.detach().argmax(-1) == y).sum().to(loss.dtype)
-        self.pending.append((torch.stack((loss.detach(), correct)), len(y), where))
+        correct = (logits.detach().argmax(-1) == y).sum()
+        self.pending.append((torch.stack((loss.detach().float(), correct.float())), len(y), where))
         if len(self.pending) >= self.every:
             self.read()
 
