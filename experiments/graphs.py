@@ -104,6 +104,9 @@ class CapturedStep:
         snapshot = Snapshot(model, optimizer)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             warm_up(self._eager_step, optimizer, device, rounds)
+            # the warm-up's graph released: alive, its gradient accumulators would stay on the side
+            # stream, and the captured backward would wait on it (PyTorch warns of this)
+            self.logits = self.loss = None
             pool = torch.cuda.graph_pool_handle()
             self.forward = capture(self._forward, pool)
             self.backward = capture(self._backward, pool)
