@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -80,23 +79,33 @@ class Snapshot:
             value.copy_(self.weights[name])
         for p, s in self.optimizer.state.items():
             for k, v in s.items():
-                if isinstance(v, Tensor):
-                    before = self.state.get((id(p), k))
-                    v.copy_(before) if before is not None else v.zero_()
+                if not isinstance(v, Tensor):
+                    continue
+                before = self.state.get((id(p), k))
+                if before is None:
+                    v.zero_()
+                else:
+                    v.copy_(before)
 
 
 class CapturedStep:
-    """A classifier's training step over fixed batch tensors of one shape, captured as three CUDA
-    graphs sharing one memory pool: ``forward`` (the model and its cross-entropy loss), ``backward``
-    and ``step`` (the optimizer's), replayed in that order, so each phase is timed apart. The
+    """A training step over fixed batch tensors of one shape, captured as three CUDA graphs sharing
+    one memory pool: ``forward`` (``forward_loss(model, x, y)``, the logits and the loss),
+    ``backward`` and ``step`` (the optimizer's), replayed in that order, so each phase is timed apart. The
     backward is captured from unset gradients: a replay writes them, so none are zeroed between
     steps. The warm-up's updates and random numbers are undone: the first replay trains from the
     weights the model had."""
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, rounds: int = 3
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        forward_loss: Callable[[nn.Module, Tensor, Tensor], tuple[Tensor, Tensor]],
+        x: Tensor,
+        y: Tensor,
+        rounds: int = 3,
     ) -> None:
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self.forward_loss = model, optimizer, forward_loss
         self.x, self.y = x.clone(), y.clone()
         self.logits: Tensor | None = None
         self.loss: Tensor | None = None
@@ -119,8 +128,7 @@ class CapturedStep:
         self.y.copy_(y, non_blocking=True)
 
     def _forward(self) -> None:
-        self.logits = self.model(self.x)
-        self.loss = F.cross_entropy(self.logits, self.y)
+        self.logits, self.loss = self.forward_loss(self.model, self.x, self.y)
 
     def _backward(self) -> None:
         self.loss.backward()

@@ -159,13 +159,19 @@ def prime(model: nn.Module, loader: DataLoader, device: torch.device) -> None:
     """One forward and backward on the first training batch, before any epoch is timed: one-time
     work (the compiled kernels' first compile, cuDNN's plans) stays out of the epochs' times. Its
     gradients are dropped and every random state is restored, so training goes on as without it."""
-    order = loader.generator.get_state() if loader.generator is not None else None
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        x, y = next(iter(loader))
+        x, y = first_batch(loader)
         _forward(model, x.to(device), y.to(device))[1].backward()
     model.zero_grad(set_to_none=True)
+
+
+def first_batch(loader: DataLoader) -> tuple[Tensor, Tensor]:
+    """The loader's first batch, its shuffle's random state left as it was: the epochs' order stays."""
+    order = loader.generator.get_state() if loader.generator is not None else None
+    batch = next(iter(loader))
     if order is not None:
         loader.generator.set_state(order)
+    return batch
 
 
 def train_epoch(
@@ -245,16 +251,12 @@ def capture_steps(
     loader gives: its batch size and, where the samples do not divide into batches, the last
     batch's, from the first batch; the weights, the optimizer state and the loader's order stay as
     they were."""
-    order = loader.generator.get_state() if loader.generator is not None else None
-    x, y = next(iter(loader))
-    if order is not None:
-        loader.generator.set_state(order)
-    x, y = x.to(device), y.to(device)
+    x, y = (t.to(device) for t in first_batch(loader))
     samples, size = len(loader.dataset), loader.batch_size
     sizes = {min(size, samples), 0 if loader.drop_last else samples % size} - {0}
     steps = {}
     for n in sorted(sizes, reverse=True):
-        steps[_shape(x[:n], y[:n])] = CapturedStep(model, optimizer, x[:n], y[:n])
+        steps[_shape(x[:n], y[:n])] = CapturedStep(model, optimizer, _forward, x[:n], y[:n])
     return steps
 
 
