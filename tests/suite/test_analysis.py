@@ -350,6 +350,8 @@ def test_rows_reached_twice_count_once(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.extended  # a real sweep of four jobs, then its report: seconds (the default run's real sweep
+# is tests/suite/test_run.py's, its reports drawn from written sweeps here)
 def test_report_from_a_real_tiny_sweep(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     done = subprocess.run(

@@ -335,8 +335,9 @@ def test_a_sweep_over_one_missing_or_empty_irmas_root_is_refused_once_before_any
             (["optimizer.lr=0.1,${oops}"], None),  # each job resolves its own, and reports it
             (["experiment=gru_irmas"], "dataset.root is required (pass dataset.root=<folder>); accepted: "),
             (["experiment=gru_irmas", "hydra/launcher=slurm"], "dataset.root is required (pass "),
-            (["experiment=gru_irmas", "dataset.root=/a,/b"], None),  # each job's root, each job's to read
+            (["dataset=irmas", "dataset.root=/a,/b"], None),  # each job's root, each job's to read
             (["experiment=gru_irmas", "dataset=irmas,bitstream"], "dataset.root is required (pass "),
+            (["experiment=gru_irmas", "dataset.root=/a,/b"], None),  # the preset's 36 jobs: seconds
             *[(preset_args(preset), None) for preset in PRESETS],  # each composes a sweep's jobs: seconds
         ],
         first=9,
