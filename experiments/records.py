@@ -24,6 +24,7 @@ import shutil
 import subprocess
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -309,12 +310,14 @@ def git_info(repo: Path) -> dict:
 
 
 def versions() -> dict:
-    """Versions of what the results depend on."""
+    """Versions of what the results depend on, from the installed distributions: nothing is
+    imported for it (a run with logger=csv never imports W&B)."""
     out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("hydra", "omegaconf", "pandas", "numpy", "librosa", "wandb"):
+    for name, dist in (("hydra", "hydra-core"), ("omegaconf", "omegaconf"), ("pandas", "pandas"),
+                       ("numpy", "numpy"), ("librosa", "librosa"), ("wandb", "wandb")):  # fmt: skip
         try:
-            out[name] = __import__(name).__version__
-        except Exception:  # missing or broken: record that it was not there
+            out[name] = metadata.version(dist)
+        except metadata.PackageNotFoundError:  # not installed: record that it was not there
             out[name] = None
     return out
 

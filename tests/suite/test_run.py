@@ -363,9 +363,17 @@ def test_a_sweep_one_of_whose_jobs_holds_a_bad_value_is_refused_before_it_writes
 
 
 def test_the_default_job_runs_and_records(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    done = run_py(*TINY, "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    run_dir, site = tmp_path / "run", tmp_path / "site"
+    site.mkdir()  # a sitecustomize that says, as the run ends, whether it imported W&B
+    imported = tmp_path / "imported"
+    (site / "sitecustomize.py").write_text(
+        "import atexit, sys\n"
+        f"atexit.register(lambda: open({str(imported)!r}, 'w').write(str('wandb' in sys.modules)))\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join((str(site), str(ROOT)))}
+    done = run_py(*TINY, "logger=none", f"hydra.run.dir={run_dir}", cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
+    assert imported.read_text() == "False"  # logger=none never imports W&B, the versions recorded included
     assert "rnn on bitstream, T=8, B=16, backward=bppsa" in done.stdout
     assert "bwd ms" in done.stdout and "status completed" in done.stdout
     records = pd.read_csv(run_dir / "records.csv")
