@@ -17,6 +17,7 @@ parallel, rounds alike and the threads change no bit of the results.
 from __future__ import annotations
 
 import math
+import platform
 import types
 from collections.abc import Callable
 from decimal import Decimal
@@ -24,7 +25,7 @@ from decimal import Decimal
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import njit
 from numba.core import cgutils
 from numba.core import types as nbtypes
@@ -42,6 +43,34 @@ def _bits(typingctx, value):
         return builder.bitcast(args[0], context.get_value_type(signature.return_type))
 
     return kinds[value](value), codegen
+
+
+def _target_fuses_multiply_add() -> bool:
+    """Whether the CPU numba compiles for has a fused multiply-add instruction (x86 since 2013, every
+    64-bit ARM): only then is an FMA one instruction; elsewhere LLVM makes it a library call."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return True
+    if numba.config.CPU_NAME:  # a named target (a portable cache, say): only the features named with it
+        return "+fma" in (numba.config.CPU_FEATURES or "").split(",")
+    return bool(binding.get_host_cpu_features().get("fma", False))
+
+
+# Each product of ``add_hidden`` and its plain twin is one fused multiply-add where the target has
+# it (one rounding, half the vector operations of a multiply and an add): the compiled forwards at
+# H >= 64 and the LSTM's walk are faster (``python -m benchmarks.forward --tables compiled``).
+FMA = _target_fuses_multiply_add()
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """a * b + c, rounded once (LLVM's fma): ``add_hidden_reference``'s products."""
+    if a not in (nbtypes.float32, nbtypes.float64) or b != a or c != a:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return a(a, b, c), codegen
 
 
 @intrinsic
@@ -230,12 +259,12 @@ def _product_tile(rows: int) -> Callable:
     """An intrinsic ``tile(acc, h, w_t, b0)``: ``acc[b0:b0 + rows] += h[b0:b0 + rows] @ w_t`` for
     C-contiguous acc (N, R), h (N, K) and w_t (K, R) with R at least ``LANES``. Each block of
     ``LANES`` columns holds the ``rows`` rows' sums in registers while k runs (one load of w_t's
-    row serves every row), and every element adds its products one at a time, k ascending: the
-    same bits as a plain loop in that order, whatever the tile. Blocks go two at a time. The last
-    block, where R is not a multiple of the lanes, is the window of the last ``LANES`` columns,
-    summed with the last pair or odd block (three or two at a time: at H = 20 one pass of k, not
-    two) from the values before this update and stored last (the columns it shares with the block
-    before are the same operations, so the same bits)."""
+    row serves every row), and every element adds its products one at a time, k ascending (each a
+    fused multiply-add where ``FMA``): the same bits as a plain loop in that order, whatever the
+    tile. Blocks go two at a time. The last block, where R is not a multiple of the lanes, is the
+    window of the last ``LANES`` columns, summed with the last pair or odd block (three or two at
+    a time: at H = 20 one pass of k, not two) from the values before this update and stored last
+    (the columns it shares with the block before are the same operations, so the same bits)."""
 
     @intrinsic
     def tile(typingctx, acc, h, w_t, b0):
@@ -251,6 +280,14 @@ def _product_tile(rows: int) -> Callable:
             i64 = ir.IntType(64)
             cols, inner = builder.extract_value(a.shape, 1), builder.extract_value(x.shape, 1)
             v = Vectors(context, builder, acc.dtype)
+            suffix = f"v{v.lanes}{'f32' if acc.dtype == nbtypes.float32 else 'f64'}"
+            fma_type = ir.FunctionType(v.type, [v.type] * 3)
+            fused = cgutils.get_or_insert_function(builder.module, fma_type, f"llvm.fma.{suffix}")
+
+            def multiply_add(x, y, z):
+                """x * y + z: fused where the target has FMA (``FMA``), as the plain twin does."""
+                return builder.call(fused, [x, y, z]) if FMA else builder.fadd(z, builder.fmul(x, y))
+
             first = context.cast(builder, args[3], signature.args[3], nbtypes.int64)
 
             def row(data, i, width):
@@ -273,7 +310,7 @@ def _product_tile(rows: int) -> Callable:
                     for i in range(rows):
                         hk = v.splat(builder.load(builder.gep(h_rows[i], [k])))
                         for c in range(len(starts)):
-                            total = builder.fadd(builder.load(sums[i][c]), builder.fmul(hk, wk[c]))
+                            total = multiply_add(hk, wk[c], builder.load(sums[i][c]))
                             builder.store(total, sums[i][c])
 
             def update(starts):
@@ -316,10 +353,10 @@ _tile4, _tile1 = _product_tile(4), _product_tile(1)
 @njit(inline="always", error_model="numpy")
 def add_hidden(acc, h, w_t):
     """acc (N, R) += h (N, K) @ w_t (K, R), all C-contiguous: four rows at a time in vector
-    registers (``_product_tile``), each element's products added one at a time, k ascending, so
-    that the rows' grouping (the threads' groups of samples) changes no bit. Rows narrower than a
-    vector take the same order in plain loops. The compiled forward's recurrence and the LSTM's
-    walk; its plain twin is ``add_hidden_reference``."""
+    registers (``_product_tile``), each element's products added one at a time, k ascending (fused
+    where ``FMA``), so that the rows' grouping (the threads' groups of samples) changes no bit.
+    Rows narrower than a vector take the same order in plain loops. The compiled forward's
+    recurrence and the LSTM's walk; its plain twin is ``add_hidden_reference``."""
     n, cols = acc.shape
     if cols < LANES_MIN:
         add_hidden_reference(acc, h, w_t)
@@ -339,7 +376,10 @@ def add_hidden_reference(acc, h, w_t):
         for k in range(h.shape[1]):
             hk = h[b, k]
             for j in range(acc.shape[1]):
-                acc[b, j] += hk * w_t[k, j]
+                if FMA:  # a compile-time constant
+                    acc[b, j] = fma(hk, w_t[k, j], acc[b, j])
+                else:
+                    acc[b, j] += hk * w_t[k, j]
 
 
 # the kernels' dtypes: each torch dtype they take and its NumPy twin
@@ -363,7 +403,7 @@ def put(dst, src):
 # file, not by its options or by the code it inlines from this module, so a build made with other
 # options or an older ``add_hidden`` is not loaded from an older cache (the tag changes with them).
 _OPTIONS = dict(cache=True, error_model="numpy", nogil=True)
-_OPTIONS_TAG = "ng4"
+_OPTIONS_TAG = "ng5"
 
 
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:

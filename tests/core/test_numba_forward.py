@@ -4,11 +4,14 @@ modules that take it."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from helpers import extended_except, rel_err, torch_threads
+from helpers import ROOT, extended_except, rel_err, torch_threads
 from recurrent import pair
 
 pytest.importorskip("numba")
@@ -114,6 +117,7 @@ def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype)
         (16, 20, 80), (16, 80, 20), (5, 7, 9), (3, 3, 3), (1, 1, 8), (7, 4, 17), (6, 33, 64), (9, 5, 24),
         (4, 6, 28), (5, 3, 13), (4, 2, 60),
     ]  # fmt: skip
+    differs = []
     for rows, inner, cols in shapes:
         draw = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
         h, w_t, start = draw(rows, inner), draw(inner, cols), draw(rows, cols)
@@ -123,6 +127,26 @@ def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype)
         np.testing.assert_array_equal(got, expected)
         exact = start.astype(np.float64) + h.astype(np.float64) @ w_t.astype(np.float64)
         np.testing.assert_allclose(got, exact, rtol=0, atol=inner * 8 * np.finfo(dtype).eps)
+        unfused = start.copy()  # each product rounded, then each sum: NumPy's elementwise ops
+        for k in range(inner):
+            unfused += h[:, k : k + 1] * w_t[k]
+        differs.append(not np.array_equal(got, unfused))
+    assert any(differs) == numba_math.FMA  # fused where the target has FMA, else each op rounded
+
+
+@pytest.mark.extended  # a fresh interpreter compiles the kernels for another target: seconds
+def test_a_target_without_fma_multiplies_and_adds_apart() -> None:
+    """Where the CPU numba compiles for has no fused multiply-add (here numba's "generic" target)
+    the products are a multiply and an add, the tiles still their plain twin's bits."""
+    test = f"{__file__}::test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit"
+    check = "from bppsa_core import numba_math; assert not numba_math.FMA"
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "PYTHONPATH": str(ROOT)}
+    assert subprocess.run([sys.executable, "-c", check], env=env, timeout=120).returncode == 0
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:]
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
