@@ -186,14 +186,16 @@ def numba_takes(terms: int, *dtypes: torch.dtype, lstm: bool = False) -> bool:
 
 # Widest state at which the compiled CPU forward (``bppsa_core.numba_forward``) beats PyTorch's fused
 # kernel, per mode: its per-step loop wins while a step's multiply-adds are few, PyTorch's GEMMs
-# beyond; PyTorch's LSTM kernel is the faster at every width on one thread (re-measured by
-# ``python -m benchmarks.forward --tables compiled``). A taped LSTM forward (``layer.LSTMTape``)
-# spares its backward the gates' recomputation: forward and backward together win up to
-# _TAPED_LSTM_MAX_HIDDEN (re-measured by ``python -m benchmarks.backward --model lstm``, whose cells
-# charge a forward slower than torch.nn's). On more threads the compiled LSTM shares its samples
-# among them, where PyTorch's kernel's per-step products are too small to: it wins below H = 32
+# beyond (the RNN's still wins at H = 1024, the widest measured); PyTorch's LSTM kernel is the
+# faster at every width on one thread
+# (re-measured by ``python -m benchmarks.forward --tables compiled``).
+# A taped LSTM forward (``layer.LSTMTape``) spares its backward the gates' recomputation: forward
+# and backward together win up to _TAPED_LSTM_MAX_HIDDEN, the cells charging a forward slower
+# than torch.nn's (re-measured by ``python -m benchmarks.backward --model lstm``).
+# On more threads the compiled LSTM shares its samples among them, where PyTorch's kernel's
+# per-step products are too small to: it wins below H = 32
 # (re-measured by ``python -m benchmarks.forward --tables compiled --models lstm --threads 2``).
-_COMPILED_FORWARD_MAX_HIDDEN = {"RNN_TANH": 256, "RNN_RELU": 256, "GRU": 256, "LSTM": 0}
+_COMPILED_FORWARD_MAX_HIDDEN = {"RNN_TANH": 1024, "RNN_RELU": 1024, "GRU": 256, "LSTM": 0}
 _PARALLEL_LSTM_MAX_HIDDEN = 31
 _TAPED_LSTM_MAX_HIDDEN = 128
 # The scan strategies whose layers may run the compiled forward; the others keep PyTorch's.

@@ -233,7 +233,7 @@ def _recording(monkeypatch) -> list[str]:
         ("tanh", "auto", 8, True),
         ("relu", "auto", 8, True),
         ("gru", "auto", 8, True),
-        ("tanh", "auto", 512, False),  # wider than it wins at: PyTorch's GEMMs
+        ("tanh", "auto", 1025, False),  # wider than it was measured to win at: PyTorch's GEMMs
         ("lstm", "auto", 8, True),  # a gradient is wanted: the taped forward (layer.LSTMTape)
         ("lstm", "auto", 136, False),  # wider than the taped forward wins at
         ("lstm", "numba", 8, True),
@@ -285,6 +285,17 @@ def test_batch_major_outputs_are_the_time_major_ones(mode) -> None:
     assert got[0].transpose(0, 1).is_contiguous()
     for e, g in zip(expected, got, strict=True):
         assert (e is None and g is None) or torch.equal(e, g)
+
+
+def test_auto_takes_the_compiled_rnn_forward_up_to_h_1024_and_the_grus_up_to_256() -> None:
+    """The widths where the compiled forward beats PyTorch's fused kernel
+    (``dispatch._COMPILED_FORWARD_MAX_HIDDEN``); strategy "numba" takes every width."""
+    takes = dispatch.compiled_forward_takes
+    for mode, widest in (("RNN_TANH", 1024), ("RNN_RELU", 1024), ("GRU", 256)):
+        assert [takes("auto", mode, h, "cpu", (F32,), False) for h in (20, widest, widest + 1)] == [
+            True, True, False,
+        ]  # fmt: skip
+        assert takes("numba", mode, widest + 1, "cpu", (F32,), False)
 
 
 def test_auto_takes_the_compiled_lstm_forward_below_h_32_on_more_threads_only() -> None:
