@@ -52,7 +52,10 @@ def _target_fuses_multiply_add() -> bool:
         return True
     if numba.config.CPU_NAME:  # a named target (a portable cache, say): only the features named with it
         return "+fma" in (numba.config.CPU_FEATURES or "").split(",")
-    return bool(binding.get_host_cpu_features().get("fma", False))
+    try:
+        return bool(binding.get_host_cpu_features().get("fma", False))
+    except RuntimeError:  # LLVM cannot read this host's features: assume none
+        return False
 
 
 # Each product of ``add_hidden`` and its plain twin is one fused multiply-add where the target has
