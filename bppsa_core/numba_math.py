@@ -50,9 +50,9 @@ def _target_fuses_multiply_add() -> bool:
     64-bit ARM): only then is an FMA one instruction; elsewhere LLVM makes it a library call."""
     if platform.machine().lower() in ("aarch64", "arm64"):
         return True
-    if numba.config.CPU_NAME:  # a named target (a portable cache, say): only the features named with it
-        return "+fma" in (numba.config.CPU_FEATURES or "").split(",")
-    try:
+    if numba.config.CPU_FEATURES is not None:  # numba's rule: the features named (none for "generic")
+        return "+fma" in numba.config.CPU_FEATURES.split(",")
+    try:  # else the host's, whatever NUMBA_CPU_NAME says
         return bool(binding.get_host_cpu_features().get("fma", False))
     except RuntimeError:  # LLVM cannot read this host's features: assume none
         return False
