@@ -95,13 +95,13 @@ def task_batch(steps: int, batch: int, features: int, device: torch.device, seed
 
 
 def trained_state(
-    model: str, hidden: int, batch: int, steps: int, device: torch.device, seed: int = 0
+    model: str, features: int, hidden: int, batch: int, steps: int, device: torch.device, seed: int = 0
 ) -> tuple[dict, float, float]:
     """The layer's weights after ``steps`` Adam steps of the task at T = 100 (BPTT), and the first
     and last training losses."""
     from experiments.train import Classifier  # the suite's model (its imports need no hydra)
 
-    cls, features = MODELS[model]
+    cls = MODELS[model][0]
     torch.manual_seed(seed)
     net = Classifier(cls(features, hidden, batch_first=True, backward="bptt"), CLASSES).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=TRAIN_LR)
@@ -146,7 +146,7 @@ def bench(
     max_iters: int,
 ) -> Row:
     """One row: the native forward and each solver's, taking turns on the same batch."""
-    cls, features = MODELS[model]
+    cls, features = MODELS[model][0], weights["weight_ih_l0"].shape[1]
     x = task_batch(steps, batch, features, device, seed=10_000)[0].to(dtype)
     modules = {}
     for name in ("native", *solvers):
@@ -178,12 +178,19 @@ class CompiledRow:
 
 
 def bench_compiled(
-    model: str, steps: int, batch: int, hidden: int, dtype: torch.dtype, warmup: int, repeats: int
+    model: str,
+    features: int,
+    steps: int,
+    batch: int,
+    hidden: int,
+    dtype: torch.dtype,
+    warmup: int,
+    repeats: int,
 ) -> CompiledRow:
     """One row of the compiled table: torch.nn's training forward, ours with PyTorch's fused kernel
     (``strategy="sequential"``: the kernel under no_grad, what "auto" would run instead) and ours
     with the recurrence compiled (``strategy="numba"``), the same weights and batch, taking turns."""
-    cls, features = MODELS[model]
+    cls = MODELS[model][0]
     x = task_batch(steps, batch, features, torch.device("cpu"), seed=10_000)[0].to(dtype)
     torch.manual_seed(0)
     ours = cls(features, hidden, batch_first=True, strategy="numba").to(dtype)
@@ -261,6 +268,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--T", type=positive_int, nargs="+", default=None, help=f"lengths (default: {DEFAULT_T})")
     p.add_argument("--B", type=positive_int, default=None, help="batch size (default: 16)")
     p.add_argument("--H", type=positive_int, nargs="+", default=None, help="hidden sizes (default: 20)")
+    p.add_argument(
+        "--F", type=positive_int, nargs="+", default=None,
+        help="input features (default: the model's, 1 for rnn and 24 for gru and lstm)",
+    )  # fmt: skip
     p.add_argument("--train-steps", type=positive_int, default=None, help="Adam steps (default: 300)")
     p.add_argument("--max-iters", type=positive_int, default=DEFAULT_MAX_ITERS, help="newton_iters")
     p.add_argument("--quick", action="store_true", help="small shapes, seconds on a CPU")
@@ -283,17 +294,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def newton_table(
-    model: str, hidden: int, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, progress
+    model: str,
+    features: int,
+    hidden: int,
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress,
 ) -> None:
     """The native forward against each Newton solver, per weights and length: one table."""
-    cls, features = MODELS[model]
+    cls = MODELS[model][0]
     states = {}
     if "init" in args.weights:
         torch.manual_seed(0)
         states["init"] = cls(features, hidden).state_dict()
     if "trained" in args.weights:
         progress(f"training {model} for {args.train_steps} steps ...")
-        state, first, last = trained_state(model, hidden, args.B, args.train_steps, device)
+        state, first, last = trained_state(model, features, hidden, args.B, args.train_steps, device)
         states["trained"] = state
         print(f"\n{model}: training loss {first:.4f} at the first step, {last:.4f} over the last ten")
     rows = []
@@ -321,21 +338,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "compiled" in args.tables:
         print(f"\n{COMPILED_LEGEND}")
         for model in args.models:
-            rows = []
-            for hidden in args.H:
-                for t in args.T:
-                    progress(f"{model} compiled H={hidden} T={t} ...")
-                    rows.append(bench_compiled(model, t, args.B, hidden, dtype, args.warmup, args.repeats))
-            features = MODELS[model][1]
-            print(
-                f"\n### Compiled forward: {model.upper()} (F = {features})\n\n{format_compiled(rows)}",
-                flush=True,
-            )
+            for features in args.F or [MODELS[model][1]]:
+                rows = []
+                for hidden in args.H:
+                    for t in args.T:
+                        progress(f"{model} compiled F={features} H={hidden} T={t} ...")
+                        timing = (dtype, args.warmup, args.repeats)
+                        rows.append(bench_compiled(model, features, t, args.B, hidden, *timing))
+                print(
+                    f"\n### Compiled forward: {model.upper()} (F = {features})\n\n{format_compiled(rows)}",
+                    flush=True,
+                )
     if "newton" in args.tables:
         print(f"\n{LEGEND}")
         for model in args.models:
-            for hidden in args.H:
-                newton_table(model, hidden, args, device, dtype, progress)
+            for features in args.F or [MODELS[model][1]]:
+                for hidden in args.H:
+                    newton_table(model, features, hidden, args, device, dtype, progress)
     progress("done")
     return 0
 

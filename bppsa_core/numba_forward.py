@@ -2,12 +2,12 @@
 (``bppsa_core.layer.native_forward``), which is also its plain-PyTorch twin in the tests.
 
 PyTorch's CPU kernel issues a handful of small ops per step, each a few microseconds of overhead
-for B·G·H² multiply-adds that take well under one. Here the input projection of a segment is one
-GEMM over all its steps (``x @ W_ih^T + b_ih``; with one input feature, the paper's bitstream,
-made in the loop's steps instead), and the recurrence one compiled loop, each group of samples a
-task (a ``prange`` over ``torch.get_num_threads()`` groups; with one thread, a serial build runs in
-the calling thread) that steps its samples side by side. A step is the inputs' side plus b_hh plus
-``h @ W_hh^T`` (``numba_math.add_hidden``), then the cell's activations, elementwise:
+for B·G·H² multiply-adds that take well under one. Here the recurrence is one compiled loop, each
+group of samples a task (a ``prange`` over ``torch.get_num_threads()`` groups; with one thread, a
+serial build runs in the calling thread) that steps its samples side by side. A step is the
+inputs' side ``x_t @ W_ih^T + b_ih`` (made in the step by ``numba_math.add_hidden``, or for wide
+inputs one GEMM a segment on the host: ``_project``) plus b_hh plus ``h @ W_hh^T`` (``add_hidden``),
+then the cell's activations, elementwise:
 
 * RNN: ``h' = tanh(a)`` or ``relu(a)``;
 * GRU: ``r, z = sigmoid(.)``, ``n = tanh(a_n + r (W_hn h + b_hn))``, ``h' = n + z (h - n)``;
@@ -52,28 +52,47 @@ _TAPED = False
 
 
 @njit(inline="always", error_model="numpy")
-def _load(acc, inputs, t, lo):
-    """acc (N, R) = the group's input side at step t (samples lo .. lo + N - 1) + b_hh. ``inputs``
-    = (xw, x1, w_col, b_ih, b_hh): xw (S, B, R) the projected inputs with b_ih; or, with one input
-    feature (x1 (S, B) not empty), x1 w_col + b_ih made here, an outer product a step, so that a
-    short layer makes no tensor op for it on the host (python -m benchmarks.host)."""
-    xw, x1, w_col, b_ih, b_hh = inputs
-    if x1.shape[0]:
-        for b in range(acc.shape[0]):
-            xb = x1[t, lo + b]
-            for j in range(acc.shape[1]):
-                acc[b, j] = (xb * w_col[j] + b_ih[j]) + b_hh[j]
+def _project(xin, xt, inputs, t, lo):
+    """xin (N, R) = the group's input side at step t (samples lo .. lo + N - 1), b_ih included.
+    ``inputs`` = (xw, x, w_ih_t, b_ih, b_hh) (``_transposed``): with x (S, B, F) not empty,
+    x_t w_ih^T + b_ih made here (``add_hidden``; xt (N, F) takes the step's inputs), so that no
+    projected inputs go through memory and no tensor op runs on the host; else xw (S, B, R), the
+    inputs projected on the host."""
+    xw, x, w_ih_t, b_ih, _ = inputs
+    if x.shape[0]:
+        for b in range(xin.shape[0]):
+            for f in range(xt.shape[1]):
+                xt[b, f] = x[t, lo + b, f]
+            for j in range(xin.shape[1]):
+                xin[b, j] = b_ih[j]
+        add_hidden(xin, xt, w_ih_t)
     else:
-        for b in range(acc.shape[0]):
-            for j in range(acc.shape[1]):
-                acc[b, j] = xw[t, lo + b, j] + b_hh[j]
+        for b in range(xin.shape[0]):
+            for j in range(xin.shape[1]):
+                xin[b, j] = xw[t, lo + b, j]
 
 
 @njit(inline="always", error_model="numpy")
-def _input(inputs, t, i, j):
-    """Sample i's input side of unit j at step t (``_load``'s, without b_hh)."""
-    xw, x1, w_col, b_ih, _ = inputs
-    return x1[t, i] * w_col[j] + b_ih[j] if x1.shape[0] else xw[t, i, j]
+def _transposed(inputs):
+    """``inputs`` with w_ih (R, F) as its transpose (F, R), the layout ``add_hidden`` reads: a copy
+    of F·R numbers a call, cheaper than a tensor op on the host."""
+    xw, x, w_ih, b_ih, b_hh = inputs
+    return xw, x, np.ascontiguousarray(w_ih.T), b_ih, b_hh
+
+
+@njit(inline="always", error_model="numpy")
+def _step_inputs(inputs, n):
+    """The buffer of a group's inputs at one step (``_project``): (n, F), or empty for an xw."""
+    x = inputs[1]
+    return np.empty((n if x.shape[0] else 0, x.shape[2]), x.dtype)
+
+
+@njit(inline="always", error_model="numpy")
+def _load(acc, xin, b_hh):
+    """acc (N, R) = the input side xin (``_project``) + b_hh."""
+    for b in range(acc.shape[0]):
+        for j in range(acc.shape[1]):
+            acc[b, j] = xin[b, j] + b_hh[j]
 
 
 @njit(inline="always", error_model="numpy")
@@ -87,7 +106,7 @@ def _store(out, t, lo, steps, h):
 
 
 def _rnn(relu, groups, inputs, w_hh, h0, steps, out, h_last):
-    """An RNN's recurrence over a segment: ``inputs`` the input side (``_load``), w_hh (H, H),
+    """An RNN's recurrence over a segment: ``inputs`` the input side (``_project``), w_hh (H, H),
     h0 (B, H), ``steps`` (B,) the steps each sample runs (after them it outputs 0 and
     keeps its state); writes out (S, B, H) and the last states h_last (B, H). ``groups`` of
     samples run in parallel, each a task that steps its samples together. Each kernel transposes
@@ -95,12 +114,14 @@ def _rnn(relu, groups, inputs, w_hh, h0, steps, out, h_last):
     seg, batch, hid = out.shape
     zero = out.dtype.type(0)
     w_t = np.ascontiguousarray(w_hh.T)
+    inputs = _transposed(inputs)
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
         h = h0[lo:hi].copy()
-        acc = np.empty_like(h)
+        acc, xin, xt = np.empty_like(h), np.empty_like(h), _step_inputs(inputs, hi - lo)
         for t in range(seg):
-            _load(acc, inputs, t, lo)
+            _project(xin, xt, inputs, t, lo)
+            _load(acc, xin, inputs[4])
             add_hidden(acc, h, w_t)
             for b in range(hi - lo):
                 if t < steps[lo + b]:
@@ -115,7 +136,7 @@ def _rnn(relu, groups, inputs, w_hh, h0, steps, out, h_last):
 
 
 def _gru(groups, inputs, w_hh, h0, steps, out, h_last):
-    """A GRU's recurrence over a segment: ``inputs`` the input side (``_load``), w_hh (3H, H) (rows
+    """A GRU's recurrence over a segment: ``inputs`` the input side (``_project``), w_hh (3H, H) (rows
     r, z, n), b_hh's n part inside r; otherwise as ``_rnn``. A step's sigmoids are one loop over
     a sample's 2H units (r, z side by side), its tanh one loop over the group's candidates n, as
     the LSTM's (``_lstm``): PyTorch's formulas, in its order."""
@@ -123,14 +144,16 @@ def _gru(groups, inputs, w_hh, h0, steps, out, h_last):
     rows = w_hh.shape[0]
     b_hh = inputs[4]
     w_t = np.ascontiguousarray(w_hh.T)
+    inputs = _transposed(inputs)
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
         n = hi - lo
         h = h0[lo:hi].copy()
-        acc = np.empty((n, rows), h.dtype)
+        acc, xin, xt = np.empty((n, rows), h.dtype), np.empty((n, rows), h.dtype), _step_inputs(inputs, n)
         cand = np.empty(n * hid, h.dtype)
         for t in range(seg):
-            _load(acc, inputs, t, lo)
+            _project(xin, xt, inputs, t, lo)
+            _load(acc, xin, b_hh)
             for b in range(n):  # the n gate's hidden side starts from b_hn alone (r multiplies it)
                 for j in range(hid):
                     acc[b, 2 * hid + j] = b_hh[2 * hid + j]
@@ -140,8 +163,7 @@ def _gru(groups, inputs, w_hh, h0, steps, out, h_last):
                     acc[b, j] = _sigmoid(acc[b, j])
             for b in range(n):
                 for j in range(hid):
-                    x_n = _input(inputs, t, lo + b, 2 * hid + j)
-                    cand[b * hid + j] = x_n + acc[b, j] * acc[b, 2 * hid + j]
+                    cand[b * hid + j] = xin[b, 2 * hid + j] + acc[b, j] * acc[b, 2 * hid + j]
             for k in range(n * hid):
                 cand[k] = _tanh(cand[k])
             for b in range(n):
@@ -154,7 +176,7 @@ def _gru(groups, inputs, w_hh, h0, steps, out, h_last):
 
 
 def _lstm(groups, inputs, w_hh, h0, c0, steps, out, h_last, c_last, gates, cells, states):
-    """An LSTM's recurrence over a segment: ``inputs`` the input side (``_load``), w_hh (4H, H)
+    """An LSTM's recurrence over a segment: ``inputs`` the input side (``_project``), w_hh (4H, H)
     (rows i, f, g, o), h0 and c0 (B, H); writes the outputs and the last
     (h, c); otherwise as ``_rnn``. Its taped build (``_TAPED``) also writes the activated gates
     (S, B, 4H), the cell states c_0..c_S into cells (S + 1, B, H) and the states h_0..h_S into
@@ -168,6 +190,7 @@ def _lstm(groups, inputs, w_hh, h0, c0, steps, out, h_last, c_last, gates, cells
     seg, batch, hid = out.shape
     rows = w_hh.shape[0]
     w_t = np.ascontiguousarray(w_hh.T)
+    inputs = _transposed(inputs)
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
         n = hi - lo
@@ -175,13 +198,14 @@ def _lstm(groups, inputs, w_hh, h0, c0, steps, out, h_last, c_last, gates, cells
         if _TAPED:
             put(cells[0, lo:hi], c)
             put(states[0, lo:hi], h)
-        acc = np.empty((n, rows), h.dtype)
+        acc, xin, xt = np.empty((n, rows), h.dtype), np.empty((n, rows), h.dtype), _step_inputs(inputs, n)
         scale, p, q = np.empty(rows, h.dtype), np.empty(rows, h.dtype), np.empty(rows, h.dtype)
         for j in range(rows):  # the g gate's columns are tanh, the others sigmoid
             scale[j], p[j], q[j] = GATE_TANH if 2 * hid <= j < 3 * hid else GATE_SIGMOID
         c_new, tanh_c = np.empty(n * hid, h.dtype), np.empty(n * hid, h.dtype)
         for t in range(seg):
-            _load(acc, inputs, t, lo)
+            _project(xin, xt, inputs, t, lo)
+            _load(acc, xin, inputs[4])
             add_hidden(acc, h, w_t)
             for b in range(n):
                 for j in range(rows):
@@ -239,8 +263,13 @@ def _zeros(rows: int, kind: type) -> np.ndarray:
     return np.zeros(rows, kind)
 
 
-# per dtype, the input side's arrays a call does not use (``_load``): x1 and w_col of a projected xw
-_EMPTY = {d: (np.zeros((0, 0), t), np.zeros(0, t)) for d, t in NUMPY_DTYPES.items()}
+# per dtype, the input side's arrays a call does not use (``_project``): x and w_ih of a projected xw
+_EMPTY = {d: (np.zeros((0, 0, 0), t), np.zeros((0, 0), t)) for d, t in NUMPY_DTYPES.items()}
+# Inputs whose weights take at most this many bytes are projected in the kernels' steps
+# (``_project``): no (T, B, R) projection written and read back through memory, and no host op; the
+# wider ones' weights, read again each step, would stream from beyond the core's cache, so they are
+# one GEMM a segment (re-measured by ``python -m benchmarks.forward --tables compiled --F 256 512``).
+PROJECT_IN_STEP_MAX_BYTES = 256 * 1024
 
 
 @functools.lru_cache(maxsize=64)
@@ -262,12 +291,12 @@ def layer_forward(
     tape: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One layer's forward: ``native_forward``'s results (h0 and c0 (B, H) or (1, B, H), the last
-    states shaped as they are), written into ``out`` (T, B, H; any
-    strides; None: new, time-major), the inputs' projection one GEMM per segment of at most
-    ``segment`` steps (so that only a segment's of it exists), or with one input feature made in
-    the kernels' steps. ``tape``: an LSTM's arrays (``layer.LSTMTape``: gates (T, B, 4H), cells and
-    states (T + 1, B, H)), into which its activated gates, cell states c_0..c_T and states h_0..h_T
-    are written. Returns (out, h_T, c_T), c_T None but for an LSTM.
+    states shaped as they are), written into ``out`` (T, B, H; any strides; None: new,
+    time-major), the inputs projected in the kernels' steps or, where their weights exceed
+    ``PROJECT_IN_STEP_MAX_BYTES``, as one GEMM per segment of at most ``segment`` steps (so that
+    only a segment's projection exists). ``tape``: an LSTM's arrays (``layer.LSTMTape``: gates
+    (T, B, 4H), cells and states (T + 1, B, H)), into which its activated gates, cell states
+    c_0..c_T and states h_0..h_T are written. Returns (out, h_T, c_T), c_T None but for an LSTM.
     Nothing is recorded for autograd here (``dispatch.compiled_forward``). Arrays the kernels write
     are made as arrays, the tensors returned are their memory: a short layer's call is mostly such
     host work (re-measured by ``python -m benchmarks.host``)."""
@@ -294,9 +323,10 @@ def layer_forward(
     else:
         outs = out.numpy()
     features = x.shape[-1]
-    if features == 1:  # one feature (the paper's bitstream): the kernels make x w_ih + b_ih a step
-        x1 = np.ascontiguousarray(x.numpy(force=True).reshape(steps, batch))
-        w_col = w_ih.numpy(force=True).reshape(rows)
+    in_step = w_ih.numel() * w_ih.element_size() <= PROJECT_IN_STEP_MAX_BYTES
+    if in_step:
+        xs = np.ascontiguousarray(x.numpy(force=True))
+        w_in = w_ih.numpy(force=True)
     else:
         flat = x.reshape(steps * batch, features)
     ends = None if lengths is None else lengths.to("cpu", torch.int64).numpy()
@@ -304,8 +334,8 @@ def layer_forward(
     for s in range(0, steps, segment):
         e = min(steps, s + segment)
         seg = _running(batch, e - s) if ends is None else np.clip(ends - s, 0, e - s)
-        if features == 1:
-            inputs = (UNUSED[x.dtype], x1 if whole else x1[s:e], w_col, b_ih, b_hh)
+        if in_step:
+            inputs = (UNUSED[x.dtype], xs if whole else xs[s:e], w_in, b_ih, b_hh)
         else:
             seg_x = flat if whole else flat[s * batch : e * batch]
             xw = torch.addmm(biases[0], seg_x, w_ih.t()) if biases else torch.mm(seg_x, w_ih.t())

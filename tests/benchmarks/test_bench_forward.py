@@ -31,16 +31,25 @@ def test_a_row_marks_a_fallback() -> None:
 
 
 def test_training_lowers_the_loss() -> None:
-    _, first, last = trained_state("rnn", 20, 16, 100, CPU)
+    _, first, last = trained_state("rnn", 1, 20, 16, 100, CPU)
     assert last < first
 
 
 def test_a_compiled_row_times_torch_nn_against_the_compiled_forward() -> None:
-    row = forward.bench_compiled("gru", 40, 3, 6, torch.float64, 0, 1)
+    row = forward.bench_compiled("gru", 24, 40, 3, 6, torch.float64, 0, 1)
     assert min(row.torch_ms, row.fused_ms, row.compiled_ms) > 0 and row.auto == "compiled"
     assert row.max_diff < 1e-12
-    assert forward.bench_compiled("lstm", 5, 2, 4, torch.float64, 0, 1).auto == "PyTorch's"
-    assert forward.bench_compiled("gru", 3, 2, 192, torch.float32, 0, 1).auto == "torch.nn"
+    assert forward.bench_compiled("lstm", 24, 5, 2, 4, torch.float64, 0, 1).auto == "PyTorch's"
+    assert forward.bench_compiled("gru", 24, 3, 2, 192, torch.float32, 0, 1).auto == "torch.nn"
+
+
+def test_input_features_make_a_table_each(capsys) -> None:
+    argv = ["--tables", "compiled", "--models", "rnn", "--F", "3", "300", "--T", "7", "--H", "5"]
+    assert forward.main([*argv, "--B", "2", "--repeats", "1", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    titles = [line[4:] for line in out.splitlines() if line.startswith("### ")]
+    assert titles == ["Compiled forward: RNN (F = 3)", "Compiled forward: RNN (F = 300)"]
+    assert all(float(rows[0][-1]) <= 1e-5 for _, rows in markdown_tables(out))
 
 
 def test_the_quick_run_prints_a_table_per_model(capsys) -> None:
@@ -81,6 +90,7 @@ def test_the_quick_run_prints_a_table_per_model(capsys) -> None:
         (["--solvers", "native"], "argument --solvers: invalid choice: 'native'"),
         (["--weights", "random"], "argument --weights: invalid choice: 'random'"),
         (["--max-iters", "0"], "argument --max-iters: 0 is not positive"),
+        (["--F", "0"], "argument --F: 0 is not positive"),
         (["--train-steps", "0"], "argument --train-steps: 0 is not positive"),
         (["--device", "tpu"], "argument --device: unknown device 'tpu'; accepted: auto, cpu, cuda, cuda:N"),
     ],

@@ -123,7 +123,7 @@ def test_a_trained_layer_converges_to_the_native_states(model: str) -> None:
 
     cpu = torch.device("cpu")
     cls, features = MODELS[model]
-    weights = trained_state(model, 20, 16, 300, cpu)[0]
+    weights = trained_state(model, features, 20, 16, 300, cpu)[0]
     x = task_batch(1000, 16, features, cpu, seed=10_000)[0]
     ref = cls(features, 20, batch_first=True)
     ours = cls(features, 20, batch_first=True, forward_solver="newton")

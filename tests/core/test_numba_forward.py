@@ -58,8 +58,7 @@ CELL_BUILDS = [(mode, dtype) for dtype in (F64, F32) for mode in MODES]
 def test_the_compiled_forward_is_pytorchs(mode, dtype, lengths, segment, bias, inputs) -> None:
     """Outputs, last h and last c equal the fused kernel's to the dtype's rounding: one segment or
     several, with and without biases, packed lengths (a sample ending mid-segment, one of length 0)
-    whose outputs are 0 past the end and whose state is the last valid one, and one input feature
-    (its projection an outer product)."""
+    whose outputs are 0 past the end and whose state is the last valid one, and one input feature."""
     torch.manual_seed(0)
     x, h0, c0, w = layer_case(mode, 30, 5, inputs, 6, dtype, bias)
     lengths = None if lengths is None else torch.tensor(lengths)
@@ -73,6 +72,29 @@ def test_the_compiled_forward_is_pytorchs(mode, dtype, lengths, segment, bias, i
     if lengths is not None:
         for b, n in enumerate(lengths.tolist()):
             assert not got[0][n:, b].any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_wide_inputs_are_projected_on_the_host_with_the_same_results(mode, monkeypatch) -> None:
+    """Inputs whose weights take more than ``PROJECT_IN_STEP_MAX_BYTES`` are projected by one GEMM a
+    segment on the host, the others in the kernels' steps (no GEMM on the host): the fused kernel's
+    results either way, over several segments with packed lengths."""
+    torch.manual_seed(0)
+    x, h0, c0, w = layer_case(mode, 30, 5, 3, 6, F64)
+    lengths = torch.tensor([30, 12, 12, 5, 0])
+    expected = native_forward(mode, x, h0, c0, w, lengths, 7)
+    gemms, addmm = [], torch.addmm
+    monkeypatch.setattr(torch, "addmm", lambda *a, **k: gemms.append(a) or addmm(*a, **k))
+    weight_bytes = w[0].numel() * w[0].element_size()
+    results = {}
+    for bound in (weight_bytes, weight_bytes - 1):
+        monkeypatch.setattr(numba_forward, "PROJECT_IN_STEP_MAX_BYTES", bound)
+        gemms.clear()
+        results[bound] = compiled(mode, x, h0, c0, w, lengths, 7)
+        assert len(gemms) == (0 if bound == weight_bytes else 5)  # one a segment of 7 steps
+    for got in results.values():
+        for e, g in zip(expected, got, strict=True):
+            assert (e is None and g is None) or rel_err(e, g) < TOL[F64]
 
 
 @pytest.mark.parametrize("mode", extended_except(MODES, "RNN_TANH"))  # each mode a parallel build to compile
