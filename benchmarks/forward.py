@@ -12,9 +12,9 @@ for each weights and sequence length, the native forward's time (the module's se
 compiled on a CPU where "auto" picks it, else PyTorch's fused kernel, cuDNN on a GPU) and, per
 solver (``forward_solver="newton"`` and ``"quasi-newton"``, ``bppsa_core.newton``), the iterations
 it took, its time, its ratio to the native time, and the largest difference of its outputs from
-the native ones. Every method runs the training forward of the same module weights on the same
-batch, the methods take turns (one call each per round), and each cell is the median of
-``--repeats`` rounds after ``--warmup``, all in one process.
+the native ones. Every method runs the training forward (``--no-grad``: the inference forward)
+of the same module weights on the same batch, the methods take turns (one call each per round),
+and each cell is the median of ``--repeats`` rounds after ``--warmup``, all in one process.
 
 Models: the paper's RNN (bitstream, one input feature, H = 20), the GRU at the IRMAS setting m's
 width (24 features, H = 20) and the LSTM at the GRU's (``--models lstm``). Weights: ``init``
@@ -117,17 +117,23 @@ def trained_state(
 
 
 def take_turns(
-    modules: dict[str, torch.nn.Module], x: Tensor, device: torch.device, warmup: int, repeats: int
+    modules: dict[str, torch.nn.Module],
+    x: Tensor,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    grad: bool = True,
 ) -> tuple[dict[str, float], dict[str, Tensor]]:
     """Each module's median time (ms) over ``repeats`` rounds after ``warmup``, one call each per
-    round, and its last outputs."""
+    round, and its last outputs; ``grad`` False: every call under torch.no_grad (inference)."""
     times: dict[str, list[float]] = {name: [] for name in modules}
     outputs = {}
-    for r in range(warmup + repeats):
-        for name, m in modules.items():
-            ms = time_ms(lambda m=m, name=name: outputs.__setitem__(name, m(x)[0]), device)
-            if r >= warmup:
-                times[name].append(ms)
+    with torch.set_grad_enabled(grad):
+        for r in range(warmup + repeats):
+            for name, m in modules.items():
+                ms = time_ms(lambda m=m, name=name: outputs.__setitem__(name, m(x)[0]), device)
+                if r >= warmup:
+                    times[name].append(ms)
     return {name: statistics.median(t) for name, t in times.items()}, outputs
 
 
@@ -144,8 +150,10 @@ def bench(
     warmup: int,
     repeats: int,
     max_iters: int,
+    grad: bool = True,
 ) -> Row:
-    """One row: the native forward and each solver's, taking turns on the same batch."""
+    """One row: the native forward and each solver's, taking turns on the same batch (``grad``
+    False: under torch.no_grad)."""
     cls, features = MODELS[model][0], weights["weight_ih_l0"].shape[1]
     x = task_batch(steps, batch, features, device, seed=10_000)[0].to(dtype)
     modules = {}
@@ -153,7 +161,7 @@ def bench(
         m = cls(features, hidden, batch_first=True, forward_solver=name, newton_iters=max_iters)
         m.load_state_dict(weights)
         modules[name] = m.to(device, dtype)
-    times, outputs = take_turns(modules, x, device, warmup, repeats)
+    times, outputs = take_turns(modules, x, device, warmup, repeats, grad)
     row = Row(model, label, steps, batch, hidden, features, times["native"])
     for name in solvers:
         (stats,) = modules[name].solver_stats
@@ -186,10 +194,12 @@ def bench_compiled(
     dtype: torch.dtype,
     warmup: int,
     repeats: int,
+    grad: bool = True,
 ) -> CompiledRow:
     """One row of the compiled table: torch.nn's training forward, ours with PyTorch's fused kernel
     (``strategy="sequential"``: the kernel under no_grad, what "auto" would run instead) and ours
-    with the recurrence compiled (``strategy="numba"``), the same weights and batch, taking turns."""
+    with the recurrence compiled (``strategy="numba"``; an LSTM's keeps its gates for the backward),
+    the same weights and batch, taking turns; ``grad`` False: their inference forwards."""
     cls = MODELS[model][0]
     x = task_batch(steps, batch, features, torch.device("cpu"), seed=10_000)[0].to(dtype)
     torch.manual_seed(0)
@@ -199,11 +209,12 @@ def bench_compiled(
     ref.load_state_dict(ours.state_dict())
     fused.load_state_dict(ours.state_dict())
     modules = {"torch": ref, "fused": fused, "compiled": ours}
-    times, outputs = take_turns(modules, x, torch.device("cpu"), warmup, repeats)
+    times, outputs = take_turns(modules, x, torch.device("cpu"), warmup, repeats, grad)
     if dispatch.torch_nn_instead("auto", ours.mode, hidden, x.device, dtype):
         auto = "torch.nn"
     else:
-        auto = "compiled" if dispatch.compiled_forward("auto", ours.mode, hidden, x) else "PyTorch's"
+        compiled = dispatch.compiled_forward("auto", ours.mode, hidden, x, taped=grad)
+        auto = "compiled" if compiled else "PyTorch's"
     return CompiledRow(
         model, steps, batch, hidden,
         *(times[name] for name in modules),
@@ -225,7 +236,8 @@ def format_compiled(rows: Sequence[CompiledRow]) -> str:
 
 COMPILED_LEGEND = (
     "Training forward of one layer (the module call; torch.nn's records for its backward, ours "
-    "records nothing: its backward is BPPSA's); 'fused': ours with PyTorch's fused kernel; "
+    "records nothing: its backward is BPPSA's; with --no-grad every forward is inference, and an "
+    "LSTM's compiled one keeps no gates); 'fused': ours with PyTorch's fused kernel; "
     "'compiled': ours with the recurrence compiled; a ratio < 1 means the compiled forward is faster; "
     "'auto': the forward strategy='auto' takes there (the compiled one where it beats the fused "
     "kernel; torch.nn where auto leaves the whole module to torch.nn); 'max diff': the largest "
@@ -275,6 +287,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-steps", type=positive_int, default=None, help="Adam steps (default: 300)")
     p.add_argument("--max-iters", type=positive_int, default=DEFAULT_MAX_ITERS, help="newton_iters")
     p.add_argument("--quick", action="store_true", help="small shapes, seconds on a CPU")
+    p.add_argument("--no-grad", action="store_true", help="time inference: every forward under torch.no_grad")
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
@@ -314,7 +327,7 @@ def newton_table(
         states["trained"] = state
         print(f"\n{model}: training loss {first:.4f} at the first step, {last:.4f} over the last ten")
     rows = []
-    timing = (args.warmup, args.repeats, args.max_iters)
+    timing = (args.warmup, args.repeats, args.max_iters, not args.no_grad)
     for label, state in states.items():
         for t in args.T:
             progress(f"{model} {label} T={t} ...")
@@ -343,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for hidden in args.H:
                     for t in args.T:
                         progress(f"{model} compiled F={features} H={hidden} T={t} ...")
-                        timing = (dtype, args.warmup, args.repeats)
+                        timing = (dtype, args.warmup, args.repeats, not args.no_grad)
                         rows.append(bench_compiled(model, features, t, args.B, hidden, *timing))
                 print(
                     f"\n### Compiled forward: {model.upper()} (F = {features})\n\n{format_compiled(rows)}",
