@@ -279,15 +279,19 @@ def test_the_modules_take_it_where_auto_says_and_keep_autograds_gradients(
 
 def test_a_forward_autograd_records_or_autocast_runs_is_pytorchs(monkeypatch) -> None:
     """BPTT (autograd records the forward) and CPU autocast (bfloat16 GEMMs) keep PyTorch's kernel;
-    so does an LSTM's inference under "auto" (PyTorch's LSTM kernel is the faster untaped)."""
+    so does an LSTM's inference under "auto" on one thread from H = 32 (where PyTorch's LSTM kernel
+    is the faster untaped); below, the compiled loop runs it."""
     ran = _recording(monkeypatch)
     x = torch.randn(5, 2, 3)
     bnn.RNN(3, 4, backward="bptt")(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bnn.RNN(3, 4)(x)
     with torch.no_grad():
-        bnn.LSTM(3, 4)(x)
+        bnn.LSTM(3, 32)(x)
     assert ran == []
+    with torch.no_grad():
+        bnn.LSTM(3, 31)(x)
+    assert ran == ["LSTM"]
     assert dispatch.compiled_forward("auto", "RNN_TANH", 4, x) and not dispatch.compiled_forward(
         "auto", "RNN_TANH", 4, x.requires_grad_()
     )
@@ -320,18 +324,20 @@ def test_auto_takes_the_compiled_rnn_forward_up_to_h_1024_and_the_grus_up_to_256
         assert takes("numba", mode, widest + 1, "cpu", (F32,), False)
 
 
-def test_auto_takes_the_compiled_lstm_forward_below_h_32_on_more_threads_only() -> None:
-    """PyTorch's fused LSTM is the faster on one thread at every width; on more, the compiled loop
-    shares its samples among them and wins below H = 32 (``dispatch._PARALLEL_LSTM_MAX_HIDDEN``).
-    The taped forward (kept for a backward) and strategy "numba" do not depend on the threads."""
+def test_auto_takes_the_compiled_lstm_forward_below_h_32_and_on_more_threads_up_to_112() -> None:
+    """Below H = 32 the compiled loop beats PyTorch's fused LSTM on one thread
+    (``dispatch._COMPILED_FORWARD_MAX_HIDDEN``); on more it shares its samples among them and wins
+    up to H = 112 (``dispatch._PARALLEL_LSTM_MAX_HIDDEN``). The taped forward (kept for a backward)
+    and strategy "numba" do not depend on the threads."""
     takes = dispatch.compiled_forward_takes
-    for threads, widest in ((1, 0), (2, 31)):
+    widths = (1, 20, 31, 32, 64, 112, 113)
+    for threads, widest in ((1, 31), (2, 112)):
         with torch_threads(threads):
-            assert [takes("auto", "LSTM", h, "cpu", (F32,), False) for h in (1, 20, 31, 32, 64)] == [
-                h <= widest for h in (1, 20, 31, 32, 64)
+            assert [takes("auto", "LSTM", h, "cpu", (F32,), False) for h in widths] == [
+                h <= widest for h in widths
             ]
             assert takes("auto", "LSTM", 128, "cpu", (F32,), True)  # taped
-            assert takes("numba", "LSTM", 64, "cpu", (F32,), False)
+            assert takes("numba", "LSTM", 256, "cpu", (F32,), False)
             assert not takes("sequential", "LSTM", 20, "cpu", (F32,), False)
 
 
