@@ -349,17 +349,22 @@ def resolve(
     return choose(n, batch, hidden, device, kernels_fit and kernels_usable(device), numba_fit)
 
 
-def torch_nn_instead(strategy: str, mode: str, hidden: int, device: torch.device, dtype: torch.dtype) -> bool:
+def torch_nn_instead(
+    strategy: str, mode: str, hidden: int, device: torch.device, dtype: torch.dtype, inference: bool = False
+) -> bool:
     """Whether "auto" runs a module of this ``mode`` (torch.nn's: RNN_TANH, RNN_RELU, GRU, LSTM),
     H and parameter ``dtype`` as ``torch.nn`` does, its fused forward and autograd's backward
     (cuDNN's on a GPU): float32, at the widths of ``_TORCH_NN_HIDDEN`` for the device, where no
-    BPPSA path is faster. Any other strategy runs BPPSA as asked."""
+    BPPSA path is faster; but not an ``inference`` call (no backward follows) that the compiled
+    forward takes (``compiled_forward_takes``: it beats PyTorch's forward there). Any other
+    strategy runs BPPSA as asked."""
     widths = _TORCH_NN_HIDDEN.get(device.type, {}).get(mode, ())
     return (
         strategy == "auto"
         and dtype == torch.float32
         and any(lo < hidden <= hi for lo, hi in widths)
         and (device.type != "cuda" or torch.backends.cudnn.enabled)
+        and not (inference and compiled_forward_takes(strategy, mode, hidden, device.type, (dtype,), False))
     )
 
 

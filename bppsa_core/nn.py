@@ -115,12 +115,14 @@ class _BPPSAMixin:
         a module that "auto" leaves to ``torch.nn`` (``_torch_nn_instead``), which is its. While a
         model is exported (``torch.export``, ``torch.onnx.export``) it is ``torch.nn``'s forward,
         exported as ``torch.nn``'s is: an exported graph is run, not differentiated by BPPSA. So is
-        inference that would run PyTorch's fused kernel in every layer (``_fused_inference``)."""
+        inference that would run PyTorch's fused kernel in every layer (``_inference``, not
+        ``_compiles``)."""
+        inference = self._inference()
         # the ONNX exporter's flag only under tracing, which that exporter does: asking costs imports
         if (
             self.backward_mode == "bptt"
-            or self._torch_nn_instead()
-            or self._fused_inference()
+            or self._torch_nn_instead(inference)
+            or (inference and not self._compiles())
             or torch.compiler.is_exporting()
             or (torch.jit.is_tracing() and torch.onnx.is_in_onnx_export())
         ):
@@ -165,31 +167,34 @@ class _BPPSAMixin:
             state = (state[0].squeeze(1), state[1].squeeze(1)) if lstm else state.squeeze(1)
         return out, state
 
-    def _torch_nn_instead(self) -> bool:
+    def _torch_nn_instead(self, inference: bool = False) -> bool:
         """Whether this call runs as ``torch.nn``'s, its fused forward and autograd's backward,
-        because "auto" finds no faster BPPSA path for the module here (``dispatch.torch_nn_instead``)."""
+        because "auto" finds no faster BPPSA path for the module here (``dispatch.torch_nn_instead``;
+        ``inference``: the call is, ``_inference``)."""
         weight = self._flat_weights[0]
         return self.forward_solver == "native" and torch_nn_instead(
-            self.strategy, self.mode, self.hidden_size, weight.device, weight.dtype
+            self.strategy, self.mode, self.hidden_size, weight.device, weight.dtype, inference
         )
 
-    def _fused_inference(self) -> bool:
-        """Whether this call is inference (nothing records, carries a tangent or is transformed by
-        ``torch.func``; not compiling or tracing, which see one graph either way) whose layers would
-        each run PyTorch's fused kernel, the native forward not compiled
-        (``dispatch.compiled_forward_takes``): then ``torch.nn``'s forward runs, the same kernel, all
-        layers in one call, and no layer call's host work (``benchmarks.host``, inference)."""
-        if (
+    def _inference(self) -> bool:
+        """Whether this call is inference of the native forward: nothing records, carries a tangent
+        or is transformed by ``torch.func``, and it is not compiled or traced (which see one graph
+        either way). Where its layers would each run PyTorch's fused kernel (not ``_compiles``),
+        ``torch.nn``'s forward runs instead, the same kernel, all layers in one call, and no layer
+        call's host work (``benchmarks.host``, inference)."""
+        return not (
             torch.is_grad_enabled()
             or self.forward_solver != "native"
             or forward_ad._current_level >= 0
             or torch.compiler.is_compiling()
             or torch.jit.is_tracing()
             or torch._C._are_functorch_transforms_active()
-        ):
-            return False
+        )
+
+    def _compiles(self) -> bool:
+        """Whether the layers' inference runs the compiled forward (``dispatch.compiled_forward_takes``)."""
         weight = self._flat_weights[0]
-        return not compiled_forward_takes(
+        return compiled_forward_takes(
             self.strategy, self.mode, self.hidden_size, weight.device.type, (weight.dtype,), False
         )
 

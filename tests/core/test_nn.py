@@ -190,8 +190,8 @@ def test_inference_output_matches_and_builds_no_graph(kind: str, monkeypatch) ->
     """Under no_grad the outputs are torch.nn's (to float64 rounding: the compiled CPU forward sums
     in another order) and no graph is built: the layers run, and make no autograd Function call at
     all. Forward-mode tangents still reach the outputs under no_grad, through the Function's jvp.
-    Strategy "numba": the layers' compiled forward for every kind ("auto" leaves an LSTM's inference
-    to torch.nn's forward on one thread, where no layer would run at all)."""
+    Strategy "numba": the layers' compiled forward for every kind ("auto" leaves a wide LSTM's
+    inference to torch.nn's forward on one thread, where no layer would run at all)."""
     from bppsa_core import layer as layer_mod
 
     ref, ours = pair(kind, 2, 3, num_layers=2, strategy="numba")
@@ -503,14 +503,19 @@ def test_a_module_auto_leaves_to_torch_nn_is_its_own(monkeypatch, kind: str, ins
 
 
 def test_the_module_asks_with_its_options_and_parameters(monkeypatch) -> None:
-    """``torch_nn_instead`` gets the module's strategy, mode, H and its parameters' device and dtype,
-    and a Newton forward is never left to cuDNN."""
+    """``torch_nn_instead`` gets the module's strategy, mode, H, its parameters' device and dtype
+    and whether the call is inference, and a Newton forward is never left to cuDNN."""
     asked = []
     monkeypatch.setattr(bnn, "torch_nn_instead", lambda *args: asked.append(args) or False)
-    bnn.GRU(3, 6, strategy="chunked")(torch.randn(4, 2, 3))
-    assert asked == [("chunked", "GRU", 6, torch.device("cpu"), torch.float32)]
+    gru = bnn.GRU(3, 6, strategy="chunked")
+    gru(torch.randn(4, 2, 3))
+    with torch.no_grad():
+        gru(torch.randn(4, 2, 3))
+    assert asked == [
+        ("chunked", "GRU", 6, torch.device("cpu"), torch.float32, inference) for inference in (False, True)
+    ]
     bnn.LSTM(3, 6, forward_solver="newton")(torch.randn(4, 2, 3))
-    assert len(asked) == 1
+    assert len(asked) == 2
 
 
 def test_auto_runs_torch_nn_on_a_cpu_at_a_width_where_it_wins(monkeypatch) -> None:

@@ -97,6 +97,21 @@ def test_wide_inputs_are_projected_on_the_host_with_the_same_results(mode, monke
             assert (e is None and g is None) or rel_err(e, g) < TOL[F64]
 
 
+def test_a_wide_grus_inference_runs_compiled_where_its_training_is_torch_nns(monkeypatch) -> None:
+    """A float32 GRU at H = 192: "auto" leaves its training to torch.nn (no layer call), while its
+    inference runs the compiled forward in its layers, with torch.nn's outputs."""
+    ran = _recording(monkeypatch)
+    ref, ours = pair("gru", 3, 192, num_layers=2, dtype=F32)
+    x = torch.randn(6, 2, 3)
+    ours(x)
+    assert ran == []
+    with torch.no_grad():
+        out, expected = ours(x), ref(x)
+    assert ran == ["GRU", "GRU"]
+    torch.testing.assert_close(out[0], expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[1], expected[1], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", extended_except(MODES, "RNN_TANH"))  # each mode a parallel build to compile
 def test_two_threads_give_the_one_thread_result_bit_for_bit(mode) -> None:
     """Samples run in groups, one a thread; each sample's arithmetic is the same in any group."""
