@@ -186,7 +186,8 @@ def numba_takes(terms: int, *dtypes: torch.dtype, lstm: bool = False) -> bool:
 
 # Widest state at which the compiled CPU forward (``bppsa_core.numba_forward``) beats PyTorch's fused
 # kernel, per mode: its per-step loop wins while a step's multiply-adds are few, PyTorch's GEMMs
-# beyond (the RNN's is even at H = 1024, the widest measured); PyTorch's LSTM is one fused kernel
+# beyond (the RNN's is even at H = 1024, the widest measured; a stacked GRU's at 512, F = H);
+# PyTorch's LSTM is one fused kernel
 # already, which the compiled loop beats below H = 32 on one thread
 # (re-measured by ``python -m benchmarks.forward --tables compiled --no-grad``, and --models lstm).
 # A taped LSTM forward (``layer.LSTMTape``) spares its backward the gates' recomputation: forward
@@ -195,7 +196,7 @@ def numba_takes(terms: int, *dtypes: torch.dtype, lstm: bool = False) -> bool:
 # On more threads the compiled LSTM shares its samples among them, where PyTorch's kernel's
 # per-step products are too small to: it wins up to H = 112 on two
 # (re-measured by ``python -m benchmarks.forward --tables compiled --models lstm --threads 2 --no-grad``).
-_COMPILED_FORWARD_MAX_HIDDEN = {"RNN_TANH": 1024, "RNN_RELU": 1024, "GRU": 256, "LSTM": 31}
+_COMPILED_FORWARD_MAX_HIDDEN = {"RNN_TANH": 1024, "RNN_RELU": 1024, "GRU": 512, "LSTM": 31}
 _PARALLEL_LSTM_MAX_HIDDEN = 112
 _TAPED_LSTM_MAX_HIDDEN = 128
 # The scan strategies whose layers may run the compiled forward; the others keep PyTorch's.

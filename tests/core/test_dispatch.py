@@ -66,11 +66,11 @@ def test_auto_leaves_a_module_to_torch_nn_only_where_its_kernels_win(
 
 def test_inference_that_the_compiled_forward_takes_is_not_left_to_torch_nn() -> None:
     """A CPU GRU above H = 128 is torch.nn's for training, but its inference runs the compiled
-    forward up to H = 256, where that beats PyTorch's (``dispatch._COMPILED_FORWARD_MAX_HIDDEN``)."""
+    forward up to H = 512, where that beats PyTorch's (``dispatch._COMPILED_FORWARD_MAX_HIDDEN``)."""
     assert dispatch.torch_nn_instead("auto", "GRU", 192, CPU, F32)
     assert not dispatch.torch_nn_instead("auto", "GRU", 192, CPU, F32, inference=True)
-    assert not dispatch.torch_nn_instead("auto", "GRU", 256, CPU, F32, inference=True)
-    assert dispatch.torch_nn_instead("auto", "GRU", 257, CPU, F32, inference=True)
+    assert not dispatch.torch_nn_instead("auto", "GRU", 512, CPU, F32, inference=True)
+    assert dispatch.torch_nn_instead("auto", "GRU", 513, CPU, F32, inference=True)
     assert dispatch.torch_nn_instead("auto", "LSTM", 256, CPU, F32, inference=True)
     assert dispatch.torch_nn_instead("auto", "GRU", 1024, GPU, F32, inference=True)
 

@@ -328,11 +328,11 @@ def test_batch_major_outputs_are_the_time_major_ones(mode) -> None:
         assert (e is None and g is None) or torch.equal(e, g)
 
 
-def test_auto_takes_the_compiled_rnn_forward_up_to_h_1024_and_the_grus_up_to_256() -> None:
+def test_auto_takes_the_compiled_rnn_forward_up_to_h_1024_and_the_grus_up_to_512() -> None:
     """The widths where the compiled forward beats PyTorch's fused kernel
     (``dispatch._COMPILED_FORWARD_MAX_HIDDEN``); strategy "numba" takes every width."""
     takes = dispatch.compiled_forward_takes
-    for mode, widest in (("RNN_TANH", 1024), ("RNN_RELU", 1024), ("GRU", 256)):
+    for mode, widest in (("RNN_TANH", 1024), ("RNN_RELU", 1024), ("GRU", 512)):
         assert [takes("auto", mode, h, "cpu", (F32,), False) for h in (20, widest, widest + 1)] == [
             True, True, False,
         ]  # fmt: skip
