@@ -183,23 +183,24 @@ class CompiledRow:
     compiled_ms: float
     auto: str
     max_diff: float
-    host_ms: float | None = None  # the compiled forward with its inputs projected on the host
+    projection: str = ""  # where the compiled forward projects the inputs: "step" or "host"
+    other_ms: float | None = None  # the compiled forward with the projection on the other side
 
 
-class HostProjected(torch.nn.Module):
-    """A module whose compiled forward projects its inputs on the host, one GEMM a segment, as it
-    does inputs whose weights exceed ``numba_forward.PROJECT_IN_STEP_MAX_BYTES``: the other side of
-    that bound, for ``--host-projection``."""
+class OtherProjection(torch.nn.Module):
+    """A module whose compiled forward projects its inputs on the other side of
+    ``numba_forward.PROJECT_IN_STEP_MAX_BYTES``: in the kernels' steps where the bound puts them on
+    the host as one GEMM a segment, and the reverse (``--other-projection``)."""
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, projection: str) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.projection = inner, projection
 
     def forward(self, x: Tensor):
         from bppsa_core import numba_forward
 
         bound = numba_forward.PROJECT_IN_STEP_MAX_BYTES
-        numba_forward.PROJECT_IN_STEP_MAX_BYTES = -1
+        numba_forward.PROJECT_IN_STEP_MAX_BYTES = -1 if self.projection == "step" else 1 << 62
         try:
             return self.inner(x)
         finally:
@@ -216,13 +217,14 @@ def bench_compiled(
     warmup: int,
     repeats: int,
     grad: bool = True,
-    host_projection: bool = False,
+    other_projection: bool = False,
 ) -> CompiledRow:
     """One row of the compiled table: torch.nn's training forward, ours with PyTorch's fused kernel
     (``strategy="sequential"``: the kernel under no_grad, what "auto" would run instead) and ours
     with the recurrence compiled (``strategy="numba"``; an LSTM's keeps its gates for the backward),
     the same weights and batch, taking turns; ``grad`` False: their inference forwards;
-    ``host_projection``: also ours compiled with its inputs projected on the host (``HostProjected``)."""
+    ``other_projection``: also ours compiled with the inputs' projection on the other side of its
+    bound (``OtherProjection``)."""
     cls = MODELS[model][0]
     x = task_batch(steps, batch, features, torch.device("cpu"), seed=10_000)[0].to(dtype)
     torch.manual_seed(0)
@@ -232,8 +234,12 @@ def bench_compiled(
     ref.load_state_dict(ours.state_dict())
     fused.load_state_dict(ours.state_dict())
     modules = {"torch": ref, "fused": fused, "compiled": ours}
-    if host_projection:
-        modules["host"] = HostProjected(ours)
+    from bppsa_core.numba_forward import PROJECT_IN_STEP_MAX_BYTES  # numba: the compiled table's
+
+    weight = ours.weight_ih_l0
+    projection = "step" if weight.numel() * weight.element_size() <= PROJECT_IN_STEP_MAX_BYTES else "host"
+    if other_projection:
+        modules["other"] = OtherProjection(ours, projection)
     times, outputs = take_turns(modules, x, torch.device("cpu"), warmup, repeats, grad)
     if dispatch.torch_nn_instead("auto", ours.mode, hidden, x.device, dtype, inference=not grad):
         auto = "torch.nn"
@@ -243,7 +249,7 @@ def bench_compiled(
     return CompiledRow(
         model, steps, batch, hidden,
         *(times[name] for name in ("torch", "fused", "compiled")),
-        auto, (outputs["torch"] - outputs["compiled"]).abs().max().item(), times.get("host"),
+        auto, (outputs["torch"] - outputs["compiled"]).abs().max().item(), projection, times.get("other"),
     )  # fmt: skip
 
 
@@ -256,10 +262,11 @@ def format_compiled(rows: Sequence[CompiledRow]) -> str:
          r.auto, f"{r.max_diff:.1e}"]
         for r in rows
     ]  # fmt: skip
-    if any(r.host_ms is not None for r in rows):
-        head += ["host-projected ms", "compiled / host-projected"]
+    if any(r.other_ms is not None for r in rows):
+        head += ["projected", "other side ms", "compiled / other side"]
         for r, cells in zip(rows, body, strict=True):
-            cells += [fmt_ms(r.host_ms), f"{r.compiled_ms / r.host_ms:.3g}"] if r.host_ms else ["", ""]
+            other = [fmt_ms(r.other_ms), f"{r.compiled_ms / r.other_ms:.3g}"] if r.other_ms else ["", ""]
+            cells += [r.projection, *other]
     return markdown(head, body)
 
 
@@ -270,8 +277,9 @@ COMPILED_LEGEND = (
     "'compiled': ours with the recurrence compiled; a ratio < 1 means the compiled forward is faster; "
     "'auto': the forward strategy='auto' takes there (the compiled one where it beats the fused "
     "kernel; torch.nn where auto leaves the whole module to torch.nn); 'max diff': the largest "
-    "absolute difference of the compiled outputs from torch.nn's; 'host-projected' (--host-projection): "
-    "ours compiled with its inputs projected on the host, one GEMM a segment, as wide inputs are."
+    "absolute difference of the compiled outputs from torch.nn's; with --other-projection, 'projected': "
+    "where the compiled forward projects the inputs (in its steps, or on the host as one GEMM a segment: "
+    "numba_forward.PROJECT_IN_STEP_MAX_BYTES), 'other side': it with the projection on the other side."
 )
 
 
@@ -319,8 +327,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small shapes, seconds on a CPU")
     p.add_argument("--no-grad", action="store_true", help="time inference: every forward under torch.no_grad")
     p.add_argument(
-        "--host-projection", action="store_true",
-        help="compiled table: also time the compiled forward with its inputs projected on the host",
+        "--other-projection", action="store_true",
+        help="compiled table: also time the compiled forward with the inputs projected on the other side "
+        "of its bound (in the steps or on the host)",
     )  # fmt: skip
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
@@ -390,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for hidden in args.H:
                     for t in args.T:
                         progress(f"{model} compiled F={features} H={hidden} T={t} ...")
-                        timing = (dtype, args.warmup, args.repeats, not args.no_grad, args.host_projection)
+                        timing = (dtype, args.warmup, args.repeats, not args.no_grad, args.other_projection)
                         rows.append(bench_compiled(model, features, t, args.B, hidden, *timing))
                 print(
                     f"\n### Compiled forward: {model.upper()} (F = {features})\n\n{format_compiled(rows)}",

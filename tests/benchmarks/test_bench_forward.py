@@ -45,13 +45,23 @@ def test_a_compiled_row_times_torch_nn_against_the_compiled_forward() -> None:
     assert forward.bench_compiled("gru", 24, 3, 2, 192, torch.float32, 0, 1).auto == "torch.nn"
 
 
-def test_input_features_make_a_table_each(capsys) -> None:
-    argv = ["--tables", "compiled", "--models", "rnn", "--F", "3", "300", "--T", "7", "--H", "5"]
-    assert forward.main([*argv, "--B", "2", "--repeats", "1", "--warmup", "0"]) == 0
+def test_input_features_make_a_table_each_and_the_other_projection_a_column(capsys, monkeypatch) -> None:
+    """--F: a table per input width; --other-projection: where the compiled forward projects the
+    inputs (in its steps up to the bound, on the host past it) and its time with the other."""
+    from bppsa_core import numba_forward
+
+    monkeypatch.setattr(numba_forward, "PROJECT_IN_STEP_MAX_BYTES", 5 * 100 * 4)  # F = 100 at H = 5, float32
+    argv = ["--tables", "compiled", "--models", "rnn", "--F", "100", "101", "--T", "7", "--H", "5"]
+    assert forward.main([*argv, "--B", "2", "--repeats", "1", "--warmup", "0", "--other-projection"]) == 0
+    assert numba_forward.PROJECT_IN_STEP_MAX_BYTES == 5 * 100 * 4  # restored
     out = capsys.readouterr().out
     titles = [line[4:] for line in out.splitlines() if line.startswith("### ")]
-    assert titles == ["Compiled forward: RNN (F = 3)", "Compiled forward: RNN (F = 300)"]
-    assert all(float(rows[0][-1]) <= 1e-5 for _, rows in markdown_tables(out))
+    assert titles == ["Compiled forward: RNN (F = 100)", "Compiled forward: RNN (F = 101)"]
+    tables = markdown_tables(out)
+    for (head, rows), projected in zip(tables, ("step", "host"), strict=True):
+        assert head[-3:] == ["projected", "other side ms", "compiled / other side"]
+        assert rows[0][-3] == projected and float(rows[0][-2]) > 0
+        assert float(rows[0][head.index("max diff")]) <= 1e-5
 
 
 def test_the_quick_run_prints_a_table_per_model(capsys) -> None:
@@ -103,3 +113,18 @@ def test_bad_input_exits_with_one_clear_line(argv, message, capsys) -> None:
     assert exc.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("python -m benchmarks.forward: error: ") and message in last
+
+
+def test_the_other_projection_moves_the_inputs_projection_across_its_bound(monkeypatch) -> None:
+    """Inputs projected in the steps go to the host (one GEMM a call here) and the reverse."""
+    gemms, addmm = [], torch.addmm
+    monkeypatch.setattr(torch, "addmm", lambda *a, **k: gemms.append(1) or addmm(*a, **k))
+    module, x = forward.MODELS["rnn"][0](3, 5, strategy="numba"), torch.randn(4, 2, 3)
+    with torch.no_grad():
+        for projection, host_gemms in (("step", 1), ("host", 0)):
+            gemms.clear()
+            forward.OtherProjection(module, projection)(x)
+            assert len(gemms) == host_gemms
+        gemms.clear()
+        module(x)
+    assert not gemms  # the bound is back: 3 inputs go in the steps
