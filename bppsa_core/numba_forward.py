@@ -39,6 +39,7 @@ from bppsa_core.numba_math import (
     UNUSED,
     add_hidden,
     build,
+    padded,
     put,
     threads,
 )
@@ -74,10 +75,10 @@ def _project(xin, xt, inputs, t, lo):
 
 @njit(inline="always", error_model="numpy")
 def _transposed(inputs):
-    """``inputs`` with w_ih (R, F) as its transpose (F, R), the layout ``add_hidden`` reads: a copy
-    of F·R numbers a call, cheaper than a tensor op on the host."""
+    """``inputs`` with w_ih (R, F) as its transpose (F, R), the layout ``add_hidden`` reads
+    (``padded``): a copy of F·R numbers a call, cheaper than a tensor op on the host."""
     xw, x, w_ih, b_ih, b_hh = inputs
-    return xw, x, np.ascontiguousarray(w_ih.T), b_ih, b_hh
+    return xw, x, padded(w_ih.T), b_ih, b_hh
 
 
 @njit(inline="always", error_model="numpy")
@@ -113,7 +114,7 @@ def _rnn(relu, groups, inputs, w_hh, h0, steps, out, h_last):
     its w_hh itself: a copy of G·H² numbers, cheaper than a tensor op on the host per call."""
     seg, batch, hid = out.shape
     zero = out.dtype.type(0)
-    w_t = np.ascontiguousarray(w_hh.T)
+    w_t = padded(w_hh.T)
     inputs = _transposed(inputs)
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
@@ -143,7 +144,7 @@ def _gru(groups, inputs, w_hh, h0, steps, out, h_last):
     seg, batch, hid = out.shape
     rows = w_hh.shape[0]
     b_hh = inputs[4]
-    w_t = np.ascontiguousarray(w_hh.T)
+    w_t = padded(w_hh.T)
     inputs = _transposed(inputs)
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
@@ -189,7 +190,7 @@ def _lstm(groups, inputs, w_hh, h0, c0, steps, out, h_last, c_last, gates, cells
     ``python -m benchmarks.forward --tables compiled``)."""
     seg, batch, hid = out.shape
     rows = w_hh.shape[0]
-    w_t = np.ascontiguousarray(w_hh.T)
+    w_t = padded(w_hh.T)
     inputs = _transposed(inputs)
     for g in prange(groups):
         lo, hi = g * batch // groups, (g + 1) * batch // groups

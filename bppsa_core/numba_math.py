@@ -259,8 +259,8 @@ def prefetch_row(typingctx, array, t, b):
 
 
 def _product_tile(rows: int) -> Callable:
-    """An intrinsic ``tile(acc, h, w_t, b0)``: ``acc[b0:b0 + rows] += h[b0:b0 + rows] @ w_t`` for
-    C-contiguous acc (N, R), h (N, K) and w_t (K, R) with R at least ``LANES``. Each block of
+    """An intrinsic ``tile(acc, h, w_t, b0)``: ``acc[b0:b0 + rows] += h[b0:b0 + rows] @ w_t[:, :R]``
+    for C-contiguous acc (N, R), h (N, K) and w_t (K, R') with R' >= R >= ``LANES``. Each block of
     ``LANES`` columns holds the ``rows`` rows' sums in registers while k runs (one load of w_t's
     row serves every row), and every element adds its products one at a time, k ascending (each a
     fused multiply-add where ``FMA``): the same bits as a plain loop in that order, whatever the
@@ -282,6 +282,7 @@ def _product_tile(rows: int) -> Callable:
             a, x, w = (context.make_array(t)(context, builder, v) for t, v in typed)
             i64 = ir.IntType(64)
             cols, inner = builder.extract_value(a.shape, 1), builder.extract_value(x.shape, 1)
+            w_cols = builder.extract_value(w.shape, 1)  # its row stride: ``padded``'s rows
             v = Vectors(context, builder, acc.dtype)
             suffix = f"v{v.lanes}{'f32' if acc.dtype == nbtypes.float32 else 'f64'}"
             fma_type = ir.FunctionType(v.type, [v.type] * 3)
@@ -308,7 +309,7 @@ def _product_tile(rows: int) -> Callable:
                         builder.store(v.load(acc_rows[i], j), sums[i][c])
                 with cgutils.for_range(builder, inner) as loop:
                     k = loop.index
-                    w_row = builder.gep(w.data, [builder.mul(k, cols)])
+                    w_row = builder.gep(w.data, [builder.mul(k, w_cols)])
                     wk = [v.load(w_row, j) for j in starts]
                     for i in range(rows):
                         hk = v.splat(builder.load(builder.gep(h_rows[i], [k])))
@@ -354,8 +355,26 @@ _tile4, _tile1 = _product_tile(4), _product_tile(1)
 
 
 @njit(inline="always", error_model="numpy")
+def padded(w):
+    """A C-contiguous copy of the 2-D ``w`` (any layout, ``w_hh.T`` included) for ``add_hidden``'s
+    w_t, each row followed by one cache line that is never read where its bytes are a multiple of
+    1 KB. Rows a multiple of 1 KB apart share a few of the L1 cache's sets, and a column block's
+    rows, which the tiles read down, then evict each other: padded, the RNN's forward at H = 1024
+    is about a third faster (re-measured by ``python -m benchmarks.forward --tables compiled --models
+    rnn --H 256 1024``)."""
+    rows, cols = w.shape
+    width = cols + 64 // w.itemsize if (cols * w.itemsize) % 1024 == 0 else cols
+    out = np.empty((rows, width), w.dtype)
+    for i in range(rows):
+        for j in range(cols):
+            out[i, j] = w[i, j]
+    return out
+
+
+@njit(inline="always", error_model="numpy")
 def add_hidden(acc, h, w_t):
-    """acc (N, R) += h (N, K) @ w_t (K, R), all C-contiguous: four rows at a time in vector
+    """acc (N, R) += h (N, K) @ w_t[:, :R], all C-contiguous, w_t (K, R') with R' >= R (its rows
+    may be ``padded``; the columns past R are never read): four rows at a time in vector
     registers (``_product_tile``), each element's products added one at a time, k ascending (fused
     where ``FMA``), so that the rows' grouping (the threads' groups of samples) changes no bit.
     Rows narrower than a vector take the same order in plain loops. The compiled forward's
@@ -406,7 +425,7 @@ def put(dst, src):
 # file, not by its options or by the code it inlines from this module, so a build made with other
 # options or an older ``add_hidden`` is not loaded from an older cache (the tag changes with them).
 _OPTIONS = dict(cache=True, error_model="numpy", nogil=True)
-_OPTIONS_TAG = "ng5"
+_OPTIONS_TAG = "ng6"
 
 
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:

@@ -48,6 +48,7 @@ from bppsa_core.numba_math import (
     Vectors,
     add_hidden,
     build,
+    padded,
     prefetch_row,
     put,
     threads,
@@ -300,6 +301,7 @@ def _lstm_layer(has_u, has_c, one, tiny, groups, first, last, gates, h, c, w_hh,
     steps, batch, rows = gates.shape
     hid = rows // 4
     zero = one - one
+    w_rows = padded(w_hh)
     for grp in prange(groups):
         lo, hi = grp * batch // groups, (grp + 1) * batch // groups
         nb = hi - lo
@@ -337,7 +339,7 @@ def _lstm_layer(has_u, has_c, one, tiny, groups, first, last, gates, h, c, w_hh,
             for i in range(nb):
                 for j in range(hid):
                     acc[i, j] = u[t - 1, lo + i, j] if inject else zero
-            add_hidden(acc, delta[k, lo:hi], w_hh)
+            add_hidden(acc, delta[k, lo:hi], w_rows)
             for i in range(nb):
                 for j in range(hid):
                     dh[i, j] = acc[i, j] if abs(acc[i, j]) >= tiny else zero

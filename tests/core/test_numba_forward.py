@@ -138,7 +138,8 @@ def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype)
     """``numba_math.add_hidden`` (rows in tiles of four and one, columns in vector blocks, a ragged
     last block) against ``add_hidden_reference``: the same bits for rows of every count, columns
     narrower than a vector, a multiple of it, one block more or less than a pair, and ragged after
-    pairs or after an odd block, so that the threads' groups of samples change nothing."""
+    pairs or after an odd block, so that the threads' groups of samples change nothing; and with
+    w_t's rows longer than acc's (``numba_math.padded``), whose columns past acc's are never read."""
     import numba
 
     @numba.njit(error_model="numpy")
@@ -149,14 +150,15 @@ def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype)
     def plain(acc, h, w_t):
         numba_math.add_hidden_reference(acc, h, w_t)
 
+    pad = numba.njit(lambda w: numba_math.padded(w))
     rng = np.random.default_rng(0)
     shapes = [
         (16, 20, 80), (16, 80, 20), (5, 7, 9), (3, 3, 3), (1, 1, 8), (7, 4, 17), (6, 33, 64), (9, 5, 24),
         (4, 6, 28), (5, 3, 13), (4, 2, 60),
     ]  # fmt: skip
     differs = []
+    draw = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
     for rows, inner, cols in shapes:
-        draw = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
         h, w_t, start = draw(rows, inner), draw(inner, cols), draw(rows, cols)
         got, expected = start.copy(), start.copy()
         tiled(got, h, w_t)
@@ -169,6 +171,32 @@ def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype)
             unfused += h[:, k : k + 1] * w_t[k]
         differs.append(not np.array_equal(got, unfused))
     assert any(differs) == numba_math.FMA  # fused where the target has FMA, else each op rounded
+    for rows, inner, cols in ((16, 20, 1024 // dtype().itemsize), (5, 9, 2048 // dtype().itemsize)):
+        h, w_t, start = draw(rows, inner), draw(inner, cols), draw(rows, cols)
+        wide = np.full((inner, cols + 3), np.nan, dtype)  # rows longer than acc's: never read past R
+        wide[:, :cols] = w_t
+        expected, got, got_padded = start.copy(), start.copy(), start.copy()
+        plain(expected, h, w_t)
+        tiled(got, h, wide)
+        tiled(got_padded, h, pad(w_t.T.copy().T))
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(got_padded, expected)
+
+
+def test_padded_rows_are_the_weights_with_a_cache_line_after_rows_of_a_multiple_of_1_kb() -> None:
+    import numba
+
+    pad = numba.njit(lambda w: numba_math.padded(w))
+    for dtype, cols, width in (
+        (np.float32, 256, 272),
+        (np.float64, 128, 136),
+        (np.float32, 80, 80),
+        (np.float64, 64, 64),
+    ):
+        w = np.arange(3 * cols, dtype=dtype).reshape(cols, 3).T  # F-ordered, as w_hh.T
+        got = pad(w)
+        assert got.shape == (3, width) and got.flags.c_contiguous
+        np.testing.assert_array_equal(got[:, :cols], w)
 
 
 @pytest.mark.extended  # a fresh interpreter compiles the kernels for another target: seconds
