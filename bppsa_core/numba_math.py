@@ -357,13 +357,14 @@ _tile4, _tile1 = _product_tile(4), _product_tile(1)
 @njit(inline="always", error_model="numpy")
 def padded(w):
     """A C-contiguous copy of the 2-D ``w`` (any layout, ``w_hh.T`` included) for ``add_hidden``'s
-    w_t, each row followed by one cache line that is never read where its bytes are a multiple of
-    1 KB. Rows a multiple of 1 KB apart share a few of the L1 cache's sets, and a column block's
-    rows, which the tiles read down, then evict each other: padded, the RNN's forward at H = 1024
-    is about a third faster (re-measured by ``python -m benchmarks.forward --tables compiled --models
-    rnn --H 256 1024``)."""
+    w_t, each row followed by one cache line that is never read where its bytes are a power of two
+    from 1 KB. Rows that far apart share a few of the L1 cache's sets, and a column block's rows,
+    which the tiles read down, then evict each other: padded, the RNN's forward at H = 1024 is about
+    a quarter faster; other strides gained nothing (the GRU's at H = 1024, 12 KB, lost) (re-measured
+    by ``python -m benchmarks.forward --tables compiled --models rnn gru --H 256 1024 --T 200``)."""
     rows, cols = w.shape
-    width = cols + 64 // w.itemsize if (cols * w.itemsize) % 1024 == 0 else cols
+    stride = cols * w.itemsize
+    width = cols + 64 // w.itemsize if stride >= 1024 and stride & (stride - 1) == 0 else cols
     out = np.empty((rows, width), w.dtype)
     for i in range(rows):
         for j in range(cols):
@@ -425,7 +426,7 @@ def put(dst, src):
 # file, not by its options or by the code it inlines from this module, so a build made with other
 # options or an older ``add_hidden`` is not loaded from an older cache (the tag changes with them).
 _OPTIONS = dict(cache=True, error_model="numpy", nogil=True)
-_OPTIONS_TAG = "ng6"
+_OPTIONS_TAG = "ng7"
 
 
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:

@@ -183,7 +183,7 @@ def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype)
         np.testing.assert_array_equal(got_padded, expected)
 
 
-def test_padded_rows_are_the_weights_with_a_cache_line_after_rows_of_a_multiple_of_1_kb() -> None:
+def test_padded_rows_are_the_weights_with_a_cache_line_after_rows_of_a_power_of_two_from_1_kb() -> None:
     import numba
 
     pad = numba.njit(lambda w: numba_math.padded(w))
@@ -191,6 +191,7 @@ def test_padded_rows_are_the_weights_with_a_cache_line_after_rows_of_a_multiple_
         (np.float32, 256, 272),
         (np.float64, 128, 136),
         (np.float32, 80, 80),
+        (np.float32, 768, 768),  # 3 KB: not a power of two
         (np.float64, 64, 64),
     ):
         w = np.arange(3 * cols, dtype=dtype).reshape(cols, 3).T  # F-ordered, as w_hh.T
