@@ -186,7 +186,7 @@ def numba_takes(terms: int, *dtypes: torch.dtype, lstm: bool = False) -> bool:
 
 # Widest state at which the compiled CPU forward (``bppsa_core.numba_forward``) beats PyTorch's fused
 # kernel, per mode: its per-step loop wins while a step's multiply-adds are few, PyTorch's GEMMs
-# beyond (the RNN's is even at H = 1024, the widest measured; a stacked GRU's at 512, F = H);
+# beyond (the RNN's still wins at H = 1024, the widest measured; a stacked GRU's is even at 512);
 # PyTorch's LSTM is one fused kernel
 # already, which the compiled loop beats below H = 32 on one thread
 # (re-measured by ``python -m benchmarks.forward --tables compiled --no-grad``, and --models lstm).
