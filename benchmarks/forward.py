@@ -234,10 +234,9 @@ def bench_compiled(
     ref.load_state_dict(ours.state_dict())
     fused.load_state_dict(ours.state_dict())
     modules = {"torch": ref, "fused": fused, "compiled": ours}
-    from bppsa_core.numba_forward import PROJECT_IN_STEP_MAX_BYTES  # numba: the compiled table's
+    from bppsa_core.numba_forward import projects_in_step  # numba: the compiled table's
 
-    weight = ours.weight_ih_l0
-    projection = "step" if weight.numel() * weight.element_size() <= PROJECT_IN_STEP_MAX_BYTES else "host"
+    projection = "step" if projects_in_step(ours.weight_ih_l0) else "host"
     if other_projection:
         modules["other"] = OtherProjection(ours, projection)
     times, outputs = take_turns(modules, x, torch.device("cpu"), warmup, repeats, grad)

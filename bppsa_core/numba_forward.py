@@ -269,8 +269,15 @@ _EMPTY = {d: (np.zeros((0, 0, 0), t), np.zeros((0, 0), t)) for d, t in NUMPY_DTY
 # Inputs whose weights take at most this many bytes are projected in the kernels' steps
 # (``_project``): no (T, B, R) projection written and read back through memory, and no host op; the
 # wider ones' weights, read again each step, would stream from beyond the core's cache, so they are
-# one GEMM a segment (re-measured by ``python -m benchmarks.forward --tables compiled --F 256 512``).
+# one GEMM a segment (re-measured by ``python -m benchmarks.forward --tables compiled --no-grad
+# --other-projection --F 128 256 --H 256``).
 PROJECT_IN_STEP_MAX_BYTES = 256 * 1024
+
+
+def projects_in_step(w_ih: Tensor) -> bool:
+    """Whether a layer with these input weights has its inputs projected in the kernels' steps
+    (``PROJECT_IN_STEP_MAX_BYTES``) rather than on the host."""
+    return w_ih.numel() * w_ih.element_size() <= PROJECT_IN_STEP_MAX_BYTES
 
 
 @functools.lru_cache(maxsize=64)
@@ -324,7 +331,7 @@ def layer_forward(
     else:
         outs = out.numpy()
     features = x.shape[-1]
-    in_step = w_ih.numel() * w_ih.element_size() <= PROJECT_IN_STEP_MAX_BYTES
+    in_step = projects_in_step(w_ih)
     if in_step:
         xs = np.ascontiguousarray(x.numpy(force=True))
         w_in = w_ih.numpy(force=True)
