@@ -269,8 +269,8 @@ _EMPTY = {d: (np.zeros((0, 0, 0), t), np.zeros((0, 0), t)) for d, t in NUMPY_DTY
 # Inputs whose weights take at most this many bytes are projected in the kernels' steps
 # (``_project``): no (T, B, R) projection written and read back through memory, and no host op; the
 # wider ones' weights, read again each step, would stream from beyond the core's cache, so they are
-# one GEMM a segment (re-measured by ``python -m benchmarks.forward --tables compiled --no-grad
-# --other-projection --F 128 256 --H 256``).
+# one GEMM a segment. Re-measured by
+# ``python -m benchmarks.forward --tables compiled --no-grad --other-projection --F 128 256 --H 256``.
 PROJECT_IN_STEP_MAX_BYTES = 256 * 1024
 
 
