@@ -449,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--micro-batches",
         type=positive_int,
         default=MICRO_BATCHES,
-        help="sample groups the BPPSA backward pipelines over the ranks",
+        help="sample groups the BPPSA backward pipelines over the ranks (the most its compiled forward does)",
     )
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed iterations per mode")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed iterations per mode (median)")

@@ -7,19 +7,32 @@
 Rank r of p holds the contiguous time slice r of the input; the slices may differ in length (T need
 not divide by p) but each has at least one step. Every rank holds the same weights.
 
-**Forward.** Rank r runs each layer over its slice with PyTorch's fused forward, from the state rank
-r - 1 ends its slice with (rank 0 starts from h0), and sends its own last state to rank r + 1:
-p - 1 dependent messages of B·H numbers per layer. The layers run as a wavefront: rank r goes on to
+**Forward.** Rank r runs each layer over its slice as one process would (``layer.sequential_forward``:
+compiled on a CPU where "auto" takes it, else PyTorch's fused kernel), from the state rank r - 1
+ends its slice with (rank 0 starts from h0), and sends its own last state to rank r + 1: p - 1
+dependent messages of B·H numbers per layer. The layers run as a wavefront: rank r goes on to
 layer i + 1 as soon as it has sent layer i's state, so layer i + 1 on rank r overlaps layer i on
 rank r + 1, and L layers over p ranks take about p + L - 1 slices' forwards instead of L·p. One
 broadcast at the end hands every layer's final state from the last rank to all, so that every rank
-returns the same ``h_n``. The forward is not cut into micro-batches: on a CPU a step of the fused
-forward costs nearly the same for 2 samples as for 16, so a pipeline of m groups would run m times
-the steps to overlap at most half of them. A CPU rank of several writes each layer's outputs
-batch-major (a (T_r, B, H) view of (B, T_r, H) memory, as ``layer.native_forward`` can), since its
-backward walks groups of samples: a group's steps are then read in order, and a group of one sample
-is one contiguous run that the walk takes as it is, with no copy. What the rank returns is that
-view, as torch.nn returns a view for ``batch_first``.
+returns the same ``h_n``.
+
+**Groups of samples in the forward.** A compiled step costs about its samples' multiply-adds, so
+where every CPU rank runs a layer compiled, and the slices are long enough for a message's latency
+not to count (``FORWARD_GROUP_MIN_STEPS``), the batch goes in groups (``forward_groups``: at least
+``FORWARD_GROUP_SAMPLES`` samples each, ``micro_batches`` at most): a rank sends each group's last
+state on as soon as it has it, and rank r + 1 runs that group while rank r runs the next. For m
+groups over p ranks a layer then takes about (p + m - 1) / m slices' forwards instead of p. The
+ranks agree on it (one all-gather at the start, which also checks the slices), since a sender's
+groups must be its receiver's. PyTorch's fused kernel costs nearly the same for 2 samples as for
+16, so a layer left to it goes whole.
+
+A CPU rank of several writes each layer's outputs batch-major (a (T_r, B, H) view of (B, T_r, H)
+memory, as ``layer.native_forward`` can), since its backward walks groups of samples: a group's
+steps are then read in order, and a group of one sample is one contiguous run that the walk takes
+as it is, with no copy. What the rank returns is that view, as torch.nn returns a view for
+``batch_first``. The compiled forward's are in NumPy's memory (``numba_forward.new_outputs``), which
+takes huge pages where a tensor's fresh memory faults a page every 4 KB: written a step at a time
+across B rows, those faults had doubled the forward.
 
 **Backward, BPPSA** (``backward="bppsa"``), per layer, from the top, for each group of samples
 in turn (below):
@@ -97,9 +110,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from bppsa_core import dispatch
 from bppsa_core.dispatch import ScanOptions
 from bppsa_core.jacobians import LayerWeights, PreviousStates, block_budget, reusing_buffers
-from bppsa_core.layer import LayerConfig, bppsa_backward, cell_of, native_forward, sequential_forward
+from bppsa_core.layer import (
+    LayerConfig,
+    bppsa_backward,
+    cell_of,
+    native_forward,
+    sequential_forward,
+)
 from bppsa_core.scan import fold
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
@@ -110,6 +130,14 @@ MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # Re-measured by ``python -m benchmarks.distributed --micro-batches M`` (``--device cuda`` on GPUs, or
 # the ``ranks`` step of ``benchmarks.gpu_check`` on two GPUs or more, which runs 1 to 16 groups).
 MICRO_BATCHES = 16
+# Samples a group of a compiled forward over several CPU ranks takes at least (``forward_groups``):
+# a compiled step costs about its samples' multiply-adds down to about four samples, below that its
+# own fixed work (re-measured by ``python -m benchmarks.distributed --ranks 1 2 --T 100000``).
+FORWARD_GROUP_SAMPLES = 4
+# Steps the shortest slice takes at least for its forward to go in groups: each group's state is a
+# message, whose latency a shorter slice's groups do not outweigh (re-measured with this set lower,
+# ``--micro-batches 1`` against 16 in ``python -m benchmarks.distributed --ranks 2 --T 2000 4000``).
+FORWARD_GROUP_MIN_STEPS = 2000
 # Samples a middle rank folds at once on a CPU (``slice_fold``): a few keep a fold's products in the
 # cache, more leave it (re-measured by the ``fold`` column of ``python -m benchmarks.distributed``). On
 # a GPU each product is a kernel launch, whatever the samples, so the batch is folded whole there.
@@ -192,7 +220,8 @@ class SequenceParallel(nn.Module):
     ``batch_first``, and the initial states as torch.nn takes them (h0, or an LSTM's (h0, c0), each
     (num_layers, B, H); read on rank 0), and returns this rank's outputs of the top layer and the
     final states of every layer, the same on every rank. ``micro_batches``: how many groups of
-    samples the BPPSA backward pipelines over the ranks (module docstring).
+    samples the BPPSA backward pipelines over the ranks, and the most its compiled forward does
+    (module docstring).
     """
 
     def __init__(
@@ -234,22 +263,22 @@ class SequenceParallel(nn.Module):
         if m.batch_first:
             x = x.transpose(0, 1)
         batch = x.shape[1]
-        _check_slices(x.shape[0], batch, self.group, x.device)
+        per_layer = len(m._flat_weights) // m.num_layers
+        layers = [m._flat_weights[i * per_layer : (i + 1) * per_layer] for i in range(m.num_layers)]
+        groups = _forward_groups(x, batch, self.backward, self.micro_batches, self.group, m, layers)
         lstm = m.mode == "LSTM"
         if hx is None:
             zeros = x.new_zeros(m.num_layers, batch, m.hidden_size)
             hx = (zeros, zeros) if lstm else zeros
         h0, c0 = hx if lstm else (hx, None)
-        per_layer = len(m._flat_weights) // m.num_layers
         # a middle rank's folds, run once its forward is done, and only for a backward to come
         folds: list | None = [] if torch.is_grad_enabled() else None
         inp, lasts = x, []
-        for i in range(m.num_layers):
-            weights = m._flat_weights[i * per_layer : (i + 1) * per_layer]
+        for i, weights in enumerate(layers):
             c0_i = None if c0 is None else c0[i]
             inp, last = _Layer.apply(
-                inp, h0[i], c0_i, m.mode, m.strategy, self.backward, self.micro_batches, folds, self.group,
-                *weights,
+                inp, h0[i], c0_i, m.mode, m.strategy, self.backward, groups[i], self.micro_batches, folds,
+                self.group, *weights,
             )  # fmt: skip
             lasts.append(last)
         with torch.no_grad():  # a fold is part of the backward: no graph of its own
@@ -260,11 +289,23 @@ class SequenceParallel(nn.Module):
         return out, ((h_n, c_n) if lstm else h_n)
 
 
-def _check_slices(steps: int, batch: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
-    """Every rank's slice has at least one step and the same batch: one clear error on every rank.
-    (On the input's device: NCCL exchanges GPU tensors only.)"""
-    mine = torch.tensor([steps, batch], dtype=torch.long, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+def _forward_groups(x, batch, backward, micro_batches, group, module, layers) -> list[int]:
+    """Checks that every rank's slice has at least one step and the same batch (one clear error on
+    every rank), and returns the groups of samples each layer's forward hands on
+    (``forward_groups``): the same on every rank, from one all-gather of the slices' steps and
+    batches and of which layers each rank runs compiled (a rank whose thread count keeps an LSTM
+    on PyTorch's kernel makes every rank hand it on whole). On the input's device: NCCL exchanges
+    GPU tensors only."""
+    size = dist.get_world_size(group)
+    with torch.no_grad():  # as the layers' forwards ask it
+        compiled = [
+            backward == "bppsa"
+            and _cpu_of_several(size, x.device)
+            and dispatch.compiled_forward(module.strategy, module.mode, module.hidden_size, x, *weights)
+            for weights in layers
+        ]
+    mine = torch.tensor([x.shape[0], batch, *compiled], dtype=torch.long, device=x.device)
+    every = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(every, traffic.add(mine), group=group)
     lengths = [int(t[0]) for t in every]
     batches = {int(t[1]) for t in every}
@@ -275,6 +316,8 @@ def _check_slices(steps: int, batch: int, group: dist.ProcessGroup | None, devic
         )
     if len(batches) > 1:
         raise SequenceParallelError(f"the ranks hold batches of {sorted(batches)}; accepted: one batch size")
+    every_rank = torch.stack(every)[:, 2:].cpu().all(0).tolist()
+    return [forward_groups(batch, min(lengths), micro_batches) if c else 1 for c in every_rank]
 
 
 class _Layer(torch.autograd.Function):
@@ -282,15 +325,15 @@ class _Layer(torch.autograd.Function):
     A state is h, or an LSTM's h and c side by side (B, 2H): what travels between ranks."""
 
     @staticmethod
-    def forward(ctx, x, h0, c0, mode, strategy, backward, micro_batches, folds, group, *weights):
+    def forward(ctx, x, h0, c0, mode, strategy, backward, groups, micro_batches, folds, group, *weights):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         lstm = c0 is not None
         state = _join(h0, c0).detach()
-        if rank > 0:
-            state = torch.empty_like(state)
-            dist.recv(state, src=_peer(group, rank - 1), group=group)
-        h_in, c_in = _split(state, lstm)
         if backward == "bptt":  # keep this slice's own autograd graph for the backward
+            if rank > 0:
+                state = torch.empty_like(state)
+                dist.recv(state, src=_peer(group, rank - 1), group=group)
+            h_in, c_in = _split(state, lstm)
             with torch.enable_grad():
                 leaves = [t.detach().requires_grad_() for t in (x, h_in, c_in, *weights) if t is not None]
                 c_leaf = leaves[2] if lstm else None
@@ -298,18 +341,14 @@ class _Layer(torch.autograd.Function):
                     mode, leaves[0], leaves[1], c_leaf, leaves[2 + lstm :], None
                 )
             ctx.graph = (leaves, out, h_last, c_last)
-            out, h_last = out.detach(), h_last.detach()
-            c_last = None if c_last is None else c_last.detach()
+            out, last = out.detach(), _join(h_last.detach(), None if c_last is None else c_last.detach())
+            if rank < size - 1:
+                dist.send(traffic.add(last.contiguous()), dst=_peer(group, rank + 1), group=group)
         else:
-            with torch.no_grad():  # batch-major where the backward walks groups of samples on a CPU
-                major = _cpu_of_several(size, x.device)
-                out, h_last, c_last = sequential_forward(
-                    strategy, mode, x, h_in, c_in, list(weights), None, batch_major=major
-                )
+            with torch.no_grad():
+                state, out, last = _pipelined_forward(x, state, mode, strategy, groups, group, weights)
+            h_in, c_in = _split(state, lstm)
             ctx.save_for_backward(x, h_in, out, *([c_in] if lstm else []), *weights)
-        last = _join(h_last, c_last)
-        if rank < size - 1:
-            dist.send(traffic.add(last.contiguous()), dst=_peer(group, rank + 1), group=group)
         ctx.folded = None
         if backward == "bppsa" and folds is not None and any(ctx.needs_input_grad) and 0 < rank < size - 1:
             folds.append(functools.partial(_fold_into, ctx, mode, x, h_in, c_in, out, list(weights)))
@@ -335,7 +374,7 @@ class _Layer(torch.autograd.Function):
             sizes = [g.numel() for g in grads]
             grads = [part.view_as(g) for part, g in zip(flat.split(sizes), grads, strict=True)]
         first = rank == 0
-        options = (None,) * 6  # mode, strategy, backward, micro_batches, folds, group
+        options = (None,) * 7  # mode, strategy, backward, groups, micro_batches, folds, group
         return dx, (g_h0 if first else None), (g_c0 if first else None), *options, *grads
 
 
@@ -365,6 +404,58 @@ def sample_groups(batch: int, groups: int) -> list[slice]:
     """The contiguous groups of samples the BPPSA backward runs in turn (module docstring): ``groups``
     of them, at most one per sample, cut as ``torch.tensor_split`` cuts the batch."""
     return [slice(int(g[0]), int(g[-1]) + 1) for g in torch.arange(batch).tensor_split(min(batch, groups))]
+
+
+def forward_groups(batch: int, steps: int, micro_batches: int) -> int:
+    """How many groups of samples a compiled forward over several CPU ranks hands on in turn
+    (``_pipelined_forward``), its shortest slice ``steps`` long: ``micro_batches`` at most, each of
+    at least ``FORWARD_GROUP_SAMPLES``, and one below ``FORWARD_GROUP_MIN_STEPS``."""
+    if steps < FORWARD_GROUP_MIN_STEPS:
+        return 1
+    return max(1, min(micro_batches, batch // FORWARD_GROUP_SAMPLES))
+
+
+def _pipelined_forward(x, state, mode, strategy, groups, group, weights):
+    """This rank's BPPSA forward of one layer's slice, from ``state`` on rank 0 and from the state
+    the rank before ends with elsewhere: returns that state, the outputs and this slice's last
+    state. The samples go in ``groups`` (``_forward_groups``), each group's last state sent on as
+    soon as it is made, so that the next rank runs that group while this one runs the next (module
+    docstring)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    steps, batch = x.shape[:2]
+    hidden, lstm = weights[1].shape[1], mode == "LSTM"
+    major = _cpu_of_several(size, x.device)  # batch-major where the backward walks groups of samples
+    spans = sample_groups(batch, groups)
+    if rank > 0:
+        state = torch.empty_like(state)
+        arrivals = [
+            dist.irecv(state[s], src=_peer(group, rank - 1), group=group, tag=i) for i, s in enumerate(spans)
+        ]
+    if len(spans) > 1:
+        from bppsa_core.numba_forward import new_outputs
+
+        out = new_outputs(steps, batch, hidden, x.dtype, batch_major=True)
+    else:
+        out = None
+    last, sends = torch.empty_like(state), []
+    for i, s in enumerate(spans):
+        if rank > 0:
+            arrivals[i].wait()
+        h_in, c_in = _split(state[s], lstm)
+        if out is None:
+            out, h_last, c_last = sequential_forward(
+                strategy, mode, x, h_in, c_in, list(weights), None, batch_major=major
+            )
+        else:
+            _, h_last, c_last = sequential_forward(
+                strategy, mode, x[:, s], h_in, c_in, list(weights), None, out=out[:, s]
+            )
+        last[s] = _join(h_last, c_last)
+        if rank < size - 1:
+            sends.append(dist.isend(traffic.add(last[s]), dst=_peer(group, rank + 1), group=group, tag=i))
+    for work in sends:
+        work.wait()
+    return state, out, last
 
 
 def _fold_into(ctx, mode: str, x, h_in, c_in, out, weights) -> None:

@@ -309,20 +309,24 @@ def sequential_forward(
     segment: int = SEGMENT,
     batch_major: bool = False,
     tape: LSTMTape | None = None,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``native_forward``'s results, compiled (``bppsa_core.numba_forward``) where
     ``dispatch.compiled_forward`` says so for the scan ``strategy`` (always with a ``tape`` to fill,
-    which ``new_tape`` gives only then), else by PyTorch's fused kernel."""
+    which ``new_tape`` gives only then), else by PyTorch's fused kernel. ``out``: (T, B, H), any
+    strides, for the outputs (the compiled forward writes them there, PyTorch's are copied)."""
     hidden = h0.shape[-1]
     if tape is not None or (
         x.shape[0] and dispatch.compiled_forward(strategy, mode, hidden, x, h0, c0, *weights)
     ):
         from bppsa_core import numba_forward
 
-        out = _outputs(x, x.shape[0], x.shape[1], hidden, x.dtype, True) if batch_major else None
+        if out is None and batch_major:
+            out = numba_forward.new_outputs(x.shape[0], x.shape[1], hidden, x.dtype, True)
         kept = None if tape is None else (tape.gates, tape.cells, tape.states)
         return numba_forward.layer_forward(mode, x, h0, c0, weights, lengths, segment, out, kept)
-    return native_forward(mode, x, h0, c0, weights, lengths, segment, batch_major)
+    made, h, c = native_forward(mode, x, h0, c0, weights, lengths, segment, batch_major)
+    return (made, h, c) if out is None else (out.copy_(made), h, c)
 
 
 def stepwise_forward(

@@ -280,6 +280,18 @@ def projects_in_step(w_ih: Tensor) -> bool:
     return w_ih.numel() * w_ih.element_size() <= PROJECT_IN_STEP_MAX_BYTES
 
 
+def new_outputs(steps: int, batch: int, hidden: int, dtype: torch.dtype, batch_major: bool = False) -> Tensor:
+    """Uninitialized (T, B, H) outputs in NumPy's memory: time-major, or a view of batch-major
+    (B, T, H). NumPy asks the system for huge pages for a large array, which a tensor's fresh memory
+    does not get where the system gives them on request only; the steps' writes then fault a few
+    pages instead of one every 4 KB (re-measured by ``python -m benchmarks.distributed --ranks 2``,
+    whose ranks write batch-major)."""
+    kind = NUMPY_DTYPES[dtype]
+    if batch_major:
+        return torch.from_numpy(np.empty((batch, steps, hidden), kind)).transpose(0, 1)
+    return torch.from_numpy(np.empty((steps, batch, hidden), kind))
+
+
 @functools.lru_cache(maxsize=64)
 def _running(batch: int, steps: int) -> np.ndarray:
     """The steps each sample runs in a segment without lengths: all of them (the kernels only read
@@ -325,11 +337,8 @@ def layer_forward(
     # (no tensor, no conversion, until the last)
     h = h0.contiguous().numpy(force=True).reshape(batch, hidden)  # NumPy's reshapes: no tensor views
     c = None if c0 is None else c0.contiguous().numpy(force=True).reshape(batch, hidden)
-    if out is None:
-        outs = np.empty((steps, batch, hidden), kind)
-        out = torch.from_numpy(outs)
-    else:
-        outs = out.numpy()
+    out = new_outputs(steps, batch, hidden, x.dtype) if out is None else out
+    outs = out.numpy()
     features = x.shape[-1]
     in_step = projects_in_step(w_ih)
     if in_step:

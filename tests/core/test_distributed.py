@@ -93,9 +93,13 @@ def _mine(rank: int, size: int) -> slice:
 
 
 def _exact(rank: int, size: int) -> None:
+    import bppsa_core.distributed as sp
+
     mine = _mine(rank, size)
     cases = ((RNN, {"nonlinearity": "tanh"}), (RNN, {"nonlinearity": "relu"}), (GRU, {}), (LSTM, {}))
-    # BPPSA with the batch whole, in groups of 2 + 1 samples, and one sample a group (the default)
+    # BPPSA with the batch whole, in groups of 2 + 1 samples, and one sample a group (the default),
+    # in the backward and (groups of one sample at least, and any slice, here) in the compiled forward
+    sp.FORWARD_GROUP_SAMPLES, sp.FORWARD_GROUP_MIN_STEPS = 1, 1
     runs = (("bppsa", 1), ("bppsa", 2), ("bppsa", MICRO_BATCHES), ("bptt", MICRO_BATCHES))
     assert MICRO_BATCHES >= B
     for cls, kwargs in cases:
@@ -327,6 +331,55 @@ def _one_scratch(rank: int, size: int) -> None:
 @pytest.mark.extended
 def test_a_ranks_sample_groups_share_the_walks_scratch() -> None:
     _ranks(2, _one_scratch)
+
+
+def _forward_sends(rank: int, size: int) -> None:
+    """A layer that runs compiled hands its last state on a group of samples at a time (groups of
+    ``FORWARD_GROUP_SAMPLES`` samples at least, ``micro_batches`` at most), where the shortest slice
+    has ``FORWARD_GROUP_MIN_STEPS``; one that runs PyTorch's kernel (strategy "sequential", or
+    compiled on one rank only) and the BPTT baseline hand on the batch whole. Either way the
+    outputs and final states are torch.nn's."""
+    from unittest import mock
+
+    from bppsa_core import distributed as sp
+
+    batch = 3 * sp.FORWARD_GROUP_SAMPLES + 1
+    x = torch.randn(T, batch, F, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    shortest = T // size
+    # strategy, backward, micro-batches, the least steps, the first rank compiled only; sends a layer
+    cases = (
+        ("numba", "bppsa", MICRO_BATCHES, shortest, False, 3),
+        ("numba", "bppsa", 2, shortest, False, 2),
+        ("numba", "bppsa", MICRO_BATCHES, shortest + 1, False, 1),
+        ("numba", "bppsa", MICRO_BATCHES, shortest, True, 1),
+        ("sequential", "bppsa", MICRO_BATCHES, shortest, False, 1),
+        ("numba", "bptt", MICRO_BATCHES, shortest, False, 1),
+    )
+    real = sp.dispatch.compiled_forward
+    for strategy, backward, groups, least, first_only, per_layer in cases:
+        torch.manual_seed(0)
+        model = GRU(F, H, num_layers=2, dtype=torch.float64, strategy=strategy)
+        reference = nn.GRU(F, H, num_layers=2, dtype=torch.float64)
+        reference.load_state_dict(model.state_dict())
+        compiled = (lambda *a: real(*a) and rank == 0) if first_only else real
+        with (
+            mock.patch.object(sp, "FORWARD_GROUP_MIN_STEPS", least),
+            mock.patch.object(sp.dispatch, "compiled_forward", compiled),
+            mock.patch.object(sp.dist, "isend", wraps=sp.dist.isend) as isend,
+            mock.patch.object(sp.dist, "send", wraps=sp.dist.send) as send,
+        ):
+            out, h_n = SequenceParallel(model, backward=backward, micro_batches=groups)(x[_mine(rank, size)])
+        case = f"{strategy} {backward} ({groups}, {least} steps, first only {first_only}), rank {rank}"
+        sent = isend.call_count + send.call_count
+        assert sent == (2 * per_layer if rank < size - 1 else 0), f"{case}: {sent} sends"
+        expected, expected_h_n = reference(x)
+        close = {"rtol": 1e-12, "atol": 1e-12, "msg": lambda m, case=case: f"{case}: {m}"}
+        torch.testing.assert_close(out, expected[_mine(rank, size)].detach(), **close)
+        torch.testing.assert_close(h_n, expected_h_n.detach(), **close)
+
+
+def test_a_compiled_forward_hands_its_state_on_a_group_of_samples_at_a_time() -> None:
+    _ranks(2, _forward_sends)
 
 
 def _rank_blocks(rank: int, size: int) -> None:
