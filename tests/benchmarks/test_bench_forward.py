@@ -12,6 +12,7 @@ from benchmarks.forward import bench, parse_args, trained_state
 CPU = torch.device("cpu")
 
 
+@pytest.mark.extended  # the solvers' own convergence is the default set's (tests/core/test_newton.py)
 def test_a_row_times_every_solver_against_the_native_forward() -> None:
     torch.manual_seed(0)
     weights = torch.nn.GRU(24, 6).state_dict()

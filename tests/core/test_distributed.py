@@ -378,6 +378,7 @@ def _forward_sends(rank: int, size: int) -> None:
         torch.testing.assert_close(h_n, expected_h_n.detach(), **close)
 
 
+@pytest.mark.extended
 def test_a_compiled_forward_hands_its_state_on_a_group_of_samples_at_a_time() -> None:
     _ranks(2, _forward_sends)
 

@@ -277,10 +277,7 @@ def test_table_1_takes_the_seeds_run_py_takes(seed, message, capsys) -> None:
     assert exit_.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert (
-        captured.err.strip()
-        == f"python -m benchmarks.jacobian_table: error: argument --seed: {message}"
-    )
+    assert captured.err.strip() == f"python -m benchmarks.jacobian_table: error: argument --seed: {message}"
 
 
 def test_table_1_rejects_a_missing_gpu_index(monkeypatch, capsys) -> None:
