@@ -113,13 +113,7 @@ from torch import Tensor, nn
 from bppsa_core import dispatch
 from bppsa_core.dispatch import ScanOptions
 from bppsa_core.jacobians import LayerWeights, PreviousStates, block_budget, reusing_buffers
-from bppsa_core.layer import (
-    LayerConfig,
-    bppsa_backward,
-    cell_of,
-    native_forward,
-    sequential_forward,
-)
+from bppsa_core.layer import LayerConfig, bppsa_backward, cell_of, native_forward, sequential_forward
 from bppsa_core.scan import fold
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
@@ -434,7 +428,7 @@ def _pipelined_forward(x, state, mode, strategy, groups, group, weights):
     if len(spans) > 1:
         from bppsa_core.numba_forward import new_outputs
 
-        out = new_outputs(steps, batch, hidden, x.dtype, batch_major=True)
+        out = new_outputs(steps, batch, hidden, x.dtype, batch_major=major)
     else:
         out = None
     last, sends = torch.empty_like(state), []
