@@ -46,7 +46,10 @@ time per iteration) that ``python -m analysis.schemes --measured measured.csv`` 
 model, and, when ``--ranks`` has 1, ``calibration.json`` (else an earlier one there is removed;
 ``--out`` takes one layer, as the model does): what one rank's kernels cost at the largest T, the
 costs the model charges a device that runs ``bppsa_core.distributed`` (``--calibration``):
-- ``forward_step``: seconds per step of the fused forward (the whole batch at once);
+- ``forward_step``: seconds per step of distributed BPTT's forward (PyTorch's fused one, the whole
+  batch at once, keeping autograd's graph);
+- ``forward_sample``: seconds per step and sample of BPPSA's forward where it runs compiled (a CPU
+  with numba), else 0: BPPSA's forward is then the fused one too;
 - ``walk``: seconds per step and sample of BPPSA's backward of a slice from a given gradient;
 - ``fold``: seconds per step and sample of a middle rank's fold of its slice into one matrix per
   sample (``slice_fold``, as a middle rank runs it in its forward);
@@ -123,6 +126,7 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
             )
             if size == 1 and settings["layers"] == 1:
                 result["fold"] = _fold_seconds(model, x, settings["warmup"], settings["repeats"])
+                result["compiled_forward"] = _compiled_forward(model, x)
         every = [None] * size
         dist.all_gather_object(every, result)
         if rank == 0:
@@ -237,11 +241,23 @@ def _fold_seconds(model: torch.nn.RNNBase, x: torch.Tensor, warmup: int, repeats
     return median_ms(run, x.device, warmup, repeats) / 1e3
 
 
-def calibration(steps: int, batch: int, groups: int, rows: list[dict], fold_s: float) -> dict:
-    """The model's costs of a device (module docstring) from one rank's rows at ``steps``."""
+def _compiled_forward(model: torch.nn.RNNBase, x: torch.Tensor) -> bool:
+    """Whether BPPSA's forward of ``x`` runs compiled, as ``SequenceParallel``'s forward asks it."""
+    from bppsa_core import dispatch
+
+    with torch.no_grad():
+        weights = model._flat_weights
+        return dispatch.compiled_forward(model.strategy, model.mode, model.hidden_size, x, *weights)
+
+
+def calibration(steps: int, batch: int, groups: int, rows: list[dict], fold_s: float, compiled: bool) -> dict:
+    """The model's costs of a device (module docstring) from one rank's rows at ``steps``;
+    ``compiled``: BPPSA's forward ran compiled (else it is the fused one, which ``forward_step``
+    prices)."""
     one = {r["backward"]: r for r in rows if r["p"] == 1 and r["T"] == steps}
     return {
-        "forward_step": one["bppsa"]["forward_s"] / steps,
+        "forward_step": one["bptt"]["forward_s"] / steps,
+        "forward_sample": one["bppsa"]["forward_s"] / (steps * batch) if compiled else 0.0,
         "walk": one["bppsa"]["backward_s"] / (steps * batch),
         "fold": fold_s / (steps * batch),
         "overhead": one["bptt"]["backward_s"] / (2 * steps - 1),
@@ -489,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # one rank's BPPSA also in each p-rank spawn: on CPUs, whose speed drifts (a GPU rank's would need
     # a one-rank NCCL group beside the p-rank one)
     settings["alongside"] = 1 in args.ranks and args.device == "cpu"
-    rounds, folds, timelines = [], {}, {}
+    rounds, folds, timelines, compiled = [], {}, {}, False
     for turn in range(args.rounds):
         rows = []
         for steps in args.T:
@@ -504,6 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     timelines[steps, ranks] = [r["timeline"] for r in per_rank]
                 if "fold" in per_rank[0]:  # one rank of one layer: what the model's device costs
                     folds.setdefault(steps, []).append(per_rank[0]["fold"])
+                    compiled = per_rank[0]["compiled_forward"]
         rounds.append(rows)
     per_rank = "nccl, one GPU" if args.device == "cuda" else "gloo, one thread"
     over = f", then over {args.rounds} rounds taking turns" if args.rounds > 1 else ""
@@ -519,11 +536,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if folds:
         steps = max(folds)
         groups = len(sample_groups(args.B, args.micro_batches))
-        costs = calibration(steps, args.B, groups, rows, statistics.median(folds[steps]))
+        costs = calibration(steps, args.B, groups, rows, statistics.median(folds[steps]), compiled)
+        bppsa_forward = "BPPSA's fused"
+        if compiled:
+            bppsa_forward = f"BPPSA's compiled {costs['forward_sample']:.3g} s per step and sample"
         print(
-            f"\none rank at T = {steps}: forward {costs['forward_step']:.3g} s per step, BPPSA walk "
-            f"{costs['walk']:.3g} s and fold {costs['fold']:.3g} s per step and sample, BPTT "
-            f"{costs['overhead']:.3g} s per backward operation"
+            f"\none rank at T = {steps}: forward BPTT's {costs['forward_step']:.3g} s per step, "
+            f"{bppsa_forward}; BPPSA walk {costs['walk']:.3g} s and fold {costs['fold']:.3g} s per step "
+            f"and sample, BPTT {costs['overhead']:.3g} s per backward operation"
         )
     if args.out:
         from experiments.records import write_json, write_table

@@ -51,12 +51,13 @@ def parser() -> OneLineParser:
         "--calibration",
         nargs="+",
         help="calibration.json files of benchmarks.schemes (flops, alpha, beta) or "
-        "benchmarks.distributed (overhead, forward_step, walk, fold, groups): they set what the "
-        "flags leave unset, a later file winning",
+        "benchmarks.distributed (overhead, forward_step, forward_sample, walk, fold, groups): they set "
+        "what the flags leave unset, a later file winning",
     )
     p.add_argument("--overhead", type=non_negative_float, help="seconds per layer operation (default: 0)")
     for flag, what in (
         ("--forward-step", "seconds per step of a device's fused forward, whatever the batch"),
+        ("--forward-sample", "seconds per step and sample of a device's compiled BPPSA forward"),
         ("--walk", "seconds per step and sample of a device's compiled BPPSA backward of its slice"),
         ("--fold", "seconds per step and sample of a middle device's fold of its slice"),
     ):
@@ -85,10 +86,11 @@ def _header(name: str, batch: int, args: argparse.Namespace) -> str:
         f"(overhead {args.overhead:g} s per operation), α = {args.alpha:g} s, β = {args.beta:g} s/byte, "
         f"{args.word} bytes per number"
     )
-    if args.forward_step or args.walk or args.fold:
+    if args.forward_step or args.forward_sample or args.walk or args.fold:
         header += (
-            f"; a device's compiled steps: forward {args.forward_step:.3g} s per step, walk "
-            f"{args.walk:.3g} s and fold {args.fold:.3g} s per step and sample"
+            f"; a device's compiled steps: forward {args.forward_step:.3g} s per step"
+            + (f" (BPPSA's {args.forward_sample:.3g} s per step and sample)" if args.forward_sample else "")
+            + f", walk {args.walk:.3g} s and fold {args.fold:.3g} s per step and sample"
         )
     if args.groups > 1:
         header += f"; BPPSA in {args.groups} sample groups"
@@ -124,7 +126,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         setattr(args, key, value if value is not None else calibrated.get(key, fallback))
     net = network(args.model, args.T, args.hidden, inputs, classes, args.width)
     machine = Machine(
-        args.flops, args.alpha, args.beta, args.word, args.overhead, args.forward_step, args.walk, args.fold
+        args.flops,
+        args.alpha,
+        args.beta,
+        args.word,
+        args.overhead,
+        args.forward_step,
+        args.walk,
+        args.fold,
+        args.forward_sample,
     )
     found = estimates(
         net,

@@ -27,13 +27,15 @@ class Machine:
     interconnect, ``word`` bytes per number.
 
     A device that runs ``bppsa_core.distributed`` on its slice of a recurrent network's steps does not
-    pay per operation: its forward is PyTorch's fused one, ``forward_step`` seconds per step whatever
-    the batch, and BPPSA's backward of the slice from a given gradient is a compiled scan, ``walk``
-    seconds per step and sample; a middle device folds its slice into one affine element per sample,
-    ``fold`` seconds per step and sample (``python -m benchmarks.distributed`` measures all
-    three on one rank). Each 0 (unset) charges the steps' operations instead. These costs are those of
-    the schemes ``bppsa_core.distributed`` runs (sequential BP, distributed BPTT and BPPSA); the
-    others schedule operations."""
+    pay per operation. PyTorch's fused forward (distributed BPTT's, keeping autograd's graph) costs
+    ``forward_step`` seconds per step whatever the batch; BPPSA's forward, compiled on a CPU, costs
+    ``forward_sample`` seconds per step and sample (where unset, BPPSA's is the fused one too); BPPSA's
+    backward of the slice from a given gradient is a compiled scan, ``walk`` seconds per step and
+    sample; a middle device folds its slice into one affine element per sample, ``fold`` seconds per
+    step and sample (``python -m benchmarks.distributed`` measures all four on one rank). Each 0
+    (unset) charges the steps' operations instead. These costs are those of the schemes
+    ``bppsa_core.distributed`` runs (sequential BP, distributed BPTT and BPPSA); the others schedule
+    operations."""
 
     flops: float = 1e12
     alpha: float = 5e-6
@@ -43,6 +45,7 @@ class Machine:
     forward_step: float = 0.0
     walk: float = 0.0
     fold: float = 0.0
+    forward_sample: float = 0.0
 
     def compute(self, flops: float) -> float:
         return flops / self.flops
@@ -57,9 +60,13 @@ class Machine:
         ops = sum(x.operations(q) for x in layers for q in names)
         return self.compute(flops * samples) + self.overhead * ops
 
-    def forward(self, layers: Sequence[Layer], samples: float) -> float:
-        """The forward of ``layers`` for ``samples`` samples: ``forward_step`` per recurrent step where
-        it is set, operations for the rest."""
+    def forward(self, layers: Sequence[Layer], samples: float, compiled: bool = False) -> float:
+        """The forward of ``layers`` for ``samples`` samples: per recurrent step ``forward_sample``
+        per sample where ``compiled`` (BPPSA's forward) and it is set, else ``forward_step`` where it
+        is set; operations for the rest."""
+        if compiled and self.forward_sample > 0:
+            steps, rest = compiled_steps(layers, self.forward_sample)
+            return self.forward_sample * steps * samples + self.run(rest, "forward", samples)
         steps, rest = compiled_steps(layers, self.forward_step)
         return self.forward_step * steps + self.run(rest, "forward", samples)
 
@@ -90,6 +97,7 @@ CALIBRATION = {
     "forward_step": "a number >= 0",
     "walk": "a number >= 0",
     "fold": "a number >= 0",
+    "forward_sample": "a number >= 0",
     "groups": "a positive integer",
 }
 # What the benchmarks also write there: the measurement's size, which sets nothing.

@@ -281,16 +281,36 @@ def _slices(net: Network, p: int) -> list[list[Layer]]:
     return out
 
 
-def _forward_ends(slices: list[list[Layer]], batch: int, machine: Machine) -> list[float]:
+def _forward_ends(
+    slices: list[list[Layer]], batch: int, machine: Machine, compiled: bool = False, groups: int = 1
+) -> list[float]:
     """When each device's forward ends: the slices run one after another, each sending its last
-    output to the next."""
-    ends, t = [], 0.0
+    output to the next. In ``groups`` of samples, a device sends each group's last output on as soon
+    as it has it and runs the next group while the device after it runs that one. ``compiled``:
+    BPPSA's forward (``Machine.forward``)."""
+    sizes = _groups(batch, groups)
+    ends: list[float] = []
+    arrived = [0.0] * len(sizes)  # when each group's input is there
     for r, part in enumerate(slices):
-        if r:
-            t += machine.send(slices[r - 1][-1].outputs * batch)
-        t += machine.forward(part, batch)
+        t = 0.0
+        for i, n in enumerate(sizes):
+            if r:
+                arrived[i] += machine.send(slices[r - 1][-1].outputs * n)
+            t = max(t, arrived[i]) + machine.forward(part, n, compiled)
+            arrived[i] = t
         ends.append(t)
     return ends
+
+
+def _forward_groups(slices: list[list[Layer]], batch: int, machine: Machine, groups: int) -> int:
+    """The groups of samples BPPSA's forward hands on (``bppsa_core.distributed.forward_groups``,
+    ``groups`` standing for its micro-batches): on more than one device whose forward is compiled
+    (``forward_sample`` set), else 1."""
+    from bppsa_core.distributed import forward_groups
+
+    if len(slices) == 1 or machine.forward_sample <= 0:
+        return 1
+    return forward_groups(batch, min(sum(x.step for x in s) for s in slices), groups)
 
 
 def distributed_bptt(net: Network, batch: int, p: int, machine: Machine) -> Estimate:
@@ -346,10 +366,11 @@ def bppsa(net: Network, batch: int, p: int, machine: Machine, exchange: str, gro
     and the exchange and walks run group after group: the top device goes straight on to the next
     group (it needs nothing back); each device below, its fold done, exchanges, applies and walks one
     group before it takes the next. So devices overlap, a pipeline over the groups, at the cost of
-    one exchange per group."""
+    one exchange per group. A compiled forward (``forward_sample``) likewise hands the batch on in
+    groups of samples where ``bppsa_core.distributed`` does (``_forward_groups``)."""
     slices = _slices(net, p)
     q, top = len(slices), len(slices) - 1
-    fwd = _forward_ends(slices, batch, machine)
+    fwd = _forward_ends(slices, batch, machine, True, _forward_groups(slices, batch, machine, groups))
     width_in = [s[0].inputs for s in slices]
     width_out = [s[-1].outputs for s in slices]
     middle = range(1, top)
@@ -401,7 +422,7 @@ def bppsa(net: Network, batch: int, p: int, machine: Machine, exchange: str, gro
         free = [got + local[r] + _walk(slices[r], n, machine) for r in range(top)]
     time = max([top_done, *free]) + machine.all_reduce(net.shared, q)
     compute = max(
-        machine.forward(s, batch)
+        machine.forward(s, batch, True)
         + _walk(s, batch, machine)
         + (_fold(s, batch, machine) if r in middle else 0.0)
         for r, s in enumerate(slices)

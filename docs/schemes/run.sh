@@ -20,9 +20,9 @@ fi
 "$python" -m analysis.schemes --model rnn --T 1000 --p 1 2 4 8 16 32 64 --overhead 2e-6 \
     --out "$here/rnn" > /dev/null
 # the paper's RNN at T = 100,000 split over 1 to 1024 devices: BPPSA (all-gather, tree) against
-# distributed BPTT, each device costed as one rank of benchmarks.distributed measured (fused
-# forward, compiled walk and fold, BPTT's cost per operation, 8 sample groups), beside the measured
-# 1- and 2-rank iterations
+# distributed BPTT, each device costed as one rank of benchmarks.distributed measured (BPTT's fused
+# forward, BPPSA's compiled forward, walk and fold, BPTT's cost per operation, 16 sample groups),
+# beside the measured 1- and 2-rank iterations
 "$python" -m analysis.schemes --model rnn --T 100000 --batch 16 \
     --p 1 2 3 4 6 8 16 32 64 128 256 512 1024 \
     --schemes sequential bptt-distributed bppsa-allgather bppsa-tree \

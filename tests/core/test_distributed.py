@@ -520,11 +520,13 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     # one rank's costs at the largest T, as the model charges a device (analysis.schemes)
     costs = load_calibration(tmp_path / "calibration.json")
     assert (
-        set(costs) == {"forward_step", "walk", "fold", "overhead", "groups"}
+        set(costs) == {"forward_step", "forward_sample", "walk", "fold", "overhead", "groups"}
         and costs["groups"] == MICRO_BATCHES
     )
     one = rows[(rows["p"] == 1) & (rows["T"] == 80)].set_index("backward")
-    assert costs["forward_step"] == pytest.approx(one.loc["bppsa", "forward_s"] / 80)
+    # BPTT's forward is the fused one, per step; BPPSA's is compiled here, per step and sample
+    assert costs["forward_step"] == pytest.approx(one.loc["bptt", "forward_s"] / 80)
+    assert costs["forward_sample"] == pytest.approx(one.loc["bppsa", "forward_s"] / (80 * 16))
     assert costs["walk"] == pytest.approx(one.loc["bppsa", "backward_s"] / (80 * 16))
     assert costs["overhead"] == pytest.approx(one.loc["bptt", "backward_s"] / 159)
     assert costs["fold"] > 0 and "one rank at T = 80: forward" in printed
@@ -584,7 +586,7 @@ def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(
             "memory": {"bppsa": 40 * 2**20 // ranks, "bptt": 1},
         }
         if ranks == 1:
-            return [{**rank, "fold": 0.1 * (turn + 1)}]
+            return [{**rank, "fold": 0.1 * (turn + 1), "compiled_forward": False}]
         return [{**rank, "alone_speedup": [1.9, 1.2, 1.6][turn]}, rank]  # rank 0's, in the same processes
 
     monkeypatch.setattr(bench, "measure", measure)
@@ -609,7 +611,11 @@ def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(
     assert len(rows) == 4
     two = rows[(rows["p"] == 2) & (rows["backward"] == "bppsa")].iloc[0]
     assert two["backward_s"] == 1.0 and two["time"] == 1.5
-    assert json.loads((tmp_path / "calibration.json").read_text())["fold"] == pytest.approx(0.2 / (50 * 16))
+    costs = json.loads((tmp_path / "calibration.json").read_text())
+    assert costs["fold"] == pytest.approx(0.2 / (50 * 16))
+    # a forward that did not run compiled: BPPSA's is priced as the fused one, BPTT's
+    assert costs["forward_sample"] == 0 and costs["forward_step"] == pytest.approx(0.5 / 50)
+    assert "forward BPTT's 0.01 s per step, BPPSA's fused;" in out
 
 
 def test_each_spawns_times_are_printed_as_it_ends_so_a_stopped_run_keeps_them(monkeypatch, capsys) -> None:
@@ -626,7 +632,11 @@ def test_each_spawns_times_are_printed_as_it_ends_so_a_stopped_run_keeps_them(mo
             "bptt": {"forward": 0.25, "backward": 4.0},
         }
         rank = {"times": times, "sent": {"bppsa": 1, "bptt": 1}, "memory": {"bppsa": 1, "bptt": 1}}
-        return [{**rank, "fold": 0.1}] if ranks == 1 else [{**rank, "alone_speedup": 1.75}, rank]
+        return (
+            [{**rank, "fold": 0.1, "compiled_forward": True}]
+            if ranks == 1
+            else [{**rank, "alone_speedup": 1.75}, rank]
+        )
 
     monkeypatch.setattr(bench, "measure", measure)
     with pytest.raises(RuntimeError, match="lost"):

@@ -30,7 +30,10 @@ from analysis.schemes.schemes import (
     PIPELINES,
     SCHEMES,
     _fold,
+    _forward_ends,
+    _forward_groups,
     _groups,
+    _slices,
     bppsa,
     data_parallel,
     distributed_bptt,
@@ -42,7 +45,7 @@ from analysis.schemes.schemes import (
     sequential,
     table,
 )
-from bppsa_core.distributed import sample_groups
+from bppsa_core.distributed import FORWARD_GROUP_MIN_STEPS, sample_groups
 
 VGG = vgg11()
 RNN = recurrent("rnn", 40, 1, 20, 10)
@@ -366,6 +369,38 @@ def test_a_middle_device_folds_every_group_before_its_first_exchange() -> None:
     assert est.time < interleaved
 
 
+def test_a_compiled_forward_pays_per_sample_and_hands_its_batch_on_in_groups_where_the_code_does() -> None:
+    """BPPSA's compiled forward (``forward_sample``) costs per step and sample; over two slices of at
+    least ``FORWARD_GROUP_MIN_STEPS`` steps it goes in groups of 4 of 16 samples, the second device
+    running group g while the first runs g + 1: (m + 1) / m of a slice's forward for m groups, and
+    each group's message. Shorter slices go whole, and distributed BPTT keeps its fused forward."""
+    fs, alpha = 1e-7, 3e-6
+    machine = replace(COMPILED, forward_sample=fs)
+    steps = FORWARD_GROUP_MIN_STEPS
+    long = Network("steps", (STEP,) * (2 * steps), shared=0)
+    slices = _slices(long, 2)
+    group = steps * 4 * fs  # one group's forward of one slice
+    ends = _forward_ends(slices, 16, replace(machine, alpha=alpha), True, 4)
+    assert close(ends[0], 4 * group) and close(ends[1], 5 * group + alpha)
+    whole = _forward_ends(slices, 16, replace(machine, alpha=alpha), True, 1)
+    assert close(whole[1], 8 * group + alpha)  # each device's forward after the other's
+    # the estimate: forward in 4 groups (16 micro-batches, 4 samples at least each), then the
+    # backward's 16 groups of one sample: the top's walks, the bottom's one group behind
+    walk = steps * 1e-7
+    est = bppsa(long, 16, 2, machine, "allgather", groups=16)
+    assert close(est.time, 5 * group + 17 * walk)
+    assert est.compute == pytest.approx(steps * 16 * (fs + 1e-7))
+    # below the floor the forward goes whole: the bottom's forward after the top's
+    short = bppsa(STEPS, 16, 2, machine, "allgather", groups=16)
+    assert close(short.time, 600 * 16 * fs + 300 * 1e-7 + 300 * 16 * 1e-7)
+    # distributed BPTT's forward is the fused one, forward_step per step whatever the batch
+    assert distributed_bptt(long, 16, 2, machine).time == distributed_bptt(long, 16, 2, COMPILED).time
+    # groups as the code makes them; without forward_sample BPPSA's forward is the fused one, whole
+    assert _forward_groups(slices, 16, machine, 16) == 4 and _forward_groups(slices, 16, machine, 2) == 2
+    assert _forward_groups(slices, 16, COMPILED, 16) == 1
+    assert close(bppsa(long, 16, 2, COMPILED, "allgather", groups=16).time, 2 * steps * 1e-5 + 17 * walk)
+
+
 def test_infeasible_points_say_why() -> None:
     machine = Machine()
     assert "exceeds the batch 8" in data_parallel(VGG, 8, 16, machine).note
@@ -501,6 +536,7 @@ def test_calibrations_of_both_benchmarks_combine_and_set_the_devices_compiled_co
     first, second = tmp_path / "schemes.json", tmp_path / "distributed.json"
     first.write_text(json.dumps({"flops": 2e11, "alpha": 3e-5, "beta": 4e-10, "overhead": 1.0}))
     costs = {"forward_step": 5e-6, "walk": 2e-7, "fold": 1.5e-6, "overhead": 9e-6, "groups": 8, "T": 2000}
+    costs["forward_sample"] = 4e-8
     second.write_text(json.dumps(costs))
     assert load_calibration(second) == {k: v for k, v in costs.items() if k != "T"}
     args = ["--model", "rnn", "--T", "400", "--p", "1", "2", "--schemes", "sequential", "bppsa-allgather"]
@@ -509,10 +545,12 @@ def test_calibrations_of_both_benchmarks_combine_and_set_the_devices_compiled_co
     header = (tmp_path / "out" / "schemes.md").read_text().splitlines()[0]
     assert "2e+11 FLOP/s" in header and "overhead 9e-06 s" in header and "β = 0 s/byte" in header
     assert (
-        "forward 5e-06 s per step, walk 2e-07 s and fold 1.5e-06 s" in header and "8 sample groups" in header
+        "forward 5e-06 s per step (BPPSA's 4e-08 s per step and sample), walk 2e-07 s and fold 1.5e-06 s"
+        in header
+        and "8 sample groups" in header
     )
     frame = pd.read_csv(tmp_path / "out" / "schemes.csv").set_index(["scheme", "p"])
-    machine = Machine(2e11, 3e-5, 0.0, 4, 9e-6, 5e-6, 2e-7, 1.5e-6)
+    machine = Machine(2e11, 3e-5, 0.0, 4, 9e-6, 5e-6, 2e-7, 1.5e-6, 4e-8)
     net = recurrent("rnn", 400, 1, 20, 10)
     assert frame.loc[("bppsa-allgather", 2), "time"] == pytest.approx(
         bppsa(net, 16, 2, machine, "allgather", 8).time
