@@ -10,6 +10,10 @@ h_T (of the top layer: ``h_n[-1]``). BPPSA and BPTT take turns, ``--warmup`` unt
 ``--repeats`` timed iterations each, the processes meeting at a barrier around every phase. A
 phase's time is the slowest rank's.
 
+``--exchange chain`` runs BPPSA's slices chained (``SequenceParallel(..., exchange="chain")``: no
+fold, each rank walks a group from the gradient the next rank hands on) instead of the scan's
+all-gather; its rows are the model's ``bppsa-chain``.
+
 As each spawn ends, its times go to stderr in one line, so that a run stopped part-way keeps in its
 log what it had measured.
 
@@ -75,13 +79,12 @@ import torch.multiprocessing as mp
 
 from benchmarks import memory
 from benchmarks.common import markdown, non_negative_int, parser, positive_int, run_tool
-from bppsa_core.distributed import MICRO_BATCHES, sample_groups
+from bppsa_core.distributed import EXCHANGES, MICRO_BATCHES, sample_groups
 from experiments.timing import median_ms
 from toolbox.files import output_folder
 
 MODELS = ("rnn", "gru")
 DEVICES = ("cpu", "cuda")
-SCHEME = {"bppsa": "bppsa-allgather", "bptt": "bptt-distributed"}
 
 
 def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
@@ -108,7 +111,10 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
             dist.barrier()
 
         groups = settings["micro_batches"]
-        runs = {b: SequenceParallel(model, backward=b, micro_batches=groups) for b in ("bppsa", "bptt")}
+        runs = {
+            b: SequenceParallel(model, backward=b, micro_batches=groups, exchange=settings["exchange"])
+            for b in ("bppsa", "bptt")
+        }
         result: dict = {}
         if "memory" in settings["phases"]:
             result["memory"] = _peaks(runs, model, x, device, meet)
@@ -310,16 +316,17 @@ def _results(out: str, ranks: int) -> list[dict] | None:
     return every if isinstance(every, list) and len(every) == ranks and all(every) else None
 
 
-def rows_of(steps: int, ranks: int, per_rank: list[dict]) -> list[dict]:
+def rows_of(steps: int, ranks: int, per_rank: list[dict], exchange: str = "allgather") -> list[dict]:
     """One row per backward mode: the slowest rank's phase times, the most bytes and memory of a rank;
-    BPPSA's also its speedup over one rank in the same processes, where measured (``_times``)."""
+    BPPSA's also its speedup over one rank in the same processes, where measured (``_times``). Each
+    row's scheme is the model's name for it (``analysis.schemes``), BPPSA's by its ``exchange``."""
     rows = []
     for name in ("bppsa", "bptt"):
         forward = max(r["times"][name]["forward"] for r in per_rank)
         backward = max(r["times"][name]["backward"] for r in per_rank)
         rows.append(
             {
-                "scheme": SCHEME[name],
+                "scheme": f"bppsa-{exchange}" if name == "bppsa" else "bptt-distributed",
                 "backward": name,
                 "p": ranks,
                 "T": steps,
@@ -467,6 +474,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=MICRO_BATCHES,
         help="sample groups the BPPSA backward pipelines over the ranks (the most its compiled forward does)",
     )
+    p.add_argument(
+        "--exchange",
+        choices=EXCHANGES,
+        default="allgather",
+        help="how BPPSA's ranks hand the gradient on: the scan's all-gather or a chain of walks",
+    )
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed iterations per mode")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed iterations per mode (median)")
     p.add_argument(
@@ -500,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--layers {args.layers} with --out: the cost model (analysis.schemes) prices one recurrent "
             "layer; accepted: --layers 1 with --out"
         )
-    shape = ("B", "H", "model", "features", "layers", "device", "micro_batches")
+    shape = ("B", "H", "model", "features", "layers", "device", "micro_batches", "exchange")
     settings = {k: getattr(args, k) for k in (*shape, "warmup", "repeats", "timeline")}
     # one rank's BPPSA also in each p-rank spawn: on CPUs, whose speed drifts (a GPU rank's would need
     # a one-rank NCCL group beside the p-rank one)
@@ -513,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 where = f"round {turn + 1} of {args.rounds}, " if args.rounds > 1 else ""
                 print(f"[distributed] {where}T = {steps}, {ranks} rank(s) ...", file=sys.stderr, flush=True)
                 per_rank = measure(steps, ranks, settings)
-                spawned = rows_of(steps, ranks, per_rank)
+                spawned = rows_of(steps, ranks, per_rank, args.exchange)
                 rows += spawned
                 print(f"[distributed] {spawn_line(spawned)}", file=sys.stderr, flush=True)
                 if args.timeline:  # the last round's is kept
@@ -526,7 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     over = f", then over {args.rounds} rounds taking turns" if args.rounds > 1 else ""
     print(
         f"{args.model}, {args.layers} layer(s), B = {args.B}, H = {args.H}, loss on h_T, {per_rank} "
-        f"per rank; medians of {args.repeats} after {args.warmup} warm-up{over}"
+        f"per rank, BPPSA's exchange {args.exchange}; medians of {args.repeats} after {args.warmup} "
+        f"warm-up{over}"
     )
     print(table(rounds))
     for (steps, ranks), spans in timelines.items():

@@ -77,13 +77,23 @@ sized by the block of time steps a walk takes at once; a CPU rank of several tak
 process's budget (``RANK_BLOCK_BYTES``), which lowers its peak at no measurable cost in time. On one
 rank there is nothing to overlap and the batch stays whole.
 
+**BPPSA's slices chained** (``exchange="chain"``): no fold and no all-gather. For each group of
+samples in turn, rank r walks its slice from the gradient rank r + 1 hands on for that group (the
+last rank from the loss's) and sends the gradient of its first state to rank r - 1, which walks that
+group while rank r walks the next: about (m + p - 1) / m of a slice's walk for m groups over p
+ranks, p - 1 dependent messages of H numbers per sample each (an LSTM's 2H). It drops the fold,
+which costs H³ per step and sample where a walk costs H² (about 5 walks on a CPU rank at H = 20) and
+which a compiled forward is too short to hide; it pays p - 1 hops where the all-gather pays
+⌈log2 p⌉ rounds. On two ranks the two do the same work. ``python -m analysis.schemes`` models both
+(``bppsa-chain``).
+
 **Backward, distributed BPTT** (``backward="bptt"``, the baseline): the gradient travels back rank
 by rank: each rank waits for the gradient of its last state from rank r + 1, runs autograd over its
 slice (PyTorch's own backward of its fused forward) and sends the gradient of its first state to
 rank r - 1: p - 1 dependent messages, with the whole batch (autograd's graph of the fused forward
 is one, so it is not cut into micro-batches).
 
-In both, each rank's weight-gradient partial sums are all-reduced, so every rank ends with the
+In each, each rank's weight-gradient partial sums are all-reduced, so every rank ends with the
 gradient single-process autograd gives (``tests/core/test_distributed.py`` checks it to 1e-10 in float64).
 The gradient of ``h_n`` (and ``c_n``) is taken from the last rank (every rank holds the same, so a
 loss computed on it on every rank counts once); the gradient of ``h0`` (and ``c0``) goes to rank 0.
@@ -117,6 +127,9 @@ from bppsa_core.layer import LayerConfig, bppsa_backward, cell_of, native_forwar
 from bppsa_core.scan import fold
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
+# How BPPSA's ranks hand the gradient on (module docstring): the scan's all-gather of folded slices,
+# or a chain of the slices' walks pipelined over the sample groups.
+EXCHANGES: tuple[str, ...] = ("allgather", "chain")
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # The backward's sample groups on more than one rank: the pipeline's fill is 1/m of a slice's backward,
 # and each group adds an all-gather and its own calls; on CPU ranks groups of one sample pay best. A GPU
@@ -166,8 +179,9 @@ class Timeline:
     """When ``on``, the spans of this process's BPPSA backward since ``reset``: (what, start, end) in
     ``time.perf_counter`` seconds, one clock for every process of a machine, so that the ranks' spans
     line up. ``what`` is "walk" (a group's backward of its slice), "all-gather" (a group's exchange,
-    waited for or, on the last rank, started), "wait" (the last rank's pending all-gathers) or
-    "all-reduce" (the weight gradients'). On a GPU a span times the host's launches, not the device's
+    waited for or, on the last rank, started), "wait" (the last rank's pending all-gathers),
+    "receive" (chained: a group's gradient from the next rank) or "all-reduce" (the weight
+    gradients'). On a GPU a span times the host's launches, not the device's
     work. Off by default; the benchmark's ``--timeline`` reads it to show where two ranks' time goes."""
 
     def __init__(self) -> None:
@@ -214,8 +228,9 @@ class SequenceParallel(nn.Module):
     ``batch_first``, and the initial states as torch.nn takes them (h0, or an LSTM's (h0, c0), each
     (num_layers, B, H); read on rank 0), and returns this rank's outputs of the top layer and the
     final states of every layer, the same on every rank. ``micro_batches``: how many groups of
-    samples the BPPSA backward pipelines over the ranks, and the most its compiled forward does
-    (module docstring).
+    samples the BPPSA backward pipelines over the ranks, and the most its compiled forward does;
+    ``exchange``: how BPPSA's ranks hand the gradient on, "allgather" (the scan over the ranks'
+    folded slices) or "chain" (module docstring).
     """
 
     def __init__(
@@ -224,10 +239,13 @@ class SequenceParallel(nn.Module):
         group: dist.ProcessGroup | None = None,
         backward: str = "bppsa",
         micro_batches: int = MICRO_BATCHES,
+        exchange: str = "allgather",
     ):
         super().__init__()
         if backward not in BACKWARDS:
             raise ValueError(f"unknown backward {backward!r}; accepted: {', '.join(BACKWARDS)}")
+        if exchange not in EXCHANGES:
+            raise ValueError(f"unknown exchange {exchange!r}; accepted: {', '.join(EXCHANGES)}")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches {micro_batches!r} is not taken; accepted: a positive integer")
         if not isinstance(module, nn.RNNBase) or module.mode not in MODES:
@@ -246,7 +264,7 @@ class SequenceParallel(nn.Module):
                 f"dropout {module.dropout} between layers is not taken sequence-parallel; accepted: 0"
             )
         self.module, self.group, self.backward = module, group, backward
-        self.micro_batches = micro_batches
+        self.micro_batches, self.exchange = micro_batches, exchange
 
     def forward(
         self, x: Tensor, hx: Tensor | tuple[Tensor, Tensor] | None = None
@@ -271,8 +289,8 @@ class SequenceParallel(nn.Module):
         for i, weights in enumerate(layers):
             c0_i = None if c0 is None else c0[i]
             inp, last = _Layer.apply(
-                inp, h0[i], c0_i, m.mode, m.strategy, self.backward, groups[i], self.micro_batches, folds,
-                self.group, *weights,
+                inp, h0[i], c0_i, m.mode, m.strategy, self.backward, groups[i], self.micro_batches,
+                self.exchange, folds, self.group, *weights,
             )  # fmt: skip
             lasts.append(last)
         with torch.no_grad():  # a fold is part of the backward: no graph of its own
@@ -319,7 +337,9 @@ class _Layer(torch.autograd.Function):
     A state is h, or an LSTM's h and c side by side (B, 2H): what travels between ranks."""
 
     @staticmethod
-    def forward(ctx, x, h0, c0, mode, strategy, backward, groups, micro_batches, folds, group, *weights):
+    def forward(
+        ctx, x, h0, c0, mode, strategy, backward, groups, micro_batches, exchange, folds, group, *weights
+    ):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         lstm = c0 is not None
         state = _join(h0, c0).detach()
@@ -344,10 +364,16 @@ class _Layer(torch.autograd.Function):
             h_in, c_in = _split(state, lstm)
             ctx.save_for_backward(x, h_in, out, *([c_in] if lstm else []), *weights)
         ctx.folded = None
-        if backward == "bppsa" and folds is not None and any(ctx.needs_input_grad) and 0 < rank < size - 1:
+        if (
+            backward == "bppsa"
+            and exchange == "allgather"
+            and folds is not None
+            and any(ctx.needs_input_grad)
+            and 0 < rank < size - 1
+        ):
             folds.append(functools.partial(_fold_into, ctx, mode, x, h_in, c_in, out, list(weights)))
         ctx.mode, ctx.backward, ctx.group, ctx.lstm = mode, backward, group, lstm
-        ctx.micro_batches = micro_batches
+        ctx.micro_batches, ctx.exchange = micro_batches, exchange
         ctx.set_materialize_grads(False)  # an output the loss does not reach gets None, not zeros
         return out, last
 
@@ -359,6 +385,8 @@ class _Layer(torch.autograd.Function):
         grad_hn, grad_cn = (None, None) if grad_last is None else _split(grad_last, ctx.lstm)
         if ctx.backward == "bptt":
             dx, g_h0, g_c0, grads = _bptt(ctx, grad_out, grad_hn, grad_cn, rank, size)
+        elif ctx.exchange == "chain":
+            dx, g_h0, g_c0, grads = _chained(ctx, grad_out, grad_hn, grad_cn, rank, size)
         else:
             dx, g_h0, g_c0, grads = _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size)
         if size > 1:  # every rank's partial sums, summed
@@ -368,7 +396,7 @@ class _Layer(torch.autograd.Function):
             sizes = [g.numel() for g in grads]
             grads = [part.view_as(g) for part, g in zip(flat.split(sizes), grads, strict=True)]
         first = rank == 0
-        options = (None,) * 7  # mode, strategy, backward, groups, micro_batches, folds, group
+        options = (None,) * 8  # mode, strategy, backward, groups, micro_batches, exchange, folds, group
         return dx, (g_h0 if first else None), (g_c0 if first else None), *options, *grads
 
 
@@ -517,10 +545,55 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
         with timeline.span("wait"):
             for _buffers, work in pending:
                 work.wait()
+    return _joined(parts, ctx.lstm)
+
+
+def _joined(parts: list, lstm: bool):
+    """The groups' backwards (dx, g_h0, g_c0, weight gradients each) as the whole batch's."""
     dx, g_h0, g_c0, grads = zip(*parts, strict=True)
-    g_c0 = torch.cat(g_c0) if ctx.lstm else None
+    g_c0 = torch.cat(g_c0) if lstm else None
     dx = None if dx[0] is None else torch.cat(dx, 1)
     return dx, torch.cat(g_h0), g_c0, [sum(g[1:], g[0]) for g in zip(*grads, strict=True)]
+
+
+def _chained(ctx, grad_out, grad_hn, grad_cn, rank, size):
+    """BPPSA's slices chained (``exchange="chain"``, module docstring): for each group of samples in
+    turn, this rank walks its slice from the gradient rank r + 1 hands on for that group (the last
+    rank from h_n's) and hands the gradient of its first state to rank r - 1, so that rank r - 1
+    walks this group while this rank walks the next."""
+    x, h_in, out, *rest = ctx.saved_tensors
+    c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
+    group, lstm, need_x = ctx.group, ctx.lstm, ctx.needs_input_grad[0]
+    spans = sample_groups(h_in.shape[0], ctx.micro_batches if size > 1 else 1)
+    config = LayerConfig(ctx.mode, options=ScanOptions())
+    top = rank == size - 1
+    if not top:  # every group's gradient from the right, received as it comes
+        given = h_in.new_empty(h_in.shape[0], h_in.shape[1] * (1 + lstm))
+        peer = _peer(group, rank + 1)
+        arrivals = [dist.irecv(given[s], src=peer, group=group, tag=i) for i, s in enumerate(spans)]
+    parts, sends = [], []
+    budget = RANK_BLOCK_BYTES if _cpu_of_several(size, x.device) else None
+    with reusing_buffers(), block_budget(budget):  # one set of the walks' scratch for every group
+        for i, s in enumerate(spans):
+            if top:
+                v_h, v_c = (None if g is None else g[s] for g in (grad_hn, grad_cn))
+            else:
+                with timeline.span("receive"):
+                    arrivals[i].wait()
+                v_h, v_c = _split(given[s], lstm)
+            c_s = None if c_in is None else c_in[s]
+            g_s = None if grad_out is None else grad_out[:, s]
+            with timeline.span("walk"):
+                done = bppsa_backward(
+                    config, x[:, s], h_in[s], c_s, weights, None, out[:, s], g_s, v_h, v_c, need_x
+                )
+            if rank > 0:
+                first = traffic.add(_join(done[1], done[2]).contiguous())
+                sends.append(dist.isend(first, dst=_peer(group, rank - 1), group=group, tag=i))
+            parts.append(done)
+    for work in sends:
+        work.wait()
+    return _joined(parts, lstm)
 
 
 def _share(ctx, config, rank, size, weights, group):

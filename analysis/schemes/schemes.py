@@ -443,6 +443,35 @@ def bppsa(net: Network, batch: int, p: int, machine: Machine, exchange: str, gro
     return _finish(est, net, batch, machine)
 
 
+def bppsa_chain(net: Network, batch: int, p: int, machine: Machine, groups: int = 1) -> Estimate:
+    """BPPSA's slices chained, as ``bppsa_core.distributed`` runs them with ``exchange="chain"``: the
+    forward as in ``bppsa``, no fold; in the backward each device walks a group of samples from the
+    gradient the device after it hands on for that group (the top device from the loss's) and hands
+    the gradient of its first state to the device before. Over ``groups`` groups the devices
+    overlap as a pipeline, about (m + q - 1) / m of one slice's walk for m groups over q devices,
+    with q - 1 dependent hops per group; each device's walk costs H² per step and sample where a
+    fold costs H³."""
+    slices = _slices(net, p)
+    q, top = len(slices), len(slices) - 1
+    fwd = _forward_ends(slices, batch, machine, True, _forward_groups(slices, batch, machine, groups))
+    width_in = [s[0].inputs for s in slices]
+    sizes = _groups(batch, groups) if q > 1 else [batch]
+    done = list(fwd)  # each device's progress
+    for n in sizes:
+        arrived = 0.0  # when the gradient of this group reaches the device below
+        for r in reversed(range(q)):
+            start = done[r] if r == top else max(done[r], arrived)
+            done[r] = start + _walk(slices[r], n, machine)
+            arrived = done[r] + machine.send(n * width_in[r])
+    time = max(done) + machine.all_reduce(net.shared, q)
+    compute = max(machine.forward(s, batch, True) + _walk(s, batch, machine) for s in slices)
+    memory = max(machine.word * (sum(x.params + batch * x.keeps for x in s) + net.shared) for s in slices)
+    sent = machine.word * batch * max(width_in[1:]) if q > 1 else 0.0
+    detail = f"{len(sizes)} sample groups" if len(sizes) > 1 else ""
+    est = Estimate("bppsa-chain", p, time, compute, memory=memory, sent=sent, hops=q - 1, detail=detail)
+    return _finish(est, net, batch, machine)
+
+
 # A scheme's run: (network, batch, p, machine, micro-batches of a pipeline or None for its default,
 # sample groups of BPPSA's backward) -> its estimate.
 Run = Callable[[Network, int, int, Machine, int | None, int], Estimate]
@@ -493,6 +522,10 @@ SCHEMES: dict[str, Scheme] = {
     "bptt-distributed": Scheme("distributed BPTT", _without(distributed_bptt)),
     "bppsa-allgather": Scheme("BPPSA, all-gather", _bppsa_by("allgather")),
     "bppsa-tree": Scheme("BPPSA, tree", _bppsa_by("tree")),
+    "bppsa-chain": Scheme(
+        "BPPSA, chained",
+        lambda net, batch, p, machine, micro, groups: bppsa_chain(net, batch, p, machine, groups),
+    ),
 }
 PIPELINES = tuple(name for name, scheme in SCHEMES.items() if scheme.pipeline)
 

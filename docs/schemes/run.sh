@@ -25,14 +25,14 @@ fi
 # beside the measured 1- and 2-rank iterations
 "$python" -m analysis.schemes --model rnn --T 100000 --batch 16 \
     --p 1 2 3 4 6 8 16 32 64 128 256 512 1024 \
-    --schemes sequential bptt-distributed bppsa-allgather bppsa-tree \
+    --schemes sequential bptt-distributed bppsa-allgather bppsa-tree bppsa-chain \
     --calibration "$here/measured/calibration.json" "$here/distributed/calibration.json" \
     --measured "$here/distributed/measured.csv" --out "$here/distributed" > /dev/null
 # the same beside 1 to 4 ranks measured on a 16-core machine, one core each, and costed as its ranks
 # (four-ranks/: the measured.csv and calibration.json of `python -m benchmarks.gpu_check`'s ranks step)
 "$python" -m analysis.schemes --model rnn --T 100000 --batch 16 \
     --p 1 2 3 4 6 8 16 32 64 128 256 512 1024 \
-    --schemes sequential bptt-distributed bppsa-allgather bppsa-tree \
+    --schemes sequential bptt-distributed bppsa-allgather bppsa-tree bppsa-chain \
     --calibration "$here/measured/calibration.json" "$here/four-ranks/calibration.json" \
     --measured "$here/four-ranks/measured.csv" --out "$here/four-ranks" > /dev/null
 # VGG-11 on the measured FLOP rate, α and β (measured/calibration.json), beside the measured iterations

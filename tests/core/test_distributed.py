@@ -98,12 +98,20 @@ def _exact(rank: int, size: int) -> None:
     mine = _mine(rank, size)
     cases = ((RNN, {"nonlinearity": "tanh"}), (RNN, {"nonlinearity": "relu"}), (GRU, {}), (LSTM, {}))
     # BPPSA with the batch whole, in groups of 2 + 1 samples, and one sample a group (the default),
-    # in the backward and (groups of one sample at least, and any slice, here) in the compiled forward
+    # in the backward and (groups of one sample at least, and any slice, here) in the compiled forward;
+    # its slices' walks chained in groups of 2 + 1 and of one sample
     sp.FORWARD_GROUP_SAMPLES, sp.FORWARD_GROUP_MIN_STEPS = 1, 1
-    runs = (("bppsa", 1), ("bppsa", 2), ("bppsa", MICRO_BATCHES), ("bptt", MICRO_BATCHES))
+    runs = (
+        ("bppsa", 1, "allgather"),
+        ("bppsa", 2, "allgather"),
+        ("bppsa", MICRO_BATCHES, "allgather"),
+        ("bppsa", 2, "chain"),
+        ("bppsa", MICRO_BATCHES, "chain"),
+        ("bptt", MICRO_BATCHES, "allgather"),
+    )
     assert MICRO_BATCHES >= B
     for cls, kwargs in cases:
-        for backward, groups in runs:
+        for backward, groups, exchange in runs:
             for every in (False, True):
                 torch.manual_seed(0)
                 model = cls(F, H, num_layers=2, dtype=torch.float64, **kwargs)
@@ -128,12 +136,13 @@ def _exact(rank: int, size: int) -> None:
                 ((out * c).sum() * every + (final(h_n) * d).sum()).backward()
 
                 xl, h0l = x[mine].clone().requires_grad_(), h0.clone().requires_grad_()
-                parallel = SequenceParallel(model, backward=backward, micro_batches=groups)
+                parallel = SequenceParallel(model, backward=backward, micro_batches=groups, exchange=exchange)
                 out_l, h_n_l = parallel(xl, state(h0l))
                 ((out_l * c[mine]).sum() * every + (final(h_n_l) * d).sum()).backward()
                 h_n, h_n_l = final(h_n), final(h_n_l)
 
-                case = f"{cls.__name__} {kwargs} {backward} ({groups}) every={every} rank {rank}/{size}"
+                case = f"{cls.__name__} {kwargs} {backward} {exchange} ({groups}) every={every}"
+                case += f" rank {rank}/{size}"
                 close = {"rtol": 1e-10, "atol": 1e-10, "msg": lambda m, case=case: f"{case}: {m}"}
                 torch.testing.assert_close(out_l, out[mine].detach(), **close)
                 torch.testing.assert_close(h_n_l, h_n.detach(), **close)
@@ -477,6 +486,7 @@ def test_a_split_that_does_not_add_up_is_refused_on_every_rank() -> None:
         (GRU(F, H, bidirectional=True), {}, "bidirectional layers cannot run sequence-parallel"),
         (GRU(F, H, num_layers=2, dropout=0.5), {}, "dropout 0.5 between layers is not taken"),
         (GRU(F, H), {"backward": "ring"}, "unknown backward 'ring'; accepted: bppsa, bptt"),
+        (GRU(F, H), {"exchange": "tree"}, "unknown exchange 'tree'; accepted: allgather, chain"),
         (GRU(F, H), {"micro_batches": 0}, "micro_batches 0 is not taken; accepted: a positive integer"),
         (GRU(F, H), {"micro_batches": 2.5}, "micro_batches 2.5 is not taken; accepted: a positive integer"),
     ],
@@ -671,6 +681,30 @@ def test_one_rank_runs_in_the_p_ranks_processes_only_on_cpus_and_when_one_rank_i
     monkeypatch.setattr(bench, "measure", measure)
     assert bench.main(["--device", device, "--ranks", *ranks, "--T", "30"]) == 0
     assert asked == [alongside, alongside]
+
+
+def test_the_chained_exchange_reaches_the_ranks_and_names_its_rows_as_the_model_does(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    import pandas as pd
+
+    from analysis.schemes.report import load_measured
+    from benchmarks import distributed as bench
+
+    asked = []
+
+    def measure(steps, ranks, settings):
+        asked.append(settings["exchange"])
+        rank = {"times": {b: {"forward": 1.0, "backward": 1.0} for b in ("bppsa", "bptt")}}
+        rank |= {"sent": {"bppsa": 1, "bptt": 1}, "memory": {"bppsa": 1, "bptt": 1}}
+        return [rank] * ranks
+
+    monkeypatch.setattr(bench, "measure", measure)
+    assert bench.main(["--ranks", "2", "3", "--T", "30", "--exchange", "chain", "--out", str(tmp_path)]) == 0
+    assert asked == ["chain", "chain"] and "BPPSA's exchange chain;" in capsys.readouterr().out
+    rows = pd.read_csv(tmp_path / "measured.csv")
+    assert set(rows["scheme"]) == {"bppsa-chain", "bptt-distributed"}
+    load_measured(tmp_path / "measured.csv")  # schemes the model draws
 
 
 def test_the_speedup_in_the_same_processes_pairs_each_iteration_and_other_ranks_only_meet(

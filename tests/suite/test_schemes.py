@@ -35,6 +35,7 @@ from analysis.schemes.schemes import (
     _groups,
     _slices,
     bppsa,
+    bppsa_chain,
     data_parallel,
     distributed_bptt,
     estimate,
@@ -399,6 +400,27 @@ def test_a_compiled_forward_pays_per_sample_and_hands_its_batch_on_in_groups_whe
     assert _forward_groups(slices, 16, machine, 16) == 4 and _forward_groups(slices, 16, machine, 2) == 2
     assert _forward_groups(slices, 16, COMPILED, 16) == 1
     assert close(bppsa(long, 16, 2, COMPILED, "allgather", groups=16).time, 2 * steps * 1e-5 + 17 * walk)
+
+
+@pytest.mark.parametrize("groups", [1, 8])
+def test_chained_slices_walk_one_group_apart_and_never_fold(groups: int) -> None:
+    """Three equal slices, m groups: the top device walks group g as soon as its forward is done,
+    each device below one group behind it, so the backward takes (m + q - 1) walks of a group; no
+    device folds (a fold however dear changes nothing), each sends its first state's gradient once
+    per sample, q - 1 hops. Without groups or compiled costs it is distributed BPTT's schedule."""
+    est = bppsa_chain(STEPS, 16, 3, COMPILED, groups)
+    group_walk = 200 * (16 // groups) * 1e-7
+    assert close(est.time, 600 * 1e-5 + (groups + 2) * group_walk)
+    assert est.time == bppsa_chain(STEPS, 16, 3, replace(COMPILED, fold=1.0), groups).time
+    assert est.hops == 2 and est.sent == COMPILED.word * 16 * 20
+    assert est.detail == ("" if groups == 1 else f"{groups} sample groups")
+    assert (
+        bppsa_chain(STEPS, 16, 3, COMPILED, groups).time
+        < bppsa(STEPS, 16, 3, COMPILED, "allgather", groups).time
+    )
+    for p in (1, 2, 4):
+        assert close(bppsa_chain(VGG, 16, p, Machine()).time, distributed_bptt(VGG, 16, p, Machine()).time)
+    assert estimate("bppsa-chain", STEPS, 16, 3, COMPILED, groups=groups).time == est.time
 
 
 def test_infeasible_points_say_why() -> None:
