@@ -37,7 +37,8 @@ and its output (or why it failed, or was skipped):
 12. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
     of one thread per core (``benchmarks.distributed`` at T = 100,000): the measured 3- and
     4-rank points of docs/SCHEMES.md, which a 2-core machine cannot give. Its ``measured.csv``
-    and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report. Then the same
+    and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report; the same with
+    BPPSA's slices chained (``--exchange chain``) to ``<report>-ranks-chain``. Then the same
     over NCCL ranks of one GPU each, 1 to 4 as there are GPUs (one GPU: the NCCL path on one rank);
     with two GPUs or more, once for each sample-group count of the BPPSA backward (``--micro-batches``
     1 to 16), which sets the GPU ranks' own.
@@ -205,8 +206,12 @@ def plan(
             ]
         ],
         "ranks": [
-            _distributed(
-                rank_counts(dry), 2000 if dry else RANKS_T, repeats, warmup, "--out", str(ranks_folder(out))
+            *(
+                _distributed(rank_counts(dry), 2000 if dry else RANKS_T, repeats, warmup, *extra)
+                for extra in (
+                    ["--out", str(ranks_folder(out))],
+                    ["--exchange", "chain", "--out", str(ranks_folder(out, "chain"))],
+                )
             ),
             # then NCCL, a rank per GPU up to 4; its tables only (the cost model's points are the CPU ranks')
             *([] if dry else gpu_rank_runs(repeats, warmup)),
@@ -273,10 +278,11 @@ def rank_counts(dry: bool) -> list[int]:
     return [1, 2] if dry else list(range(1, min(4, os.cpu_count() or 1) + 1))
 
 
-def ranks_folder(out: Path) -> Path:
+def ranks_folder(out: Path, exchange: str = "") -> Path:
     """Where the ``ranks`` step writes ``measured.csv`` and ``calibration.json``: beside the report
-    (an absolute path: the steps run from the repository's root, the report is written from here)."""
-    return out.resolve().with_name(f"{out.stem}-ranks")
+    (an absolute path: the steps run from the repository's root, the report is written from here);
+    the chained exchange's run beside it, ``exchange`` appended."""
+    return out.resolve().with_name(f"{out.stem}-ranks" + (f"-{exchange}" if exchange else ""))
 
 
 def architectures(dry: bool) -> list[str]:

@@ -44,20 +44,23 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
         a[a.index("--T") + 1 : a.index("--strategies")] == ["1000", "30000", "100000"]
         for a in steps["blocks"]
     )
-    ranks, on_gpus = steps["ranks"]
-    for argv in (ranks, on_gpus):
+    ranks, chained, on_gpus = steps["ranks"]
+    for argv in (ranks, chained, on_gpus):
         assert argv[1:3] == ["-m", "benchmarks.distributed"]
         assert argv[argv.index("--T") + 1] == "100000" and argv[argv.index("--repeats") + 1] == "3"
         assert "--timeline" in argv  # where each rank waits
-    assert "--device" not in ranks  # CPU ranks: the cost model's measured points
+    for argv in (ranks, chained):
+        assert "--device" not in argv  # CPU ranks: the cost model's measured points
     assert ranks[ranks.index("--out") + 1] == str(Path.cwd() / "gpu_report-ranks")  # beside the report
+    assert "--exchange" not in ranks and chained[chained.index("--exchange") + 1] == "chain"
+    assert chained[chained.index("--out") + 1] == str(Path.cwd() / "gpu_report-ranks-chain")
     assert on_gpus[on_gpus.index("--device") + 1] == "cuda" and "--out" not in on_gpus
 
 
 def test_the_ranks_step_takes_one_gpu_per_nccl_rank_up_to_four(monkeypatch) -> None:
     for gpus, counts in ((8, [1, 2, 3, 4]), (2, [1, 2]), (1, [1])):
         monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda n=gpus: n)
-        _, *on_gpus = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
+        _, _, *on_gpus = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
         assert on_gpus, gpus
         for argv in on_gpus:
             assert argv[argv.index("--ranks") + 1 : argv.index("--T")] == [*map(str, counts)], gpus
@@ -65,21 +68,21 @@ def test_the_ranks_step_takes_one_gpu_per_nccl_rank_up_to_four(monkeypatch) -> N
 
 def test_several_gpus_time_every_sample_group_count_and_one_gpu_once(monkeypatch) -> None:
     monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 2)
-    _, *on_gpus = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
+    _, _, *on_gpus = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
     groups = [argv[argv.index("--micro-batches") + 1] for argv in on_gpus]
     assert groups == ["1", "2", "4", "8", "16"]  # the CPU's default among them, and one sample a group
     assert all(argv[argv.index("--device") + 1] == "cuda" for argv in on_gpus)
     monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 1)
-    _, on_gpu = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
+    _, _, on_gpu = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
     assert "--micro-batches" not in on_gpu  # one rank walks the batch whole: nothing to sweep
 
 
 def test_the_ranks_step_takes_one_core_per_rank_up_to_four(monkeypatch) -> None:
     for cores, counts in ((16, [1, 2, 3, 4]), (3, [1, 2, 3]), (2, [1, 2]), (None, [1])):
         monkeypatch.setattr(gpu_check.os, "cpu_count", lambda n=cores: n)
-        ranks, _ = gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"]
-        start = ranks.index("--ranks") + 1
-        assert ranks[start : start + len(counts) + 1] == [*map(str, counts), "--T"], cores
+        for ranks in gpu_check.plan(dry=False, repeats=10, warmup=3)["ranks"][:2]:
+            start = ranks.index("--ranks") + 1
+            assert ranks[start : start + len(counts) + 1] == [*map(str, counts), "--T"], cores
     assert gpu_check.rank_counts(dry=True) == [1, 2]
 
 
@@ -113,8 +116,9 @@ def test_the_dry_plan_skips_what_needs_cuda_and_shrinks_the_rest() -> None:
             assert "--quick" in argv or "--T" in argv
     assert steps["kernels"][0][-2:] == ["80", "90"] and "representative" in steps["kernels"][0]
     assert "--quick" in steps["forward"][0] and "cpu" in steps["forward"][0]
-    (ranks,) = steps["ranks"]  # no NCCL run without GPUs
-    assert ranks[ranks.index("--ranks") + 1 : ranks.index("--T") + 2] == ["1", "2", "--T", "2000"]
+    for ranks in steps["ranks"]:  # the two exchanges; no NCCL run without GPUs
+        assert ranks[ranks.index("--ranks") + 1 : ranks.index("--T") + 2] == ["1", "2", "--T", "2000"]
+    assert len(steps["ranks"]) == 2
 
 
 def test_the_dry_chunk_sweep_takes_the_compiled_cpu_scan_only_where_it_is_installed(monkeypatch) -> None:
