@@ -59,7 +59,7 @@ IDENTITY_FREE = ("trainer.epochs",)
 # Result keys added after runs were recorded, with the value that computes what those runs did: at
 # that value a key is left out, so a run recorded before the key keeps its identity (a sweep rerun
 # skips it, a resume takes it).
-ADDED_KEYS = {"trainer.capture": False}
+ADDED_KEYS = {"trainer.capture": False, "backward.exchange": "allgather"}
 # Overrides that name or place the sweep, not one of its jobs: left out of job folder names.
 SWEEP_KEYS = ("name", "experiment", "sweep", "hydra")
 # The model's keys of the forward solver (conf/forward/solver.yaml): BPPSA variants, as the backward's are.

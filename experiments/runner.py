@@ -85,8 +85,10 @@ class Outcome:
 
 
 def backward_options(cfg: DictConfig) -> dict:
-    """The recurrent layer's keyword arguments of the backward group: ``backward`` and scan options."""
+    """The recurrent layer's keyword arguments of the backward group: ``backward`` and scan options
+    (``exchange`` is the ranks', ``Classifier``'s)."""
     options = OmegaConf.to_container(cfg.backward)
+    options.pop("exchange", None)
     return {"backward": options.pop("mode"), **options}
 
 
@@ -283,7 +285,7 @@ def rank_count(cfg: DictConfig, launch: Ranks | None) -> int:
     if steps is not None and steps < size:  # before any rank starts
         raise unsplittable(steps, size)
     if size > 1:
-        options = {k: v for k, v in cfg.backward.items() if k != "mode"}
+        options = {k: v for k, v in cfg.backward.items() if k not in ("mode", "exchange")}
         fixed = {k: v for k, v in options.items() if v not in (None, "auto")}
         if fixed:
             key, value = next(iter(fixed.items()))
@@ -368,7 +370,8 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
             if x0.shape[1] < ranks.size:  # a length the configuration does not give (IRMAS frames)
                 raise unsplittable(x0.shape[1], ranks.size)
             split = (ranks.rank, ranks.size) if ranks.size > 1 else None
-            model = Classifier(layer, data.classes, split).to(device)
+            exchange = cfg.backward.get("exchange", "allgather")
+            model = Classifier(layer, data.classes, split, exchange).to(device)
             optimizer = build(cfg.optimizer, params=model.parameters())
             for group in optimizer.param_groups if cfg.trainer.capture else ():
                 if "capturable" in group:  # Adam's: its step count on the device, read there

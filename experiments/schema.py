@@ -27,6 +27,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from bppsa_core.dispatch import STRATEGIES
+from bppsa_core.distributed import EXCHANGES
 from bppsa_core.newton import SOLVERS
 from bppsa_core.nn import GUESSES
 from experiments.hardware import worker_counts
@@ -156,6 +157,7 @@ class BPPSABackward:
     strategy: str = checked(one_of(*STRATEGIES))
     chunk: int | None = checked(or_null(POSITIVE_INT))
     levels: int | None = checked(or_null(NON_NEGATIVE_INT))
+    exchange: str = checked(one_of(*EXCHANGES))
 
 
 @dataclass

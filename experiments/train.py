@@ -44,19 +44,24 @@ class Classifier(nn.Module):
     """A recurrent layer and a linear head on its last state: the paper's models.
 
     ``ranks=(rank, size)``: the layer runs sequence-parallel over the default process group
-    (``bppsa_core.distributed.SequenceParallel``, its backward the layer's ``backward_mode``). Each
+    (``bppsa_core.distributed.SequenceParallel``, its backward the layer's ``backward_mode``, BPPSA's
+    ranks handing the gradient on by ``exchange``). Each
     rank takes whole batches (B, T, I), keeps its time slice (``torch.tensor_split``'s) and gets the
     final state every rank holds, so the loss is the same on every rank. The parameters and their
     names are those of one process: a checkpoint loads whatever the rank count.
     """
 
-    def __init__(self, rnn: nn.RNNBase, classes: int, ranks: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, rnn: nn.RNNBase, classes: int, ranks: tuple[int, int] | None = None, exchange: str = "allgather"
+    ) -> None:
         super().__init__()
         self.rnn = rnn
         self.head = nn.Linear(rnn.hidden_size, classes)
         self.ranks = ranks
         # the same layer run across the ranks; set past nn.Module, so it adds no parameter names
-        parallel = None if ranks is None else SequenceParallel(rnn, backward=rnn.backward_mode)
+        parallel = (
+            None if ranks is None else SequenceParallel(rnn, backward=rnn.backward_mode, exchange=exchange)
+        )
         object.__setattr__(self, "parallel", parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,22 @@ def test_a_ranks_sweep_trains_as_one_process_does_and_resumes(tmp_path: Path) ->
 
 
 @pytest.mark.extended
+def test_three_ranks_chained_train_as_one_process_does(tmp_path: Path) -> None:
+    """``backward.exchange=chain``: no rank folds, each walks from the next rank's gradient; the
+    middle rank's part is what two ranks do not exercise."""
+    losses = {}
+    for ranks, extra in ((1, []), (3, ["backward.exchange=chain"])):
+        run_dir = tmp_path / f"ranks{ranks}"
+        done = run_py(*SMALL, f"hardware.ranks={ranks}", *extra, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        losses[ranks] = pd.read_csv(run_dir / "records.csv").set_index("epoch")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["config"]["backward"]["exchange"] == ("chain" if extra else "allgather")
+    for column in ("loss", "test_loss"):
+        assert (abs(losses[1][column] - losses[3][column]) <= 1e-4 * abs(losses[1][column])).all(), column
+
+
+@pytest.mark.extended
 def test_torchrun_launches_one_writer_and_records_the_ranks(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done = subprocess.run(

@@ -137,6 +137,12 @@ def test_a_key_added_later_keeps_the_identity_of_runs_recorded_before_it_at_its_
     assert records.comparison_key(off) == records.comparison_key(before) != records.comparison_key(on)
     assert records.differing_keys(before, off) == {}
     assert records.differing_keys(before, on) == {"trainer.capture": (None, True)}
+    # backward.exchange: the all-gather is what sequence-parallel runs did before the key
+    bppsa = {**before, "backward": {"mode": "bppsa", "strategy": "auto"}}
+    gather, chain = (
+        {**bppsa, "backward": {**bppsa["backward"], "exchange": e}} for e in ("allgather", "chain")
+    )
+    assert records.config_hash(gather) == records.config_hash(bppsa) != records.config_hash(chain)
 
 
 def test_the_merge_writes_every_cell_back_as_it_was(tmp_path: Path) -> None:
