@@ -169,12 +169,13 @@ def test_gradients_equal_single_process_autograd(size: int) -> None:
 
 
 def _on_gpus(rank: int, size: int) -> None:
-    """Both backwards of RNN and GRU against torch.nn's autograd on the same GPU, in float64: in
-    float32 cuDNN's reference may run in TF32 (``torch.backends.cudnn.allow_tf32``), 5e-4 off."""
+    """Both backwards of RNN and GRU (BPPSA's by either exchange) against torch.nn's autograd on the
+    same GPU, in float64: in float32 cuDNN's reference may run in TF32
+    (``torch.backends.cudnn.allow_tf32``), 5e-4 off."""
     device = torch.device("cuda", rank)
     mine = _mine(rank, size)
     for cls in (RNN, GRU):
-        for backward in ("bppsa", "bptt"):
+        for backward, exchange in (("bppsa", "allgather"), ("bppsa", "chain"), ("bptt", "allgather")):
             torch.manual_seed(0)
             model = cls(F, H, num_layers=2, device=device, dtype=torch.float64)
             reference = getattr(nn, cls.__name__)(F, H, num_layers=2, device=device, dtype=torch.float64)
@@ -183,12 +184,12 @@ def _on_gpus(rank: int, size: int) -> None:
             xr, xl = x.clone().requires_grad_(), x[mine].clone().requires_grad_()
             out, h_n = reference(xr)
             (out.sum() + h_n.sum()).backward()
-            out_l, h_n_l = SequenceParallel(model, backward=backward)(xl)
+            out_l, h_n_l = SequenceParallel(model, backward=backward, exchange=exchange)(xl)
             (out_l.sum() + h_n_l.sum()).backward()
             close = {
                 "rtol": 1e-10,
                 "atol": 1e-10,
-                "msg": lambda m, c=f"{cls.__name__} {backward}": f"{c}: {m}",
+                "msg": lambda m, c=f"{cls.__name__} {backward} {exchange}": f"{c}: {m}",
             }
             torch.testing.assert_close(h_n_l, h_n.detach(), **close)
             torch.testing.assert_close(xl.grad, xr.grad[mine], **close)
