@@ -54,6 +54,10 @@ costs the model charges a device that runs ``bppsa_core.distributed`` (``--calib
   batch at once, keeping autograd's graph);
 - ``forward_sample``: seconds per step and sample of BPPSA's forward where it runs compiled (a CPU
   with numba), else 0: BPPSA's forward is then the fused one too;
+- ``forward_group``: seconds per step of that compiled forward for each group of samples it runs at
+  once, whatever its samples: a group of ``FORWARD_GROUP_SAMPLES`` (as a rank of several runs them)
+  is timed against the whole batch in the one rank's process, and the two costs split one rank's
+  forward into this and ``forward_sample``;
 - ``walk``: seconds per step and sample of BPPSA's backward of a slice from a given gradient;
 - ``fold``: seconds per step and sample of a middle rank's fold of its slice into one matrix per
   sample (``slice_fold``, as a middle rank runs it in its forward);
@@ -80,7 +84,7 @@ import torch.multiprocessing as mp
 from benchmarks import memory
 from benchmarks.common import markdown, non_negative_int, parser, positive_int, run_tool
 from bppsa_core.distributed import EXCHANGES, MICRO_BATCHES, sample_groups
-from experiments.timing import median_ms
+from experiments.timing import median_ms, time_ms
 from toolbox.files import output_folder
 
 MODELS = ("rnn", "gru")
@@ -133,6 +137,8 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
             if size == 1 and settings["layers"] == 1:
                 result["fold"] = _fold_seconds(model, x, settings["warmup"], settings["repeats"])
                 result["compiled_forward"] = _compiled_forward(model, x)
+                if result["compiled_forward"]:
+                    result["group_share"] = _group_share(model, x, settings["warmup"], settings["repeats"])
         every = [None] * size
         dist.all_gather_object(every, result)
         if rank == 0:
@@ -256,14 +262,67 @@ def _compiled_forward(model: torch.nn.RNNBase, x: torch.Tensor) -> bool:
         return dispatch.compiled_forward(model.strategy, model.mode, model.hidden_size, x, *weights)
 
 
-def calibration(steps: int, batch: int, groups: int, rows: list[dict], fold_s: float, compiled: bool) -> dict:
+def _group_share(model: torch.nn.RNNBase, x: torch.Tensor, warmup: int, repeats: int) -> float:
+    """The compiled forward of a group of ``FORWARD_GROUP_SAMPLES`` samples of ``x`` over that of the
+    whole batch (medians, taking turns), each into a batch-major output as a rank of several runs
+    its groups (``SequenceParallel``'s forward)."""
+    from bppsa_core.distributed import FORWARD_GROUP_SAMPLES
+    from bppsa_core.layer import sequential_forward
+    from bppsa_core.numba_forward import new_outputs
+
+    steps, batch = x.shape[:2]
+    if batch <= FORWARD_GROUP_SAMPLES:  # the batch is one group
+        return 1.0
+    weights, h0 = list(model._flat_weights), x.new_zeros(batch, model.hidden_size)
+    out = new_outputs(steps, batch, model.hidden_size, x.dtype, batch_major=True)
+    sizes: dict[int, list[float]] = {FORWARD_GROUP_SAMPLES: [], batch: []}
+
+    def run(n: int) -> None:
+        with torch.no_grad():  # as in the forward of the ranks (the weights require grad)
+            sequential_forward(
+                model.strategy, model.mode, x[:, :n], h0[:n], None, weights, None, out=out[:, :n]
+            )
+
+    for i in range(warmup + repeats):
+        for n, times in sizes.items():
+            ms = time_ms(lambda n=n: run(n), x.device)
+            if i >= warmup:
+                times.append(ms)
+    group, whole = (statistics.median(t) for t in sizes.values())
+    return group / whole
+
+
+def forward_split(per_step: float, batch: int, share: float) -> tuple[float, float]:
+    """(per sample, per group): a compiled forward's cost per step, ``per_step`` for the whole batch,
+    split so that a group of ``FORWARD_GROUP_SAMPLES`` costs ``share`` of it: the straight line
+    through the two. A share no line with both parts positive passes (0: none measured) leaves the
+    whole cost per sample."""
+    from bppsa_core.distributed import FORWARD_GROUP_SAMPLES
+
+    if batch <= FORWARD_GROUP_SAMPLES:
+        return per_step / batch, 0.0
+    per_sample = per_step * (1 - share) / (batch - FORWARD_GROUP_SAMPLES)
+    per_group = per_step - per_sample * batch
+    if per_sample <= 0 or per_group < 0:
+        return per_step / batch, 0.0
+    return per_sample, per_group
+
+
+def calibration(
+    steps: int, batch: int, groups: int, rows: list[dict], fold_s: float, compiled: bool, share: float = 0.0
+) -> dict:
     """The model's costs of a device (module docstring) from one rank's rows at ``steps``;
     ``compiled``: BPPSA's forward ran compiled (else it is the fused one, which ``forward_step``
-    prices)."""
+    prices), a group of ``FORWARD_GROUP_SAMPLES`` costing ``share`` of the batch (``_group_share``;
+    0: no group's part)."""
     one = {r["backward"]: r for r in rows if r["p"] == 1 and r["T"] == steps}
+    per_sample, per_group = 0.0, 0.0
+    if compiled:
+        per_sample, per_group = forward_split(one["bppsa"]["forward_s"] / steps, batch, share)
     return {
         "forward_step": one["bptt"]["forward_s"] / steps,
-        "forward_sample": one["bppsa"]["forward_s"] / (steps * batch) if compiled else 0.0,
+        "forward_sample": per_sample,
+        "forward_group": per_group,
         "walk": one["bppsa"]["backward_s"] / (steps * batch),
         "fold": fold_s / (steps * batch),
         "overhead": one["bptt"]["backward_s"] / (2 * steps - 1),
@@ -518,7 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # one rank's BPPSA also in each p-rank spawn: on CPUs, whose speed drifts (a GPU rank's would need
     # a one-rank NCCL group beside the p-rank one)
     settings["alongside"] = 1 in args.ranks and args.device == "cpu"
-    rounds, folds, timelines, compiled = [], {}, {}, False
+    rounds, folds, shares, timelines, compiled = [], {}, {}, {}, False
     for turn in range(args.rounds):
         rows = []
         for steps in args.T:
@@ -534,6 +593,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if "fold" in per_rank[0]:  # one rank of one layer: what the model's device costs
                     folds.setdefault(steps, []).append(per_rank[0]["fold"])
                     compiled = per_rank[0]["compiled_forward"]
+                    if "group_share" in per_rank[0]:
+                        shares.setdefault(steps, []).append(per_rank[0]["group_share"])
         rounds.append(rows)
     per_rank = "nccl, one GPU" if args.device == "cuda" else "gloo, one thread"
     over = f", then over {args.rounds} rounds taking turns" if args.rounds > 1 else ""
@@ -550,10 +611,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if folds:
         steps = max(folds)
         groups = len(sample_groups(args.B, args.micro_batches))
-        costs = calibration(steps, args.B, groups, rows, statistics.median(folds[steps]), compiled)
+        share = statistics.median(shares[steps]) if steps in shares else 0.0
+        costs = calibration(steps, args.B, groups, rows, statistics.median(folds[steps]), compiled, share)
         bppsa_forward = "BPPSA's fused"
         if compiled:
-            bppsa_forward = f"BPPSA's compiled {costs['forward_sample']:.3g} s per step and sample"
+            bppsa_forward = (
+                f"BPPSA's compiled {costs['forward_sample']:.3g} s per step and sample and "
+                f"{costs['forward_group']:.3g} s per step and group"
+            )
         print(
             f"\none rank at T = {steps}: forward BPTT's {costs['forward_step']:.3g} s per step, "
             f"{bppsa_forward}; BPPSA walk {costs['walk']:.3g} s and fold {costs['fold']:.3g} s per step "

@@ -51,13 +51,14 @@ def parser() -> OneLineParser:
         "--calibration",
         nargs="+",
         help="calibration.json files of benchmarks.schemes (flops, alpha, beta) or "
-        "benchmarks.distributed (overhead, forward_step, forward_sample, walk, fold, groups): they set "
-        "what the flags leave unset, a later file winning",
+        "benchmarks.distributed (overhead, forward_step, forward_sample, forward_group, walk, fold, groups): "
+        "they set what the flags leave unset, a later file winning",
     )
     p.add_argument("--overhead", type=non_negative_float, help="seconds per layer operation (default: 0)")
     for flag, what in (
         ("--forward-step", "seconds per step of a device's fused forward, whatever the batch"),
         ("--forward-sample", "seconds per step and sample of a device's compiled BPPSA forward"),
+        ("--forward-group", "seconds per step and group of samples of a device's compiled BPPSA forward"),
         ("--walk", "seconds per step and sample of a device's compiled BPPSA backward of its slice"),
         ("--fold", "seconds per step and sample of a middle device's fold of its slice"),
     ):
@@ -89,7 +90,12 @@ def _header(name: str, batch: int, args: argparse.Namespace) -> str:
     if args.forward_step or args.forward_sample or args.walk or args.fold:
         header += (
             f"; a device's compiled steps: forward {args.forward_step:.3g} s per step"
-            + (f" (BPPSA's {args.forward_sample:.3g} s per step and sample)" if args.forward_sample else "")
+            + (
+                f" (BPPSA's {args.forward_sample:.3g} s per step and sample, {args.forward_group:.3g} s per "
+                "step and group)"
+                if args.forward_sample
+                else ""
+            )
             + f", walk {args.walk:.3g} s and fold {args.fold:.3g} s per step and sample"
         )
     if args.groups > 1:
@@ -135,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.walk,
         args.fold,
         args.forward_sample,
+        args.forward_group,
     )
     found = estimates(
         net,

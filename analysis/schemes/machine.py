@@ -29,10 +29,11 @@ class Machine:
     A device that runs ``bppsa_core.distributed`` on its slice of a recurrent network's steps does not
     pay per operation. PyTorch's fused forward (distributed BPTT's, keeping autograd's graph) costs
     ``forward_step`` seconds per step whatever the batch; BPPSA's forward, compiled on a CPU, costs
-    ``forward_sample`` seconds per step and sample (where unset, BPPSA's is the fused one too); BPPSA's
-    backward of the slice from a given gradient is a compiled scan, ``walk`` seconds per step and
-    sample; a middle device folds its slice into one affine element per sample, ``fold`` seconds per
-    step and sample (``python -m benchmarks.distributed`` measures all four on one rank). Each 0
+    ``forward_sample`` seconds per step and sample plus ``forward_group`` per step of each group of
+    samples it runs at once (where unset, BPPSA's is the fused one too); BPPSA's backward of the
+    slice from a given gradient is a compiled scan, ``walk`` seconds per step and sample; a middle
+    device folds its slice into one affine element per sample, ``fold`` seconds per step and sample
+    (``python -m benchmarks.distributed`` measures them on one rank). Each 0
     (unset) charges the steps' operations instead. These costs are those of the schemes
     ``bppsa_core.distributed`` runs (sequential BP, distributed BPTT and BPPSA); the others schedule
     operations."""
@@ -46,6 +47,7 @@ class Machine:
     walk: float = 0.0
     fold: float = 0.0
     forward_sample: float = 0.0
+    forward_group: float = 0.0
 
     def compute(self, flops: float) -> float:
         return flops / self.flops
@@ -61,12 +63,13 @@ class Machine:
         return self.compute(flops * samples) + self.overhead * ops
 
     def forward(self, layers: Sequence[Layer], samples: float, compiled: bool = False) -> float:
-        """The forward of ``layers`` for ``samples`` samples: per recurrent step ``forward_sample``
-        per sample where ``compiled`` (BPPSA's forward) and it is set, else ``forward_step`` where it
-        is set; operations for the rest."""
+        """The forward of ``layers`` for ``samples`` samples run at once: per recurrent step
+        ``forward_sample`` per sample plus ``forward_group`` where ``compiled`` (BPPSA's forward) and
+        ``forward_sample`` is set, else ``forward_step`` where it is set; operations for the rest."""
         if compiled and self.forward_sample > 0:
             steps, rest = compiled_steps(layers, self.forward_sample)
-            return self.forward_sample * steps * samples + self.run(rest, "forward", samples)
+            per_step = self.forward_group + self.forward_sample * samples
+            return per_step * steps + self.run(rest, "forward", samples)
         steps, rest = compiled_steps(layers, self.forward_step)
         return self.forward_step * steps + self.run(rest, "forward", samples)
 
@@ -98,6 +101,7 @@ CALIBRATION = {
     "walk": "a number >= 0",
     "fold": "a number >= 0",
     "forward_sample": "a number >= 0",
+    "forward_group": "a number >= 0",
     "groups": "a positive integer",
 }
 # What the benchmarks also write there: the measurement's size, which sets nothing.

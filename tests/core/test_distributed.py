@@ -531,13 +531,17 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     # one rank's costs at the largest T, as the model charges a device (analysis.schemes)
     costs = load_calibration(tmp_path / "calibration.json")
     assert (
-        set(costs) == {"forward_step", "forward_sample", "walk", "fold", "overhead", "groups"}
+        set(costs)
+        == {"forward_step", "forward_sample", "forward_group", "walk", "fold", "overhead", "groups"}
         and costs["groups"] == MICRO_BATCHES
     )
     one = rows[(rows["p"] == 1) & (rows["T"] == 80)].set_index("backward")
-    # BPTT's forward is the fused one, per step; BPPSA's is compiled here, per step and sample
+    # BPTT's forward is the fused one, per step; BPPSA's is compiled here, per step and sample and
+    # per step of a group of samples run at once, one group of 16 making one rank's forward
     assert costs["forward_step"] == pytest.approx(one.loc["bptt", "forward_s"] / 80)
-    assert costs["forward_sample"] == pytest.approx(one.loc["bppsa", "forward_s"] / (80 * 16))
+    assert costs["forward_sample"] > 0 and costs["forward_group"] >= 0
+    per_step = costs["forward_group"] + 16 * costs["forward_sample"]
+    assert per_step == pytest.approx(one.loc["bppsa", "forward_s"] / 80)
     assert costs["walk"] == pytest.approx(one.loc["bppsa", "backward_s"] / (80 * 16))
     assert costs["overhead"] == pytest.approx(one.loc["bptt", "backward_s"] / 159)
     assert costs["fold"] > 0 and "one rank at T = 80: forward" in printed
@@ -625,8 +629,28 @@ def test_rounds_take_turns_and_the_speedups_are_the_median_of_each_rounds_own(
     costs = json.loads((tmp_path / "calibration.json").read_text())
     assert costs["fold"] == pytest.approx(0.2 / (50 * 16))
     # a forward that did not run compiled: BPPSA's is priced as the fused one, BPTT's
-    assert costs["forward_sample"] == 0 and costs["forward_step"] == pytest.approx(0.5 / 50)
+    assert costs["forward_sample"] == costs["forward_group"] == 0
+    assert costs["forward_step"] == pytest.approx(0.5 / 50)
     assert "forward BPTT's 0.01 s per step, BPPSA's fused;" in out
+
+
+@pytest.mark.parametrize(
+    ("share", "batch", "split"),
+    [
+        (0.4, 16, (0.05, 0.2)),  # a group of 4 costs 0.2 + 4 * 0.05 = 0.4 of the 16 samples' step
+        (0.25, 16, (1 / 16, 0.0)),  # in proportion to its samples: no part per group
+        (0.2, 16, (1 / 16, 0.0)),  # cheaper than its samples: no line with a part >= 0 passes both
+        (1.2, 16, (1 / 16, 0.0)),  # dearer than the whole batch: none with a part per sample > 0
+        (0.0, 16, (1 / 16, 0.0)),  # none measured
+        (1.0, 4, (0.25, 0.0)),  # the batch is one group
+    ],
+)
+def test_a_compiled_forwards_step_splits_into_a_part_per_sample_and_one_per_group(
+    share, batch, split
+) -> None:
+    from benchmarks.distributed import forward_split
+
+    assert forward_split(1.0, batch, share) == pytest.approx(split)
 
 
 def test_each_spawns_times_are_printed_as_it_ends_so_a_stopped_run_keeps_them(monkeypatch, capsys) -> None:

@@ -402,6 +402,22 @@ def test_a_compiled_forward_pays_per_sample_and_hands_its_batch_on_in_groups_whe
     assert close(bppsa(long, 16, 2, COMPILED, "allgather", groups=16).time, 2 * steps * 1e-5 + 17 * walk)
 
 
+def test_a_compiled_forward_pays_a_part_per_group_whatever_its_samples() -> None:
+    """``forward_group`` is charged once per step of each group run at once: one device's forward of
+    16 samples pays it once a step, two devices handing 4 groups on pay it 4 times a step each, so
+    small groups cost more per sample than the batch whole."""
+    fs, fg = 1e-7, 3e-7
+    machine = replace(COMPILED, forward_sample=fs, forward_group=fg)
+    steps = FORWARD_GROUP_MIN_STEPS
+    long = Network("steps", (STEP,) * (2 * steps), shared=0)
+    assert close(_forward_ends([list(long.layers)], 16, machine, True, 1)[0], 2 * steps * (fg + 16 * fs))
+    group = steps * (fg + 4 * fs)  # one group's forward of one slice
+    ends = _forward_ends(_slices(long, 2), 16, machine, True, 4)
+    assert close(ends[0], 4 * group) and close(ends[1], 5 * group)
+    # only BPPSA's compiled forward: distributed BPTT's fused one is forward_step per step
+    assert distributed_bptt(long, 16, 2, machine).time == distributed_bptt(long, 16, 2, COMPILED).time
+
+
 @pytest.mark.parametrize("groups", [1, 8])
 def test_chained_slices_walk_one_group_apart_and_never_fold(groups: int) -> None:
     """Three equal slices, m groups: the top device walks group g as soon as its forward is done,
@@ -558,7 +574,7 @@ def test_calibrations_of_both_benchmarks_combine_and_set_the_devices_compiled_co
     first, second = tmp_path / "schemes.json", tmp_path / "distributed.json"
     first.write_text(json.dumps({"flops": 2e11, "alpha": 3e-5, "beta": 4e-10, "overhead": 1.0}))
     costs = {"forward_step": 5e-6, "walk": 2e-7, "fold": 1.5e-6, "overhead": 9e-6, "groups": 8, "T": 2000}
-    costs["forward_sample"] = 4e-8
+    costs["forward_sample"], costs["forward_group"] = 4e-8, 6e-8
     second.write_text(json.dumps(costs))
     assert load_calibration(second) == {k: v for k, v in costs.items() if k != "T"}
     args = ["--model", "rnn", "--T", "400", "--p", "1", "2", "--schemes", "sequential", "bppsa-allgather"]
@@ -567,12 +583,13 @@ def test_calibrations_of_both_benchmarks_combine_and_set_the_devices_compiled_co
     header = (tmp_path / "out" / "schemes.md").read_text().splitlines()[0]
     assert "2e+11 FLOP/s" in header and "overhead 9e-06 s" in header and "β = 0 s/byte" in header
     assert (
-        "forward 5e-06 s per step (BPPSA's 4e-08 s per step and sample), walk 2e-07 s and fold 1.5e-06 s"
+        "forward 5e-06 s per step (BPPSA's 4e-08 s per step and sample, 6e-08 s per step and group), "
+        "walk 2e-07 s and fold 1.5e-06 s"
         in header
         and "8 sample groups" in header
     )
     frame = pd.read_csv(tmp_path / "out" / "schemes.csv").set_index(["scheme", "p"])
-    machine = Machine(2e11, 3e-5, 0.0, 4, 9e-6, 5e-6, 2e-7, 1.5e-6, 4e-8)
+    machine = Machine(2e11, 3e-5, 0.0, 4, 9e-6, 5e-6, 2e-7, 1.5e-6, 4e-8, 6e-8)
     net = recurrent("rnn", 400, 1, 20, 10)
     assert frame.loc[("bppsa-allgather", 2), "time"] == pytest.approx(
         bppsa(net, 16, 2, machine, "allgather", 8).time
