@@ -16,15 +16,17 @@ rank r + 1, and L layers over p ranks take about p + L - 1 slices' forwards inst
 broadcast at the end hands every layer's final state from the last rank to all, so that every rank
 returns the same ``h_n``.
 
-**Groups of samples in the forward.** A compiled step costs about its samples' multiply-adds, so
-where every CPU rank runs a layer compiled, and the slices are long enough for a message's latency
-not to count (``FORWARD_GROUP_MIN_STEPS``), the batch goes in groups (``forward_groups``: at least
-``FORWARD_GROUP_SAMPLES`` samples each, ``micro_batches`` at most): a rank sends each group's last
-state on as soon as it has it, and rank r + 1 runs that group while rank r runs the next. For m
-groups over p ranks a layer then takes about (p + m - 1) / m slices' forwards instead of p. The
-ranks agree on it (one all-gather at the start, which also checks the slices), since a sender's
-groups must be its receiver's. PyTorch's fused kernel costs nearly the same for 2 samples as for
-16, so a layer left to it goes whole.
+**Groups of samples in the forward.** A compiled step costs its samples' multiply-adds plus a
+group's own work (``FORWARD_GROUP_WORK``), so where every CPU rank runs a layer compiled, and the
+slices are long enough for a message's latency not to count (``FORWARD_GROUP_MIN_STEPS``), the
+batch goes in groups: a rank sends each group's last state on as soon as it has it, and rank r + 1
+runs that group while rank r runs the next. For m groups over p ranks a layer then takes about
+(p + m - 1) / m slices' forwards of a group instead of p of the batch; ``forward_groups`` picks the
+m whose pipeline is shortest (at least ``FORWARD_GROUP_SAMPLES`` samples each, ``micro_batches``
+groups at most): two groups for the paper's RNN on two ranks, where a group's own work is four
+samples', four for its GRU. The ranks agree on it (one all-gather at the start, which also checks
+the slices), since a sender's groups must be its receiver's. PyTorch's fused kernel costs nearly
+the same for 2 samples as for 16, so a layer left to it goes whole.
 
 A CPU rank of several writes each layer's outputs batch-major (a (T_r, B, H) view of (B, T_r, H)
 memory, as ``layer.native_forward`` can), since its backward walks groups of samples: a group's
@@ -138,9 +140,12 @@ MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # the ``ranks`` step of ``benchmarks.gpu_check`` on two GPUs or more, which runs 1 to 16 groups).
 MICRO_BATCHES = 16
 # Samples a group of a compiled forward over several CPU ranks takes at least (``forward_groups``):
-# a compiled step costs about its samples' multiply-adds down to about four samples, below that its
-# own fixed work (re-measured by ``python -m benchmarks.distributed --ranks 1 2 --T 100000``).
+# the hidden product's tiles take four samples at a time, and fewer re-read the weights per sample.
 FORWARD_GROUP_SAMPLES = 4
+# A compiled step's work for a group of samples beside its samples' (the loop, the stores), in
+# multiply-adds: about 100 ns, four samples' of the paper's RNN (re-measured as ``forward_group``
+# over ``forward_sample`` by ``python -m benchmarks.distributed --ranks 1 2 --T 100000``).
+FORWARD_GROUP_WORK = 2000
 # Steps the shortest slice takes at least for its forward to go in groups: each group's state is a
 # message, whose latency a shorter slice's groups do not outweigh (re-measured with this set lower,
 # ``--micro-batches 1`` against 16 in ``python -m benchmarks.distributed --ranks 2 --T 2000 4000``).
@@ -329,7 +334,12 @@ def _forward_groups(x, batch, backward, micro_batches, group, module, layers) ->
     if len(batches) > 1:
         raise SequenceParallelError(f"the ranks hold batches of {sorted(batches)}; accepted: one batch size")
     every_rank = torch.stack(every)[:, 2:].cpu().all(0).tolist()
-    return [forward_groups(batch, min(lengths), micro_batches) if c else 1 for c in every_rank]
+    return [
+        forward_groups(batch, min(lengths), micro_batches, size, weights[0].numel() + weights[1].numel())
+        if c
+        else 1
+        for c, weights in zip(every_rank, layers, strict=True)
+    ]
 
 
 class _Layer(torch.autograd.Function):
@@ -428,13 +438,20 @@ def sample_groups(batch: int, groups: int) -> list[slice]:
     return [slice(int(g[0]), int(g[-1]) + 1) for g in torch.arange(batch).tensor_split(min(batch, groups))]
 
 
-def forward_groups(batch: int, steps: int, micro_batches: int) -> int:
-    """How many groups of samples a compiled forward over several CPU ranks hands on in turn
-    (``_pipelined_forward``), its shortest slice ``steps`` long: ``micro_batches`` at most, each of
-    at least ``FORWARD_GROUP_SAMPLES``, and one below ``FORWARD_GROUP_MIN_STEPS``."""
+def forward_groups(batch: int, steps: int, micro_batches: int, ranks: int = 2, work: float = 0) -> int:
+    """How many groups of samples a compiled forward over ``ranks`` CPU ranks hands on in turn
+    (``_pipelined_forward``), its shortest slice ``steps`` long, a sample's step ``work``
+    multiply-adds (0: unknown): the count whose pipeline ends first, a group's step costing its
+    samples' work plus ``FORWARD_GROUP_WORK``; ``micro_batches`` at most, each of at least
+    ``FORWARD_GROUP_SAMPLES``, the fewest of equals, and one below ``FORWARD_GROUP_MIN_STEPS``."""
     if steps < FORWARD_GROUP_MIN_STEPS:
         return 1
-    return max(1, min(micro_batches, batch // FORWARD_GROUP_SAMPLES))
+    own = FORWARD_GROUP_WORK / work if work > 0 else 0.0  # a group's own work, in samples
+
+    def pipeline(m: int) -> float:  # the last rank's end: the first rank's m groups, then the last
+        return m * own + batch + (ranks - 1) * (own + -(-batch // m))
+
+    return min(range(1, max(1, min(micro_batches, batch // FORWARD_GROUP_SAMPLES)) + 1), key=pipeline)
 
 
 def _pipelined_forward(x, state, mode, strategy, groups, group, weights):

@@ -304,13 +304,15 @@ def _forward_ends(
 
 def _forward_groups(slices: list[list[Layer]], batch: int, machine: Machine, groups: int) -> int:
     """The groups of samples BPPSA's forward hands on (``bppsa_core.distributed.forward_groups``,
-    ``groups`` standing for its micro-batches): on more than one device whose forward is compiled
-    (``forward_sample`` set), else 1."""
+    ``groups`` standing for its micro-batches, a step's forward FLOPs for twice its multiply-adds):
+    on more than one device whose forward is compiled (``forward_sample`` set), else 1."""
     from bppsa_core.distributed import forward_groups
 
     if len(slices) == 1 or machine.forward_sample <= 0:
         return 1
-    return forward_groups(batch, min(sum(x.step for x in s) for s in slices), groups)
+    steps = [x for x in slices[0] if x.step]
+    work = steps[0].forward / 2 if steps else 0.0
+    return forward_groups(batch, min(sum(x.step for x in s) for s in slices), groups, len(slices), work)
 
 
 def distributed_bptt(net: Network, batch: int, p: int, machine: Machine) -> Estimate:

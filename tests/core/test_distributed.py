@@ -100,7 +100,7 @@ def _exact(rank: int, size: int) -> None:
     # BPPSA with the batch whole, in groups of 2 + 1 samples, and one sample a group (the default),
     # in the backward and (groups of one sample at least, and any slice, here) in the compiled forward;
     # its slices' walks chained in groups of 2 + 1 and of one sample
-    sp.FORWARD_GROUP_SAMPLES, sp.FORWARD_GROUP_MIN_STEPS = 1, 1
+    sp.FORWARD_GROUP_SAMPLES, sp.FORWARD_GROUP_MIN_STEPS, sp.FORWARD_GROUP_WORK = 1, 1, 0
     runs = (
         ("bppsa", 1, "allgather"),
         ("bppsa", 2, "allgather"),
@@ -374,6 +374,7 @@ def _forward_sends(rank: int, size: int) -> None:
         compiled = (lambda *a: real(*a) and rank == 0) if first_only else real
         with (
             mock.patch.object(sp, "FORWARD_GROUP_MIN_STEPS", least),
+            mock.patch.object(sp, "FORWARD_GROUP_WORK", 0),  # as many groups as there may be
             mock.patch.object(sp.dispatch, "compiled_forward", compiled),
             mock.patch.object(sp.dist, "isend", wraps=sp.dist.isend) as isend,
             mock.patch.object(sp.dist, "send", wraps=sp.dist.send) as send,
@@ -386,6 +387,27 @@ def _forward_sends(rank: int, size: int) -> None:
         close = {"rtol": 1e-12, "atol": 1e-12, "msg": lambda m, case=case: f"{case}: {m}"}
         torch.testing.assert_close(out, expected[_mine(rank, size)].detach(), **close)
         torch.testing.assert_close(h_n, expected_h_n.detach(), **close)
+
+
+@pytest.mark.parametrize(
+    ("batch", "ranks", "work", "micro_batches", "groups"),
+    [
+        (16, 2, 420, 16, 2),  # the paper's RNN: a group's own work is about 5 samples'
+        (16, 4, 420, 16, 4),  # more ranks to fill: more groups
+        (64, 2, 420, 16, 4),
+        (16, 2, 3 * 20 * 44, 16, 4),  # its GRU (24 inputs): a group costs little more than its samples
+        (16, 2, 0, 16, 4),  # work unknown: as many as groups of FORWARD_GROUP_SAMPLES allow
+        (16, 2, 420, 1, 1),  # micro_batches bounds them
+        (3, 2, 0, 16, 1),  # fewer samples than a group takes
+    ],
+)
+def test_a_compiled_forward_takes_the_group_count_whose_pipeline_ends_first(
+    batch, ranks, work, micro_batches, groups
+) -> None:
+    from bppsa_core.distributed import FORWARD_GROUP_MIN_STEPS, forward_groups
+
+    assert forward_groups(batch, FORWARD_GROUP_MIN_STEPS, micro_batches, ranks, work) == groups
+    assert forward_groups(batch, FORWARD_GROUP_MIN_STEPS - 1, micro_batches, ranks, work) == 1
 
 
 @pytest.mark.extended

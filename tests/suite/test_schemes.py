@@ -46,7 +46,7 @@ from analysis.schemes.schemes import (
     sequential,
     table,
 )
-from bppsa_core.distributed import FORWARD_GROUP_MIN_STEPS, sample_groups
+from bppsa_core.distributed import FORWARD_GROUP_MIN_STEPS, forward_groups, sample_groups
 
 VGG = vgg11()
 RNN = recurrent("rnn", 40, 1, 20, 10)
@@ -372,13 +372,14 @@ def test_a_middle_device_folds_every_group_before_its_first_exchange() -> None:
 
 def test_a_compiled_forward_pays_per_sample_and_hands_its_batch_on_in_groups_where_the_code_does() -> None:
     """BPPSA's compiled forward (``forward_sample``) costs per step and sample; over two slices of at
-    least ``FORWARD_GROUP_MIN_STEPS`` steps it goes in groups of 4 of 16 samples, the second device
-    running group g while the first runs g + 1: (m + 1) / m of a slice's forward for m groups, and
-    each group's message. Shorter slices go whole, and distributed BPTT keeps its fused forward."""
+    least ``FORWARD_GROUP_MIN_STEPS`` steps of much work it goes in groups of 4 of 16 samples, the
+    second device running group g while the first runs g + 1: (m + 1) / m of a slice's forward for m
+    groups, and each group's message. Shorter slices go whole, and distributed BPTT keeps its fused
+    forward."""
     fs, alpha = 1e-7, 3e-6
     machine = replace(COMPILED, forward_sample=fs)
     steps = FORWARD_GROUP_MIN_STEPS
-    long = Network("steps", (STEP,) * (2 * steps), shared=0)
+    long = Network("steps", (replace(STEP, forward=2e6),) * (2 * steps), shared=0)
     slices = _slices(long, 2)
     group = steps * 4 * fs  # one group's forward of one slice
     ends = _forward_ends(slices, 16, replace(machine, alpha=alpha), True, 4)
@@ -399,6 +400,13 @@ def test_a_compiled_forward_pays_per_sample_and_hands_its_batch_on_in_groups_whe
     # groups as the code makes them; without forward_sample BPPSA's forward is the fused one, whole
     assert _forward_groups(slices, 16, machine, 16) == 4 and _forward_groups(slices, 16, machine, 2) == 2
     assert _forward_groups(slices, 16, COMPILED, 16) == 1
+    # a step of little work (the paper's RNN: 420 multiply-adds a sample, a group's own work about 5
+    # samples') goes in 2 groups over 2 devices, 4 over 4; one of almost none goes whole
+    for work, p, m in ((420, 2, 2), (420, 4, 4), (0.5, 2, 1)):
+        step = replace(STEP, forward=2 * work)
+        net = Network("steps", (step,) * (p * steps), shared=0)
+        assert _forward_groups(_slices(net, p), 16, machine, 16) == m
+        assert _forward_groups(_slices(net, p), 16, machine, 16) == forward_groups(16, steps, 16, p, work)
     assert close(bppsa(long, 16, 2, COMPILED, "allgather", groups=16).time, 2 * steps * 1e-5 + 17 * walk)
 
 
