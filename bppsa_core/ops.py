@@ -22,6 +22,7 @@ differentiated goes through ``layer.differentiable_vjp`` instead of the operator
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -197,6 +198,24 @@ def _unsqueezed(*states: Tensor | None) -> list[Tensor | None]:
     return [None if s is None else s.unsqueeze(0) for s in states]
 
 
+# Bytes from which NumPy asks the system for huge pages for an array (its own threshold, 4 MiB).
+_HUGE_PAGE_BYTES = 4 << 20
+_NUMPY_KINDS = {torch.float32: "float32", torch.float64: "float64"}
+
+
+def _copy(out: Tensor) -> Tensor:
+    """A copy of a layer's outputs for the caller to own. A large contiguous one on a CPU is made in
+    NumPy's memory where NumPy is loaded (the compiled forward loads it): NumPy asks for huge pages,
+    where a tensor's fresh memory faults a page every 4 KB, which cost most of the copy and up to
+    half of a long layer's training forward
+    (re-measured by ``python -m benchmarks.forward --tables compiled --T 30000``)."""
+    np, kind = sys.modules.get("numpy"), _NUMPY_KINDS.get(out.dtype)
+    large = out.numel() * out.element_size() >= _HUGE_PAGE_BYTES
+    if np is None or kind is None or out.device.type != "cpu" or not large or not out.is_contiguous():
+        return out.clone()
+    return torch.from_numpy(np.empty(tuple(out.shape), kind)).copy_(out)
+
+
 def _keep(ctx: Any, inputs: tuple, output: tuple, out: Tensor) -> None:
     """What a layer call's backward and tangent read: its inputs and ``out``, its outputs h_1..h_T
     (``output[0]``, or a copy the call did not return: ``_EagerLayer``). The tangent's copy is made
@@ -317,7 +336,7 @@ class _EagerLayer(torch.autograd.Function):
         if tape is not None:  # the tape's copy of the outputs, which the kernel wrote beside them
             kept = tape.hidden[1:]
         elif own and recorded:
-            output = (kept.clone(), *output[1:])
+            output = (_copy(kept), *output[1:])
         _keep(ctx, inputs, output, kept)
         ctx.tape = tape
         return output

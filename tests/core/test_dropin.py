@@ -113,6 +113,33 @@ def test_results_changed_in_place_get_torch_nns_gradients(kind, layers, strategy
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_long_outputs_changed_in_place_get_torch_nns_gradients(kind, batch_first) -> None:
+    """Outputs of several MiB (the caller's copy made in NumPy's memory, ``ops._copy``), time- or
+    batch-major, changed in place before the loss: torch.nn's values and gradients, float64."""
+    from bppsa_core import ops
+
+    ref_cls, ours_cls = KINDS[kind]
+    torch.manual_seed(0)
+    ref = ref_cls(3, 20, batch_first=batch_first).double()
+    ours = ours_cls(3, 20, batch_first=batch_first).double()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(2000, 16, 3, dtype=F64)
+    x = x.transpose(0, 1).contiguous() if batch_first else x
+    assert x.numel() // 3 * 20 * 8 >= ops._HUGE_PAGE_BYTES  # outputs past the bound
+    outs, grads = [], []
+    for module in (ref, ours):
+        out, _ = module(x)
+        outs.append(out.detach().clone())
+        out.mul_(3)
+        out.sin().sum().backward()
+        grads.append([p.grad for p in module.parameters()])
+    assert rel_err(outs[1], outs[0]) < 1e-12
+    for a, b in zip(*grads, strict=True):
+        assert rel_err(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("strategy", FORWARDS)
 def test_last_states_detached_in_place_carry_over_as_torch_nns(kind, strategy) -> None:
     """Truncated BPTT's idiom: ``h_n.detach_()`` after each chunk's backward (a view may not be
