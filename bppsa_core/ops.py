@@ -200,20 +200,21 @@ def _unsqueezed(*states: Tensor | None) -> list[Tensor | None]:
 
 # Bytes from which NumPy asks the system for huge pages for an array (its own threshold, 4 MiB).
 _HUGE_PAGE_BYTES = 4 << 20
-_NUMPY_KINDS = {torch.float32: "float32", torch.float64: "float64"}
 
 
 def _copy(out: Tensor) -> Tensor:
-    """A copy of a layer's outputs for the caller to own. A large contiguous one on a CPU is made in
-    NumPy's memory where NumPy is loaded (the compiled forward loads it): NumPy asks for huge pages,
-    where a tensor's fresh memory faults a page every 4 KB, which cost most of the copy and up to
-    half of a long layer's training forward
+    """A copy of a layer's outputs for the caller to own. A large contiguous one on a CPU is made as
+    the compiled forward makes its outputs (``numba_forward.new_outputs``: NumPy's memory, in huge
+    pages) where that module is loaded: in a tensor's fresh memory, which faults a page every 4 KB,
+    the faults cost most of the copy and up to half of a long layer's training forward
     (re-measured by ``python -m benchmarks.forward --tables compiled --T 30000``)."""
-    np, kind = sys.modules.get("numpy"), _NUMPY_KINDS.get(out.dtype)
+    compiled = sys.modules.get("bppsa_core.numba_forward")  # loaded where the compiled forward runs
     large = out.numel() * out.element_size() >= _HUGE_PAGE_BYTES
-    if np is None or kind is None or out.device.type != "cpu" or not large or not out.is_contiguous():
+    if compiled is None or out.dtype not in compiled.NUMPY_DTYPES or out.device.type != "cpu":
         return out.clone()
-    return torch.from_numpy(np.empty(tuple(out.shape), kind)).copy_(out)
+    if not large or not out.is_contiguous():
+        return out.clone()
+    return compiled.new_outputs(*out.shape, out.dtype).copy_(out)
 
 
 def _keep(ctx: Any, inputs: tuple, output: tuple, out: Tensor) -> None:

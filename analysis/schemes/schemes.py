@@ -310,8 +310,7 @@ def _forward_groups(slices: list[list[Layer]], batch: int, machine: Machine, gro
 
     if len(slices) == 1 or machine.forward_sample <= 0:
         return 1
-    steps = [x for x in slices[0] if x.step]
-    work = steps[0].forward / 2 if steps else 0.0
+    work = next((x.forward / 2 for x in slices[0] if x.step), 0.0)
     return forward_groups(batch, min(sum(x.step for x in s) for s in slices), groups, len(slices), work)
 
 
