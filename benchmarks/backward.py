@@ -14,8 +14,8 @@ medians of ``--repeats`` runs after ``--warmup``, so every ratio compares like w
 * ``scan``: the scan alone on the identical chain, BPPSA per strategy against the peers
   ``torch._higher_order_ops.associative_scan`` and ``jax.lax.associative_scan``
   (``benchmarks.scan``), each checked against the sequential twin.
-* ``epoch``: one training epoch of the paper's RNN task (bitstream, 10 classes, loss on h_T, Adam)
-  with BPTT and with BPPSA.
+* ``epoch``: a training epoch of the paper's RNN task (bitstream, 10 classes, loss on h_T, Adam)
+  with BPTT and with BPPSA, the median of ``--repeats`` epochs each, every one from the same weights.
 
 Both timing tables carry the floors of ``benchmarks.floors``: the bytes a backward must move
 over the measured copy bandwidth, and the Blelloch scan's 2·ceil(log2 T) levels times the measured
@@ -284,13 +284,17 @@ def _train(
 
 
 def _captured_epoch(
-    model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], lr: float, warmup: int
+    model: torch.nn.Module,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    lr: float,
+    warmup: int,
+    repeats: int = 1,
 ) -> tuple[float, float]:
-    """Seconds and mean loss of ``_train``'s epoch as the README's fast path runs it: one training
-    step (forward, loss, backward, Adam step) captured once in a CUDA graph over fixed input tensors,
-    then per batch the batch copied in and the graph replayed, one synchronization at the end. The
-    warm-up's updates are undone in place (weights and Adam's state), so the epoch starts from the
-    model's weights as given, as ``_train``'s does."""
+    """Median seconds over ``repeats`` epochs, and the mean loss, of ``_train``'s epoch as the README's
+    fast path runs it: one training step (forward, loss, backward, Adam step) captured once in a CUDA
+    graph over fixed input tensors, then per batch the batch copied in and the graph replayed, one
+    synchronization at the end. The warm-up's updates and each epoch's are undone in place (weights
+    and Adam's state), so every epoch starts from the model's weights as given, as ``_train``'s does."""
     x0, y0 = batches[0]
     if any(x.shape != x0.shape or y.shape != y0.shape for x, y in batches):
         raise ValueError("a captured step replays batches of one shape; --epoch-samples a multiple of B")
@@ -306,8 +310,6 @@ def _captured_epoch(
         total.add_(loss.detach())
 
     replay = capture_step(step, optimizer, x0.device, warmup)
-    start.restore()
-    total.zero_()
 
     def epoch() -> None:
         for x, y in batches:
@@ -315,8 +317,12 @@ def _captured_epoch(
             static_y.copy_(y)
             replay()
 
-    ms = time_ms(epoch, x0.device)
-    return ms / 1e3, total.item() / len(batches)
+    times = []
+    for _ in range(repeats):
+        start.restore()
+        total.zero_()
+        times.append(time_ms(epoch, x0.device))
+    return statistics.median(times) / 1e3, total.item() / len(batches)
 
 
 def epoch_comparison(
@@ -330,8 +336,10 @@ def epoch_comparison(
     seed: int = 0,
     lr: float = PAPER_LR,
     progress: Progress | None = None,
+    repeats: int = 1,
 ) -> EpochRow:
-    """One epoch of BPTT and one of BPPSA from the same weights over the same batches, same clock.
+    """BPTT's and BPPSA's median epoch over ``repeats`` rounds, the two taking turns, every epoch from
+    the same weights over the same batches, same clock.
 
     The batches are generated beforehand and kept on the device, so the epoch times forward, loss,
     backward and Adam step of every batch, with one synchronization at its end. ``warmup``
@@ -357,14 +365,19 @@ def epoch_comparison(
             for m in fresh[name].modules():
                 if isinstance(m, torch.nn.RNNBase):
                     m.flatten_parameters()
-    seconds, losses = [], []
     for name, model in models.items():
-        say(f"epoch with {name} ...")
+        say(f"warm-up of {name} ...")
         _train(copy.deepcopy(model), batches[:1] * max(1, warmup), lr)
-        total = torch.zeros(())
-        ms = time_ms(lambda model=model, total=total: total.copy_(_train(model, batches, lr)), device)
-        seconds.append(ms / 1e3)
-        losses.append(total.item() / len(batches))
+    times: dict[str, list[float]] = {name: [] for name in models}
+    totals = {name: torch.zeros(()) for name in models}
+    for r in range(repeats):
+        say(f"epochs, round {r + 1} of {repeats} ...")
+        for name, model in models.items():
+            trained = copy.deepcopy(model)  # every epoch from the same weights
+            epoch = lambda m=trained, total=totals[name]: total.copy_(_train(m, batches, lr))  # noqa: E731
+            times[name].append(time_ms(epoch, device))
+    seconds = [statistics.median(times[name]) / 1e3 for name in models]
+    losses = [totals[name].item() / len(batches) for name in models]
     taken = sum(len(y) for _, y in batches)
     row = EpochRow(steps, batch, hidden, taken, len(batches), strategy, *seconds, *losses)
     if fresh:
@@ -372,7 +385,7 @@ def epoch_comparison(
         for name, model in fresh.items():
             say(f"captured epoch with {name} ...")
             try:
-                s, loss = _captured_epoch(model, batches, lr, warmup)
+                s, loss = _captured_epoch(model, batches, lr, warmup, repeats)
             except (ValueError, RuntimeError) as exc:
                 cell, row.notes[f"{name.upper()} captured"] = failure(exc)
                 s, loss = cell, math.nan
@@ -475,11 +488,12 @@ LEGEND = (
 )
 NOT_TIMED = "Not timed (n/a: the method refused this device or shape; error: it failed):"
 EPOCH_NOTE = (
-    f"One epoch each from the same weights over the same shuffled batches (Adam, lr {PAPER_LR:g}, "
-    "loss on h_T), batches generated on the device beforehand; forward, loss, backward and step "
-    "of every batch, one synchronization at the end. Mean losses agreeing shows the same training. "
-    "'captured' (a GPU): the same epoch from the same weights with the step (Adam capturable) captured "
-    "once in a CUDA graph, each batch copied into its inputs and the graph replayed."
+    f"Each side's median epoch over the repeats, BPTT and BPPSA taking turns, every epoch from the same "
+    f"weights over the same shuffled batches (Adam, lr {PAPER_LR:g}, loss on h_T), batches generated on "
+    "the device beforehand; forward, loss, backward and step of every batch, one synchronization at the "
+    "end. Mean losses agreeing shows the same training. 'captured' (a GPU): the same epoch from the same "
+    "weights with the step (Adam capturable) captured once in a CUDA graph, each batch copied into its "
+    "inputs and the graph replayed."
 )
 
 
@@ -629,7 +643,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         for t, b, h, n in epochs:
             try:
                 rows.append(
-                    epoch_comparison(t, b, h, n, device, args.epoch_strategy, args.warmup, progress=progress)
+                    epoch_comparison(
+                        t,
+                        b,
+                        h,
+                        n,
+                        device,
+                        args.epoch_strategy,
+                        args.warmup,
+                        progress=progress,
+                        repeats=args.repeats,
+                    )
                 )
             except Exception as exc:  # reported, so that the tables after it still run
                 failed.append(f"- T={t}: {type(exc).__name__}: {exc}".splitlines()[0])

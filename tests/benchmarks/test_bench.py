@@ -118,6 +118,14 @@ def test_the_epoch_comparison_trains_both_models_alike() -> None:
     assert row.bppsa_loss == pytest.approx(row.bptt_loss, rel=1e-4)
 
 
+@pytest.mark.extended  # as above
+def test_repeated_epochs_each_start_from_the_given_weights() -> None:
+    """At a learning rate whose updates show in the loss, the last of three epochs has the first's
+    mean loss on both sides: no round trains on from the one before."""
+    one, three = (epoch_comparison(20, 4, 5, 12, CPU, warmup=0, lr=0.1, repeats=n) for n in (1, 3))
+    assert (three.bptt_loss, three.bppsa_loss) == (one.bptt_loss, one.bppsa_loss)
+
+
 def _epoch_row(captured_s=None, captured_loss=None) -> backward.EpochRow:
     return backward.EpochRow(20, 4, 5, 16, 4, "auto", 2.0, 1.0, 0.5, 0.5, captured_s, captured_loss)
 
@@ -167,7 +175,7 @@ def test_a_captured_epoch_starts_from_the_given_weights_and_sums_every_batch(mon
     model = Classifier(torch.nn.RNN(1, 5, batch_first=True), backward.CLASSES)
     batches = backward.bitstream_batches(12, 4, 16, CPU)
     eager = backward._train(copy.deepcopy(model), batches, 1e-2).item() / len(batches)
-    seconds, loss = backward._captured_epoch(model, batches, 1e-2, 1)
+    seconds, loss = backward._captured_epoch(model, batches, 1e-2, 1, repeats=2)  # each from the weights
     assert seconds > 0 and loss == pytest.approx(eager, rel=1e-6)
 
 
