@@ -118,6 +118,7 @@ class EpochRow:
     captured_s: tuple[float | str, float | str] | None = None
     captured_loss: tuple[float, float] | None = None
     notes: dict[str, str] = field(default_factory=dict)
+    spread: float = 0.0  # the largest (max - min) / median of a side's timed eager epochs
 
 
 def default_strategies(device: torch.device) -> list[str]:
@@ -380,6 +381,7 @@ def epoch_comparison(
     losses = [totals[name].item() / len(batches) for name in models]
     taken = sum(len(y) for _, y in batches)
     row = EpochRow(steps, batch, hidden, taken, len(batches), strategy, *seconds, *losses)
+    row.spread = max((max(t) - min(t)) / statistics.median(t) for t in times.values())
     if fresh:
         cells, captured_losses = [], []
         for name, model in fresh.items():
@@ -401,14 +403,19 @@ def format_epoch_table(rows: Sequence[EpochRow]) -> str:
     strategy = rows[0].strategy if rows else "auto"
     captured = any(r.captured_s is not None for r in rows)
     head = ["model", "T", "B", "H", "samples", "iterations", "BPTT epoch s", f"BPPSA ({strategy}) epoch s"]
-    head += ["BPTT / BPPSA", "BPTT mean loss", "BPPSA mean loss"]
+    head += ["BPTT / BPPSA", "spread", "BPTT mean loss", "BPPSA mean loss"]
     if captured:
         head += ["BPTT captured s", "BPPSA captured s", "captured BPTT / BPPSA"]
         head += ["BPTT captured mean loss", "BPPSA captured mean loss"]
     body = []
     for r in rows:
         cells = ["rnn", str(r.steps), str(r.batch), str(r.hidden), str(r.samples), str(r.iterations)]
-        cells += [f"{r.bptt_s:.4g}", f"{r.bppsa_s:.4g}", f"{r.bptt_s / r.bppsa_s:.3g}"]
+        cells += [
+            f"{r.bptt_s:.4g}",
+            f"{r.bppsa_s:.4g}",
+            f"{r.bptt_s / r.bppsa_s:.3g}",
+            f"{100 * r.spread:.0f} %",
+        ]
         cells += [f"{r.bptt_loss:.6f}", f"{r.bppsa_loss:.6f}"]
         if captured:
             s, loss = r.captured_s or ("n/a", "n/a"), r.captured_loss or (math.nan, math.nan)
@@ -488,12 +495,12 @@ LEGEND = (
 )
 NOT_TIMED = "Not timed (n/a: the method refused this device or shape; error: it failed):"
 EPOCH_NOTE = (
-    f"Each side's median epoch over the repeats, BPTT and BPPSA taking turns, every epoch from the same "
-    f"weights over the same shuffled batches (Adam, lr {PAPER_LR:g}, loss on h_T), batches generated on "
-    "the device beforehand; forward, loss, backward and step of every batch, one synchronization at the "
-    "end. Mean losses agreeing shows the same training. 'captured' (a GPU): the same epoch from the same "
-    "weights with the step (Adam capturable) captured once in a CUDA graph, each batch copied into its "
-    "inputs and the graph replayed."
+    "Each side's median epoch over the repeats, BPTT and BPPSA taking turns (spread: the larger (max - "
+    "min) / median of the two sides' epochs), every epoch from the same weights over the same shuffled "
+    f"batches (Adam, lr {PAPER_LR:g}, loss on h_T), batches generated on the device beforehand; forward, "
+    "loss, backward and step of every batch, one synchronization at the end. Mean losses agreeing shows "
+    "the same training. 'captured' (a GPU): the same epoch from the same weights with the step (Adam "
+    "capturable) captured once in a CUDA graph, each batch copied into its inputs and the graph replayed."
 )
 
 

@@ -126,6 +126,32 @@ def test_repeated_epochs_each_start_from_the_given_weights() -> None:
     assert (three.bptt_loss, three.bppsa_loss) == (one.bptt_loss, one.bppsa_loss)
 
 
+def test_the_epochs_take_turns_and_the_row_gives_their_medians_and_spread(monkeypatch) -> None:
+    """BPTT's and BPPSA's epochs alternate round by round, each on a fresh copy of its model; a cell
+    is its side's median and the spread the larger (max - min) / median, here BPPSA's (3 - 1) / 2.
+    The epochs' times are set and their training stood in for."""
+    trained, seconds = [], iter([4.0, 1.0, 5.0, 2.0, 6.0, 3.0])  # ms: BPTT, BPPSA, BPTT, ...
+
+    def train(model, batches, lr):
+        trained.append(model)
+        return torch.zeros(())
+
+    def time_ms(fn, device):
+        fn()
+        return next(seconds)
+
+    monkeypatch.setattr(backward, "_train", train)
+    monkeypatch.setattr(backward, "time_ms", time_ms)
+    row = epoch_comparison(20, 4, 5, 8, CPU, warmup=1, repeats=3)
+    timed = trained[2:]  # after each side's warm-up
+    kinds = [m.rnn.backward_mode for m in timed]
+    assert len(timed) == 6 and len({id(m) for m in timed}) == 6  # a fresh copy each epoch
+    assert (row.bptt_s, row.bppsa_s, row.spread) == (5e-3, 2e-3, 1.0)
+    assert kinds == ["bptt", "bppsa"] * 3
+    ((head, (cells,)),) = markdown_tables(backward.format_epoch_table([row]))
+    assert dict(zip(head, cells, strict=True))["spread"] == "100 %"
+
+
 def _epoch_row(captured_s=None, captured_loss=None) -> backward.EpochRow:
     return backward.EpochRow(20, 4, 5, 16, 4, "auto", 2.0, 1.0, 0.5, 0.5, captured_s, captured_loss)
 
