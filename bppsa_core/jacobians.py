@@ -59,6 +59,11 @@ BLOCK_BYTES = {"cpu": 8 << 20, "gpu": 256 << 20}
 # this thread's scopes: ``kept``, the buffers of its ``reusing_buffers`` scope by name; ``block_bytes``,
 # the budget of its ``block_budget`` scope
 _scope = threading.local()
+# Bytes of a CPU scope's buffers that a thread keeps for its next scope (``reusing_buffers``): a few
+# blocks' worth (``BLOCK_BYTES``), so every backward after the first of a shape takes memory already
+# paged in (re-measured by ``python -m benchmarks.backward --tables epoch``, whose processes differed
+# up to 2x in backward time by how glibc had come to hand back freed blocks).
+KEEP_BYTES = 32 << 20
 
 
 def _block_steps(bytes_per_step: int, device: torch.device) -> int:
@@ -101,19 +106,29 @@ class reusing_buffers:  # noqa: N801 (a context manager, named as a function)
     freed (it unmaps them, or trims the heap's top), so every block's scratch arrives as fresh pages
     that fault in on first touch, a few thousand per call. Where a sequence-parallel rank walks its
     slice in several groups of samples, those faults cost it a good part of its backward on a CPU
-    (re-measured by ``python -m benchmarks.distributed --ranks 2``). A scope inside a scope is the
-    same scope; the buffers are freed when the outermost one ends. Walks in one scope must run one
-    after another: they share the buffers. A class, not a generator: a short layer's backward
-    enters one (re-measured by ``python -m benchmarks.host``)."""
+    (re-measured by ``python -m benchmarks.distributed --ranks 2``). For the same reason the thread
+    keeps a CPU scope's buffers, up to ``KEEP_BYTES`` (the smallest first), for its next scope: the
+    next backward of the shape allocates nothing. A GPU's are freed (PyTorch's caching allocator
+    keeps their memory). A scope inside a scope is the same scope. Walks in one scope must run one
+    after another: they share the buffers; nothing made in a buffer may outlive its scope. A class,
+    not a generator: a short layer's backward enters one (re-measured by ``python -m benchmarks.host``)."""
 
     def __enter__(self) -> None:
         self._outer = getattr(_scope, "kept", None) is None
         if self._outer:
-            _scope.kept = {}
+            _scope.kept, _scope.spare = getattr(_scope, "spare", None) or {}, None
 
     def __exit__(self, *exc: object) -> None:
         if self._outer:
-            _scope.kept = None
+            kept, _scope.kept = _scope.kept, None
+            _scope.spare, total = {}, 0
+            for name, t in sorted(kept.items(), key=lambda item: _nbytes(item[1])):
+                if t.device.type == "cpu" and total + _nbytes(t) <= KEEP_BYTES:
+                    _scope.spare[name], total = t, total + _nbytes(t)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def buffer(name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -148,6 +163,14 @@ def _affine(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return torch.nn.functional.linear(x.contiguous(), w, b)
 
 
+def _affine_into(x: Tensor, w: Tensor, b: Tensor | None, out: Tensor) -> Tensor:
+    """``_affine`` written into ``out``, of x's leading shape: the same GEMM, no new tensor."""
+    flat, rows = out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1])
+    if b is None:
+        return torch.mm(rows, w.t(), out=flat).view(out.shape)
+    return torch.addmm(b, rows, w.t(), out=flat).view(out.shape)
+
+
 def _carry(prev: Tensor, new: Tensor, keep: Tensor | None) -> Tensor:
     """The new states, and past a sequence's end (``keep`` 0) the previous ones, carried."""
     return new if keep is None else torch.lerp(prev, new, keep)
@@ -176,7 +199,7 @@ class RNNCell:
         ``threshold_backward``: a NaN output passes its gradient, as torch.nn's does). With ``keep``
         (T, B, 1), f' is 0 past a sequence's end and a second factor, 1 - keep, is the identity there."""
         if self.nonlinearity == "tanh":
-            fp = h.square().neg_().add_(1.0)
+            fp = torch.square(h, out=buffer("factors", h.shape, h)).neg_().add_(1.0)
         else:
             fp = (h <= 0).logical_not_().to(h.dtype)
         if keep is None:
@@ -267,8 +290,8 @@ class GRUCell:
     ) -> tuple[Tensor, ...]:
         """``factors``, and into ``h`` (when given) each step's new state from the same gates."""
         steps, batch, hidden = h_prev.shape
-        scales = h_prev.new_empty((steps, batch, 3, hidden))
-        z, dn = torch.empty_like(h_prev), torch.empty_like(h_prev)
+        scales = buffer("gru scales", (steps, batch, 3, hidden), h_prev)
+        z, dn = buffer("gru z", h_prev.shape, h_prev), buffer("gru dn", h_prev.shape, h_prev)
         # In blocks of time steps: the pre-activations and temporaries (about 14 H numbers per step
         # and sample) stay in the CPU's cache, and only the factors go to memory.
         block = _block_steps(14 * hidden * batch * h_prev.element_size(), h_prev.device)
@@ -293,17 +316,19 @@ class GRUCell:
     ) -> None:
         """``factors`` of a block of steps, written into ``scales``, ``z`` and ``dn`` (and the new
         states, n + z (h_prev - n), into ``h`` when given)."""
-        gi, gh = self.pre_activations(x, h_prev, w)
+        # the block's temporaries in the scope's buffers (``reusing_buffers``): no fresh pages per block
+        gi = _affine_into(x, w.w_ih, w.b_ih, buffer("gru gi", (*z.shape[:-1], w.w_ih.shape[0]), z))
+        gh = _affine_into(h_prev, w.w_hh, w.b_hh, buffer("gru gh", gi.shape, z))
         i_r, i_z, i_n = gi.chunk(3, dim=-1)
         h_r, h_z, m = gh.chunk(3, dim=-1)
-        r = torch.sigmoid_(i_r + h_r)
-        torch.sigmoid(i_z + h_z, out=z)
-        n = torch.tanh_(torch.addcmul(i_n, r, m))
-        one_minus_z = torch.rsub(z, 1.0)
+        r = torch.add(i_r, h_r, out=buffer("gru r", z.shape, z)).sigmoid_()
+        torch.add(i_z, h_z, out=z).sigmoid_()
+        n = torch.addcmul(i_n, r, m, out=buffer("gru n", z.shape, z)).tanh_()
+        one_minus_z = torch.neg(z, out=buffer("gru 1 - z", z.shape, z)).add_(1.0)
         torch.mul(n, n, out=dn).neg_().add_(1.0).mul_(one_minus_z)
         c, d, a = scales.unbind(-2)
         torch.mul(dn, r, out=a)
-        torch.mul(a, m, out=c).mul_(torch.rsub(r, 1.0))
+        torch.mul(a, m, out=c).mul_(r.neg_().add_(1.0))  # r is not read again: 1 - r in its place
         torch.sub(h_prev, n, out=d)
         if h is not None:
             torch.addcmul(n, z, d, out=h)
@@ -327,8 +352,8 @@ class GRUCell:
         its n rows, d_n = g dn.
         """
         scales, _, dn = factors
-        hidden_side = g.unsqueeze(-2) * scales
-        input_side = hidden_side.clone()
+        hidden_side = torch.mul(g.unsqueeze(-2), scales, out=buffer("gru hidden side", scales.shape, g))
+        input_side = buffer("gru input side", scales.shape, g).copy_(hidden_side)
         torch.mul(g, dn, out=input_side[..., 2, :])
         return input_side.flatten(-2), hidden_side.flatten(-2)
 
@@ -542,6 +567,7 @@ class PreviousStates:
         self._buffer: Tensor | None = None
         # ``whole()``'s copy, once made, or the caller's (``whole``): every block is a view of it
         self._whole: Tensor | None = whole
+        self._first: Tensor | None = None
 
     def __getitem__(self, t: slice) -> Tensor:
         lo, hi = self._steps(t)
@@ -576,7 +602,13 @@ class PreviousStates:
             return self.h[:0]
         if lo > 0:
             return self.h[lo - 1 : hi - 1]
-        return torch.cat((self.h0.unsqueeze(0), self.h[: hi - 1]))
+        if self._first is not None and self._first.shape[0] == hi:  # a block's factors took it first
+            return self._first
+        first = buffer("first previous states", (hi, *self.shape[1:]), self.h)
+        first[0].copy_(self.h0)
+        first[1:].copy_(self.h[: hi - 1])
+        self._first = first
+        return first
 
     def _side_by_side(self, lo: int, hi: int) -> Tensor:
         """h_{lo-1} .. h_{hi-1} (h_{-1} = h0) contiguous in the reused buffer."""

@@ -140,6 +140,33 @@ def test_long_outputs_changed_in_place_get_torch_nns_gradients(kind, batch_first
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+def test_backwards_in_turn_reuse_their_scratch_and_get_torch_nns_gradients(kind, monkeypatch) -> None:
+    """Backwards of one shape in turn, over blocks of a few steps: the second takes the first's
+    scratch (``jacobians.reusing_buffers``) as it was left, and each gets torch.nn's gradients of
+    its own batch, float64."""
+    from bppsa_core import jacobians
+
+    monkeypatch.setitem(jacobians.BLOCK_BYTES, "cpu", 16 << 10)  # blocks of a few dozen steps
+    ref_cls, ours_cls = KINDS[kind]
+    torch.manual_seed(0)
+    ref, ours = ref_cls(3, 20).double(), ours_cls(3, 20).double()
+    ours.load_state_dict(ref.state_dict())
+    scratch = []
+    for seed in (1, 2):
+        x = torch.randn(300, 16, 3, dtype=F64, generator=torch.Generator().manual_seed(seed))
+        grads = []
+        for module in (ref, ours):
+            module.zero_grad()
+            out, _ = module(x)
+            out.sin().sum().backward()
+            grads.append([p.grad.clone() for p in module.parameters()])
+        for a, b in zip(*grads, strict=True):
+            assert rel_err(a, b) < 1e-10
+        scratch.append({n: t.untyped_storage().data_ptr() for n, t in jacobians._scope.spare.items()})
+    assert scratch[0] and scratch[1] == scratch[0]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("strategy", FORWARDS)
 def test_last_states_detached_in_place_carry_over_as_torch_nns(kind, strategy) -> None:
     """Truncated BPTT's idiom: ``h_n.detach_()`` after each chunk's backward (a view may not be

@@ -240,6 +240,31 @@ def test_buffers_are_kept_by_name_within_a_scope_and_fresh_outside() -> None:
     assert _storage(outside) != _storage(single)
 
 
+def test_a_thread_keeps_a_cpu_scopes_buffers_for_its_next_scope_up_to_the_bound(monkeypatch) -> None:
+    """The next scope starts with the last one's CPU buffers, the smallest first while their bytes
+    fit ``KEEP_BYTES``; a larger one, and any other device's, is made afresh."""
+    from bppsa_core import jacobians
+
+    like = torch.zeros(1)
+    monkeypatch.setattr(jacobians, "KEEP_BYTES", 0)
+    with reusing_buffers():  # what earlier scopes of this thread left is dropped
+        pass
+    monkeypatch.setattr(jacobians, "KEEP_BYTES", 4 * (4 + 8))
+    with reusing_buffers():
+        small, middle, large = (buffer(n, (k,), like) for n, k in (("s", 4), ("m", 8), ("l", 9)))
+        buffer("meta", (2,), torch.empty(0, device="meta"))
+    assert set(jacobians._scope.spare) == {"s", "m"}  # 48 bytes of 48; the 36 more and meta's not
+    with reusing_buffers():
+        assert _storage(buffer("s", (4,), like)) == _storage(small)
+        assert _storage(buffer("m", (2, 4), like)) == _storage(middle)
+        assert _storage(buffer("l", (9,), like)) != _storage(large)
+    monkeypatch.setattr(jacobians, "KEEP_BYTES", 0)
+    with reusing_buffers():  # none kept
+        kept = buffer("s", (4,), like)
+    with reusing_buffers():
+        assert _storage(buffer("s", (4,), like)) != _storage(kept)
+
+
 def test_walks_one_after_another_in_a_scope_share_the_buffer_and_read_their_own_states() -> None:
     """Two groups of samples walked in turn in one scope: the second group's blocks are its own
     steps, copied afresh into the buffer the first group left, not the first group's stale block."""
