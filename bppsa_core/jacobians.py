@@ -64,6 +64,10 @@ _scope = threading.local()
 # paged in (re-measured by ``python -m benchmarks.backward --tables epoch``, whose processes differed
 # up to 2x in backward time by how glibc had come to hand back freed blocks).
 KEEP_BYTES = 32 << 20
+# Bytes under which ``buffer`` makes a new tensor even in a scope: malloc serves blocks that small
+# from its heap's free lists, without new pages, and a named buffer's bookkeeping costs a short
+# layer's backward more than it saves (re-measured by ``python -m benchmarks.host --models gru``).
+SCRATCH_MIN_BYTES = 64 << 10
 
 
 def _block_steps(bytes_per_step: int, device: torch.device) -> int:
@@ -121,6 +125,8 @@ class reusing_buffers:  # noqa: N801 (a context manager, named as a function)
     def __exit__(self, *exc: object) -> None:
         if self._outer:
             kept, _scope.kept = _scope.kept, None
+            if not kept:  # a short layer's: all its scratch was new tensors
+                return
             _scope.spare, total = {}, 0
             for name, t in sorted(kept.items(), key=lambda item: _nbytes(item[1])):
                 if t.device.type == "cpu" and total + _nbytes(t) <= KEEP_BYTES:
@@ -134,11 +140,11 @@ def _nbytes(t: Tensor) -> int:
 def buffer(name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
     """An uninitialized tensor of ``shape``, of ``like``'s dtype and device: inside
     ``reusing_buffers``, a view of the scope's buffer ``name`` (grown when too small; its contents
-    are whatever the last user left), elsewhere a new one."""
+    are whatever the last user left), elsewhere, or under ``SCRATCH_MIN_BYTES``, a new one."""
     kept = getattr(_scope, "kept", None)
-    if kept is None:
-        return like.new_empty(shape)
     n = math.prod(shape)
+    if kept is None or n * like.element_size() < SCRATCH_MIN_BYTES:
+        return like.new_empty(shape)
     held = kept.get(name)
     if held is None or held.numel() < n or held.dtype != like.dtype or held.device != like.device:
         held = kept[name] = like.new_empty(n)
@@ -163,8 +169,13 @@ def _affine(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return torch.nn.functional.linear(x.contiguous(), w, b)
 
 
-def _affine_into(x: Tensor, w: Tensor, b: Tensor | None, out: Tensor) -> Tensor:
-    """``_affine`` written into ``out``, of x's leading shape: the same GEMM, no new tensor."""
+def _affine_into(x: Tensor, w: Tensor, b: Tensor | None, name: str) -> Tensor:
+    """``_affine`` written into the scope's buffer ``name`` (``buffer``): the same GEMM, no new
+    tensor; under ``SCRATCH_MIN_BYTES``, ``_affine`` itself, whose one call costs a short block less."""
+    shape = (*x.shape[:-1], w.shape[0])
+    if math.prod(shape) * x.element_size() < SCRATCH_MIN_BYTES:
+        return _affine(x, w, b)
+    out = buffer(name, shape, x)
     flat, rows = out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1])
     if b is None:
         return torch.mm(rows, w.t(), out=flat).view(out.shape)
@@ -317,8 +328,7 @@ class GRUCell:
         """``factors`` of a block of steps, written into ``scales``, ``z`` and ``dn`` (and the new
         states, n + z (h_prev - n), into ``h`` when given)."""
         # the block's temporaries in the scope's buffers (``reusing_buffers``): no fresh pages per block
-        gi = _affine_into(x, w.w_ih, w.b_ih, buffer("gru gi", (*z.shape[:-1], w.w_ih.shape[0]), z))
-        gh = _affine_into(h_prev, w.w_hh, w.b_hh, buffer("gru gh", gi.shape, z))
+        gi, gh = _affine_into(x, w.w_ih, w.b_ih, "gru gi"), _affine_into(h_prev, w.w_hh, w.b_hh, "gru gh")
         i_r, i_z, i_n = gi.chunk(3, dim=-1)
         h_r, h_z, m = gh.chunk(3, dim=-1)
         r = torch.add(i_r, h_r, out=buffer("gru r", z.shape, z)).sigmoid_()

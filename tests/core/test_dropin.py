@@ -146,7 +146,8 @@ def test_backwards_in_turn_reuse_their_scratch_and_get_torch_nns_gradients(kind,
     its own batch, float64."""
     from bppsa_core import jacobians
 
-    monkeypatch.setitem(jacobians.BLOCK_BYTES, "cpu", 16 << 10)  # blocks of a few dozen steps
+    monkeypatch.setitem(jacobians.BLOCK_BYTES, "cpu", 1 << 20)  # blocks of a few dozen steps
+    monkeypatch.setattr(jacobians._scope, "spare", None, raising=False)  # nothing an earlier backward left
     ref_cls, ours_cls = KINDS[kind]
     torch.manual_seed(0)
     ref, ours = ref_cls(3, 20).double(), ours_cls(3, 20).double()
@@ -163,7 +164,7 @@ def test_backwards_in_turn_reuse_their_scratch_and_get_torch_nns_gradients(kind,
         for a, b in zip(*grads, strict=True):
             assert rel_err(a, b) < 1e-10
         scratch.append({n: t.untyped_storage().data_ptr() for n, t in jacobians._scope.spare.items()})
-    assert scratch[0] and scratch[1] == scratch[0]
+    assert scratch[0].keys() >= {"lstm deltas" if kind == "LSTM" else "walk"} and scratch[1] == scratch[0]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

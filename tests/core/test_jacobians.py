@@ -219,6 +219,25 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+@pytest.fixture
+def any_size_buffers(monkeypatch):
+    """Named buffers for scratch of any size, so that small tensors show how they are kept."""
+    from bppsa_core import jacobians
+
+    monkeypatch.setattr(jacobians, "SCRATCH_MIN_BYTES", 0)
+
+
+def test_scratch_under_the_bound_is_a_new_tensor_in_a_scope_too() -> None:
+    from bppsa_core.jacobians import SCRATCH_MIN_BYTES
+
+    like = torch.zeros(1)
+    with reusing_buffers():
+        small = [buffer("a", (SCRATCH_MIN_BYTES // 4 - 1,), like) for _ in range(2)]
+        large = [buffer("b", (SCRATCH_MIN_BYTES // 4,), like) for _ in range(2)]
+        assert _storage(small[0]) != _storage(small[1]) and _storage(large[0]) == _storage(large[1])
+
+
+@pytest.mark.usefixtures("any_size_buffers")
 def test_buffers_are_kept_by_name_within_a_scope_and_fresh_outside() -> None:
     like = torch.zeros(1, dtype=torch.float64)
     held = [buffer("a", (2, 3), like), buffer("a", (2, 3), like)]  # kept alive: no address reused
@@ -240,6 +259,7 @@ def test_buffers_are_kept_by_name_within_a_scope_and_fresh_outside() -> None:
     assert _storage(outside) != _storage(single)
 
 
+@pytest.mark.usefixtures("any_size_buffers")
 def test_a_thread_keeps_a_cpu_scopes_buffers_for_its_next_scope_up_to_the_bound(monkeypatch) -> None:
     """The next scope starts with the last one's CPU buffers, the smallest first while their bytes
     fit ``KEEP_BYTES``; a larger one, and any other device's, is made afresh."""
@@ -265,6 +285,7 @@ def test_a_thread_keeps_a_cpu_scopes_buffers_for_its_next_scope_up_to_the_bound(
         assert _storage(buffer("s", (4,), like)) != _storage(kept)
 
 
+@pytest.mark.usefixtures("any_size_buffers")
 def test_walks_one_after_another_in_a_scope_share_the_buffer_and_read_their_own_states() -> None:
     """Two groups of samples walked in turn in one scope: the second group's blocks are its own
     steps, copied afresh into the buffer the first group left, not the first group's stale block."""
