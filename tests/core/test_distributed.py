@@ -332,7 +332,13 @@ def _one_scratch(rank: int, size: int) -> None:
         walks.append(out)  # held: no freed buffer's address can come back as a "new" one
         return real(*args, out=out, **kwargs)
 
-    with mock.patch.object(numba_scan, "chunked_scan", scan):
+    from bppsa_core import jacobians
+
+    # these small groups' scratch named too (``jacobians.SCRATCH_MIN_BYTES``)
+    with (
+        mock.patch.object(numba_scan, "chunked_scan", scan),
+        mock.patch.object(jacobians, "SCRATCH_MIN_BYTES", 0),
+    ):
         (h_n.sum() + out.sum()).backward()
     assert len(walks) == 2, f"rank {rank}: {len(walks)} walks"
     assert len({w.untyped_storage().data_ptr() for w in walks}) == 1, f"rank {rank}: a buffer per group"
