@@ -615,9 +615,7 @@ class PreviousStates:
         if self._first is not None and self._first.shape[0] == hi:  # a block's factors took it first
             return self._first
         first = buffer("first previous states", (hi, *self.shape[1:]), self.h)
-        first[0].copy_(self.h0)
-        first[1:].copy_(self.h[: hi - 1])
-        self._first = first
+        self._first = torch.cat((self.h0.unsqueeze(0), self.h[: hi - 1]), out=first)  # one launch
         return first
 
     def _side_by_side(self, lo: int, hi: int) -> Tensor:
