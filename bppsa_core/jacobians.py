@@ -125,16 +125,10 @@ class reusing_buffers:  # noqa: N801 (a context manager, named as a function)
     def __exit__(self, *exc: object) -> None:
         if self._outer:
             kept, _scope.kept = _scope.kept, None
-            if not kept:  # a short layer's: all its scratch was new tensors
-                return
             _scope.spare, total = {}, 0
-            for name, t in sorted(kept.items(), key=lambda item: _nbytes(item[1])):
-                if t.device.type == "cpu" and total + _nbytes(t) <= KEEP_BYTES:
-                    _scope.spare[name], total = t, total + _nbytes(t)
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
+            for name, t in sorted(kept.items(), key=lambda item: item[1].nbytes):
+                if t.device.type == "cpu" and total + t.nbytes <= KEEP_BYTES:
+                    _scope.spare[name], total = t, total + t.nbytes
 
 
 def buffer(name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
