@@ -104,10 +104,7 @@ class SolveStats:
                 return _NATIVE_TENSOR.clone()
             return torch.tensor([self.iterations, float(self.converged), self.change], dtype=torch.float64)
         if self is NATIVE:
-            if device not in _NATIVE_ON:
-                _NATIVE_ON[device] = torch.zeros(3, dtype=torch.float64, device=device)
-                _NATIVE_ON[device][1] = 1.0
-            return _NATIVE_ON[device].clone()
+            return on_device((0.0, 1.0, 0.0), device)
         return self.as_tensor().to(device)
 
     @classmethod
@@ -118,7 +115,17 @@ class SolveStats:
 
 NATIVE = SolveStats(0, True, 0.0)
 _NATIVE_TENSOR = torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)
-_NATIVE_ON: dict[torch.device, Tensor] = {}  # NATIVE's stats on each GPU, made there
+
+
+def on_device(values: tuple[float, ...], device: torch.device) -> Tensor:
+    """``values`` as a new float64 tensor made on ``device`` by fills, never copied from the host
+    (a CUDA graph captures no host copy of unpinned memory), and kept by nothing here (a tensor
+    cached across calls would outlive the memory pool of inductor's CUDA graphs, which refuse it)."""
+    t = torch.zeros(len(values), dtype=torch.float64, device=device)
+    for i, value in enumerate(values):
+        if value != 0.0:
+            t[i].fill_(value)
+    return t
 
 
 def solve(
@@ -295,8 +302,7 @@ class _Watch:
     iteration it has just queued."""
 
     def __init__(self, tol: float, device: torch.device) -> None:
-        self.record = torch.zeros(6, dtype=torch.float64, device=device)  # filled on the device:
-        self.record[CHANGE], self.record[LAST], self.record[TOL] = math.nan, math.inf, tol  # capturable
+        self.record = on_device((0.0, 0.0, 0.0, math.nan, math.inf, tol), device)  # capturable
         self.lookahead = LOOKAHEAD.get(device.type, LOOKAHEAD["cuda"])
         # the host's copies of the flag: made at the first read (a captured solve reads none, and
         # pinned memory is not made inside a capture)

@@ -202,8 +202,10 @@ def test_the_scan_reads_the_record_and_does_nothing_once_it_says_stopped(terms) 
 @pytest.mark.parametrize("solver", ["newton", "quasi-newton"])
 def test_a_newton_forward_on_a_gpu_gives_cudnns_outputs_and_gradients(monkeypatch, kind, solver) -> None:
     """strategy="auto" on a GPU: an RNN's or GRU's Newton iterations run whole in the kernels, any
-    other's end in them; the outputs and gradients are cuDNN's, and reading the stopping flag one
-    iteration late (the GPU's default) changes neither them nor the stats."""
+    other's end in them; the outputs and gradients are cuDNN's in full float32 (not TF32, which cuDNN
+    may use otherwise), and reading the stopping flag one iteration late (the GPU's default) changes
+    neither them nor the stats."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     calls = []
     fused = kernels.FusedIteration.__call__
     monkeypatch.setattr(kernels.FusedIteration, "__call__", lambda self: calls.append(1) or fused(self))
