@@ -294,3 +294,32 @@ def test_reading_the_stopping_flag_late_changes_nothing_but_the_iterations_queue
     capped = run(0, cap)[1:]
     assert run(lookahead, cap)[1:] == capped and capped[0].iterations == capped[1] == cap
     assert not capped[0].converged
+
+
+def test_the_solves_device_records_are_made_by_fills_not_host_copies() -> None:
+    """The stopping rule's record and the native forward's stats on a device are made by fills
+    there: a Python number set into a device tensor is a host copy, which a CUDA graph capture
+    refuses. Made on the meta device, where such a copy shows as ``scalar_tensor`` + ``copy_``."""
+    import math
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bppsa_core import newton
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    meta = torch.device("meta")
+    with Ops() as ops:
+        watch = newton._Watch(1e-6, meta)
+        stats = newton.NATIVE.as_tensor(meta)
+    assert ops.names == {"zeros", "select", "fill_"}
+    assert watch.record.shape == (6,) and stats.shape == (3,) and stats.device == meta
+    values = newton.on_device((0.0, 1.0, math.nan, math.inf, -2.5), torch.device("cpu"))
+    assert values[[0, 1, 3, 4]].tolist() == [0.0, 1.0, math.inf, -2.5] and values[2].isnan()
