@@ -133,7 +133,13 @@ LONG_CAPTURE = (
     ["--T", "10000", "100000", "--H", "20"],
     ["--T", "10000", "--H", "20", "--capture-error-mode", "thread_local"],
 )
-NEWTON_WIDTHS = ["--H", "20", "64"]  # the Newton forward's widths: the paper's, and the kernels' widest
+# The Newton forward's two processes: at initialization over T and the paper's and the kernels'
+# widest H; trained (slow to converge, many iterations a row) at the paper's H and shorter T, so the
+# step ends in a few minutes
+NEWTON_RUNS = (
+    ["--weights", "init", "--T", "1000", "10000", "100000", "--H", "20", "64"],
+    ["--weights", "trained", "--T", "1000", "10000", "--H", "20"],
+)
 RANKS_T = 100_000  # the sequence-parallel benchmark's length (docs/SCHEMES.md)
 RANKS_REPEATS = 3  # BPTT takes seconds an iteration there
 GPU_MICRO_BATCHES = (1, 2, 4, 8, 16)  # the NCCL ranks' sample-group counts, with two GPUs or more
@@ -191,7 +197,8 @@ def plan(
         ],
         "workers": "in process",
         "forward": [
-            [sys.executable, "-m", "benchmarks.forward", *device, *(["--quick"] if dry else NEWTON_WIDTHS)]
+            [sys.executable, "-m", "benchmarks.forward", *device, *run]
+            for run in ((["--quick"],) if dry else NEWTON_RUNS)
         ],
         "kernels": [
             [

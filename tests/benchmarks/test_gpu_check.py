@@ -34,9 +34,10 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     assert [a[-1] for a in long] == ["20", "thread_local"]
     (host,) = steps["host"]
     assert host[1:3] == ["-m", "benchmarks.host"] and host[host.index("--device") + 1] == "cuda"
-    (forward,) = steps["forward"]
-    assert forward[1:3] == ["-m", "benchmarks.forward"] and "--quick" not in forward
-    assert forward[forward.index("--device") + 1] == "cuda"
+    for forward in steps["forward"]:
+        assert forward[1:3] == ["-m", "benchmarks.forward"] and "--quick" not in forward
+        assert forward[forward.index("--device") + 1] == "cuda"
+    assert [a[a.index("--weights") + 1] for a in steps["forward"]] == ["init", "trained"]
     assert [a[a.index("--chunk") + 1] for a in steps["chunk"]] == [str(c) for c in gpu_check.CHUNKS]
     assert all("triton" in a for a in steps["chunk"])
     assert [a[a.index("--block-mib") + 1] for a in steps["blocks"]] == [str(b) for b in gpu_check.BLOCK_MIBS]
