@@ -70,6 +70,9 @@ MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # faster on a CPU and with a peak near the outputs, while 2,048 keeps the paper's GRU sequences
 # (T = 1034) in one call; re-measured by ``python -m benchmarks.forward --T 100000``.
 SEGMENT = 2048
+# The most steps PyTorch's fused kernel takes in one call, by device type (cuDNN refuses more than
+# 65,535): no segment is longer there
+ONE_CALL_STEPS = {"cuda": 65_535}
 # The steps from which a layer's backward runs with subnormals flushed (``bppsa_core.denormals``):
 # a shorter chain's products sink too little to pay for switching the mode, which costs a short
 # layer's backward a few percent (re-measured by ``python -m benchmarks.host``).
@@ -193,6 +196,7 @@ def native_forward(
     steps, batch = x.shape[:2]
     if steps == 0:  # PyTorch's kernel refuses it, in its own words
         return _native_call(mode, x, None, h0, c0, weights)
+    segment = min(segment, ONE_CALL_STEPS.get(x.device.type, segment))
     if steps <= segment and not batch_major:
         if lengths is None:  # one call of the kernel (a short layer's call costs as much as its work)
             return _native_call(mode, x, None, h0, c0, weights)

@@ -32,6 +32,7 @@ on a GPU) are faster than any BPPSA path is ``torch.nn``'s (``dispatch.torch_nn_
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from torch.autograd import forward_ad
 from torch.nn.functional import dropout
 from torch.nn.utils.rnn import PackedSequence
 
+from bppsa_core import layer as bppsa_layer
 from bppsa_core.dispatch import ScanOptions, compiled_forward_takes, torch_nn_instead
 from bppsa_core.layer import SEGMENT, LayerConfig
 from bppsa_core.newton import DEFAULT_MAX_ITERS, NATIVE, SolverOptions, SolveStats
@@ -116,13 +118,16 @@ class _BPPSAMixin:
         model is exported (``torch.export``, ``torch.onnx.export``) it is ``torch.nn``'s forward,
         exported as ``torch.nn``'s is: an exported graph is run, not differentiated by BPPSA. So is
         inference that would run PyTorch's fused kernel in every layer (``_inference``, not
-        ``_compiles``)."""
+        ``_compiles``). A GPU sequence longer than cuDNN takes in one call runs in the module's own
+        layers either way, in segments (``_beyond_one_call``)."""
         inference = self._inference()
         # the ONNX exporter's flag only under tracing, which that exporter does: asking costs imports
         if (
             self.backward_mode == "bptt"
-            or self._torch_nn_instead(inference)
-            or (inference and not self._compiles())
+            or (
+                (self._torch_nn_instead(inference) or (inference and not self._compiles()))
+                and not _beyond_one_call(input, self.batch_first)
+            )
             or torch.compiler.is_exporting()
             or (torch.jit.is_tracing() and torch.onnx.is_in_onnx_export())
         ):
@@ -316,6 +321,19 @@ def _layer_config(
 ) -> LayerConfig:  # fmt: skip
     """A ``LayerConfig``, checked once per set of options: checking costs as much as a short layer."""
     return LayerConfig(mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, iters))
+
+
+def _beyond_one_call(input: Tensor | PackedSequence, batch_first: bool) -> bool:
+    """Whether the input is too long for one call of PyTorch's fused kernel on its device
+    (``layer.ONE_CALL_STEPS``: cuDNN's limit), as ``torch.nn``'s forward would make it: the
+    module's own layers run it then, in segments."""
+    if isinstance(input, PackedSequence):
+        data, steps = input.data, len(input.batch_sizes)
+    elif isinstance(input, Tensor) and input.dim():
+        data, steps = input, input.shape[1 if batch_first and input.dim() == 3 else 0]
+    else:  # torch.nn's forward words what is wrong with it
+        return False
+    return steps > bppsa_layer.ONE_CALL_STEPS.get(data.device.type, math.inf)
 
 
 def _last(states: list[Tensor]) -> Tensor:

@@ -327,6 +327,68 @@ def test_the_forward_in_segments_gives_the_same_results(kind: str, segment: int)
         check(kind, 9, 3, 2, 4, lengths=lengths, num_layers=2, bidirectional=True, segment=segment)
 
 
+def _kernel_calls(monkeypatch) -> list[int]:
+    """The steps of each call of PyTorch's fused kernel that a module's own layers make, from now on."""
+    from bppsa_core import layer as layer_mod
+
+    calls: list[int] = []
+    real = layer_mod._native_call
+
+    def counted(mode, x, batch_sizes, *rest):
+        calls.append(x.shape[0] if batch_sizes is None else len(batch_sizes))
+        return real(mode, x, batch_sizes, *rest)
+
+    monkeypatch.setattr(layer_mod, "_native_call", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_sequence_longer_than_one_kernel_call_takes_runs_in_the_modules_own_segments(kind, monkeypatch):
+    """Where PyTorch's kernel takes at most ``layer.ONE_CALL_STEPS`` steps a call (cuDNN's 65,535;
+    here the CPU's made 4), a call the module would hand to torch.nn's forward (inference on the
+    kernel) runs in its own layers when the sequence is longer, in segments no longer than that even
+    where ``segment`` is, with torch.nn's outputs; one that fits is still torch.nn's."""
+    from bppsa_core import layer as layer_mod
+
+    monkeypatch.setitem(layer_mod.ONE_CALL_STEPS, "cpu", 4)
+    calls = _kernel_calls(monkeypatch)
+    ref, ours = pair(kind, 2, 3, num_layers=2, batch_first=True, strategy="sequential", segment=100)
+    for steps in (4, 9):
+        x = torch.randn(2, steps, 2, dtype=F64)
+        packed = pack_sequence([x[0], x[1, : steps - 1]])
+        for inp in (x, packed):
+            calls.clear()
+            with torch.no_grad():
+                out, expected = run(ours, inp), run(ref, inp)
+            assert calls == ([] if steps == 4 else [4, 4, 1] * 2), (steps, calls)
+            for a, b in zip(out, expected, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_long_sequence_of_a_module_auto_leaves_to_torch_nn_trains_in_its_own_layers(monkeypatch) -> None:
+    """The same for a module that "auto" leaves to torch.nn (a GRU wider than the CPU's compiled
+    walk wins at): past the kernel's limit it trains in its own layers, with torch.nn's gradients;
+    a sequence that fits is still torch.nn's."""
+    from bppsa_core import layer as layer_mod
+
+    monkeypatch.setitem(layer_mod.ONE_CALL_STEPS, "cpu", 4)
+    calls = []
+    real = layer_mod.solved_forward
+    monkeypatch.setattr(layer_mod, "solved_forward", lambda *a: calls.append(1) or real(*a))
+    ref, ours = pair("gru", 2, 130, dtype=torch.float32)  # "auto" leaves float32 alone to torch.nn
+    for steps in (4, 9):
+        calls.clear()
+        x = torch.randn(steps, 2, 2)
+        grads = []
+        for module in (ref, ours):
+            module.zero_grad()
+            run(module, x)[0].sum().backward()
+            grads.append([p.grad for p in module.parameters()])
+        assert len(calls) == (0 if steps == 4 else 1)
+        for a, b in zip(*grads, strict=True):
+            assert rel_err(a, b) < 1e-5
+
+
 @pytest.mark.parametrize("mode", ["RNN_TANH", "GRU", "LSTM"])
 def test_a_batch_major_forward_gives_the_same_outputs_in_batch_major_memory(mode: str) -> None:
     """``native_forward(batch_major=True)``: the outputs and last states of the time-major forward, bit
