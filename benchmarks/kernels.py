@@ -172,6 +172,7 @@ def launch_configs() -> list[KernelConfig]:
                     for role, launch in launches.items()
                 ]
     found += newton_configs(MAX_HIDDEN)
+    found += diagonal_configs(MAX_HIDDEN)
     unique: dict[tuple, KernelConfig] = {}
     for config in found:
         launch = config.launch
@@ -235,6 +236,23 @@ def newton_configs(largest: int) -> list[KernelConfig]:
             config("decide", decide_mode, every, decide),
         ]
     return configs
+
+
+DIAGONAL_ROLES = ("diagonal reduce", "diagonal expand")
+
+
+def diagonal_configs(largest: int) -> list[KernelConfig]:
+    """A diagonal chain's recurrence (``bppsa_core.triton.diagonal``, a quasi-Newton iteration's
+    correction): its reduce and expand, reading a Newton solve's record or not. They serve any
+    width (the channels are B S), so every H up to ``largest`` is listed."""
+    from bppsa_core.triton import diagonal
+
+    every = tuple(range(1, largest + 1))
+    return [
+        KernelConfig(role, "diagonal", 0, False, False, False, every, launch)
+        for stop in (False, True)
+        for role, launch in zip(DIAGONAL_ROLES, diagonal.diagonal_launches(stop), strict=True)
+    ]
 
 
 # ------------------------------------------------------------------------------------------ compile
@@ -416,6 +434,12 @@ def iterations(role: str, length: int, chunk: int) -> list[int]:
         return [1]
     if role == "fallback":  # a captured Newton solve's native walk: every step
         return [length]
+    if role in DIAGONAL_ROLES:  # its own chunk's tiles; the expand first folds the chunks before
+        from bppsa_core.triton import diagonal
+
+        own = diagonal.default_chunk(length)
+        tiles = own // diagonal.TILE
+        return [tiles] if role == DIAGONAL_ROLES[0] else [math.ceil(length / own) - 1, tiles]
     return [chunk]
 
 
@@ -485,18 +509,22 @@ def row(
 def representative(configs: Iterable[KernelConfig]) -> list[KernelConfig]:
     """A subset with every kernel and every mode: at each kernel's widest H (a multiple of 16, the
     variant with vectorized loads) with offsets, a diagonal where the mode may have one, and every K;
-    a Newton iteration's pointwise kernels and walk (``newton_configs``: no offsets) at theirs."""
+    a Newton iteration's pointwise kernels and walk (``newton_configs``: no offsets) and the diagonal
+    recurrence (``diagonal_configs``) at theirs."""
     configs = list(configs)
     widest: dict[str, int] = {}
     for c in configs:
         widest[c.mode] = max(widest.get(c.mode, 0), c.hidden[-1])
-    newton = ("residual", "update", "decide", "fallback")
-    return [
-        c
-        for c in configs
-        if c.hidden[-1] == widest[c.mode]
-        and (c.role in newton or (c.affine and (c.diag or c.mode in ("TANH", "RELU"))))
-    ]
+    pointwise = ("residual", "update", "decide", "fallback")
+
+    def kept(c: KernelConfig) -> bool:
+        return (
+            c.role in pointwise
+            or c.mode == "diagonal"
+            or (c.affine and (c.diag or c.mode in ("TANH", "RELU")))
+        )
+
+    return [c for c in configs if c.hidden[-1] == widest[c.mode] and kept(c)]
 
 
 # The H values every launch of the modules is compiled at by the default test (tests/core/test_compile.py).
@@ -634,6 +662,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 def _span(values: Iterable[int]) -> str:
     values = sorted(set(values))
+    if not values:
+        return "n/a"
     return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
 
 

@@ -218,6 +218,7 @@ def _solve(
         watch = _Watch(options.tolerance(x.dtype), x.device)
         fused = None
         if kernels:
+            from bppsa_core.triton import diagonal as diagonal_kernels
             from bppsa_core.triton import newton as newton_kernels
 
             if newton_kernels.takes(cell, options.method, keep, w):
@@ -231,7 +232,10 @@ def _solve(
             else:
                 new, factors = cell.step(x, prev, w, keep)
                 residual = new.sub_(s)
-                if quasi:
+                if quasi and kernels:  # two launches, nothing done once the record says stopped
+                    a = cell.chain(factors, w).diagonals()
+                    d = diagonal_kernels.diagonal_recurrence(a, residual, zero, stop=watch.record)
+                elif quasi:
                     a = cell.chain(factors, w).diagonals().expand_as(residual)
                     d = elementwise_recurrence(a, residual, zero)
                 else:

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 
 from bppsa_core import newton
 from bppsa_core.jacobians import GRUCell, LayerWeights, RNNCell
+from bppsa_core.triton import diagonal
 from bppsa_core.triton import newton as kernels
 
 
@@ -132,9 +133,10 @@ def test_a_fused_iteration_matches_its_twin_on_a_gpu(kind, steps, batch, hidden,
 @pytest.mark.parametrize("solver", ["newton", "quasi-newton"])
 def test_a_module_solves_its_forward_in_the_kernels(monkeypatch, kind, solver) -> None:
     """strategy="triton": a Newton forward runs whole in ``FusedIteration`` (quasi-Newton: its
-    update and rule in the kernels) and gives torch.nn's outputs and gradients."""
-    calls = {"fused": 0, "update": 0}
+    correction, update and rule in the kernels) and gives torch.nn's outputs and gradients."""
+    calls = {"fused": 0, "update": 0, "diagonal": 0}
     fused, update = kernels.FusedIteration.__call__, kernels.newton_update
+    recurrence = diagonal.diagonal_recurrence
 
     def counted(name, real):
         def call(*a, **k):
@@ -145,6 +147,7 @@ def test_a_module_solves_its_forward_in_the_kernels(monkeypatch, kind, solver) -
 
     monkeypatch.setattr(kernels.FusedIteration, "__call__", counted("fused", fused))
     monkeypatch.setattr(kernels, "newton_update", counted("update", update))
+    monkeypatch.setattr(diagonal, "diagonal_recurrence", counted("diagonal", recurrence))
     ref, ours = pair(kind, 2, 6, dtype=torch.float32, strategy="triton", chunk=4, forward_solver=solver)
     x = torch.randn(23, 2, 2, generator=torch.Generator().manual_seed(0), requires_grad=True)
     out, got = ref(x)[0], ours(x)[0]
@@ -152,6 +155,7 @@ def test_a_module_solves_its_forward_in_the_kernels(monkeypatch, kind, solver) -
     assert stats.converged and (out - got).abs().max() < 1e-5
     assert calls["update"] == stats.iterations
     assert calls["fused"] == (stats.iterations if solver == "newton" else 0)
+    assert calls["diagonal"] == (stats.iterations if solver == "quasi-newton" else 0)
     g = torch.randn_like(out)
     assert rel_err(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(got, x, g)[0]) < 1e-4
 
@@ -219,6 +223,36 @@ def test_a_newton_forward_on_a_gpu_gives_cudnns_outputs_and_gradients(monkeypatc
     assert len(calls) == (2 * stats.iterations + 1 if solver == "newton" and kind != "lstm" else 0)
     g = torch.randn_like(out)
     assert rel_err(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(got, x, g)[0]) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("steps", "shape", "chunk"),
+    # one step; shorter than a tile; chunks of one tile; several tiles a chunk and channels past a
+    # block; a chunk not a multiple of a tile (rounded up); a broadcast a
+    [(1, (1,), None), (5, (3, 5), None), (200, (2, 20), 64), (1000, (4, 33), 256), (777, (3, 7), 100),
+     (130, (16, 20), None)],
+)  # fmt: skip
+def test_the_diagonal_recurrence_matches_its_twin(steps, shape, chunk) -> None:
+    g = torch.Generator().manual_seed(steps)
+    a = torch.rand(steps, *shape, generator=g) * 1.9 - 0.95
+    if steps == 130:
+        a = a[:, :1]  # shared by the batch, as a quasi-Newton chain's diagonal may be
+    b = torch.randn(steps, *shape, generator=g)
+    x0 = torch.randn(*shape, generator=g)
+    got = diagonal.diagonal_recurrence(a, b, x0, chunk)
+    assert got.shape == b.shape and rel_err(got, diagonal.diagonal_recurrence_ref(a, b, x0)) < 1e-6
+
+
+def test_the_diagonal_recurrence_reads_the_record_and_does_nothing_once_it_says_stopped() -> None:
+    torch.use_deterministic_algorithms(True)  # torch.empty filled with NaN
+    try:
+        g = torch.Generator().manual_seed(0)
+        a, b, x0 = torch.rand(300, 2, 5, generator=g), torch.randn(300, 2, 5, generator=g), torch.zeros(2, 5)
+        running = diagonal.diagonal_recurrence(a, b, x0, 64, stop=record())
+        assert rel_err(running, diagonal.diagonal_recurrence_ref(a, b, x0)) < 1e-6
+        assert diagonal.diagonal_recurrence(a, b, x0, 64, stop=record(stopped=True)).isnan().all()
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 @pytest.mark.parametrize("kind", list(CELLS))
