@@ -45,6 +45,14 @@ def _tile(a_ptr, b_ptr, t, cols, T, N, live):
 
 
 @triton.jit
+def _program(N, TILE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's chunk (64-bit: offsets may pass 2^31), its channels, which of them exist, and
+    a tile's step indices."""
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.program_id(0).to(tl.int64), cols, cols < N, tl.arange(0, TILE)
+
+
+@triton.jit
 def _last_row(rows, steps, TILE: tl.constexpr):
     """Row TILE - 1 of a (TILE, BLOCK_N) tile."""
     return tl.sum(tl.where(steps[:, None] == TILE - 1, rows, 0.0), axis=0)
@@ -61,10 +69,7 @@ def _diagonal_reduce(
     if STOP:  # noqa: SIM102 (a constexpr test alone: no load is compiled without STOP)
         if tl.load(stop_ptr) != 0:  # a Newton solve that has stopped: nothing to do
             return
-    q = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = cols < N
-    steps = tl.arange(0, TILE)
+    q, cols, live, steps = _program(N, TILE, BLOCK_N)
     prod = tl.full((BLOCK_N,), 1.0, tl.float32)
     end = tl.zeros((BLOCK_N,), tl.float32)
     for i in range(0, C, TILE):
@@ -87,10 +92,7 @@ def _diagonal_expand(
     if STOP:  # noqa: SIM102 (a constexpr test alone: no load is compiled without STOP)
         if tl.load(stop_ptr) != 0:  # a Newton solve that has stopped: nothing to do
             return
-    q = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = cols < N
-    steps = tl.arange(0, TILE)
+    q, cols, live, steps = _program(N, TILE, BLOCK_N)
     x = tl.load(x0_ptr + cols, mask=live, other=0.0)
     for k in range(0, P):
         before = live & (k < q)
