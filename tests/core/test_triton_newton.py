@@ -243,6 +243,16 @@ def test_the_diagonal_recurrence_matches_its_twin(steps, shape, chunk) -> None:
     assert got.shape == b.shape and rel_err(got, diagonal.diagonal_recurrence_ref(a, b, x0)) < 1e-6
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("steps", [3000, 100_000])
+def test_the_diagonal_recurrence_matches_its_twin_on_a_gpu(steps) -> None:
+    g = torch.Generator().manual_seed(steps)
+    a = (torch.rand(steps, 16, 20, generator=g) * 1.9 - 0.95).cuda()
+    b, x0 = torch.randn(steps, 16, 20, generator=g).cuda(), torch.randn(16, 20, generator=g).cuda()
+    got = diagonal.diagonal_recurrence(a, b, x0)
+    assert rel_err(got, diagonal.diagonal_recurrence_ref(a.double(), b.double(), x0.double())) < 1e-6
+
+
 def test_the_diagonal_recurrence_reads_the_record_and_does_nothing_once_it_says_stopped() -> None:
     torch.use_deterministic_algorithms(True)  # torch.empty filled with NaN
     try:
