@@ -434,12 +434,10 @@ def iterations(role: str, length: int, chunk: int) -> list[int]:
         return [1]
     if role == "fallback":  # a captured Newton solve's native walk: every step
         return [length]
-    if role in DIAGONAL_ROLES:  # its own chunk's tiles; the expand first folds the chunks before
+    if role in DIAGONAL_ROLES:  # the tiles of its own chunk (the expand over the steps)
         from bppsa_core.triton import diagonal
 
-        own = diagonal.default_chunk(length)
-        tiles = own // diagonal.TILE
-        return [tiles] if role == DIAGONAL_ROLES[0] else [math.ceil(length / own) - 1, tiles]
+        return [diagonal.default_chunk(length) // diagonal.TILE]
     return [chunk]
 
 

@@ -232,7 +232,7 @@ def _solve(
             else:
                 new, factors = cell.step(x, prev, w, keep)
                 residual = new.sub_(s)
-                if quasi and kernels:  # two launches, nothing done once the record says stopped
+                if quasi and kernels:  # three launches, nothing done once the record says stopped
                     a = cell.chain(factors, w).diagonals()
                     d = diagonal_kernels.diagonal_recurrence(a, residual, zero, stop=watch.record)
                 elif quasi:

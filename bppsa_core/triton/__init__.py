@@ -20,7 +20,7 @@ Modules, one a job:
 * ``newton``: a Newton iteration of a layer's forward (``bppsa_core.newton``): a tanh/relu RNN's or
   GRU's cell, residual and Jacobian factors in one pointwise kernel, written as the transposed
   chain's scan reads them, and the projected update and stopping rule on the device (``FusedIteration``);
-* ``diagonal``: a diagonal chain's recurrence x_t = a_t x_{t-1} + b_t in two launches, a quasi-Newton
+* ``diagonal``: a diagonal chain's recurrence x_t = a_t x_{t-1} + b_t in three launches, a quasi-Newton
   iteration's correction (``diagonal_recurrence``);
 * ``launch``: each kernel's compile settings (``Launch``), the run-time loop bounds and the three
   launches. ``benchmarks.kernels`` lists every configuration the modules can launch and compiles it

@@ -1,17 +1,19 @@
-"""A diagonal chain's recurrence x_t = a_t x_{t-1} + b_t (elementwise over N channels) in two launches,
-beside its plain-PyTorch reference (``diagonal_recurrence_ref``): a quasi-Newton iteration's
-correction (``bppsa_core.newton``), which the eager chunked scan (``scan.elementwise_recurrence``)
-runs in about 2·sqrt(2 T) launches.
+"""A diagonal chain's recurrence x_t = a_t x_{t-1} + b_t (elementwise over N channels) in three launches
+of two kernels (one launch for a single chunk), beside its plain-PyTorch reference
+(``diagonal_recurrence_ref``): a quasi-Newton iteration's correction (``bppsa_core.newton``), which
+the eager chunked scan (``scan.elementwise_recurrence``) runs in about 2·sqrt(2 T) launches.
 
 The steps fall into P chunks of C (a multiple of TILE) and the channels into blocks of BLOCK_N:
 
 1. ``_diagonal_reduce``: one program per (chunk 0..P-2, block) composes its chunk's maps into one,
    x -> prod x + end, tile by tile: a tile's TILE steps solved at once as a scan of affine maps
    (``tl.associative_scan``), as ``lstm._lstm_cells`` solves an LSTM's cell states;
-2. ``_diagonal_expand``: one program per (chunk, block) folds the maps of the chunks before its own
-   into its entry value from x_0, then walks its chunk tile by tile, writing x.
+2. ``_diagonal_expand`` over those P - 1 maps, one chunk a block: the value after each, which is
+   the next chunk's entry value;
+3. ``_diagonal_expand`` over the steps: one program per (chunk, block) walks its chunk from its
+   entry value (x_0 for the first), tile by tile, writing x.
 
-Its dependent chain is 2 C / TILE tiles and P folds. Every program first reads a Newton solve's
+Its dependent chain is 2 C / TILE + P / TILE tiles. Every program first reads a Newton solve's
 record where it is given one (STOP) and does nothing once it says stopped.
 """
 
@@ -83,21 +85,17 @@ def _diagonal_reduce(
 
 @triton.jit(do_not_specialize=SIZES)
 def _diagonal_expand(
-    a_ptr, b_ptr, x0_ptr, stop_ptr, prod_ptr, end_ptr, out_ptr,  # pointers: x_1..x_T (T, N) written
-    T, N, C, P,  # sizes: steps, channels, chunk, chunks
+    a_ptr, b_ptr, x0_ptr, stop_ptr, entry_ptr, out_ptr,  # pointers: x_1..x_T (T, N) written
+    T, N, C,  # sizes: steps, channels, chunk
     STOP: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Chunk q on this block's channels: its entry value, x_0 carried through the maps of chunks
-    0..q-1, then its steps walked tile by tile from it."""
+    """Chunk q on this block's channels, walked tile by tile from x_0 (q = 0) or entry[q - 1]."""
     if STOP:  # noqa: SIM102 (a constexpr test alone: no load is compiled without STOP)
         if tl.load(stop_ptr) != 0:  # a Newton solve that has stopped: nothing to do
             return
     q, cols, live, steps = _program(N, TILE, BLOCK_N)
-    x = tl.load(x0_ptr + cols, mask=live, other=0.0)
-    for k in range(0, P):
-        before = live & (k < q)
-        prod = tl.load(prod_ptr + k * N + cols, mask=before, other=1.0)
-        x = prod * x + tl.load(end_ptr + k * N + cols, mask=before, other=0.0)
+    x = tl.load(x0_ptr + cols, mask=live & (q == 0), other=0.0)
+    x += tl.load(entry_ptr + (q - 1) * N + cols, mask=live & (q > 0), other=0.0)
     for i in range(0, C, TILE):
         t = q * C + i + steps
         pa, pb = _tile(a_ptr, b_ptr, t, cols, T, N, live)
@@ -119,7 +117,7 @@ def diagonal_launches(stop: bool) -> tuple[Launch, Launch]:
 
 def default_chunk(steps: int) -> int:
     """Steps a chunk, a multiple of TILE: about sqrt(T TILE / 8), which balances the 2 C / TILE tiles
-    of a chunk's two walks (each about four folds' work) against its P = T / C folds."""
+    of a chunk's two walks against the P / TILE tiles of the maps' walk, P = T / C."""
     return TILE * max(1, round(math.sqrt(steps / (8 * TILE))))
 
 
@@ -137,15 +135,31 @@ def diagonal_recurrence(
         return out
     c = TILE * math.ceil((chunk or default_chunk(steps)) / TILE)
     p = math.ceil(steps / c)
-    a, b = a.expand_as(b).contiguous(), b.contiguous()
-    maps = b.new_empty((2, max(p - 1, 1), width))  # the chunks' maps but the last's: prod, end
+    a, b, x0 = a.expand_as(b).contiguous(), b.contiguous(), x0.contiguous()
     marker = b if stop is None else stop  # not read without a record
     reduce, expand = diagonal_launches(stop is not None)
     blocks = triton.cdiv(width, BLOCK_N)
-    common = {"a_ptr": a, "b_ptr": b, "stop_ptr": marker, "prod_ptr": maps[0], "end_ptr": maps[1]}
+    common = {"x0_ptr": x0, "stop_ptr": marker, "N": width}
+    entries = b  # one chunk: never read
     if p > 1:
-        reduce.run((p - 1, blocks), **common, T=steps, N=width, C=c)
-    expand.run((p, blocks), **common, x0_ptr=x0.contiguous(), out_ptr=out, T=steps, N=width, C=c, P=p - 1)
+        maps = b.new_empty((2, p - 1, width))  # the chunks' maps but the last's: prod, end
+        entries = b.new_empty((p - 1, width))  # after map k: chunk k + 1's entry value
+        reduce.run(
+            (p - 1, blocks), a_ptr=a, b_ptr=b, stop_ptr=marker, prod_ptr=maps[0], end_ptr=maps[1],
+            T=steps, N=width, C=c,
+        )  # fmt: skip
+        spine = TILE * math.ceil((p - 1) / TILE)  # the maps as one chunk
+        expand.run(
+            (1, blocks),
+            a_ptr=maps[0],
+            b_ptr=maps[1],
+            entry_ptr=b,
+            out_ptr=entries,
+            T=p - 1,
+            C=spine,
+            **common,
+        )
+    expand.run((p, blocks), a_ptr=a, b_ptr=b, entry_ptr=entries, out_ptr=out, T=steps, C=c, **common)
     return out
 
 

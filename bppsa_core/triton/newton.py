@@ -19,7 +19,7 @@ one program a sample (``FusedIteration.fall_back``).
 
 Any other layer (an LSTM, quasi-Newton, packed sequences) takes only steps 4 and 5
 (``newton_update``) after its own cell evaluation and scan (quasi-Newton's: the diagonal recurrence
-in two kernels, ``bppsa_core.triton.diagonal``). Every kernel, the scan's included,
+in three launches, ``bppsa_core.triton.diagonal``). Every kernel, the scan's included,
 reads the record first and does nothing once it says stopped, so iterations queued past the stop
 leave the states as they were and cost their launches and the GEMM only.
 

@@ -42,6 +42,8 @@ LOOPS = {
     "update": 0,
     "decide": 1,
     "fallback": 1,
+    "diagonal reduce": 1,
+    "diagonal expand": 1,
 }
 SCAN = ("reduce", "spine", "expand")
 SCAN_MODES = ("SCALES", "SCALES_T", "SCALES_T newton", "TANH", "RELU", "GRU")
@@ -59,6 +61,7 @@ KERNELS |= {
     "quasi-newton": {"_decide"},
 }
 KERNELS |= {f"{name} walk": {"_walk"} for name in ("tanh", "relu", "gru")}
+KERNELS["diagonal"] = {"_diagonal_reduce", "_diagonal_expand"}
 
 
 def compiled_env() -> dict[str, str]:

@@ -227,10 +227,13 @@ def test_a_newton_forward_on_a_gpu_gives_cudnns_outputs_and_gradients(monkeypatc
 
 @pytest.mark.parametrize(
     ("steps", "shape", "chunk"),
-    # one step; shorter than a tile; chunks of one tile; several tiles a chunk and channels past a
-    # block; a chunk not a multiple of a tile (rounded up); a broadcast a
-    [(1, (1,), None), (5, (3, 5), None), (200, (2, 20), 64), (1000, (4, 33), 256), (777, (3, 7), 100),
-     (130, (16, 20), None)],
+    # one step; shorter than a tile; chunks of one tile; a chunk not a multiple of a tile (rounded
+    # up); a broadcast a; several tiles a chunk and channels past a block; more chunks than a tile
+    extended_except(
+        [(1, (1,), None), (5, (3, 5), None), (200, (2, 20), 64), (777, (3, 7), 100), (130, (16, 20), None),
+         (1000, (4, 33), 256), (5000, (2, 3), 64)],
+        first=5,
+    ),
 )  # fmt: skip
 def test_the_diagonal_recurrence_matches_its_twin(steps, shape, chunk) -> None:
     g = torch.Generator().manual_seed(steps)
