@@ -1,7 +1,7 @@
 """A diagonal chain's recurrence x_t = a_t x_{t-1} + b_t (elementwise over N channels) in three launches
 of two kernels (one launch for a single chunk), beside its plain-PyTorch reference
 (``diagonal_recurrence_ref``): a quasi-Newton iteration's correction (``bppsa_core.newton``), which
-the eager chunked scan (``scan.elementwise_recurrence``) runs in about 2·sqrt(2 T) launches.
+the eager chunked scan (``scan.elementwise_recurrence``) runs in about 3·sqrt(2 T) launches.
 
 The steps fall into P chunks of C (a multiple of TILE) and the channels into blocks of BLOCK_N:
 
