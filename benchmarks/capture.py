@@ -180,10 +180,12 @@ def bench(
     repeats: int,
     naive_max_t: int,
     error_mode: str = "global",
+    chunk: int | None = None,
 ) -> Row:
-    """One row: every method of the module docstring that runs here, on the same weights and input."""
+    """One row: every method of the module docstring that runs here, on the same weights and input;
+    ``chunk``: the BPPSA module's (None: its default)."""
     torch.manual_seed(0)
-    ref, ours = module_pair(model, FEATURES, hidden, device)
+    ref, ours = module_pair(model, FEATURES, hidden, device, chunk=chunk)
     x = torch.bernoulli(torch.full((steps, batch, FEATURES), 0.5)).to(device)
     row = Row(model, steps, batch, hidden)
     if ours._torch_nn_instead():  # auto runs torch.nn here; time the scan it would run otherwise
@@ -289,6 +291,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=positive_int, default=10, help="timed rounds (the median is shown)")
     p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed rounds before them")
     p.add_argument(
+        "--chunk", type=positive_int, default=None, help="the BPPSA modules' chunk (default: theirs)"
+    )
+    p.add_argument(
         "--capture-error-mode",
         choices=("global", "thread_local", "relaxed"),
         default="global",
@@ -304,14 +309,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(machine_line(args.device))
-    print(f"float32, median of {args.repeats} after {args.warmup} warm-up rounds; loss on h_T\n\n{LEGEND}")
+    chunk = f"chunk {args.chunk}" if args.chunk else "the modules' chunk"
+    timed = f"median of {args.repeats} after {args.warmup} warm-up rounds"
+    print(f"float32, {timed}; loss on h_T; {chunk}\n\n{LEGEND}")
     for model in args.models:
         rows = []
         for hidden in args.H:
             for steps in args.T:
                 progress(f"{model} T={steps} H={hidden} ...")
                 timing = (args.warmup, args.repeats, args.naive_max_T, args.capture_error_mode)
-                rows.append(bench(model, steps, args.B, hidden, args.device, *timing))
+                rows.append(bench(model, steps, args.B, hidden, args.device, *timing, chunk=args.chunk))
         notes = notes_lines(rows)
         print(f"\n### {model.upper()}\n\n{format_table(rows, args.device)}", flush=True)
         if notes:

@@ -100,6 +100,9 @@ STEPS = (
     "kernels", "ranks", "reproduction",
 )  # fmt: skip
 CHUNKS = (8, 16, 32, 64, 128)
+# The chunk sweep's captured rows: where the eager backward is host work (T = 1,000), only the GPU
+# time of a captured one shows what the chunk size does
+CHUNK_CAPTURE = ["--models", "rnn", "gru", "--T", "1000", "10000", "--H", "20", "--naive-max-T", "0"]
 BLOCK_MIBS = (8, 32, 256)  # the BPPSA backward's blocks of time steps (``--block-mib``)
 GPU_TEST_FILES = (
     "tests/core/test_triton.py",
@@ -191,7 +194,10 @@ def plan(
         "backward": [_bench(*suite, "--tables", "backward", *device)],
         "epoch": [_bench(*suite, "--tables", "epoch", "--epoch-samples", "64" if dry else "3200", *device)],
         "scan": [_bench(*suite, "--tables", "scan", "--peers", "torch", "jax", *device)],
-        "chunk": [_bench(*chunk_shape, "--chunk", str(c), "--tables", "backward", *device) for c in CHUNKS],
+        "chunk": [
+            *(_bench(*chunk_shape, "--chunk", str(c), "--tables", "backward", *device) for c in CHUNKS),
+            *([] if dry else ([*capture, *CHUNK_CAPTURE, "--chunk", str(c)] for c in CHUNKS)),
+        ],
         "blocks": [
             _bench(*block_shape, "--block-mib", str(b), "--tables", "backward", *device) for b in BLOCK_MIBS
         ],

@@ -113,6 +113,22 @@ def test_the_naive_loop_gives_the_modules_gradients() -> None:
             assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), model
 
 
+def test_the_chunk_given_is_the_bppsa_modules(monkeypatch) -> None:
+    made = []
+    real = capture.module_pair
+
+    def pair(*args, **options):
+        ref, ours = real(*args, **options)
+        made.append(ours)
+        return ref, ours
+
+    monkeypatch.setattr(capture, "module_pair", pair)
+    assert capture.parse_args(["--chunk", "3"]).chunk == 3 and capture.parse_args([]).chunk is None
+    capture.bench("rnn", 12, 2, 4, CPU, 0, 1, naive_max_t=0, chunk=3)
+    capture.bench("rnn", 12, 2, 4, CPU, 0, 1, naive_max_t=0)
+    assert [m.chunk for m in made] == [3, None]
+
+
 def test_a_length_past_the_naive_limit_says_so() -> None:
     row = capture.bench("rnn", 12, 2, 4, CPU, 0, 1, naive_max_t=5)
     assert "naive eager" not in row.cells and "T <= 5" in row.notes["naive eager"]
@@ -142,6 +158,7 @@ def test_the_run_prints_a_table_per_model_and_the_reasons(capsys) -> None:
         (["--models", "transformer"], "argument --models: invalid choice: 'transformer'"),
         (["--naive-max-T", "-1"], "argument --naive-max-T: -1 is negative"),
         (["--capture-error-mode", "local"], "argument --capture-error-mode: invalid choice: 'local'"),
+        (["--chunk", "0"], "argument --chunk: 0 is not positive; accepted: positive integers"),
     ],
 )
 def test_bad_arguments_end_it_in_one_line(argv, message, capsys) -> None:
