@@ -232,12 +232,12 @@ def _solve(
             else:
                 new, factors = cell.step(x, prev, w, keep)
                 residual = new.sub_(s)
-                if quasi and kernels:  # three launches, nothing done once the record says stopped
+                if quasi:
                     a = cell.chain(factors, w).diagonals()
-                    d = diagonal_kernels.diagonal_recurrence(a, residual, zero, stop=watch.record)
-                elif quasi:
-                    a = cell.chain(factors, w).diagonals().expand_as(residual)
-                    d = elementwise_recurrence(a, residual, zero)
+                    if kernels:  # three launches, nothing done once the record says stopped
+                        d = diagonal_kernels.diagonal_recurrence(a, residual, zero, stop=watch.record)
+                    else:
+                        d = elementwise_recurrence(a.expand_as(residual), residual, zero)
                 else:
                     d = forward_scan(cell.tangent_chain(factors, w), zero, residual, scan_options)[1:]
                 if kernels:

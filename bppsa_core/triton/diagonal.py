@@ -148,17 +148,11 @@ def diagonal_recurrence(
             (p - 1, blocks), a_ptr=a, b_ptr=b, stop_ptr=marker, prod_ptr=maps[0], end_ptr=maps[1],
             T=steps, N=width, C=c,
         )  # fmt: skip
-        spine = TILE * math.ceil((p - 1) / TILE)  # the maps as one chunk
+        spine = TILE * math.ceil((p - 1) / TILE)  # the maps walked as one chunk
         expand.run(
-            (1, blocks),
-            a_ptr=maps[0],
-            b_ptr=maps[1],
-            entry_ptr=b,
-            out_ptr=entries,
-            T=p - 1,
-            C=spine,
+            (1, blocks), a_ptr=maps[0], b_ptr=maps[1], entry_ptr=b, out_ptr=entries, T=p - 1, C=spine,
             **common,
-        )
+        )  # fmt: skip
     expand.run((p, blocks), a_ptr=a, b_ptr=b, entry_ptr=entries, out_ptr=out, T=steps, C=c, **common)
     return out
 
