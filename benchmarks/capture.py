@@ -3,6 +3,7 @@ against a naive sequential loop, over T and H.
 
     python -m benchmarks.capture --device cuda           # RNN, GRU, LSTM; H = 20 ... 256; T = 1,000, 10,000
     python -m benchmarks.capture --T 100 --H 20          # the CPU: the eager and naive columns only
+    python -m benchmarks.capture --device cuda --models rnn --T 1000 --H 20 --kernels   # and per kernel
 
 For each model, T and H, one ``torch.nn`` module and one ``bppsa_core`` module with the same weights
 (strategy ``auto``, or ``graph`` where auto runs the module as ``torch.nn``, so that the table still
@@ -20,7 +21,10 @@ the methods taking turns, all in one process:
   (the forward in one graph, the backward in another sharing its memory pool), each timed replay
   after an untimed one of the forward: the backward's GPU work, both sides; CUDA only;
 * ``peak MiB``: the memory the backward allocates beyond what was allocated before it, on both
-  sides; CUDA only.
+  sides; CUDA only;
+* with ``--kernels``, where the backward's GPU time goes: per kernel (and copy) its launches and
+  GPU time in one eager backward under ``torch.profiler``, the same kernels a captured backward
+  replays; the "captured bwd" time above their sum is the graph's gaps between kernels; CUDA only.
 
 A cell a method cannot fill says why under the table. Prints Markdown; progress goes to stderr.
 Imports nothing beyond torch, so it runs on a bare GPU machine.
@@ -45,8 +49,10 @@ from benchmarks.common import (
     markdown,
     non_negative_int,
     notes_lines,
+    on_device,
     parser,
     positive_int,
+    profiled_events,
     run_tool,
     threads_arg,
 )
@@ -58,6 +64,10 @@ FEATURES = 1  # the paper's bitstream input
 DEFAULT_T = (1000, 10_000)
 DEFAULT_H = (20, 64, 128, 256)  # cuDNN's persistent kernels end at H = 256 (RNN), 128 (GRU, LSTM)
 Cell = str | float  # a time in ms, or the text of a cell that could not be measured
+KERNEL_ROWS = 8  # the kernels listed per side and shape, by GPU time; the rest summed in one row
+NAME_CHARS = 80  # a kernel's name in the table, at most
+KERNEL_ROUNDS = 3  # profiled backwards per side and shape (their launches and times averaged)
+Kernels = dict[str, tuple[float, float]]  # kernel name -> (launches, µs) per backward
 
 
 @dataclass
@@ -68,6 +78,7 @@ class Row:
     hidden: int
     cells: dict[str, Cell] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    kernels: dict[str, Kernels] = field(default_factory=dict)  # per side ("cuDNN", "BPPSA"), --kernels
 
 
 def _loss(module: torch.nn.Module, x: Tensor) -> Tensor:
@@ -170,6 +181,46 @@ def backward_peak_mib(module: torch.nn.Module, x: Tensor) -> float:
     return (torch.cuda.max_memory_allocated(x.device) - before) / 2**20
 
 
+def kernel_name(name: str) -> str:
+    """A GPU kernel's name without its return type and parameter list, its template arguments kept
+    (they tell a GEMM's tile, an elementwise kernel's operation) up to ``NAME_CHARS`` in all; a
+    copy's ("Memset (Device)") as it is."""
+    name = name.removeprefix("void ")
+    depth = 0
+    for i, char in enumerate(name):
+        depth += (char == "<") - (char == ">")
+        if char == "(" and depth == 0 and i and name[i - 1] != " ":
+            name = name[:i]
+            break
+    return name if len(name) <= NAME_CHARS else name[: NAME_CHARS - 1] + "…"
+
+
+def kernel_times(events: Sequence[object], rounds: int) -> Kernels:
+    """The GPU kernels and copies among ``events`` (``rounds`` backwards' profiles), by name: their
+    launches and µs per backward, the most time first."""
+    total: dict[str, list[float]] = {}
+    for e in events:
+        if on_device(e):
+            launches_us = total.setdefault(kernel_name(e.name), [0.0, 0.0])
+            launches_us[0] += 1
+            launches_us[1] += e.time_range.elapsed_us()
+    per = {name: (n / rounds, us / rounds) for name, (n, us) in total.items()}
+    return dict(sorted(per.items(), key=lambda kv: -kv[1][1]))
+
+
+def backward_kernels(module: torch.nn.Module, x: Tensor, rounds: int = KERNEL_ROUNDS) -> Kernels:
+    """Per kernel, its launches and GPU µs in one backward of the loss on h_T: ``rounds`` eager
+    backwards profiled, each from the gradients unset, as a training step's."""
+    events: list[object] = []
+    for _ in range(rounds):
+        module.zero_grad(set_to_none=True)
+        loss = _loss(module, x)
+        events += profiled_events(loss.backward, x.device)
+        del loss  # as ``_eager_backward_ms``: no graph outlives its backward
+    module.zero_grad(set_to_none=True)
+    return kernel_times(events, rounds)
+
+
 def bench(
     model: str,
     steps: int,
@@ -181,9 +232,10 @@ def bench(
     naive_max_t: int,
     error_mode: str = "global",
     chunk: int | None = None,
+    kernels: bool = False,
 ) -> Row:
     """One row: every method of the module docstring that runs here, on the same weights and input;
-    ``chunk``: the BPPSA module's (None: its default)."""
+    ``chunk``: the BPPSA module's (None: its default); ``kernels``: the backward per kernel too."""
     torch.manual_seed(0)
     ref, ours = module_pair(model, FEATURES, hidden, device, chunk=chunk)
     x = torch.bernoulli(torch.full((steps, batch, FEATURES), 0.5)).to(device)
@@ -229,6 +281,13 @@ def bench(
                 row.cells[name] = measure()
             except (ValueError, RuntimeError) as exc:
                 row.cells[name], row.notes[name] = failure(exc)
+        if kernels and device.type != "cuda":
+            row.notes["kernels"] = "needs a CUDA device"
+        elif kernels:
+            try:
+                row.kernels[side] = backward_kernels(module, x)
+            except (ValueError, RuntimeError) as exc:
+                row.notes[f"{side} kernels"] = failure(exc)[1]
     return row
 
 
@@ -267,12 +326,39 @@ def format_table(rows: Sequence[Row], device: torch.device) -> str:
     return markdown(head, body)
 
 
+def format_kernels(rows: Sequence[Row]) -> str:
+    """Markdown: per shape and side the ``KERNEL_ROWS`` kernels with the most GPU time in a backward,
+    the others in one row, and all of them; "" where no row was profiled."""
+    body = []
+    for r in rows:
+        for side, kernels in r.kernels.items():
+            total = sum(us for _, us in kernels.values()) or 1.0
+            listed = [(f"`{name}`", times) for name, times in list(kernels.items())[:KERNEL_ROWS]]
+            rest = list(kernels.values())[KERNEL_ROWS:]
+            if rest:
+                listed.append((f"{len(rest)} others", (sum(n for n, _ in rest), sum(us for _, us in rest))))
+            listed.append(("all", (sum(n for n, _ in kernels.values()), total)))
+            shape = [str(r.steps), str(r.hidden), side]
+            body += [[*shape, name, f"{n:.3g}", f"{us:.4g}", f"{us / total:.0%}"] for name, (n, us) in listed]
+    if not body:
+        return ""
+    return markdown(["T", "H", "side", "kernel", "launches", "µs", "share"], body)
+
+
 LEGEND = (
     "'eager': the backward's wall-clock time (forward excluded); 'naive': the backward of a loop of "
     "torch.nn's cells; 'captured': GPU time of a whole training step (forward, backward, SGD step) "
     "replayed from a CUDA graph; 'captured bwd': GPU time of the backward alone, its graph replayed "
     "after the forward's; a ratio above 1 means BPPSA is faster; 'peak MiB': what the backward "
     "allocates beyond what was allocated before it."
+)
+
+
+KERNEL_LEGEND = (
+    f"Each side's kernels and copies in one eager backward ({KERNEL_ROUNDS} profiled, averaged; "
+    "the loss's own included), the most GPU time first: 'launches' per backward, 'µs' their GPU time, "
+    "'share' of the side's; a captured backward replays the same kernels, its time above their sum "
+    "the graph's gaps between them."
 )
 
 
@@ -292,6 +378,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed rounds before them")
     p.add_argument(
         "--chunk", type=positive_int, default=None, help="the BPPSA modules' chunk (default: theirs)"
+    )
+    p.add_argument(
+        "--kernels", action="store_true", help="also each backward's GPU time per kernel (CUDA only)"
     )
     p.add_argument(
         "--capture-error-mode",
@@ -318,11 +407,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             for steps in args.T:
                 progress(f"{model} T={steps} H={hidden} ...")
                 timing = (args.warmup, args.repeats, args.naive_max_T, args.capture_error_mode)
-                rows.append(bench(model, steps, args.B, hidden, args.device, *timing, chunk=args.chunk))
+                rows.append(
+                    bench(
+                        model, steps, args.B, hidden, args.device, *timing, chunk=args.chunk,
+                        kernels=args.kernels,
+                    )
+                )  # fmt: skip
         notes = notes_lines(rows)
         print(f"\n### {model.upper()}\n\n{format_table(rows, args.device)}", flush=True)
         if notes:
             print("\n" + "\n".join(notes), flush=True)
+        kernels = format_kernels(rows)
+        if kernels:
+            head = f"#### {model.upper()}: where the backward's GPU time goes, per kernel"
+            print(f"\n{head}\n\n{KERNEL_LEGEND}\n\n{kernels}", flush=True)
     progress("done")
     return 0
 

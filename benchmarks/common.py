@@ -138,6 +138,25 @@ def machine_line(device: torch.device) -> str:
     return line + "; " + "; ".join(f"{p} {version(p)}" for p in ("triton", "jax", "jaxlib"))
 
 
+def profiled_events(fn: Callable[[], object], device: torch.device) -> list:
+    """The events of one call of ``fn`` under ``torch.profiler``: the host's operator calls and, on a
+    GPU, the kernels and copies it ran there (the device synchronized before the profile ends)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    return list(prof.events())
+
+
+def on_device(event: object) -> bool:
+    """Whether a profiler event is a kernel or copy run on a GPU (not a host call)."""
+    return getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
+
+
 class Progress:
     """Progress lines on stderr, each with the seconds since the tool started."""
 

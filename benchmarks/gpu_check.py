@@ -23,7 +23,8 @@ and its output (or why it failed, or was skipped):
 5. ``epoch``: one training epoch of the bitstream RNN, BPTT against BPPSA, eager and with the
    training step captured in a CUDA graph (the README's fast path);
 6. ``scan``: the scan alone against ``torch``'s and ``jax``'s ``associative_scan``;
-7. ``chunk``: the Triton kernels' chunk-size sweep at T = 1000 and 30,000;
+7. ``chunk``: the Triton kernels' chunk-size sweep at T = 1000 and 30,000, then captured at
+   T = 1,000 with each backward's GPU time per kernel (``benchmarks.capture --kernels``);
 8. ``blocks``: the BPPSA backward's blocks of time steps (``--block-mib`` 8, 32 and 256: a CPU's
    budget, and larger ones that take fewer launches) at T = 1,000, 30,000 and 100,000, which sets
    the GPU's own (``bppsa_core.jacobians.BLOCK_BYTES``);
@@ -102,12 +103,13 @@ STEPS = (
 CHUNKS = (8, 16, 32, 64, 128)
 # The chunk sweep's captured rows: where the eager backward is host work (T = 1,000), only the GPU
 # time of a captured one shows what the chunk size does (T = 1,000 alone: the step's time is bounded)
-CHUNK_CAPTURE = ["--models", "rnn", "gru", "--T", "1000", "--H", "20", "--naive-max-T", "0"]
+CHUNK_CAPTURE = ["--models", "rnn", "gru", "--T", "1000", "--H", "20", "--naive-max-T", "0", "--kernels"]
 BLOCK_MIBS = (8, 32, 256)  # the BPPSA backward's blocks of time steps (``--block-mib``)
 GPU_TEST_FILES = (
     "tests/core/test_triton.py",
     "tests/core/test_triton_newton.py",
     "tests/core/test_capture.py",
+    "tests/benchmarks/test_bench_capture.py",
     "tests/core/test_sparse.py",
     "tests/core/test_distributed.py",
     "tests/core/test_nn.py",

@@ -45,8 +45,10 @@ from benchmarks.common import (
     machine_line,
     markdown,
     non_negative_int,
+    on_device,
     parser,
     positive_int,
+    profiled_events,
     run_tool,
     threads_arg,
 )
@@ -85,19 +87,10 @@ def dispatched(fn: Callable[[], object], device: torch.device) -> tuple[int, int
     """The ATen operator calls one call of ``fn`` makes (those no other operator made: the host's
     dispatches, views included) and, on a GPU, the kernels and copies it runs there; one call
     under ``torch.profiler``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    with profile(activities=activities) as prof:
-        fn()
-        if cuda:
-            torch.cuda.synchronize(device)
-    events = prof.events()
+    events = profiled_events(fn, device)
     aten = [e for e in events if e.name.startswith("aten::")]
     ops = sum(1 for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
-    on_device = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else None
-    return ops, on_device
+    return ops, (sum(1 for e in events if on_device(e)) if device.type == "cuda" else None)
 
 
 def _medians(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -149,6 +150,62 @@ def test_the_run_prints_a_table_per_model_and_the_reasons(capsys) -> None:
         assert all(len(r) == len(head) for r in rows)
         assert [(r[1], r[3]) for r in rows] == [("8", "4"), ("8", "6")]
     assert "- captured: needs a CUDA device" in out and "- captured bwd: needs a CUDA device" in out
+
+
+def _event(name: str, us: float, device: str = "cuda") -> SimpleNamespace:
+    kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+
+def test_kernel_times_are_per_backward_by_kernel_the_busiest_first() -> None:
+    cudnn = "void cudnn::rnn::RNN_blockPersist_bp_ht<float, float, float>(cudnn::rnn::RNN_bp_params)"
+    events = [_event("_spine", 4.0), _event(cudnn, 30.0), _event("aten::mm", 99.0, "cpu")]
+    events += [_event("_spine", 6.0), _event(cudnn, 10.0), _event("Memset (Device)", 1.0)]
+    times = capture.kernel_times(events, rounds=2)
+    busiest = "cudnn::rnn::RNN_blockPersist_bp_ht<float, float, float>"
+    assert times == {busiest: (1, 20), "_spine": (1, 5), "Memset (Device)": (0.5, 0.5)}
+    assert list(times) == [busiest, "_spine", "Memset (Device)"]
+
+
+def test_a_kernel_name_loses_its_return_type_and_parameters_and_keeps_its_template() -> None:
+    gemm = "void cutlass::Kernel2<cutlass_80_simt_sgemm_64x64_8x5_tn_align1>(cutlass_80_simt::Params)"
+    assert capture.kernel_name(gemm) == "cutlass::Kernel2<cutlass_80_simt_sgemm_64x64_8x5_tn_align1>"
+    fill = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
+    fill += "std::array<char*, 1ul> >(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)"
+    short = capture.kernel_name(fill)
+    assert len(short) == capture.NAME_CHARS and short.endswith("…") and "FillFunctor" in short
+    assert capture.kernel_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD (Device -> Device)"
+    assert capture.kernel_name("_spine") == "_spine"
+
+
+def test_the_kernel_table_lists_the_busiest_then_the_others_and_all() -> None:
+    row = capture.Row("rnn", 1000, 16, 20)
+    row.kernels["BPPSA"] = {f"k{i}": (1.0, 10.0 - i) for i in range(capture.KERNEL_ROWS + 2)}
+    head, rows = markdown_tables(capture.format_kernels([row]))[0]
+    assert head == ["T", "H", "side", "kernel", "launches", "µs", "share"]
+    assert [r[3] for r in rows] == [*(f"`k{i}`" for i in range(capture.KERNEL_ROWS)), "2 others", "all"]
+    assert rows[-2][4:] == ["2", "3", "5%"] and rows[-1][4:] == ["10", "55", "100%"]
+    assert rows[0][:3] == ["1000", "20", "BPPSA"] and rows[0][5:] == ["10", "18%"]
+    assert capture.format_kernels([capture.Row("rnn", 10, 2, 4)]) == ""
+
+
+def test_kernels_on_the_cpu_are_a_note_and_leave_no_gradient() -> None:
+    row = capture.bench("rnn", 12, 2, 4, CPU, 0, 1, naive_max_t=0, kernels=True)
+    assert row.kernels == {} and row.notes["kernels"] == "needs a CUDA device"
+    module = capture.module_pair("rnn", 1, 4, CPU)[1]
+    assert capture.backward_kernels(module, torch.ones(5, 2, 1)) == {}  # no GPU events on a CPU
+    assert all(p.grad is None for p in module.parameters())
+
+
+@pytest.mark.gpu
+def test_a_gpu_backward_is_listed_by_its_kernels() -> None:
+    """BPPSA's layer backward at T = 1,000 is the chunked scan's three Triton kernels among others;
+    cuDNN's is its own kernels: each side's table names them, with their time."""
+    row = capture.bench("rnn", 1000, 16, 20, torch.device("cuda"), 1, 1, naive_max_t=0, kernels=True)
+    assert {"_reduce", "_spine", "_expand"} <= set(row.kernels["BPPSA"]), row.kernels["BPPSA"]
+    assert not {"_reduce", "_spine", "_expand"} & set(row.kernels["cuDNN"]), row.kernels["cuDNN"]
+    for kernels in row.kernels.values():
+        assert all(n > 0 and us > 0 for n, us in kernels.values()), kernels
 
 
 @pytest.mark.parametrize(
