@@ -266,6 +266,7 @@ class _BPPSAMixin:
         directions = self._directions
         calls = self.num_layers * directions
         per_call = len(self._flat_weights) // calls
+        copied = not _outputs_kept_by_torch_nn(x)  # the caller's outputs: a copy, where torch.nn's are
         hs, cs, stats = [], [], []
         inp = x
         for i in range(self.num_layers):
@@ -277,14 +278,15 @@ class _BPPSAMixin:
                 guess = self._guess(k, (*seq.shape[:2], self.hidden_size), seq) if self._guesses else None
                 # the top layer's outputs are the caller's (as torch.nn's, changed in place at will),
                 # unless a concatenation (bidirectional) or packing (lengths) copies them anyway
-                own = i == self.num_layers - 1 and directions == 1 and lengths is None
+                top = i == self.num_layers - 1 and directions == 1 and lengths is None
                 # the layer's states (1, B, H), as PyTorch's kernel takes them: h0 itself for one call
                 h0_k = h0 if calls == 1 else h0[k : k + 1]
                 c0_k = None if c0 is None else (c0 if calls == 1 else c0[k : k + 1])
+                own = top and copied
                 out, h, c, solve = layer(seq, h0_k, c0_k, w, config, lengths, guess, own_output=own)
                 if self.newton_guess == "previous" and self.forward_solver != "native":
                     # a copy of the caller's own outputs, which they may change in place
-                    self._guesses[k] = out.detach().clone() if own else out.detach()
+                    self._guesses[k] = out.detach().clone() if top else out.detach()
                 stats.append(solve)
                 outs.append(out if d == 0 else _reverse(out, lengths))
                 hs.append(h)
@@ -321,6 +323,14 @@ def _layer_config(
 ) -> LayerConfig:  # fmt: skip
     """A ``LayerConfig``, checked once per set of options: checking costs as much as a short layer."""
     return LayerConfig(mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, iters))
+
+
+def _outputs_kept_by_torch_nn(x: Tensor) -> bool:
+    """Whether ``torch.nn``'s module keeps its outputs for its backward on x: cuDNN's does, so there
+    changing them in place before the backward is an error, and BPPSA's top layer hands the caller
+    the outputs its backward reads, with no copy (time and memory: ``benchmarks.host --device cuda``);
+    PyTorch's CPU kernels keep none, and the caller gets a copy to change at will."""
+    return x.is_cuda and torch.backends.cudnn.is_acceptable(x)
 
 
 def _beyond_one_call(input: Tensor | PackedSequence, batch_first: bool) -> bool:

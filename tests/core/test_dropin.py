@@ -113,6 +113,33 @@ def test_results_changed_in_place_get_torch_nns_gradients(kind, layers, strategy
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+def test_outputs_torch_nn_keeps_for_its_backward_are_not_copied(monkeypatch, kind) -> None:
+    """Where ``torch.nn``'s module keeps its outputs for its backward (cuDNN's, on a GPU: stood in for
+    here), the top layer's outputs are the ones its backward reads, with no copy: changed in place
+    before the backward, they fail it with the error autograd raises for cuDNN's; left alone, they
+    get torch.nn's gradients, float64. On a CPU torch.nn keeps none (the test above)."""
+    assert not bnn._outputs_kept_by_torch_nn(torch.ones(2))
+    monkeypatch.setattr(bnn, "_outputs_kept_by_torch_nn", lambda x: True)
+    ref_cls, ours_cls = KINDS[kind]
+    torch.manual_seed(0)
+    ref = ref_cls(3, 5, num_layers=2).double()
+    ours = ours_cls(3, 5, num_layers=2, strategy="chunked").double()  # PyTorch's kernel, a GPU's forward
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(6, 2, 3, dtype=F64)
+    out, _ = ours(x)
+    out.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    grads = []
+    for module in (ref, ours):
+        module.zero_grad()
+        module(x)[0].sin().sum().backward()
+        grads.append([p.grad for p in module.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert rel_err(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("batch_first", [False, True])
 def test_long_outputs_changed_in_place_get_torch_nns_gradients(kind, batch_first) -> None:
     """Outputs of several MiB (the caller's copy made in NumPy's memory, ``ops._copy``), time- or

@@ -592,6 +592,21 @@ def test_auto_runs_torch_nn_on_a_cpu_at_a_width_where_it_wins(monkeypatch) -> No
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_on_a_gpu_outputs_changed_in_place_fail_the_backward_on_both_sides(kind: str) -> None:
+    """cuDNN's module keeps its outputs for its backward, so changing them in place before it is an
+    error; BPPSA's module hands over the outputs its backward reads (no copy) and fails alike."""
+    ref_cls, cls, options = KINDS[kind]
+    x = torch.randn(20, 4, 3, device="cuda")
+    assert bnn._outputs_kept_by_torch_nn(x)
+    for module in (ref_cls(3, 5, **options), cls(3, 5, strategy="triton", **options)):
+        out, _ = module.cuda()(x)
+        out.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("cls", "hidden"),
     [(bnn.LSTM, 64), (bnn.GRU, 128), (bnn.RNN, 128), (bnn.LSTM, 256), (bnn.GRU, 512), (bnn.RNN, 512)],
@@ -632,12 +647,16 @@ def test_an_initial_state_that_needs_no_gradient_gets_none_computed(kind: str) -
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_one_layer_forward_on_pytorchs_kernel_makes_no_view_or_copy_of_its_states(kind: str) -> None:
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_one_layer_forward_on_pytorchs_kernel_makes_no_view_or_copy_of_its_states(
+    monkeypatch, kind: str, kept: bool
+) -> None:
     """A layer call takes and gives its states as (1, B, H), the shape of PyTorch's kernel and of the
     module's states, so a one-layer training forward on that kernel (a GPU's) issues torch.nn's
-    operator calls and one more, the copy of the outputs the caller may change in place: no
-    select, unsqueeze or stack of the states (the host path of a short forward). Its last states
-    are the layer's own tensors, not views."""
+    operator calls, and one more, the copy of the outputs the caller may change in place, unless
+    torch.nn's module keeps its outputs (``kept``: cuDNN's, stood in for): no select, unsqueeze or
+    stack of the states (the host path of a short forward). Its last states are the layer's own
+    tensors, not views."""
     from torch.profiler import ProfilerActivity, profile
 
     def top_level_ops(module: torch.nn.Module) -> tuple[list[str], object]:
@@ -647,9 +666,11 @@ def test_a_one_layer_forward_on_pytorchs_kernel_makes_no_view_or_copy_of_its_sta
         top = [e for e in prof.events() if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
         return [e.name for e in top if e.name.startswith("aten::")], h_n
 
+    monkeypatch.setattr(bnn, "_outputs_kept_by_torch_nn", lambda x: kept)
     ref_cls, cls, options = KINDS[kind]
     x = torch.randn(6, 2, 3)
     nn_ops, _ = top_level_ops(ref_cls(3, 5, **options))
     ops, h_n = top_level_ops(cls(3, 5, strategy="chunked", **options))
-    assert len(ops) == len(nn_ops) + 1 and ops.count("aten::clone") == 1, (nn_ops, ops)
+    copies = 0 if kept else 1
+    assert len(ops) == len(nn_ops) + copies and ops.count("aten::clone") == copies, (nn_ops, ops)
     assert not any(s._is_view() for s in (h_n if isinstance(h_n, tuple) else (h_n,)))
