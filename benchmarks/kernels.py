@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 from benchmarks.common import positive_int, run_tool
 from bppsa_core.triton import chunk_scan
 from bppsa_core.triton.launch import DOT_PRECISION, Launch, padded
-from bppsa_core.triton.lstm import CELL_STEPS, lstm_launch_config
+from bppsa_core.triton.lstm import CELL_STEPS, gates_launch, lstm_launch_config
 from toolbox.cli import OneLineParser, cpu_cores
 from toolbox.errors import SuiteError
 from toolbox.files import output_file, write_atomic
@@ -133,10 +133,11 @@ def launch_configs() -> list[KernelConfig]:
     (K = 3, a diagonal); each with and without offsets, for every H the kernels take
     (``dispatch.MAX_HIDDEN``, grouped by ``h_variants``). ``lstm_scan``: with and without the h<-h
     diagonal and offsets, and the fused ``lstm_layer_backward`` with and without offsets, H <=
-    ``dispatch.MAX_LSTM_HIDDEN``. A fused Newton iteration's transposed scans (an RNN's and a GRU's,
-    with offsets, reading the solve's record: "SCALES_T newton") and its pointwise kernels
-    (``newton_configs``). A configuration whose kernel, constexprs,
-    sources and compile options another already has (``_reduce`` takes no ``FUSED``) is listed once.
+    ``dispatch.MAX_LSTM_HIDDEN``, with its gates' kernel (``lstm_gates``, with and without b_hh). A
+    fused Newton iteration's transposed scans (an RNN's and a GRU's, with offsets, reading the
+    solve's record: "SCALES_T newton") and its pointwise kernels (``newton_configs``). A
+    configuration whose kernel, constexprs, sources and compile options another already has
+    (``_reduce`` takes no ``FUSED``) is listed once.
     """
     from bppsa_core.dispatch import MAX_HIDDEN, MAX_LSTM_HIDDEN
 
@@ -171,6 +172,11 @@ def launch_configs() -> list[KernelConfig]:
                     KernelConfig(role, "LSTM", 4, has_hh, affine, fused, hidden, launch)
                     for role, launch in launches.items()
                 ]
+    every_lstm = tuple(range(1, MAX_LSTM_HIDDEN + 1))  # its gates' kernel: one binary for any H
+    found += [
+        KernelConfig("gates", "LSTM", 4, False, has_b, True, every_lstm, gates_launch(has_b))
+        for has_b in (False, True)
+    ]
     found += newton_configs(MAX_HIDDEN)
     found += diagonal_configs(MAX_HIDDEN)
     unique: dict[tuple, KernelConfig] = {}
@@ -428,7 +434,7 @@ def iterations(role: str, length: int, chunk: int) -> list[int]:
         return [length - (p - 1) * chunk, max(p - 2, 0)]
     if role == "cells":  # an LSTM's cell states: tiles of CELL_STEPS steps
         return [math.ceil(length / CELL_STEPS)]
-    if role in ("residual", "update"):  # pointwise: one element each, no loop
+    if role in ("residual", "update", "gates"):  # pointwise: one element each, no loop
         return []
     if role == "decide":  # its partials, a block of 1,024 a pass: one pass up to 2^20 states
         return [1]

@@ -472,6 +472,14 @@ class LSTMCell:
         pre[..., 2, :] = g
         return pre
 
+    def gate_sums(self, x: Tensor, h_prev: Tensor, w: LayerWeights) -> Tensor:
+        """x_t W_ih^T + b_ih + h_{t-1} W_hh^T of every step (T, B, 4H), without b_hh, which the GPU
+        kernel adds as it activates them (``triton.lstm_gates``): the second GEMM accumulated into
+        the first's result, two launches where ``activations`` takes six."""
+        pre = _affine(x, w.w_ih, w.b_ih)
+        pre.view(-1, pre.shape[-1]).addmm_(h_prev.reshape(-1, h_prev.shape[-1]), w.w_hh.t())
+        return pre
+
     def _gates(self, x: Tensor, h_prev: Tensor, w: LayerWeights) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The gates i, f, g, o of a block of steps (``activations``' rows)."""
         i, f, g, o = self.activations(x, h_prev, w).unbind(-2)

@@ -581,8 +581,8 @@ def _fused_layer(
     chunk = chunk or dispatch.default_chunk(steps)
 
     def kernels() -> tuple[Deltas, Callable[[], Tensor]]:
-        if lstm:  # the gates from their two GEMMs, the cell states from them, then the scan
-            gates = cell.activations(x, h_prev.whole(), w)
+        if lstm:  # the gates from their two GEMMs and one kernel, the cell states from them, the scan
+            gates = triton_kernels.lstm_gates(cell.gate_sums(x, h_prev.whole(), w), w.b_hh)
             cells = triton_kernels.lstm_cells(gates, c0)
             g0, delta = triton_kernels.lstm_layer_backward(gates, cells, w.w_hh, g_last, g_c_last, u, chunk)
             return (lambda t: (delta[t],) * 2), (lambda: g0)  # one object: the biases summed once

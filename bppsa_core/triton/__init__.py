@@ -15,8 +15,8 @@ Modules, one a job:
   or its transpose), and the fused layer backwards ``rnn_layer_backward`` and ``gru_layer_backward``,
   which build the Jacobians in the kernels;
 * ``lstm``: an LSTM's chain over (h, c): ``lstm_scan``, and the fused layer backward
-  ``lstm_layer_backward``, which forms the elements in the kernels from the gates and the cell
-  states (``lstm_cells``, a fourth launch);
+  ``lstm_layer_backward``, which forms the elements in the kernels from the gates (``lstm_gates``,
+  activated in one launch) and the cell states (``lstm_cells``, one more);
 * ``newton``: a Newton iteration of a layer's forward (``bppsa_core.newton``): a tanh/relu RNN's or
   GRU's cell, residual and Jacobian factors in one pointwise kernel, written as the transposed
   chain's scan reads them, and the projected update and stopping rule on the device (``FusedIteration``);
@@ -53,6 +53,8 @@ from bppsa_core.triton.launch import Launch, padded
 from bppsa_core.triton.lstm import (
     lstm_cells,
     lstm_cells_ref,
+    lstm_gates,
+    lstm_gates_ref,
     lstm_launch_config,
     lstm_layer_backward,
     lstm_layer_backward_ref,
@@ -75,6 +77,8 @@ __all__ = [
     "launch_config",
     "lstm_cells",
     "lstm_cells_ref",
+    "lstm_gates",
+    "lstm_gates_ref",
     "lstm_launch_config",
     "lstm_layer_backward",
     "lstm_layer_backward_ref",

@@ -322,9 +322,29 @@ def _lstm_cells(
         c = tl.sum(tl.where(steps[:, None] == last, tile, 0.0), axis=0)
 
 
+@triton.jit(do_not_specialize=("N", "H"))
+def _lstm_gates(
+    pre_ptr, b_ptr,  # pointers: the gates' pre-activations, activated in place; b_hh (read where HAS_B)
+    N, H,  # sizes: T B 4H elements, hidden
+    HAS_B: tl.constexpr, BLOCK: tl.constexpr,  # meta-parameters: b_hh given, elements a program
+):  # fmt: skip
+    """The gates i, f, g, o from their pre-activations (rows of 4H), in place: b_hh added where
+    given, then the sigmoid, and for g tanh (2 sigmoid(2 z) - 1, as ``_lstm_element``'s)."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < N
+    z = tl.load(pre_ptr + idx, mask=ok, other=0.0)
+    col = idx % (4 * H)
+    if HAS_B:
+        z += tl.load(b_ptr + col, mask=ok, other=0.0)
+    is_g = (col >= 2 * H) & (col < 3 * H)
+    s = tl.sigmoid(tl.where(is_g, 2.0 * z, z))
+    tl.store(pre_ptr + idx, tl.where(is_g, 2.0 * s - 1.0, s), mask=ok)
+
+
 # ------------------------------------------------------------------------------------------- launch
 
 
+GATE_BLOCK = 1024  # elements a program of ``_lstm_gates`` takes (4 a thread at 8 warps)
 # Steps of a tile of ``_lstm_cells``: its dependent chain is T / CELL_STEPS tiles of log2(CELL_STEPS)
 # combines; a tile's gates (3 x CELL_STEPS x HP numbers) stay in registers.
 CELL_STEPS = 64
@@ -352,6 +372,12 @@ def lstm_launch_config(has_hh: bool, has_b: bool, hp: int, fused: bool = False) 
     if fused:  # the cell states first, from the gates
         launches["cells"] = _cells_launch(hp)
     return launches
+
+
+@cache
+def gates_launch(has_b: bool) -> Launch:
+    """``_lstm_gates``, with b_hh or without (a layer with no biases): one binary for any H, 8 warps."""
+    return Launch(_lstm_gates, {"HAS_B": has_b, "BLOCK": GATE_BLOCK}, 8)
 
 
 @cache
@@ -441,6 +467,31 @@ def lstm_layer_backward_ref(
     offsets = None if u is None else torch.cat((_shifted(u), torch.zeros_like(u)), -1)
     g = chunked_scan(chain, torch.cat((g_h, g_c), -1), offsets, chunk=chunk)
     return g[0], cell.preactivation_grads(g[1:], factors)[0]
+
+
+def lstm_gates(pre: Tensor, b_hh: Tensor | None) -> Tensor:
+    """An LSTM layer's gates i, f, g, o (T, B, 4, H) from their pre-activations without b_hh
+    (T, B, 4H, contiguous: ``LSTMCell.gate_sums``), made in place: b_hh added, the sigmoid, tanh
+    for g (``_lstm_gates``), one launch where PyTorch's ops take four."""
+    if not pre.is_contiguous():
+        raise ValueError("the gates' pre-activations must be contiguous: they are activated in place")
+    n, hidden = pre.numel(), pre.shape[-1] // 4
+    gates_launch(b_hh is not None).run(
+        (triton.cdiv(n, GATE_BLOCK),),
+        pre_ptr=pre,
+        b_ptr=pre if b_hh is None else b_hh.contiguous(),  # not read without b_hh
+        N=n,
+        H=hidden,
+    )
+    return pre.unflatten(-1, (4, hidden))
+
+
+def lstm_gates_ref(pre: Tensor, b_hh: Tensor | None) -> Tensor:
+    """``lstm_gates`` in plain PyTorch (a new tensor): ``LSTMCell.activations``' activation."""
+    z = (pre if b_hh is None else pre + b_hh).unflatten(-1, (4, pre.shape[-1] // 4))
+    gates = torch.sigmoid(z)
+    gates[..., 2, :] = torch.tanh(z[..., 2, :])
+    return gates
 
 
 def lstm_cells(gates: Tensor, c0: Tensor) -> Tensor:

@@ -38,6 +38,7 @@ LOOPS = {
     "spine": 2,
     "expand": 1,
     "cells": 1,
+    "gates": 0,
     "residual": 0,
     "update": 0,
     "decide": 1,
@@ -48,7 +49,7 @@ LOOPS = {
 SCAN = ("reduce", "spine", "expand")
 SCAN_MODES = ("SCALES", "SCALES_T", "SCALES_T newton", "TANH", "RELU", "GRU")
 KERNELS = {mode: {f"_{role}" for role in SCAN} for mode in SCAN_MODES}
-KERNELS["LSTM"] = {f"_lstm_{role}" for role in (*SCAN, "cells")}  # and its cell states' kernel
+KERNELS["LSTM"] = {f"_lstm_{role}" for role in (*SCAN, "gates", "cells")}  # and its gates' and cells' kernels
 KERNELS |= {
     "tanh residual": {"_rnn_residual"},
     "relu residual": {"_rnn_residual"},
