@@ -329,8 +329,9 @@ def _outputs_kept_by_torch_nn(x: Tensor) -> bool:
     """Whether ``torch.nn``'s module keeps its outputs for its backward on x: cuDNN's does, so there
     changing them in place before the backward is an error, and BPPSA's top layer hands the caller
     the outputs its backward reads, with no copy (time and memory: ``benchmarks.host --device cuda``);
-    PyTorch's CPU kernels keep none, and the caller gets a copy to change at will."""
-    return x.is_cuda and torch.backends.cudnn.is_acceptable(x)
+    PyTorch's CPU kernels keep none, and the caller gets a copy to change at will. A compiled graph
+    keeps the copy (no cuDNN query traced into it)."""
+    return x.is_cuda and not torch.compiler.is_compiling() and torch.backends.cudnn.is_acceptable(x)
 
 
 def _beyond_one_call(input: Tensor | PackedSequence, batch_first: bool) -> bool:
