@@ -165,8 +165,9 @@ def _decide(
     QUASI: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The stopping rule on the largest change and |state| of the partials (``newton.judge``): the
-    error estimate is the change (Newton) or max(change, change rate / (1 - rate)) (QUASI, at the
-    rate change / last change); stop when it is at most tol max(1, max |s|) or not finite."""
+    error estimate at the rate change / last change is change min(1, rate / (1 - rate)) (Newton;
+    the change itself while the last change is infinite) or max(change, change rate / (1 - rate))
+    (QUASI); stop when it is at most tol max(1, max |s|) or not finite."""
     running = tl.load(record_ptr) == 0
     change = tl.zeros([BLOCK], dtype=tl.float32)
     size = tl.zeros([BLOCK], dtype=tl.float32)
@@ -179,10 +180,12 @@ def _decide(
     size = tl.max(size, axis=0).to(tl.float64)
     last = tl.load(record_ptr + LAST)
     tol = tl.load(record_ptr + TOL)
-    error = change
     if QUASI:
         rate = tl.where(last > 0, change / last, 0.0)
         error = tl.where(rate < 1, tl.maximum(change, change * rate / (1 - rate)), float("inf"))
+    else:
+        rate = tl.where((last > 0) & (last < float("inf")), change / last, 1.0)
+        error = change * tl.where(rate < 0.5, rate / (1 - rate), 1.0)
     infinite = change == float("inf")  # a NaN is counted as infinite already
     converged = (change < float("inf")) & ((error <= tol) | (error <= tol * size))
     iterations = tl.load(record_ptr + ITERATIONS)

@@ -93,6 +93,25 @@ def test_packed_sequences(kind: str, solver: str) -> None:
     assert all(s.converged for s in stats)
 
 
+@pytest.mark.parametrize(("dtype", "iterations", "close"), [(torch.float32, 3, 1e-6), (F64, 4, 1e-14)])
+def test_newton_stops_once_its_change_is_small_against_the_one_before(dtype, iterations, close) -> None:
+    """The error estimate reads the rate of the last two changes, so a Newton solve stops at the
+    iteration whose change is small against the one before, not one later, when the change itself
+    is under the tolerance: an RNN at its initial weights in 3 iterations (float32; 4 by the change
+    alone) and 4 (float64; 5), its outputs the native forward's to the dtype's rounding."""
+    torch.manual_seed(0)
+    ours = bnn.RNN(1, 20, forward_solver="newton").to(dtype)
+    native = bnn.RNN(1, 20).to(dtype)
+    native.load_state_dict(ours.state_dict())
+    x = torch.bernoulli(torch.full((100, 4, 1), 0.5)).to(dtype)
+    with torch.no_grad():
+        out, expected = ours(x)[0], native(x)[0]
+    stats = ours.solver_stats[0]
+    assert stats.converged and stats.iterations == iterations, stats
+    assert stats.change > SolverOptions("newton").tolerance(dtype)  # stopped before the change alone allows
+    assert (out - expected).abs().max() < close
+
+
 def test_newton_takes_fewer_iterations_than_quasi_newton() -> None:
     """Newton converges quadratically, quasi-Newton linearly: on the same layer Newton takes fewer."""
     counts = {}

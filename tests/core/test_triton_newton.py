@@ -72,6 +72,10 @@ def test_a_stopped_record_leaves_the_states_and_itself_as_they_were() -> None:
         (5e-7, 0.5, 6e-7),  # Newton converged; quasi-Newton not, at rate 0.83 (error 2.5e-6)
         (5e-7, 0.5, 4e-7),  # quasi-Newton diverging (rate above 1): not converged, not stopped
         (1e-3, 1.0, 2e-3),
+        (1.9e-5, 0.5, 1.5e-2),  # Newton converged at its rate (error 2.4e-8); quasi-Newton not
+        (3.2e-3, 1.0, 0.19),  # converging, not yet (Newton's error 5.5e-5)
+        (5e-6, 0.5, math.inf),  # a first iteration: the change itself, not yet
+        (0.0, 0.5, 0.0),  # no change: converged
         (math.inf, 1.0, 1.0),  # stopped, not converged
     ],
 )
