@@ -29,13 +29,13 @@ a trained model's solve converges where the plain one stops at NaN (re-measured 
 
 Iterations stop when the error estimate of the last change, ``max |h_new - h|``, is at most
 ``tol * max(1, max |h|)``. Both estimates read the observed rate ``change / previous change``. For
-Newton it is ``change * min(1, rate / (1 - rate))``: the rest of a geometric series at that rate,
-which over-states a quadratic convergence's error (its rate falls), so a solve stops once its
-change is small against the one before, not one iteration later, when the change itself is under
-the tolerance (an RNN at PyTorch's initial weights: 3 iterations where 4 were; ``python -m
-benchmarks.forward --tables newton``); the first iteration, with no rate, and a change that is not
-shrinking count the change itself. For quasi-Newton (linear) it is ``max(change, change * rate /
-(1 - rate))``. ``tol`` defaults by dtype (``DEFAULT_TOL``). A solve that reaches ``max_iters``
+Newton it is ``change * rate / (1 - rate)`` while the rate is under 1/2: the rest of a geometric
+series at that rate, which over-states a quadratic convergence's error (its rate falls), so a
+solve stops once its change is small against the one before, not one iteration later, when the
+change itself is under the tolerance (an RNN at PyTorch's initial weights: 3 iterations, not 4;
+re-measured by ``python -m benchmarks.forward --tables newton``); the first iteration, with no
+rate, and a change that is not shrinking count the change itself. For quasi-Newton (linear) it is
+``max(change, change * rate / (1 - rate))``. ``tol`` defaults by dtype (``DEFAULT_TOL``). A solve that reaches ``max_iters``
 without converging, or whose change is not finite, reports ``converged=False``; the layer then runs
 the native sequential forward instead (``bppsa_core.layer.solved_forward``), so a state is never
 silently wrong.
