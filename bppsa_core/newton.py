@@ -35,10 +35,10 @@ solve stops once its change is small against the one before, not one iteration l
 change itself is under the tolerance (an RNN at PyTorch's initial weights: 3 iterations, not 4;
 re-measured by ``python -m benchmarks.forward --tables newton``); the first iteration, with no
 rate, and a change that is not shrinking count the change itself. For quasi-Newton (linear) it is
-``max(change, change * rate / (1 - rate))``. ``tol`` defaults by dtype (``DEFAULT_TOL``). A solve that reaches ``max_iters``
-without converging, or whose change is not finite, reports ``converged=False``; the layer then runs
-the native sequential forward instead (``bppsa_core.layer.solved_forward``), so a state is never
-silently wrong.
+``max(change, change * rate / (1 - rate))``. ``tol`` defaults by dtype (``DEFAULT_TOL``). A solve
+that reaches ``max_iters`` without converging, or whose change is not finite, reports
+``converged=False``; the layer then runs the native sequential forward instead
+(``bppsa_core.layer.solved_forward``), so a state is never silently wrong.
 
 The stopping rule runs on the device (``_Watch``): the host never waits on an iteration it has just
 queued. On a GPU it reads the flag of the iteration ``LOOKAHEAD`` before the one it has queued, so
