@@ -276,8 +276,9 @@ def judge(record: Tensor, change: Tensor, size: Tensor, quasi: bool) -> Tensor:
         rate = torch.where(last > 0, change / last, 0.0)
         error = torch.where(rate < 1, torch.maximum(change, change * rate / (1 - rate)), math.inf)
     else:  # the geometric rest at the observed rate, which a quadratic convergence's undercuts
-        rate = torch.where((last > 0) & last.isfinite(), change / last, 1.0)
-        error = change * torch.where(rate < 0.5, rate / (1 - rate), 1.0)
+        known = (last > 0) & last.isfinite()
+        rate = torch.where(known, change / torch.where(known, last, 1.0), 1.0).clamp(max=0.5)
+        error = change * (rate / (1 - rate))  # the change itself from the rate 1/2 up
     finite = change.isfinite()
     converged = finite & ((error <= tol) | (error <= tol * size))  # tol * max(1, max |s|)
     active = stopped == 0

@@ -184,8 +184,9 @@ def _decide(
         rate = tl.where(last > 0, change / last, 0.0)
         error = tl.where(rate < 1, tl.maximum(change, change * rate / (1 - rate)), float("inf"))
     else:
-        rate = tl.where((last > 0) & (last < float("inf")), change / last, 1.0)
-        error = change * tl.where(rate < 0.5, rate / (1 - rate), 1.0)
+        known = (last > 0) & (last < float("inf"))
+        rate = tl.minimum(tl.where(known, change / tl.where(known, last, 1.0), 1.0), 0.5)
+        error = change * (rate / (1 - rate))  # the change itself from the rate 1/2 up
     infinite = change == float("inf")  # a NaN is counted as infinite already
     converged = (change < float("inf")) & ((error <= tol) | (error <= tol * size))
     iterations = tl.load(record_ptr + ITERATIONS)
