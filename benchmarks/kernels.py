@@ -513,17 +513,18 @@ def row(
 def representative(configs: Iterable[KernelConfig]) -> list[KernelConfig]:
     """A subset with every kernel and every mode: at each kernel's widest H (a multiple of 16, the
     variant with vectorized loads) with offsets, a diagonal where the mode may have one, and every K;
-    a Newton iteration's pointwise kernels and walk (``newton_configs``: no offsets) and the diagonal
+    a Newton iteration's pointwise kernels and walk (``newton_configs``: no offsets), an LSTM's
+    gates' and cell states' kernels (no offsets or diagonal of their own) and the diagonal
     recurrence (``diagonal_configs``) at theirs."""
     configs = list(configs)
     widest: dict[str, int] = {}
     for c in configs:
         widest[c.mode] = max(widest.get(c.mode, 0), c.hidden[-1])
-    pointwise = ("residual", "update", "decide", "fallback")
+    unchained = ("residual", "update", "decide", "fallback", "gates", "cells")  # no chain's variants
 
     def kept(c: KernelConfig) -> bool:
         return (
-            c.role in pointwise
+            c.role in unchained
             or c.mode == "diagonal"
             or (c.affine and (c.diag or c.mode in ("TANH", "RELU")))
         )

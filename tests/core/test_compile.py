@@ -339,6 +339,14 @@ def test_launch_configs_cover_every_h_once_per_binary() -> None:
     }
 
 
+def test_the_representative_subset_has_every_kernel_and_mode() -> None:
+    """``--configs representative`` (the GPU check's dry compile) holds every kernel of every mode
+    that ``launch_configs`` lists, the LSTM's gates' and cell states' kernels among them."""
+    configs = kernels.launch_configs()
+    subset = kernels.representative(configs)
+    assert {(c.launch.kernel, c.mode) for c in subset} == {(c.launch.kernel, c.mode) for c in configs}
+
+
 def test_a_launch_hands_its_compile_settings_to_the_kernel() -> None:
     """``Launch.run`` gives Triton the options the compile test compiles with (``Launch.options``):
     the warps always, the stages and the register cap only where a configuration sets them."""
