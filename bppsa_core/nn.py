@@ -266,7 +266,6 @@ class _BPPSAMixin:
         directions = self._directions
         calls = self.num_layers * directions
         per_call = len(self._flat_weights) // calls
-        copied = not _outputs_kept_by_torch_nn(x)  # the caller's outputs: a copy, where torch.nn's are
         hs, cs, stats = [], [], []
         inp = x
         for i in range(self.num_layers):
@@ -277,12 +276,13 @@ class _BPPSAMixin:
                 seq = inp if d == 0 else _reverse(inp, lengths)
                 guess = self._guess(k, (*seq.shape[:2], self.hidden_size), seq) if self._guesses else None
                 # the top layer's outputs are the caller's (as torch.nn's, changed in place at will),
-                # unless a concatenation (bidirectional) or packing (lengths) copies them anyway
+                # unless a concatenation (bidirectional) or packing (lengths) copies them anyway; a
+                # copy only where torch.nn's may be changed so too
                 top = i == self.num_layers - 1 and directions == 1 and lengths is None
                 # the layer's states (1, B, H), as PyTorch's kernel takes them: h0 itself for one call
                 h0_k = h0 if calls == 1 else h0[k : k + 1]
                 c0_k = None if c0 is None else (c0 if calls == 1 else c0[k : k + 1])
-                own = top and copied
+                own = top and not _outputs_kept_by_torch_nn(x)
                 out, h, c, solve = layer(seq, h0_k, c0_k, w, config, lengths, guess, own_output=own)
                 if self.newton_guess == "previous" and self.forward_solver != "native":
                     # a copy of the caller's own outputs, which they may change in place
