@@ -4,6 +4,7 @@ against a naive sequential loop, over T and H.
     python -m benchmarks.capture --device cuda           # RNN, GRU, LSTM; H = 20 ... 256; T = 1,000, 10,000
     python -m benchmarks.capture --T 100 --H 20          # the CPU: the eager and naive columns only
     python -m benchmarks.capture --device cuda --models rnn --T 1000 --H 20 --kernels   # and per kernel
+    python -m benchmarks.capture --device cuda --T 1000 --H 20 --matmul-precision highest high
 
 For each model, T and H, one ``torch.nn`` module and one ``bppsa_core`` module with the same weights
 (strategy ``auto``, or ``graph`` where auto runs the module as ``torch.nn``, so that the table still
@@ -26,6 +27,10 @@ the methods taking turns, all in one process:
   GPU time in one eager backward under ``torch.profiler``, the same kernels a captured backward
   replays; the "captured bwd" time above their sum is the graph's gaps between kernels; CUDA only.
 
+``--matmul-precision`` measures every shape under each of PyTorch's float32 matmul precisions given
+(``torch.set_float32_matmul_precision``, both sides): under "high" the BPPSA kernels' products are
+three TF32 ones (``bppsa_core.triton.launch.dot_precision``), so the rows show what that buys.
+
 A cell a method cannot fill says why under the table. Prints Markdown; progress goes to stderr.
 Imports nothing beyond torch, so it runs on a bare GPU machine.
 """
@@ -42,11 +47,14 @@ from torch import Tensor
 
 from benchmarks.common import (
     Progress,
+    add_matmul_precision,
     device_arg,
     failure,
     fmt_ms,
     machine_line,
     markdown,
+    matmul_precision,
+    names_precision,
     non_negative_int,
     notes_lines,
     on_device,
@@ -76,6 +84,7 @@ class Row:
     steps: int
     batch: int
     hidden: int
+    precision: str = "highest"  # torch.get_float32_matmul_precision() while it was measured
     cells: dict[str, Cell] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     kernels: dict[str, Kernels] = field(default_factory=dict)  # per side ("cuDNN", "BPPSA"), --kernels
@@ -234,12 +243,13 @@ def bench(
     chunk: int | None = None,
     kernels: bool = False,
 ) -> Row:
-    """One row: every method of the module docstring that runs here, on the same weights and input;
-    ``chunk``: the BPPSA module's (None: its default); ``kernels``: the backward per kernel too."""
+    """One row: every method of the module docstring that runs here, on the same weights and input,
+    under PyTorch's float32 matmul precision as it is set; ``chunk``: the BPPSA module's (None: its
+    default); ``kernels``: the backward per kernel too."""
     torch.manual_seed(0)
     ref, ours = module_pair(model, FEATURES, hidden, device, chunk=chunk)
     x = torch.bernoulli(torch.full((steps, batch, FEATURES), 0.5)).to(device)
-    row = Row(model, steps, batch, hidden)
+    row = Row(model, steps, batch, hidden, torch.get_float32_matmul_precision())
     if ours._torch_nn_instead():  # auto runs torch.nn here; time the scan it would run otherwise
         ours.strategy = "graph"
         row.notes["BPPSA eager"] = (
@@ -305,7 +315,8 @@ def _ratio(a: Cell | None, b: Cell | None) -> str:
 def format_table(rows: Sequence[Row], device: torch.device) -> str:
     """Markdown: per row the times, and BPPSA's speedup over cuDNN and over the naive loop."""
     baseline = "cuDNN" if device.type == "cuda" else "torch.nn"
-    head = ["model", "T", "B", "H"]
+    precisions = names_precision(rows)
+    head = ["model", "T", "B", "H", *(["matmul precision"] if precisions else [])]
     head += [c.replace("cuDNN", baseline) + " ms" for c in COLUMNS[:TIMES]]
     head += [f"{baseline} / BPPSA eager", "naive / BPPSA eager", f"{baseline} / BPPSA captured"]
     head += [f"{baseline} / BPPSA captured bwd"]
@@ -313,7 +324,7 @@ def format_table(rows: Sequence[Row], device: torch.device) -> str:
     body = []
     for r in rows:
         c = r.cells
-        cells = [r.model, str(r.steps), str(r.batch), str(r.hidden)]
+        cells = [r.model, str(r.steps), str(r.batch), str(r.hidden), *([r.precision] if precisions else [])]
         cells += [fmt_ms(c.get(k, "–")) for k in COLUMNS[:TIMES]]
         cells += [
             _ratio(c.get("cuDNN eager"), c.get("BPPSA eager")),
@@ -330,6 +341,7 @@ def format_kernels(rows: Sequence[Row]) -> str:
     """Markdown: per shape and side the ``KERNEL_ROWS`` kernels with the most GPU time in a backward,
     the others in one row, and all of them; "" where no row was profiled."""
     body = []
+    precisions = names_precision(rows)
     for r in rows:
         for side, kernels in r.kernels.items():
             total = sum(us for _, us in kernels.values()) or 1.0
@@ -338,11 +350,12 @@ def format_kernels(rows: Sequence[Row]) -> str:
             if rest:
                 listed.append((f"{len(rest)} others", (sum(n for n, _ in rest), sum(us for _, us in rest))))
             listed.append(("all", (sum(n for n, _ in kernels.values()), total)))
-            shape = [str(r.steps), str(r.hidden), side]
+            shape = [str(r.steps), str(r.hidden), *([r.precision] if precisions else []), side]
             body += [[*shape, name, f"{n:.3g}", f"{us:.4g}", f"{us / total:.0%}"] for name, (n, us) in listed]
     if not body:
         return ""
-    return markdown(["T", "H", "side", "kernel", "launches", "µs", "share"], body)
+    head = ["T", "H", *(["matmul precision"] if precisions else []), "side"]
+    return markdown([*head, "kernel", "launches", "µs", "share"], body)
 
 
 LEGEND = (
@@ -388,6 +401,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="global",
         help="torch.cuda.graph's capture_error_mode: which threads' unsafe CUDA calls fail a capture",
     )
+    add_matmul_precision(p)
     return p.parse_args(argv)
 
 
@@ -405,14 +419,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = []
         for hidden in args.H:
             for steps in args.T:
-                progress(f"{model} T={steps} H={hidden} ...")
-                timing = (args.warmup, args.repeats, args.naive_max_T, args.capture_error_mode)
-                rows.append(
-                    bench(
-                        model, steps, args.B, hidden, args.device, *timing, chunk=args.chunk,
-                        kernels=args.kernels,
-                    )
-                )  # fmt: skip
+                for precision in args.matmul_precision:
+                    progress(f"{model} T={steps} H={hidden} {precision} ...")
+                    timing = (args.warmup, args.repeats, args.naive_max_T, args.capture_error_mode)
+                    with matmul_precision(precision):
+                        rows.append(
+                            bench(
+                                model, steps, args.B, hidden, args.device, *timing, chunk=args.chunk,
+                                kernels=args.kernels,
+                            )
+                        )  # fmt: skip
         notes = notes_lines(rows)
         print(f"\n### {model.upper()}\n\n{format_table(rows, args.device)}", flush=True)
         if notes:

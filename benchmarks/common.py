@@ -7,11 +7,12 @@ machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -78,6 +79,37 @@ def device_arg(text: str) -> torch.device:
         return resolve_device(text, what="device")
     except HardwareError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's
+
+
+@contextlib.contextmanager
+def matmul_precision(name: str) -> Iterator[None]:
+    """PyTorch's float32 matmul precision ``name`` inside (cuBLAS's products and the BPPSA kernels',
+    ``bppsa_core.triton.launch.dot_precision``), the one before restored after."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(name)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def add_matmul_precision(p: argparse.ArgumentParser) -> None:
+    """A tool's ``--matmul-precision``: the rows measured under each of PyTorch's float32 matmul
+    precisions given, in turn (``matmul_precision``)."""
+    p.add_argument(
+        "--matmul-precision", nargs="+", choices=MATMUL_PRECISIONS, default=["highest"],
+        help="torch.set_float32_matmul_precision for the rows, each in turn: 'highest' full float32, "
+        "'high' the BPPSA kernels' products as three TF32 ones (tf32x3) and cuBLAS's in TF32",
+    )  # fmt: skip
+
+
+def names_precision(rows: Sequence[object]) -> bool:
+    """Whether a table names each row's matmul precision (its ``precision``): where one is not
+    PyTorch's default."""
+    return any(getattr(r, "precision", "highest") != "highest" for r in rows)
 
 
 def parser(module: str, doc: str) -> argparse.ArgumentParser:

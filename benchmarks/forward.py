@@ -4,6 +4,7 @@
     python -m benchmarks.forward --device cuda          # the same on a GPU
     python -m benchmarks.forward --quick                # seconds on a CPU
     python -m benchmarks.forward --tables compiled --models rnn gru lstm --H 20 64 256 --T 1000
+    python -m benchmarks.forward --device cuda --weights init --T 10000 --matmul-precision highest high
 
 Two tables per model and width. ``compiled`` (CPU): torch.nn's training forward against the
 module's with ``strategy="numba"`` (the recurrence compiled, ``bppsa_core.numba_forward``), their
@@ -23,6 +24,10 @@ T = 100 through BPTT; the extra features are Gaussian noise). Newton's iteration
 makes the recurrence less contractive, which is why both are measured. The input is a batch of the
 same task at each T.
 
+``--matmul-precision`` times the ``newton`` rows under each of PyTorch's float32 matmul precisions
+given: under "high" the scan kernels' products are three TF32 ones
+(``bppsa_core.triton.launch.dot_precision``).
+
 Prints Markdown; progress goes to stderr. Imports nothing beyond torch, so it runs on a bare GPU
 machine.
 """
@@ -40,10 +45,13 @@ from torch import Tensor
 
 from benchmarks.common import (
     Progress,
+    add_matmul_precision,
     device_arg,
     fmt_ms,
     machine_line,
     markdown,
+    matmul_precision,
+    names_precision,
     non_negative_int,
     parser,
     positive_int,
@@ -75,6 +83,7 @@ class Row:
     hidden: int
     features: int
     native_ms: float
+    precision: str = "highest"  # torch.get_float32_matmul_precision() while it was measured
     solver_ms: dict[str, float] = field(default_factory=dict)
     iterations: dict[str, int] = field(default_factory=dict)
     converged: dict[str, bool] = field(default_factory=dict)
@@ -153,7 +162,7 @@ def bench(
     grad: bool = True,
 ) -> Row:
     """One row: the native forward and each solver's, taking turns on the same batch (``grad``
-    False: under torch.no_grad)."""
+    False: under torch.no_grad), under PyTorch's float32 matmul precision as it is set."""
     cls, features = MODELS[model][0], weights["weight_ih_l0"].shape[1]
     x = task_batch(steps, batch, features, device, seed=10_000)[0].to(dtype)
     modules = {}
@@ -162,7 +171,8 @@ def bench(
         m.load_state_dict(weights)
         modules[name] = m.to(device, dtype)
     times, outputs = take_turns(modules, x, device, warmup, repeats, grad)
-    row = Row(model, label, steps, batch, hidden, features, times["native"])
+    precision = torch.get_float32_matmul_precision()
+    row = Row(model, label, steps, batch, hidden, features, times["native"], precision)
     for name in solvers:
         (stats,) = modules[name].solver_stats
         row.solver_ms[name] = times[name]
@@ -284,13 +294,15 @@ COMPILED_LEGEND = (
 
 def format_table(rows: Sequence[Row], solvers: Sequence[str]) -> str:
     """Markdown: native time, and per solver its iterations, time, ratio to native and difference."""
-    head = ["model", "weights", "T", "B", "H", "F", "native ms"]
+    precisions = names_precision(rows)
+    head = ["model", "weights", "T", "B", "H", "F", *(["matmul precision"] if precisions else [])]
+    head.append("native ms")
     for s in solvers:
         head += [f"{s} its", f"{s} ms", f"{s} / native", f"{s} max diff"]
     body = []
     for r in rows:
         cells = [r.model, r.weights, str(r.steps), str(r.batch), str(r.hidden), str(r.features)]
-        cells.append(fmt_ms(r.native_ms))
+        cells += [*([r.precision] if precisions else []), fmt_ms(r.native_ms)]
         for s in solvers:
             its = str(r.iterations[s]) + ("" if r.converged[s] else " (fallback)")
             ratio = r.solver_ms[s] / r.native_ms
@@ -335,6 +347,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed rounds (the median is shown)")
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed rounds before them")
+    add_matmul_precision(p)
     args = p.parse_args(argv)
     cpu = args.device.type == "cpu"
     if args.tables is None:
@@ -372,8 +385,11 @@ def newton_table(
     timing = (args.warmup, args.repeats, args.max_iters, not args.no_grad)
     for label, state in states.items():
         for t in args.T:
-            progress(f"{model} {label} T={t} ...")
-            rows.append(bench(model, state, label, t, args.B, hidden, device, dtype, args.solvers, *timing))
+            for precision in args.matmul_precision:
+                progress(f"{model} {label} T={t} {precision} ...")
+                with matmul_precision(precision):
+                    shape = (t, args.B, hidden, device, dtype)
+                    rows.append(bench(model, state, label, *shape, args.solvers, *timing))
     title = f"{model.upper()} (F = {features}, B = {args.B}, H = {hidden})"
     print(f"\n### Forward: {title}\n\n{format_table(rows, args.solvers)}", flush=True)
 

@@ -25,17 +25,21 @@ and its output (or why it failed, or was skipped):
 6. ``scan``: the scan alone against ``torch``'s and ``jax``'s ``associative_scan``;
 7. ``chunk``: the Triton kernels' chunk-size sweep at T = 1000 and 30,000, then captured at
    T = 1,000 with each backward's GPU time per kernel (``benchmarks.capture --kernels``);
-8. ``blocks``: the BPPSA backward's blocks of time steps (``--block-mib`` 8, 32 and 256: a CPU's
+8. ``precision``: the reduce kernels' products in full float32 against three TF32 ones (PyTorch's
+   float32 matmul precision "highest" against "high", ``bppsa_core.triton.launch.dot_precision``):
+   the captured backward per kernel (RNN, GRU, LSTM; H = 20; T = 1,000 and 10,000) and the Newton
+   forward at initialization (RNN, GRU; T = 10,000 and 100,000);
+9. ``blocks``: the BPPSA backward's blocks of time steps (``--block-mib`` 8, 32 and 256: a CPU's
    budget, and larger ones that take fewer launches) at T = 1,000, 30,000 and 100,000, which sets
    the GPU's own (``bppsa_core.jacobians.BLOCK_BYTES``);
-9. ``workers``: BPPSA's and cuDNN's backward confined to 1, 2, 4, ... SMs (CUDA green contexts);
-10. ``forward``: the Newton forwards (``forward_solver="newton"``, ``"quasi-newton"``) against cuDNN's
+10. ``workers``: BPPSA's and cuDNN's backward confined to 1, 2, 4, ... SMs (CUDA green contexts);
+11. ``forward``: the Newton forwards (``forward_solver="newton"``, ``"quasi-newton"``) against cuDNN's
    sequential forward, T = 100 ... 100,000, H = 20 and 64, at initialization and trained
    (``benchmarks.forward``);
-11. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
+12. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
    kernels at H = 1, 20, 32 and 64, for this GPU's architecture, to set beside the measured times
    of steps 4, 7 and 8;
-12. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
+13. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
     of one thread per core (``benchmarks.distributed`` at T = 100,000): the measured 3- and
     4-rank points of docs/SCHEMES.md, which a 2-core machine cannot give. Its ``measured.csv``
     and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report; the same with
@@ -44,7 +48,7 @@ and its output (or why it failed, or was skipped):
     with two GPUs or more, once for each sample-group count of the BPPSA backward (``--micro-batches``
     1 to 16), which sets the GPU ranks' own.
     Both print each rank's BPPSA backward span by span (``--timeline``): where a rank waits.
-13. ``reproduction``: the paper's RNN experiments (figs. 7 and 8) trained on this GPU by
+14. ``reproduction``: the paper's RNN experiments (figs. 7 and 8) trained on this GPU by
     ``docs/reproduction/run.sh --device cuda --only`` ``REPRODUCTION_ONLY``, BPTT on cuDNN against
     BPPSA: their tables, figures and report.md go to docs/reproduction/cuda/, and the step shows the
     speedup table; then the same with every training step captured in CUDA graphs on both sides
@@ -97,13 +101,17 @@ from toolbox.files import output_file, write_atomic
 
 PROG = "python -m benchmarks.gpu_check"
 STEPS = (
-    "tests", "capture", "host", "backward", "epoch", "scan", "chunk", "blocks", "workers", "forward",
-    "kernels", "ranks", "reproduction",
+    "tests", "capture", "host", "backward", "epoch", "scan", "chunk", "precision", "blocks", "workers",
+    "forward", "kernels", "ranks", "reproduction",
 )  # fmt: skip
 CHUNKS = (8, 16, 32, 64, 128)
 # The chunk sweep's captured rows: where the eager backward is host work (T = 1,000), only the GPU
 # time of a captured one shows what the chunk size does (T = 1,000 alone: the step's time is bounded)
 CHUNK_CAPTURE = ["--models", "rnn", "gru", "--T", "1000", "--H", "20", "--naive-max-T", "0", "--kernels"]
+# The precision step: "highest" (full float32 products, the default) against "high" (three TF32 ones)
+PRECISIONS = ["--matmul-precision", "highest", "high"]
+PRECISION_CAPTURE = ["--T", "1000", "10000", "--H", "20", "--naive-max-T", "0", "--kernels", *PRECISIONS]
+PRECISION_NEWTON = ["--tables", "newton", "--weights", "init", "--T", "10000", "100000"]
 BLOCK_MIBS = (8, 32, 256)  # the BPPSA backward's blocks of time steps (``--block-mib``)
 GPU_TEST_FILES = (
     "tests/core/test_triton.py",
@@ -124,6 +132,7 @@ TITLES = {
     "epoch": "End-to-end training epoch",
     "scan": "Scan only, against associative_scan",
     "chunk": "Triton chunk-size sweep",
+    "precision": "The reduce kernels' products: full float32 against three TF32",
     "blocks": "Blocks of time steps of the BPPSA backward",
     "workers": "Backward against SMs (green contexts)",
     "forward": "Newton forward against cuDNN's",
@@ -176,6 +185,7 @@ def plan(
     suite = ["--suite", "paper", *(["--quick"] if dry else [])]
     gpu_only = "needs a CUDA device"
     capture = [sys.executable, "-m", "benchmarks.capture", *device]
+    forward = [sys.executable, "-m", "benchmarks.forward", *device]
     if dry:
         compiled = ["numba"] if runs_on("numba", torch.device("cpu")) else []  # where it is installed
         chunk_shape = ["--T", "30", "60", "--B", "4", "--H", "5", "--strategies", "chunked", *compiled]
@@ -200,14 +210,19 @@ def plan(
             *(_bench(*chunk_shape, "--chunk", str(c), "--tables", "backward", *device) for c in CHUNKS),
             *([] if dry else ([*capture, *CHUNK_CAPTURE, "--chunk", str(c)] for c in CHUNKS)),
         ],
+        "precision": (
+            [[*capture, "--T", "30", "--H", "8", *PRECISIONS], [*forward, "--quick", *PRECISIONS]]
+            if dry
+            else [
+                [*capture, *PRECISION_CAPTURE],
+                [*forward, *PRECISION_NEWTON, "--solvers", "newton", *PRECISIONS],
+            ]
+        ),
         "blocks": [
             _bench(*block_shape, "--block-mib", str(b), "--tables", "backward", *device) for b in BLOCK_MIBS
         ],
         "workers": "in process",
-        "forward": [
-            [sys.executable, "-m", "benchmarks.forward", *device, *run]
-            for run in ((["--quick"],) if dry else NEWTON_RUNS)
-        ],
+        "forward": [[*forward, *run] for run in ((["--quick"],) if dry else NEWTON_RUNS)],
         "kernels": [
             [
                 sys.executable,

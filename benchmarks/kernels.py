@@ -124,8 +124,10 @@ def h_variants(largest: int) -> list[tuple[int, ...]]:
     return sorted(tuple(hs) for hs in groups.values())
 
 
-def launch_configs() -> list[KernelConfig]:
-    """Every kernel configuration the modules can launch, each once.
+def launch_configs(dot: str = DOT_PRECISION) -> list[KernelConfig]:
+    """Every kernel configuration the modules can launch, each once; ``dot``: the reduce kernels'
+    ``tl.dot`` precision asked of ``launch_config`` (``launch.dot_precision``: ``LOWERED_DOT_PRECISION``
+    under a lowered float32 matmul precision).
 
     ``factored_scan``: SCALES with K = 1, 2, 3, with and without a diagonal, and SCALES_T as the
     modules' transposed chains have it (an RNN's K = 1 with and without a diagonal, a GRU's K = 3
@@ -150,14 +152,15 @@ def launch_configs() -> list[KernelConfig]:
     for hidden in h_variants(MAX_HIDDEN):
         for mode, terms, diag, fused in scans:
             for affine in (False, True):
-                launches = cs.launch_config(mode, terms, diag, affine, int(fused), fused, padded(hidden[0]))
+                hp = padded(hidden[0])
+                launches = cs.launch_config(mode, terms, diag, affine, int(fused), fused, hp, dot=dot)
                 found += [
                     KernelConfig(role, cs.MODE_NAMES[mode], terms, diag, affine, fused, hidden, launch)
                     for role, launch in launches.items()
                 ]
         for terms, diag in ((1, False), (3, True)):  # a fused Newton iteration's, reading its record
             launches = cs.launch_config(
-                cs.SCALES_T.value, terms, diag, True, 0, False, padded(hidden[0]), True
+                cs.SCALES_T.value, terms, diag, True, 0, False, padded(hidden[0]), True, dot
             )
             found += [
                 KernelConfig(role, "SCALES_T newton", terms, diag, True, False, hidden, launch)
@@ -167,7 +170,7 @@ def launch_configs() -> list[KernelConfig]:
     for hidden in h_variants(MAX_LSTM_HIDDEN):
         for has_hh, fused in lstm_scans:
             for affine in (False, True):
-                launches = lstm_launch_config(has_hh, affine, padded(hidden[0]), fused)
+                launches = lstm_launch_config(has_hh, affine, padded(hidden[0]), fused, dot)
                 found += [
                     KernelConfig(role, "LSTM", 4, has_hh, affine, fused, hidden, launch)
                     for role, launch in launches.items()

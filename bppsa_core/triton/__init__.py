@@ -28,7 +28,9 @@ Modules, one a job:
 
 The weights stay in registers, H padded to a power of two of at least 16 (``tl.dot``'s minimum); the
 chunk aggregates go through memory padded likewise. ``tl.dot`` runs with ``input_precision="ieee"``
-(full fp32: TF32's ~1e-3 error would exceed the gradient tolerances; ``launch.DOT_PRECISION``).
+(full fp32: TF32's ~1e-3 error would exceed the gradient tolerances) unless PyTorch's float32 matmul
+precision is lowered (``torch.set_float32_matmul_precision("high")``): then one-term chains' and the
+LSTM's take three TF32 products, "tf32x3" (``launch.dot_precision``).
 Elements shared by the batch are read with a batch stride of 0, never copied; offsets into memory
 are 64-bit, so tensors of more than 2^31 elements are indexed correctly. Every kernel is checked
 against its reference on the CPU with ``TRITON_INTERPRET=1``.

@@ -41,7 +41,15 @@ from torch import Tensor
 
 from bppsa_core.chain import FactoredChain
 from bppsa_core.scan import chunked_scan
-from bppsa_core.triton.launch import BY_DATA, DOT_PRECISION, Launch, chain_args, padded, three_launches
+from bppsa_core.triton.launch import (
+    BY_DATA,
+    DOT_PRECISION,
+    Launch,
+    chain_args,
+    dot_precision,
+    padded,
+    three_launches,
+)
 
 # How ``_element`` reads an element's factors (see the module docstring).
 SCALES = tl.constexpr(0)
@@ -145,7 +153,7 @@ def _element(
 @triton.jit
 def _mat_step(agg, f, w, K: tl.constexpr, HAS_DIAG: tl.constexpr, DOT: tl.constexpr):
     """agg @ M for one element given as its factors ``f`` (``_element``) and the weights ``w``
-    (never transposed: see ``_reduce``); ``DOT``: the products' precision (``DOT_PRECISION``)."""
+    (never transposed: see ``_reduce``); ``DOT``: the products' precision (``launch.dot_precision``)."""
     out = tl.dot(agg * f[0][None, :], w[0], input_precision=DOT)
     if K > 1:
         out += tl.dot(agg * f[1][None, :], w[1], input_precision=DOT)
@@ -376,7 +384,15 @@ def source_count(mode: int, has_diag: bool) -> int:
 
 @cache  # made once per configuration (read, never changed): a layer backward's host work counts
 def launch_config(
-    mode: int, terms: int, has_diag: bool, has_b: bool, shift: int, fused: bool, hp: int, stop: bool = False
+    mode: int,
+    terms: int,
+    has_diag: bool,
+    has_b: bool,
+    shift: int,
+    fused: bool,
+    hp: int,
+    stop: bool = False,
+    dot: str = DOT_PRECISION,
 ) -> dict[str, Launch]:
     """The three kernels of a chunked-scan launch by role (``reduce``, ``spine``, ``expand``), as
     ``_launch`` runs them and ``benchmarks.kernels`` compiles them.
@@ -384,13 +400,16 @@ def launch_config(
     ``mode``: ``SCALES``, ``SCALES_T``, ``TANH``, ``RELU`` or ``GRU`` (the value); ``terms``: K weights;
     ``has_diag``: a diagonal term (a GRU always has one); ``has_b``: offsets; ``shift``: offsets read
     one step late (the layer modes); ``fused``: only x_0 and the deltas written; ``hp``: ``padded(H)``;
-    ``stop``: every program first reads a Newton solve's record and does nothing once it says stopped.
+    ``stop``: every program first reads a Newton solve's record and does nothing once it says stopped;
+    ``dot``: the reduce's ``tl.dot`` precision (``launch.dot_precision``) where the chain has one term.
     """
     gru = mode == GRU.value
     chain = {"K": terms, "HAS_DIAG": has_diag or gru, "HAS_B": has_b, "MODE": mode, "SHIFT": shift}
     chain |= {"STOP": stop, "HP": hp}
     walks = {**chain, "FUSED": fused}  # the kernels that walk elements and write x_k or deltas
-    reduce = {**chain, "DOT": DOT_PRECISION}  # the one kernel with matrix products
+    # the one kernel with matrix products; chains of two or three terms (a GRU's) keep full float32:
+    # with three TF32 products their reduce spills (python -m benchmarks.kernels --dot tf32x3)
+    reduce = {**chain, "DOT": dot if terms == 1 else DOT_PRECISION}
     warps = num_warps(terms, hp)
     sources = source_count(mode, has_diag)
     # Compile settings under which no configuration spills to a stack slot (re-checked by
@@ -443,7 +462,8 @@ def _launch(
     }
     walk = {"out_ptr": out, "delta_ptr": out if delta is None else delta}  # delta not read unless fused
     fused, has_b = delta is not None, offsets is not None
-    kernels = launch_config(mode.value, terms, has_diag, has_b, shift, fused, hp, stop is not None)
+    stops = stop is not None
+    kernels = launch_config(mode.value, terms, has_diag, has_b, shift, fused, hp, stops, dot_precision())
     three_launches(kernels, common, walk, x_last, n, chunk, hp)
 
 

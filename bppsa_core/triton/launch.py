@@ -12,6 +12,7 @@ import math
 from functools import cache
 from typing import Any, NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -28,10 +29,18 @@ BOUNDS = ("C", "REM", "NAGG", "T", "P")
 # for a model, keeps Triton's specialization: a multiple of 16 lets the compiler vectorize row loads.
 BY_DATA = (*BOUNDS, "N", "B", "stride_k", "stride_b")
 # ``tl.dot``'s precision in the reduce kernels (their ``DOT``), the only products on tensor-core
-# shapes: full float32. "tf32x3" (three TF32 products) is the alternative; compiled for sm_90 it
-# issues more instructions a step than "ieee" at HP = 16 and 32 (the paper's H = 20) and fewer only
-# at HP = 64, where a GRU's reduce then spills (``python -m benchmarks.kernels --dot tf32x3``).
+# shapes: full float32 ("ieee") under PyTorch's default float32 matmul precision, "highest". Where a
+# program lowers it (``torch.set_float32_matmul_precision("high")``, as for cuBLAS's TF32), chains of
+# one weight term and the LSTM's take three TF32 products ("tf32x3", within a few float32 roundings
+# of a product); ``benchmarks.capture --matmul-precision highest high`` times both.
 DOT_PRECISION = "ieee"
+LOWERED_DOT_PRECISION = "tf32x3"
+
+
+def dot_precision() -> str:
+    """The reduce kernels' ``tl.dot`` precision for PyTorch's float32 matmul precision now: full
+    float32 under "highest", three TF32 products under "high" or "medium"."""
+    return DOT_PRECISION if torch.get_float32_matmul_precision() == "highest" else LOWERED_DOT_PRECISION
 
 
 @cache  # asked by every launch

@@ -27,7 +27,15 @@ from bppsa_core.chain import LSTMChain
 from bppsa_core.jacobians import LSTMCell
 from bppsa_core.scan import chunked_scan, elementwise_recurrence
 from bppsa_core.triton.chunk_scan import _shifted
-from bppsa_core.triton.launch import BY_DATA, DOT_PRECISION, Launch, chain_args, padded, three_launches
+from bppsa_core.triton.launch import (
+    BY_DATA,
+    DOT_PRECISION,
+    Launch,
+    chain_args,
+    dot_precision,
+    padded,
+    three_launches,
+)
 
 # ------------------------------------------------------------------------------ per-element helpers
 
@@ -102,7 +110,7 @@ def _lstm_stored(src_ptrs, kb, H, r, vec):
 @triton.jit
 def _lstm_mat_step(a_h, a_c, f, w, HAS_HH: tl.constexpr, DOT: tl.constexpr):
     """(a_h | a_c) @ M for one element (its factors ``f``, ``_lstm_element``): rows of the aggregate,
-    its h columns and its c columns; ``DOT``: the products' precision (``DOT_PRECISION``)."""
+    its h columns and its c columns; ``DOT``: the products' precision (``launch.dot_precision``)."""
     sh, sc, d_hc, d_cc, d_hh = f
     out_h = tl.dot(a_h * sh[0][None, :] + a_c * sc[0][None, :], w[0], input_precision=DOT)
     out_h += tl.dot(a_h * sh[1][None, :] + a_c * sc[1][None, :], w[1], input_precision=DOT)
@@ -356,14 +364,17 @@ def lstm_num_warps(hp: int) -> int:
 
 
 @cache  # made once per configuration (read, never changed): a layer backward's host work counts
-def lstm_launch_config(has_hh: bool, has_b: bool, hp: int, fused: bool = False) -> dict[str, Launch]:
+def lstm_launch_config(
+    has_hh: bool, has_b: bool, hp: int, fused: bool = False, dot: str = DOT_PRECISION
+) -> dict[str, Launch]:
     """The three kernels of an LSTM launch by role, as ``lstm_scan`` and ``lstm_layer_backward`` run
     them: ``has_hh``, the h<-h diagonal (sequences of different lengths); ``has_b``, offsets; ``hp``,
-    ``padded(H)``; ``fused``, a layer's backward (factors from the gates and cell states)."""
+    ``padded(H)``; ``fused``, a layer's backward (factors from the gates and cell states); ``dot``, the
+    reduce's ``tl.dot`` precision (``launch.dot_precision``)."""
     settings = {"HAS_HH": has_hh, "HAS_B": has_b, "FUSED": fused, "HP": hp}
     warps = lstm_num_warps(hp)
     sources = 2 if fused else 5 if has_hh else 4
-    reduce = {**settings, "DOT": DOT_PRECISION}  # the one kernel with matrix products
+    reduce = {**settings, "DOT": dot}  # the one kernel with matrix products
     launches = {  # the reduce unpipelined, as ``chunk_scan.launch_config``'s
         "reduce": Launch(_lstm_reduce, reduce, warps, num_stages=1, sources=sources),
         "spine": Launch(_lstm_spine, settings, warps, sources=sources),
@@ -404,7 +415,7 @@ def _launch(
     h = two_h // 2
     hp = padded(h)  # the aggregates 2HP x 2HP: see ``_lstm_reduce``
     common = chain_args(sources, weights, offsets, batch, h)
-    kernels = lstm_launch_config(has_hh, offsets is not None, hp, fused)
+    kernels = lstm_launch_config(has_hh, offsets is not None, hp, fused, dot_precision())
     three_launches(kernels, common, walk, x_last, n, chunk, 2 * hp)
 
 

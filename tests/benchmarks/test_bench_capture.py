@@ -152,6 +152,17 @@ def test_the_run_prints_a_table_per_model_and_the_reasons(capsys) -> None:
     assert "- captured: needs a CUDA device" in out and "- captured bwd: needs a CUDA device" in out
 
 
+def test_each_matmul_precision_given_makes_a_row_of_its_own_named_in_a_column(capsys) -> None:
+    argv = ["--models", "rnn", "--T", "8", "--H", "4", "--B", "2", "--repeats", "1", "--warmup", "0"]
+    assert capture.main([*argv, "--matmul-precision", "highest", "high"]) == 0
+    (head, rows), *_ = markdown_tables(capsys.readouterr().out)
+    assert head[:6] == ["model", "T", "B", "H", "matmul precision", "torch.nn eager ms"]
+    assert [r[4] for r in rows] == ["highest", "high"]  # as each row was measured
+    assert torch.get_float32_matmul_precision() == "highest"  # restored
+    assert capture.main(argv) == 0  # PyTorch's default alone: no such column
+    assert "matmul precision" not in markdown_tables(capsys.readouterr().out)[0][0]
+
+
 def _event(name: str, us: float, device: str = "cuda") -> SimpleNamespace:
     kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
     return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(elapsed_us=lambda: us))

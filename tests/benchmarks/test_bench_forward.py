@@ -65,6 +65,15 @@ def test_input_features_make_a_table_each_and_the_other_projection_a_column(caps
         assert float(rows[0][head.index("max diff")]) <= 1e-5
 
 
+def test_each_matmul_precision_given_makes_a_newton_row_of_its_own(capsys) -> None:
+    argv = ["--tables", "newton", "--models", "rnn", "--weights", "init", "--T", "12", "--B", "2"]
+    argv += ["--H", "3", "--solvers", "newton", "--repeats", "1", "--warmup", "0"]
+    assert forward.main([*argv, "--matmul-precision", "highest", "high"]) == 0
+    (head, rows), *_ = markdown_tables(capsys.readouterr().out)
+    assert head[6:8] == ["matmul precision", "native ms"] and [r[6] for r in rows] == ["highest", "high"]
+    assert torch.get_float32_matmul_precision() == "highest"  # restored
+
+
 def test_the_quick_run_prints_a_table_per_model(capsys) -> None:
     assert forward.main(["--quick", "--repeats", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out

@@ -45,6 +45,12 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     for argv in captured_chunks:
         assert argv[1:3] == ["-m", "benchmarks.capture"] and argv[argv.index("--device") + 1] == "cuda"
         assert argv[argv.index("--T") + 1 : argv.index("--H")] == ["1000"]
+    precision_capture, precision_newton = steps["precision"]  # each full float32, then three TF32 products
+    assert precision_capture[1:3] == ["-m", "benchmarks.capture"] and "--kernels" in precision_capture
+    assert precision_newton[1:3] == ["-m", "benchmarks.forward"] and "newton" in precision_newton
+    for argv in steps["precision"]:
+        assert argv[argv.index("--device") + 1] == "cuda"
+        assert argv[argv.index("--matmul-precision") + 1 :][:2] == ["highest", "high"]
     assert [a[a.index("--block-mib") + 1] for a in steps["blocks"]] == [str(b) for b in gpu_check.BLOCK_MIBS]
     assert all(
         a[a.index("--T") + 1 : a.index("--strategies")] == ["1000", "30000", "100000"]
@@ -116,7 +122,7 @@ def test_the_tests_step_runs_every_file_that_has_gpu_tests() -> None:
 def test_the_dry_plan_skips_what_needs_cuda_and_shrinks_the_rest() -> None:
     steps = gpu_check.plan(dry=True, repeats=1, warmup=0)
     assert steps["tests"] == "needs a CUDA device"
-    for name in ("backward", "epoch", "scan", "chunk", "blocks"):
+    for name in ("backward", "epoch", "scan", "chunk", "precision", "blocks"):
         for argv in steps[name]:
             assert argv[argv.index("--device") + 1] == "cpu"
             assert "--quick" in argv or "--T" in argv

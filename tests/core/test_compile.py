@@ -287,6 +287,31 @@ def test_the_products_are_ieee_float32_unless_another_precision_is_compiled() ->
     assert len(report) == 14  # (RNN: 3 kernels; LSTM: 4, its cell states' included) x 2 precisions
 
 
+LOWERED_CHECK = """
+import json
+from benchmarks import kernels
+from bppsa_core.triton.launch import LOWERED_DOT_PRECISION as LOWERED
+configs = [c for c in kernels.launch_configs(LOWERED) if c.launch.constexprs.get("DOT") == LOWERED]
+print(json.dumps(kernels.compile_all([90], configs, progress=False)))
+"""
+
+
+@pytest.mark.extended
+def test_the_lowered_precision_reduces_keep_their_loops_free_of_spills_on_sm_90() -> None:
+    """Under ``torch.set_float32_matmul_precision("high")`` the reduce kernels of one-term chains and
+    the LSTM's take three TF32 products (``launch.dot_precision``), the rest stay full float32: those
+    compile for sm_90 (H100, H200) with no local memory in their loops, at most one stack slot."""
+    argv = [sys.executable, "-c", LOWERED_CHECK]
+    done = subprocess.run(argv, cwd=ROOT, env=compiled_env(), capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.splitlines()[-1])
+    assert {r["mode"] for r in rows} == {"SCALES", "SCALES_T", "SCALES_T newton", "TANH", "RELU", "LSTM"}
+    assert {r["K"] for r in rows} == {1, 4} and {r["role"] for r in rows} == {"reduce"}
+    assert {h for r in rows if r["mode"] == "TANH" for h in r["H"]} == set(range(1, 65))
+    bad = [r for r in rows if r["local_in_loops"] or r["local"] or r["stack"] > 8]
+    assert not bad, [(r["kernel"], r["mode"], r["HP"], r["stack"], r["local_in_loops"]) for r in bad]
+
+
 # ------------------------------------------------------------------------------------------ pure parts
 
 

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import collections
+from functools import partial
 
 import pytest
 import torch
 from helpers import extended_except, rel_err
 from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case, fused_gru_case, fused_lstm_case, fused_rnn_case
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.common import matmul_precision
 
 pytest.importorskip("triton")
 
@@ -43,7 +46,10 @@ def run(
     affine: bool,
     terms: int,
     transposed: bool = False,
+    precision: str = "highest",
 ) -> None:
+    """The kernels' scan (under PyTorch's float32 matmul ``precision``) and the twin's in float32 (at
+    full precision) against the float64 scan."""
     chain, x, b = chain_case(n, batch, hidden, affine, terms)
 
     def on(where: str, dtype: torch.dtype | None = None) -> tuple:  # the chain, x and b there
@@ -52,7 +58,8 @@ def run(
         return FactoredChain(*parts, transposed=transposed), to(x), to(b)
 
     twin = chunked_scan(*on(device), chunk=chunk)
-    kernel = scan(*on(device), strategy="triton", chunk=chunk)
+    with matmul_precision(precision):
+        kernel = scan(*on(device), strategy="triton", chunk=chunk)
     assert kernel.shape == (n + 1, batch, hidden)
     # Both against the float64 scan of the same inputs: the kernel rounds in its own order, so on
     # long growing chains it may differ from the twin by more than either differs from the truth;
@@ -101,6 +108,46 @@ def test_kernels_match_the_chunked_twin_on_a_gpu(n, batch, hidden, chunk, affine
 
 # The transposed chains (SCALES_T: tangents, Newton iterations) at chunk 4, which runs all three kernels.
 TRANSPOSED_CASES = [c for c in CASES if c[3] == 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(ARGS, [(1000, 16, 20, 22, True, 1), (1034, 16, 64, 23, False, 1)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_three_tf32_products_keep_the_kernels_float32_accuracy_on_a_gpu(
+    n, batch, hidden, chunk, affine, terms, transposed
+) -> None:
+    """Under ``torch.set_float32_matmul_precision("high")`` the reduce multiplies in three TF32
+    products (``launch.dot_precision``): the scan stays as close to the float64 one as full float32's
+    twin (one TF32 product would be off by 1e-3)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    run("cuda", n, batch, hidden, chunk, affine, terms, transposed=transposed, precision="high")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["tanh", "lstm"])  # a GRU's chain keeps full float32 products
+@pytest.mark.parametrize(("n", "batch", "hidden", "chunk"), [(1000, 16, 20, 22), (1034, 64, 32, 23)])
+def test_three_tf32_products_keep_a_layer_backwards_float32_accuracy_on_a_gpu(
+    kind, n, batch, hidden, chunk
+) -> None:
+    """A fused layer backward with three TF32 products a reduce step (``matmul precision "high"``) as
+    close to the float64 twin's g_0 and deltas as with full float32 products, within 4x or 1e-5."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    from bppsa_core import triton as ts
+
+    case, backward = {
+        "tanh": (partial(fused_rnn_case, "tanh"), lambda *a: ts.rnn_layer_backward(*a, "tanh", chunk)),
+        "lstm": (fused_lstm_case, lambda *a: ts.lstm_layer_backward(*a, chunk)),
+    }[kind]
+    args, truths = case(n, batch, hidden, chunk, True, torch.float64)
+    args = [a.float().cuda() for a in args]
+    err = {}
+    for precision in ("highest", "high"):
+        with matmul_precision(precision):
+            got = backward(*args)
+        err[precision] = max(rel_err(t, v.double().cpu()) for t, v in zip(truths, got, strict=True))
+    assert err["high"] < max(1e-5, 4 * err["highest"]), err
 
 
 @pytest.mark.parametrize(ARGS, extended_except(TRANSPOSED_CASES, *TRANSPOSED_CASES[::9]))
@@ -454,6 +501,35 @@ def test_a_layer_backward_launches_no_more_than_documented(monkeypatch, kind) ->
     assert len(kernels) <= triton_launches, kernels
     assert sum(counter.ops.values()) <= torch_launches, str(dict(counter.ops))
     assert layer.weight_hh_l0.grad is not None
+
+
+@pytest.mark.parametrize(
+    ("precision", "dot"), [("highest", "ieee"), ("high", "tf32x3"), ("medium", "tf32x3")]
+)
+def test_the_reduce_products_follow_pytorchs_float32_matmul_precision(monkeypatch, precision, dot) -> None:
+    """``torch.set_float32_matmul_precision`` sets the ``tl.dot`` precision of an RNN's and an LSTM's
+    reduce kernel (``launch.dot_precision``): PyTorch's default, "highest", full float32. A GRU's
+    three-term chain stays full float32, and no other kernel has a precision."""
+    from bppsa_core import triton as ts
+    from bppsa_core.triton.launch import Launch
+
+    dots, real = {}, Launch.run
+
+    def run(self, grid, **args):
+        dots.setdefault(self.kernel.__name__, []).append(self.constexprs.get("DOT"))
+        return real(self, grid, **args)
+
+    monkeypatch.setattr(Launch, "run", run)
+    rnn, _ = fused_rnn_case("tanh", 37, 2, 5, 4, True, torch.float32)
+    gru, _ = fused_gru_case(37, 2, 5, 4, True, torch.float32)
+    lstm, _ = fused_lstm_case(37, 2, 5, 4, True, torch.float32)
+    with matmul_precision(precision):
+        ts.rnn_layer_backward(*rnn, "tanh", 4)
+        ts.gru_layer_backward(*gru, 4)
+        ts.lstm_layer_backward(*lstm, 4)
+    assert torch.get_float32_matmul_precision() == "highest"  # restored
+    assert dots.pop("_reduce") == [dot, "ieee"] and dots.pop("_lstm_reduce") == [dot], dots
+    assert {d for launches in dots.values() for d in launches} == {None}, dots
 
 
 def test_a_gru_too_wide_for_the_kernels_is_refused_by_the_triton_strategy() -> None:
