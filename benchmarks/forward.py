@@ -5,6 +5,7 @@
     python -m benchmarks.forward --quick                # seconds on a CPU
     python -m benchmarks.forward --tables compiled --models rnn gru lstm --H 20 64 256 --T 1000
     python -m benchmarks.forward --device cuda --weights init --T 10000 --matmul-precision highest high
+    python -m benchmarks.forward --tables newton --sweeps   # and each solver from Picard sweeps
 
 Two tables per model and width. ``compiled`` (CPU): torch.nn's training forward against the
 module's with ``strategy="numba"`` (the recurrence compiled, ``bppsa_core.numba_forward``), their
@@ -24,6 +25,8 @@ T = 100 through BPTT; the extra features are Gaussian noise). Newton's iteration
 makes the recurrence less contractive, which is why both are measured. The input is a batch of the
 same task at each T.
 
+``--sweeps`` adds each solver started from Picard sweeps (``newton_guess="sweeps"``) as a method of
+its own, taking turns with the rest; its "its" are the sweeps + the iterations.
 ``--matmul-precision`` times the ``newton`` rows under each of PyTorch's float32 matmul precisions
 given: under "high" the scan kernels' products are three TF32 ones
 (``bppsa_core.triton.launch.dot_precision``).
@@ -66,6 +69,7 @@ from experiments.timing import time_ms
 NEWTON = tuple(s for s in SOLVERS if s != "native")
 MODELS = {"rnn": (bnn.RNN, 1), "gru": (bnn.GRU, 24), "lstm": (bnn.LSTM, 24)}  # class, input features
 TABLES = ("compiled", "newton")
+SWEEPS = " + sweeps"  # a solver's name started from Picard sweeps (--sweeps)
 WEIGHTS = ("init", "trained")
 CLASSES = 10
 TRAIN_T = 100
@@ -86,6 +90,7 @@ class Row:
     precision: str = "highest"  # torch.get_float32_matmul_precision() while it was measured
     solver_ms: dict[str, float] = field(default_factory=dict)
     iterations: dict[str, int] = field(default_factory=dict)
+    sweeps: dict[str, int] = field(default_factory=dict)
     converged: dict[str, bool] = field(default_factory=dict)
     max_diff: dict[str, float] = field(default_factory=dict)
 
@@ -167,7 +172,10 @@ def bench(
     x = task_batch(steps, batch, features, device, seed=10_000)[0].to(dtype)
     modules = {}
     for name in ("native", *solvers):
-        m = cls(features, hidden, batch_first=True, forward_solver=name, newton_iters=max_iters)
+        m = cls(
+            features, hidden, batch_first=True, forward_solver=name.removesuffix(SWEEPS),
+            newton_iters=max_iters, newton_guess="sweeps" if name.endswith(SWEEPS) else "zeros",
+        )  # fmt: skip
         m.load_state_dict(weights)
         modules[name] = m.to(device, dtype)
     times, outputs = take_turns(modules, x, device, warmup, repeats, grad)
@@ -177,6 +185,7 @@ def bench(
         (stats,) = modules[name].solver_stats
         row.solver_ms[name] = times[name]
         row.iterations[name] = stats.iterations
+        row.sweeps[name] = stats.sweeps
         row.converged[name] = stats.converged
         row.max_diff[name] = (outputs[name] - outputs["native"]).abs().max().item()
     return row
@@ -304,7 +313,8 @@ def format_table(rows: Sequence[Row], solvers: Sequence[str]) -> str:
         cells = [r.model, r.weights, str(r.steps), str(r.batch), str(r.hidden), str(r.features)]
         cells += [*([r.precision] if precisions else []), fmt_ms(r.native_ms)]
         for s in solvers:
-            its = str(r.iterations[s]) + ("" if r.converged[s] else " (fallback)")
+            its = (f"{r.sweeps[s]} + " if r.sweeps.get(s) else "") + str(r.iterations[s])
+            its += "" if r.converged[s] else " (fallback)"
             ratio = r.solver_ms[s] / r.native_ms
             cells += [its, fmt_ms(r.solver_ms[s]), f"{ratio:.3g}", f"{r.max_diff[s]:.1e}"]
         body.append(cells)
@@ -312,10 +322,10 @@ def format_table(rows: Sequence[Row], solvers: Sequence[str]) -> str:
 
 
 LEGEND = (
-    "Training forward of one layer (the module call); 'its': Newton iterations to convergence, "
-    "'(fallback)': not converged within --max-iters, so the time includes the native forward run "
-    "after them; '/ native' < 1 means the solver is faster; 'max diff': the largest absolute "
-    "difference of the outputs from the native forward's."
+    "Training forward of one layer (the module call); 'its': Newton iterations to convergence ('S + "
+    "N': S Picard sweeps, then N iterations), '(fallback)': not converged within --max-iters, so the "
+    "time includes the native forward run after them; '/ native' < 1 means the solver is faster; "
+    "'max diff': the largest absolute difference of the outputs from the native forward's."
 )
 
 
@@ -347,8 +357,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed rounds (the median is shown)")
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed rounds before them")
+    p.add_argument(
+        "--sweeps", action="store_true",
+        help="also each solver started from Picard sweeps (newton_guess='sweeps'), taking turns",
+    )  # fmt: skip
     add_matmul_precision(p)
     args = p.parse_args(argv)
+    args.methods = [*args.solvers, *(s + SWEEPS for s in args.solvers if args.sweeps)]
     cpu = args.device.type == "cpu"
     if args.tables is None:
         args.tables = list(TABLES) if cpu else ["newton"]
@@ -389,9 +404,9 @@ def newton_table(
                 progress(f"{model} {label} T={t} {precision} ...")
                 with matmul_precision(precision):
                     shape = (t, args.B, hidden, device, dtype)
-                    rows.append(bench(model, state, label, *shape, args.solvers, *timing))
+                    rows.append(bench(model, state, label, *shape, args.methods, *timing))
     title = f"{model.upper()} (F = {features}, B = {args.B}, H = {hidden})"
-    print(f"\n### Forward: {title}\n\n{format_table(rows, args.solvers)}", flush=True)
+    print(f"\n### Forward: {title}\n\n{format_table(rows, args.methods)}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,7 +28,7 @@ and its output (or why it failed, or was skipped):
 8. ``precision``: the reduce kernels' products in full float32 against three TF32 ones (PyTorch's
    float32 matmul precision "highest" against "high", ``bppsa_core.triton.launch.dot_precision``):
    the captured backward per kernel (RNN, GRU, LSTM; H = 20; T = 1,000 and 10,000) and the Newton
-   forward at initialization (RNN, GRU; T = 10,000 and 100,000);
+   forward at initialization (RNN, GRU; T = 10,000 and 100,000), from zeros and from Picard sweeps;
 9. ``blocks``: the BPPSA backward's blocks of time steps (``--block-mib`` 8, 32 and 256: a CPU's
    budget, and larger ones that take fewer launches) at T = 1,000, 30,000 and 100,000, which sets
    the GPU's own (``bppsa_core.jacobians.BLOCK_BYTES``);
@@ -111,7 +111,8 @@ CHUNK_CAPTURE = ["--models", "rnn", "gru", "--T", "1000", "--H", "20", "--naive-
 # The precision step: "highest" (full float32 products, the default) against "high" (three TF32 ones)
 PRECISIONS = ["--matmul-precision", "highest", "high"]
 PRECISION_CAPTURE = ["--T", "1000", "10000", "--H", "20", "--naive-max-T", "0", "--kernels", *PRECISIONS]
-PRECISION_NEWTON = ["--tables", "newton", "--weights", "init", "--T", "10000", "100000"]
+# and the Newton forward's other lever, its first iterate from Picard sweeps (--sweeps)
+PRECISION_NEWTON = ["--tables", "newton", "--weights", "init", "--T", "10000", "100000", "--sweeps"]
 BLOCK_MIBS = (8, 32, 256)  # the BPPSA backward's blocks of time steps (``--block-mib``)
 GPU_TEST_FILES = (
     "tests/core/test_triton.py",

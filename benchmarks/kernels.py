@@ -211,8 +211,9 @@ def with_dot(configs: list[KernelConfig], precision: str) -> list[KernelConfig]:
 def newton_configs(largest: int) -> list[KernelConfig]:
     """A Newton iteration's kernels (``bppsa_core.triton.newton``): the RNN's residual (tanh, relu) and
     the GRU's (by how Triton specializes its int H: 1, a multiple of 16, the rest), the update reading
-    the corrections in time order or reversed, the decision for Newton and quasi-Newton, and a
-    captured solve's fallback walk (tanh, relu, GRU; by ``h_variants``, its weights in registers).
+    the corrections in time order or reversed, the decision for Newton, quasi-Newton and Picard
+    sweeps, and a captured solve's fallback walk (tanh, relu, GRU; by ``h_variants``, its weights in
+    registers).
     The update and the decision serve any width, so every H up to ``largest`` is listed for them."""
     from bppsa_core.triton import newton
 
@@ -244,6 +245,7 @@ def newton_configs(largest: int) -> list[KernelConfig]:
             config("update", update_mode, every, update),
             config("decide", decide_mode, every, decide),
         ]
+    configs.append(config("decide", "sweep", every, newton.update_launches(True, True, True)[1]))
     return configs
 
 

@@ -40,6 +40,15 @@ that reaches ``max_iters`` without converging, or whose change is not finite, re
 ``converged=False``; the layer then runs the native sequential forward instead
 (``bppsa_core.layer.solved_forward``), so a state is never silently wrong.
 
+Picard sweeps (``newton_guess="sweeps"``, ``SolverOptions.sweeps``) make the first iterate: each
+runs the cell at every step at once from the last states, s_t <- f(x_t, s_{t-1}), as an iteration
+does without its scan, so it costs a cell evaluation (on a GPU two launches and one GEMM) where an
+iteration adds an H x H scan. Where the recurrence contracts (a model at initialization) each sweep
+shrinks the error by the contraction factor, and Newton's method then starts near its solution:
+fewer of its iterations, or one to confirm sweeps that converged by quasi-Newton's rule. Sweeps
+stop at ``sweeps``, or once one shrinks the change by less than ``SWEEP_RATE``: where the
+recurrence does not contract (a trained RNN) they would carry the iterate away from the solution.
+
 The stopping rule runs on the device (``_Watch``): the host never waits on an iteration it has just
 queued. On a GPU it reads the flag of the iteration ``LOOKAHEAD`` before the one it has queued, so
 the device always has work while the host decides, and an iterate stops changing once its flag is
@@ -64,17 +73,23 @@ SOLVERS: tuple[str, ...] = ("native", "newton", "quasi-newton")
 # Largest change, relative to max(1, max |h|), at which the iterations stop.
 DEFAULT_TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 DEFAULT_MAX_ITERS = 100
+# Picard sweeps before Newton's iterations (newton_guess="sweeps"): at most SWEEPS, stopped once one
+# shrinks the change by less than SWEEP_RATE (re-measured by python -m benchmarks.forward --sweeps)
+SWEEPS = 32
+SWEEP_RATE = 0.75
 
 
 @dataclass(frozen=True)
 class SolverOptions:
     """How a layer's forward is computed: ``method`` one of ``SOLVERS`` ("native": PyTorch's fused
     sequential kernel); for the Newton methods, the tolerance (None: ``DEFAULT_TOL`` of the dtype)
-    and the most iterations before the native fallback."""
+    and the most iterations before the native fallback; ``sweeps``, the most Picard sweeps that
+    make the first iterate (0: none)."""
 
     method: str = "native"
     tol: float | None = None
     max_iters: int = DEFAULT_MAX_ITERS
+    sweeps: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in SOLVERS:
@@ -85,6 +100,8 @@ class SolverOptions:
             raise ValueError(f"newton_tol must be a number in (0, 1) or None, got {tol!r}")
         if not dispatch.is_count(self.max_iters, 1):
             raise ValueError(f"newton_iters must be a positive integer, got {self.max_iters!r}")
+        if not dispatch.is_count(self.sweeps, 0):
+            raise ValueError(f"sweeps must be a non-negative integer, got {self.sweeps!r}")
 
     def tolerance(self, dtype: torch.dtype) -> float:
         """The tolerance for states of ``dtype``."""
@@ -94,32 +111,35 @@ class SolverOptions:
 @dataclass(frozen=True)
 class SolveStats:
     """What one layer's forward took: Newton iterations (0 for the native forward), whether they
-    converged (False: the native forward was run instead), and the last iteration's largest change."""
+    converged (False: the native forward was run instead), the last iteration's largest change, and
+    the Picard sweeps before them."""
 
     iterations: int
     converged: bool
     change: float
+    sweeps: int = 0
 
     def as_tensor(self, device: torch.device | None = None) -> Tensor:
-        """(iterations, converged, change) as a float64 tensor, on the CPU or on ``device``. A GPU's
+        """(iterations, converged, change, sweeps) as a float64 tensor, on the CPU or on ``device``. A GPU's
         copy of the native forward's is made by device ops, never copied from the host, so a
         compiled graph that returns it can be captured in a CUDA graph."""
         if device is None or device.type == "cpu":
             if self is NATIVE:  # every native forward's: a copy, cheaper than a tensor from a list
                 return _NATIVE_TENSOR.clone()
-            return torch.tensor([self.iterations, float(self.converged), self.change], dtype=torch.float64)
+            values = [self.iterations, float(self.converged), self.change, self.sweeps]
+            return torch.tensor(values, dtype=torch.float64)
         if self is NATIVE:
-            return on_device((0.0, 1.0, 0.0), device)
+            return on_device((0.0, 1.0, 0.0, 0.0), device)
         return self.as_tensor().to(device)
 
     @classmethod
     def from_tensor(cls, t: Tensor) -> SolveStats:
-        iterations, converged, change = t.tolist()
-        return cls(int(iterations), bool(converged), change)
+        iterations, converged, change, sweeps = t.tolist()
+        return cls(int(iterations), bool(converged), change, int(sweeps))
 
 
 NATIVE = SolveStats(0, True, 0.0)
-_NATIVE_TENSOR = torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)
+_NATIVE_TENSOR = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64)
 
 
 def on_device(values: tuple[float, ...], device: torch.device) -> Tensor:
@@ -146,8 +166,9 @@ def solve(
     """The states s_1..s_T (T, B, S) of ``cell`` over x (T, B, I) from s_0 (B, S) by ``options.method``.
 
     ``keep`` (T, B, 1; 0 past a sequence's end) carries the state past each sequence's end; ``guess``
-    (T, B, S), the first iterate (None: zeros). Builds no autograd graph. The returned states are
-    the last iterate: use them only when the stats say ``converged``.
+    (T, B, S), the first iterate (None: zeros), from which ``options.sweeps`` Picard sweeps start.
+    Builds no autograd graph. The returned states are the last iterate: use them only when the
+    stats say ``converged``.
 
     Inside a CUDA graph capture (a whole step captured) the host can decide nothing: the solve runs
     ``options.max_iters`` iterations in the Triton kernels (those past the stop do nothing), then,
@@ -231,6 +252,19 @@ def _solve(
                 fused = newton_kernels.FusedIteration(cell, x, w, states, lo, hi, watch.record, chunk)
             else:  # the update's scratch, made once for every iteration
                 partial = newton_kernels.update_partials(s)
+        if options.sweeps:
+            sweeping = _Watch(options.tolerance(x.dtype), x.device)  # the sweeps' own record
+            for _ in range(options.sweeps):
+                if fused is not None:
+                    fused.sweep(sweeping.record)
+                elif kernels:  # the update does nothing once the sweeps' record says stopped
+                    d = cell.step(x, prev, w, keep)[0].sub_(s)
+                    newton_kernels.newton_update(s, d, lo, hi, sweeping.record, True, False, partial, True)
+                else:
+                    sweep(cell, x, states, w, keep, lo, hi, sweeping.record, sweeping.lookahead > 0)
+                if not captured and sweeping.stopped():
+                    break
+            watch.record[SWEEPS].copy_(sweeping.record[ITERATIONS])
         for _ in range(options.max_iters):
             if fused is not None:
                 fused()
@@ -255,22 +289,24 @@ def _solve(
         if fused is not None:  # eagerly too, where it returns at once: compiled before any capture
             fused.fall_back()
         if captured:
-            return s, watch.record[ITERATIONS : CHANGE + 1].clone()  # SolveStats.as_tensor's layout
+            return s, watch.record[ITERATIONS : SWEEPS + 1].clone()  # SolveStats.as_tensor's layout
         return s, watch.stats()
 
 
-# The stopping rule's record, float64 on the device: its entries.
-STOPPED, ITERATIONS, CONVERGED, CHANGE, LAST, TOL = range(6)
+# The stopping rule's record, float64 on the device: its entries (SWEEPS: the Picard sweeps before
+# the iterations, a count the rule leaves as it is).
+STOPPED, ITERATIONS, CONVERGED, CHANGE, SWEEPS, LAST, TOL = range(7)
 
 
-def judge(record: Tensor, change: Tensor, size: Tensor, quasi: bool) -> Tensor:
+def judge(record: Tensor, change: Tensor, size: Tensor, quasi: bool, sweep: bool = False) -> Tensor:
     """The stopping rule on one iteration's largest change and largest |state| (0-d tensors, a NaN
     counted as infinite), written into ``record`` unless it says stopped; returns whether it did not
     (a 0-d bool tensor: the iteration counts). Stop when the error estimate, at the rate change /
     last change, is at most tol max(1, max |s|), or when the change is not finite: change min(1,
     rate / (1 - rate)) for Newton (the change itself at the first iteration, whose last change is
-    infinite), max(change, change rate / (1 - rate)) for quasi-Newton (``quasi``)."""
-    stopped, iterations, _, _, last, tol = record.unbind()
+    infinite), max(change, change rate / (1 - rate)) for quasi-Newton (``quasi``). Picard sweeps
+    (``sweep``, with ``quasi``: they converge linearly) also stop at a rate above ``SWEEP_RATE``."""
+    stopped, iterations, _, _, sweeps, last, tol = record.unbind()
     change, size = (torch.where(t.isnan(), math.inf, t.to(torch.float64)) for t in (change, size))
     if quasi:  # linear convergence: the error left is change * rate / (1 - rate)
         rate = torch.where(last > 0, change / last, 0.0)
@@ -283,23 +319,50 @@ def judge(record: Tensor, change: Tensor, size: Tensor, quasi: bool) -> Tensor:
     converged = finite & ((error <= tol) | (error <= tol * size))  # tol * max(1, max |s|)
     active = stopped == 0
     stop = converged | ~finite
-    judged = torch.stack((stop.double(), iterations + 1, converged.double(), change, change, tol))
+    if sweep:  # a sweep that hardly shrinks the change: the recurrence is not contracting
+        stop = stop | (rate > SWEEP_RATE)
+    judged = torch.stack((stop.double(), iterations + 1, converged.double(), change, sweeps, change, tol))
     torch.where(active, judged, record, out=record)
     return active
 
 
 def update(
-    s: Tensor, d: Tensor, lo: Tensor, hi: Tensor, record: Tensor, quasi: bool, freeze: bool = True
+    s: Tensor,
+    d: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    record: Tensor,
+    quasi: bool,
+    freeze: bool = True,
+    sweep: bool = False,
 ) -> None:
     """s <- clamp(s + d, lo, hi), a correction that is not a number dropped (``torch.nan_to_num``),
-    and the stopping rule (``judge``) into ``record``; ``freeze``: s left as it was once the record
-    says stopped (False where the caller never runs past the stop)."""
+    and the stopping rule (``judge``; ``sweep``: a Picard sweep's) into ``record``; ``freeze``: s
+    left as it was once the record says stopped (False where the caller never runs past the stop)."""
     new = d.nan_to_num(nan=0.0).add_(s).clamp_(lo, hi)  # the projected iterate
-    active = judge(record, _max_abs(new - s), _max_abs(new), quasi)
+    active = judge(record, _max_abs(new - s), _max_abs(new), quasi, sweep)
     if freeze:
         torch.where(active, new, s, out=s)
     else:
         s.copy_(new)
+
+
+def sweep(
+    cell: Cell,
+    x: Tensor,
+    states: Tensor,
+    w: LayerWeights,
+    keep: Tensor | None,
+    lo: Tensor,
+    hi: Tensor,
+    record: Tensor,
+    freeze: bool = True,
+) -> None:
+    """One Picard sweep: s_t <- clamp(f(x_t, s_{t-1}), lo, hi) at every step at once, from the states
+    (T + 1, B, S) with s_0, updated in place, and the sweeps' rule (``judge``) into ``record``;
+    ``freeze`` as ``update``'s."""
+    s = states[1:]
+    update(s, cell.step(x, states[:-1], w, keep)[0].sub_(s), lo, hi, record, True, freeze, sweep=True)
 
 
 # How many iterations the host queues past the one whose convergence flag it reads, by device type
@@ -309,13 +372,13 @@ LOOKAHEAD = {"cpu": 0, "cuda": 1}
 
 
 class _Watch:
-    """The stopping rule's record (``judge``: stopped, iterations, converged, change, last change,
-    tol) on the device, which each iteration updates while it says running; the host reads its flag
+    """The stopping rule's record (``judge``: stopped, iterations, converged, change, sweeps, last
+    change, tol) on the device, which each iteration updates while it says running; the host reads its flag
     ``lookahead`` iterations late (``LOOKAHEAD``) through pinned memory, so it never waits on an
     iteration it has just queued."""
 
     def __init__(self, tol: float, device: torch.device) -> None:
-        self.record = on_device((0.0, 0.0, 0.0, math.nan, math.inf, tol), device)  # capturable
+        self.record = on_device((0.0, 0.0, 0.0, math.nan, 0.0, math.inf, tol), device)  # capturable
         self.lookahead = LOOKAHEAD.get(device.type, LOOKAHEAD["cuda"])
         # the host's copies of the flag: made at the first read (a captured solve reads none, and
         # pinned memory is not made inside a capture)
@@ -349,8 +412,8 @@ class _Watch:
 
     def stats(self) -> SolveStats:
         """What the solve took, from the record (one read)."""
-        _, iterations, converged, change, _, _ = self.record.tolist()
-        return SolveStats(int(iterations), bool(converged), change)
+        _, iterations, converged, change, sweeps, _, _ = self.record.tolist()
+        return SolveStats(int(iterations), bool(converged), change, int(sweeps))
 
 
 def _max_abs(t: Tensor) -> Tensor:

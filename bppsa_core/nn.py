@@ -22,8 +22,9 @@ backward, forward-mode AD, ``torch.func`` transforms, ``torch.compile`` and ``to
 
 ``forward_solver="newton"`` (or ``"quasi-newton"``) solves each layer's forward parallel in time by
 Newton iterations over the same scans (``bppsa_core.newton``; ``newton_tol``, ``newton_iters``,
-``newton_guess``: "zeros" or "previous", the last forward's outputs when the shapes match); the
-backward is unchanged. What each layer's solve took is in ``solver_stats`` after every forward.
+``newton_guess``: the first iterate, "zeros", "previous" (the last forward's outputs when the
+shapes match) or "sweeps" (Picard sweeps from zeros, ``newton.SWEEPS`` at most)); the backward is
+unchanged. What each layer's solve took is in ``solver_stats`` after every forward.
 Not taken: an LSTM with ``proj_size > 0`` (refused at construction; ``backward="bptt"`` runs it).
 Under ``strategy="auto"``, a module of a width at which ``torch.nn``'s own kernels (cuDNN's
 on a GPU) are faster than any BPPSA path is ``torch.nn``'s (``dispatch.torch_nn_instead``).
@@ -44,11 +45,11 @@ from torch.nn.utils.rnn import PackedSequence
 from bppsa_core import layer as bppsa_layer
 from bppsa_core.dispatch import ScanOptions, compiled_forward_takes, torch_nn_instead
 from bppsa_core.layer import SEGMENT, LayerConfig
-from bppsa_core.newton import DEFAULT_MAX_ITERS, NATIVE, SolverOptions, SolveStats
+from bppsa_core.newton import DEFAULT_MAX_ITERS, NATIVE, SWEEPS, SolverOptions, SolveStats
 from bppsa_core.ops import layer
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
-GUESSES: tuple[str, ...] = ("zeros", "previous")
+GUESSES: tuple[str, ...] = ("zeros", "previous", "sweeps")
 
 State = Tensor | tuple[Tensor, Tensor]
 
@@ -101,15 +102,17 @@ class _BPPSAMixin:
 
     def _config(self) -> LayerConfig:
         """The layer calls' config from the options as they are now (they may be set at any time)."""
+        sweeps = SWEEPS if self.newton_guess == "sweeps" else 0
         return _layer_config(
             self.mode, self.segment, self.strategy, self.chunk, self.levels,
-            self.forward_solver, self.newton_tol, self.newton_iters,
+            self.forward_solver, self.newton_tol, self.newton_iters, sweeps,
         )  # fmt: skip
 
     @property
     def solver_stats(self) -> list[SolveStats]:
         """What the last forward's solve took, per layer and direction (torch.nn's order of h_n):
-        Newton iterations (0: the native forward), whether they converged, the last change."""
+        Newton iterations (0: the native forward), whether they converged, the last change, and the
+        Picard sweeps before them."""
         return [s if isinstance(s, SolveStats) else SolveStats.from_tensor(s) for s in self._stats]
 
     def forward(self, input: Tensor | PackedSequence, hx: State | None = None) -> tuple[Any, State]:
@@ -319,10 +322,11 @@ class _BPPSAMixin:
 @functools.lru_cache(maxsize=256, typed=True)
 def _layer_config(
     mode: str, segment: int, strategy: str, chunk: int | None, levels: int | None,
-    solver: str, tol: float | None, iters: int,
+    solver: str, tol: float | None, iters: int, sweeps: int,
 ) -> LayerConfig:  # fmt: skip
     """A ``LayerConfig``, checked once per set of options: checking costs as much as a short layer."""
-    return LayerConfig(mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, iters))
+    solving = SolverOptions(solver, tol, iters, sweeps)
+    return LayerConfig(mode, segment, ScanOptions(strategy, chunk, levels), solving)
 
 
 def _outputs_kept_by_torch_nn(x: Tensor) -> bool:

@@ -14,6 +14,10 @@ iteration of a tanh/relu RNN or a GRU (``FusedIteration``) is seven launches and
    the largest float (``torch.nan_to_num``), and per program the largest change and |state|;
 5. ``_decide``: one program folds those into the stopping rule's record (``newton.judge``).
 
+A Picard sweep (``FusedIteration.sweep``, ``newton_guess="sweeps"``) is steps 1, 2 and 4 with the
+residual for the correction, and ``_decide`` by the sweeps' rule into a record of their own: four
+launches and no scan.
+
 A solve captured in a CUDA graph ends in ``_walk``: where it has not converged, the native forward,
 one program a sample (``FusedIteration.fall_back``).
 
@@ -37,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bppsa_core import dispatch
+from bppsa_core import dispatch, newton
 from bppsa_core.chain import FactoredChain
 from bppsa_core.jacobians import GRUCell, LayerWeights, RNNCell
 from bppsa_core.triton.chunk_scan import GRU, RELU, TANH, _load_weights, factored_scan, num_warps
@@ -51,7 +55,8 @@ FLOAT_MAX = tl.constexpr(
     3.4028234663852886e38
 )  # float32's largest: where torch.nan_to_num cuts an infinite correction
 # The stopping rule's record (``bppsa_core.newton.judge``), float64: its entries, for the kernels.
-STOPPED, ITERATIONS, CONVERGED, CHANGE, LAST, TOL = (tl.constexpr(i) for i in range(6))
+STOPPED, ITERATIONS, CONVERGED, CHANGE, SWEEPS, LAST, TOL = (tl.constexpr(i) for i in range(7))
+SWEEP_RATE = tl.constexpr(newton.SWEEP_RATE)  # a sweep shrinking the change by less stops the sweeps
 NEWTON_SIZES = ("N", "BH", "P")  # run-time sizes, never specialized on
 
 
@@ -162,12 +167,13 @@ def _update(
 def _decide(
     partial_ptr, record_ptr,  # pointers: the programs' partials read; the record updated
     P,  # size: partial pairs
-    QUASI: tl.constexpr, BLOCK: tl.constexpr,
+    QUASI: tl.constexpr, SWEEP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The stopping rule on the largest change and |state| of the partials (``newton.judge``): the
     error estimate at the rate change / last change is change min(1, rate / (1 - rate)) (Newton;
     the change itself while the last change is infinite) or max(change, change rate / (1 - rate))
-    (QUASI); stop when it is at most tol max(1, max |s|) or not finite."""
+    (QUASI); stop when it is at most tol max(1, max |s|) or not finite, and (SWEEP, with QUASI: a
+    Picard sweep's) at a rate above SWEEP_RATE."""
     running = tl.load(record_ptr) == 0
     change = tl.zeros([BLOCK], dtype=tl.float32)
     size = tl.zeros([BLOCK], dtype=tl.float32)
@@ -189,8 +195,11 @@ def _decide(
         error = change * (rate / (1 - rate))  # the change itself from the rate 1/2 up
     infinite = change == float("inf")  # a NaN is counted as infinite already
     converged = (change < float("inf")) & ((error <= tol) | (error <= tol * size))
+    stop = converged | infinite
+    if SWEEP:  # a sweep that hardly shrinks the change: the recurrence is not contracting
+        stop = stop | (rate > SWEEP_RATE)
     iterations = tl.load(record_ptr + ITERATIONS)
-    tl.store(record_ptr + STOPPED, tl.where(converged | infinite, 1.0, 0.0).to(tl.float64), mask=running)
+    tl.store(record_ptr + STOPPED, tl.where(stop, 1.0, 0.0).to(tl.float64), mask=running)
     tl.store(record_ptr + ITERATIONS, iterations + 1, mask=running)
     tl.store(record_ptr + CONVERGED, tl.where(converged, 1.0, 0.0).to(tl.float64), mask=running)
     tl.store(record_ptr + CHANGE, change, mask=running)
@@ -247,12 +256,13 @@ def residual_launch(mode: int) -> Launch:
 
 
 @cache
-def update_launches(quasi: bool, reversed_: bool) -> tuple[Launch, Launch]:
-    """``_update`` (reading the corrections ``reversed_``) and ``_decide`` (``quasi``'s rule), as
-    ``newton_update`` runs them and ``benchmarks.kernels`` compiles them; made once."""
+def update_launches(quasi: bool, reversed_: bool, sweep: bool = False) -> tuple[Launch, Launch]:
+    """``_update`` (reading the corrections ``reversed_``) and ``_decide`` (``quasi``'s rule, or with
+    ``sweep`` a Picard sweep's), as ``newton_update`` runs them and ``benchmarks.kernels`` compiles
+    them; made once."""
     return (
         Launch(_update, {"REVERSED": reversed_, "BLOCK": BLOCK}, WARPS),
-        Launch(_decide, {"QUASI": quasi, "BLOCK": BLOCK}, WARPS),
+        Launch(_decide, {"QUASI": quasi or sweep, "SWEEP": sweep, "BLOCK": BLOCK}, WARPS),
     )
 
 
@@ -272,16 +282,17 @@ def newton_update(
     quasi: bool,
     reversed_: bool,
     partial: Tensor | None = None,
+    sweep: bool = False,
 ) -> None:
     """``_update`` then ``_decide``: the projected iterate written into ``s`` (T, B, S) from the
     corrections ``d`` ((T, B, S) in time order, or the rows of a transposed scan's output,
-    ``reversed_``) and the bounds lo, hi (B, S), and the stopping rule into ``record``. ``partial``:
-    the programs' partial maxima (``update_partials``), kept across a solve's iterations, or None
-    for a new one."""
+    ``reversed_``) and the bounds lo, hi (B, S), and the stopping rule into ``record`` (``sweep``: a
+    Picard sweep's). ``partial``: the programs' partial maxima (``update_partials``), kept across a
+    solve's iterations, or None for a new one."""
     n = s.numel()
     programs = _programs(n)
     partial = update_partials(s) if partial is None else partial
-    update, decide = update_launches(quasi, reversed_)
+    update, decide = update_launches(quasi, reversed_, sweep)
     bh = s[0].numel() if s.shape[0] else 1
     update.run(
         (programs,),
@@ -308,12 +319,18 @@ def _programs(n: int) -> int:
 
 
 def newton_update_ref(
-    s: Tensor, d: Tensor, lo: Tensor, hi: Tensor, record: Tensor, quasi: bool, reversed_: bool
+    s: Tensor,
+    d: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    record: Tensor,
+    quasi: bool,
+    reversed_: bool,
+    sweep: bool = False,
 ) -> None:
     """``newton_update`` in plain PyTorch: ``bppsa_core.newton.update``."""
-    from bppsa_core import newton
-
-    newton.update(s, d[: s.shape[0]].flip(0) if reversed_ else d, lo, hi, record, quasi)
+    d = d[: s.shape[0]].flip(0) if reversed_ else d
+    newton.update(s, d, lo, hi, record, quasi or sweep, sweep=sweep)
 
 
 def takes(cell: object, method: str, keep: Tensor | None, w: LayerWeights) -> bool:
@@ -385,23 +402,37 @@ class FusedIteration:
 
     def __call__(self) -> None:
         """One iteration: the states and the record updated in place, on the device."""
+        self._residual(self.record)
+        d = factored_scan(self.chain, self.zero, self.residual, self.chunk, stop=self.record)
+        newton_update(self.states[1:], d, self.lo, self.hi, self.record, False, True, self.partial)
+
+    def sweep(self, record: Tensor) -> None:
+        """One Picard sweep (``newton.solve``): an iteration without its scan, the residual itself
+        the correction, so s_t <- f(x_t, s_{t-1}) at every step; the sweeps' rule into their own
+        ``record``, after which the sweeps queued do nothing. Its twin: ``newton.sweep``."""
+        self._residual(record)
+        newton_update(
+            self.states[1:], self.residual, self.lo, self.hi, record, True, True, self.partial, True
+        )
+
+    def _residual(self, record: Tensor) -> None:
+        """The hidden GEMM, then the cell at every step: its residual and Jacobian factors, written in
+        reversed time order; nothing once ``record`` says stopped."""
         s = self.states[1:]
         residual = residual_launch(self.mode)
         if self.gru:
             torch.addmm(self.b_hh, self.prev, self.w_hh_t, out=self.pre)
             residual.run(
                 self.grid, gi_ptr=self.gi, gh_ptr=self.pre, prev_ptr=self.prev, s_ptr=s,
-                record_ptr=self.record, res_ptr=self.residual, scales_ptr=self.scales, diag_ptr=self.diag,
+                record_ptr=record, res_ptr=self.residual, scales_ptr=self.scales, diag_ptr=self.diag,
                 H=self.hidden, **self.sizes,
             )  # fmt: skip
         else:
             torch.addmm(self.gi, self.prev, self.w_hh_t, out=self.pre)
             residual.run(
-                self.grid, pre_ptr=self.pre, s_ptr=s, record_ptr=self.record, res_ptr=self.residual,
+                self.grid, pre_ptr=self.pre, s_ptr=s, record_ptr=record, res_ptr=self.residual,
                 fp_ptr=self.scales, **self.sizes,
             )  # fmt: skip
-        d = factored_scan(self.chain, self.zero, self.residual, self.chunk, stop=self.record)
-        newton_update(s, d, self.lo, self.hi, self.record, False, True, self.partial)
 
 
 def fused_iteration_ref(
@@ -415,7 +446,6 @@ def fused_iteration_ref(
 ) -> None:
     """``FusedIteration()`` in plain PyTorch: the cell's step, the tangent chain's scan and
     ``newton.update``, as ``bppsa_core.newton.solve`` runs an iteration."""
-    from bppsa_core import newton
     from bppsa_core.scan import forward_scan
 
     s, prev = states[1:], states[:-1]

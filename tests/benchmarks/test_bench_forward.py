@@ -74,6 +74,16 @@ def test_each_matmul_precision_given_makes_a_newton_row_of_its_own(capsys) -> No
     assert torch.get_float32_matmul_precision() == "highest"  # restored
 
 
+def test_sweeps_add_each_solver_from_picard_sweeps_as_a_method_of_its_own(capsys) -> None:
+    argv = ["--tables", "newton", "--models", "rnn", "--weights", "init", "--T", "40", "--B", "2"]
+    assert forward.main([*argv, "--H", "6", "--solvers", "newton", "--repeats", "1", "--sweeps"]) == 0
+    (head, rows), *_ = markdown_tables(capsys.readouterr().out)
+    assert head[head.index("newton its") :: 4] == ["newton its", "newton + sweeps its"]
+    its = rows[0][head.index("newton + sweeps its")]
+    sweeps, iterations = (int(n) for n in its.split(" + "))  # "S + N": sweeps, then iterations
+    assert sweeps >= 2 and iterations >= 1 and float(rows[0][head.index("newton + sweeps max diff")]) < 1e-5
+
+
 def test_the_quick_run_prints_a_table_per_model(capsys) -> None:
     assert forward.main(["--quick", "--repeats", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out

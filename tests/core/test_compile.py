@@ -60,6 +60,7 @@ KERNELS |= {
     "d reversed": {"_update"},
     "newton": {"_decide"},
     "quasi-newton": {"_decide"},
+    "sweep": {"_decide"},
 }
 KERNELS |= {f"{name} walk": {"_walk"} for name in ("tanh", "relu", "gru")}
 KERNELS["diagonal"] = {"_diagonal_reduce", "_diagonal_expand"}

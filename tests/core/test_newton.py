@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from recurrent import F64, KINDS, flat, pair, run, state, state_leaves
 from torch.nn.utils.rnn import pack_sequence
 
+from bppsa_core import newton
 from bppsa_core import nn as bnn
 from bppsa_core.dispatch import ScanOptions
 from bppsa_core.jacobians import GRUCell, LayerWeights, LSTMCell, RNNCell
@@ -209,6 +210,43 @@ def test_previous_guess_starts_from_the_last_forward() -> None:
         assert ours.solver_stats[0].iterations > 1
 
 
+@pytest.mark.parametrize("kind", ["tanh", "gru", "lstm"])
+def test_picard_sweeps_start_newton_near_its_solution_where_the_recurrence_contracts(kind) -> None:
+    """``newton_guess="sweeps"``: at initial weights (a contracting recurrence) Picard sweeps run
+    until one hardly shrinks the change, and Newton then needs no more iterations than from zeros
+    (the RNN fewer), to the same states (float32, within its rounding of the native forward)."""
+    x = torch.bernoulli(torch.full((300, 4, 1), 0.5))
+    stats, outs = {}, {}
+    for guess in ("zeros", "sweeps"):
+        torch.manual_seed(0)
+        _, ours = pair(kind, 1, 20, dtype=torch.float32, forward_solver="newton", newton_guess=guess)
+        native = type(ours)(1, 20)
+        native.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            outs[guess], expected = ours(x)[0], native(x)[0]
+        (stats[guess],) = ours.solver_stats
+        assert stats[guess].converged and (outs[guess] - expected).abs().max() < 1e-5, stats
+    assert stats["zeros"].sweeps == 0 and 2 <= stats["sweeps"].sweeps <= newton.SWEEPS, stats
+    fewer = stats["sweeps"].iterations < stats["zeros"].iterations
+    assert fewer if kind == "tanh" else stats["sweeps"].iterations <= stats["zeros"].iterations, stats
+
+
+def test_picard_sweeps_stop_where_the_recurrence_does_not_contract(caplog) -> None:
+    """A chaotic RNN: its sweeps' changes do not shrink, so they stop within a few (the rate rule,
+    ``newton.SWEEP_RATE``), not at ``newton.SWEEPS``; its solve does not converge and the layer runs
+    the native forward, bit for bit."""
+    _, ours = _chaotic("newton", 10)
+    ours.newton_guess = "sweeps"
+    x = torch.randn(200, 3, 2, dtype=F64)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="bppsa_core.layer"):
+        got = ours(x)[0]
+    (stats,) = ours.solver_stats
+    assert 2 <= stats.sweeps <= 4 and not stats.converged, stats
+    ours.forward_solver = "native"
+    with torch.no_grad():
+        assert torch.equal(ours(x)[0], got)
+
+
 def test_native_forward_reports_zero_iterations() -> None:
     _, ours = pair("gru", 3, 8, num_layers=3)
     ours(torch.randn(5, 2, 3, dtype=F64))
@@ -228,7 +266,7 @@ def test_native_forward_reports_zero_iterations() -> None:
         ),
         ({"forward_solver": "newton", "newton_tol": float("nan")}, "newton_tol must be a number in (0, 1)"),
         ({"forward_solver": "newton", "newton_iters": 0}, "newton_iters must be a positive integer, got 0"),
-        ({"newton_guess": "ones"}, "unknown newton_guess 'ones'; accepted: zeros, previous"),
+        ({"newton_guess": "ones"}, "unknown newton_guess 'ones'; accepted: zeros, previous, sweeps"),
         ({"forward_solver": "newton", "backward": "bptt"}, "forward_solver='newton' needs backward='bppsa'"),
     ],
 )
@@ -323,8 +361,6 @@ def test_the_solves_device_records_are_made_by_fills_not_host_copies() -> None:
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from bppsa_core import newton
-
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
@@ -339,6 +375,6 @@ def test_the_solves_device_records_are_made_by_fills_not_host_copies() -> None:
         watch = newton._Watch(1e-6, meta)
         stats = newton.NATIVE.as_tensor(meta)
     assert ops.names == {"zeros", "select", "fill_"}
-    assert watch.record.shape == (6,) and stats.shape == (3,) and stats.device == meta
+    assert watch.record.shape == (7,) and stats.shape == (4,) and stats.device == meta
     values = newton.on_device((0.0, 1.0, math.nan, math.inf, -2.5), torch.device("cpu"))
     assert values[[0, 1, 3, 4]].tolist() == [0.0, 1.0, math.inf, -2.5] and values[2].isnan()

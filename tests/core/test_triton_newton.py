@@ -21,7 +21,7 @@ from bppsa_core.triton import newton as kernels
 
 def record(tol: float = 1e-6, last: float = math.inf, stopped: bool = False) -> torch.Tensor:
     """A stopping rule's record as ``newton._Watch`` starts it (or one already stopped)."""
-    return torch.tensor([float(stopped), 3.0, 0.0, math.nan, last, tol], dtype=torch.float64)
+    return torch.tensor([float(stopped), 3.0, 0.0, math.nan, 2.0, last, tol], dtype=torch.float64)
 
 
 def iterate_case(steps: int, batch: int, width: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -63,7 +63,7 @@ def test_a_stopped_record_leaves_the_states_and_itself_as_they_were() -> None:
     assert torch.equal(rec.nan_to_num(), kept.nan_to_num())
 
 
-@pytest.mark.parametrize("quasi", [False, True])
+@pytest.mark.parametrize("rule", ["newton", "quasi-newton", "sweep"])
 @pytest.mark.parametrize(
     ("change", "size", "last"),
     [
@@ -77,29 +77,38 @@ def test_a_stopped_record_leaves_the_states_and_itself_as_they_were() -> None:
         (5e-6, 0.5, math.inf),  # a first iteration: the change itself, not yet
         (0.0, 0.5, 0.0),  # no change: converged
         (math.inf, 1.0, 1.0),  # stopped, not converged
+        (8e-3, 1.0, 1e-2),  # sweeps stop at rate 0.8, not converged; quasi-Newton goes on
+        (5e-3, 1.0, 1e-2),  # sweeps go on at rate 0.5
     ],
 )
 @pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # inf / inf: the rate is NaN
-def test_the_decision_over_many_partials_is_the_rule(quasi, change, size, last) -> None:
+def test_the_decision_over_many_partials_is_the_rule(rule, change, size, last) -> None:
     """``_decide`` alone over 2,500 partial pairs (three blocks of its loop): the rule (``newton.judge``)
     on their largest change and |state|: converged or not, by the tolerance scaled by max(1, |s|) and,
-    for quasi-Newton, by the rate of the last two changes."""
+    for quasi-Newton and Picard sweeps, by the rate of the last two changes; sweeps also stop once
+    that rate is above ``newton.SWEEP_RATE``. The sweeps' count is left as it was."""
+    quasi, sweep = rule != "newton", rule == "sweep"
     g = torch.Generator().manual_seed(1)
     pairs = 2500
     partial = torch.rand(pairs, 2, generator=g) * torch.tensor([change, size]) * 0.5
     partial[1777] = torch.tensor([change, size])  # the largest of each, in the last block
     rec, rec_ref = record(last=last), record(last=last)
-    kernels.update_launches(quasi, False)[1].run((1,), partial_ptr=partial.view(-1), record_ptr=rec, P=pairs)
-    newton.judge(rec_ref, torch.tensor(change, dtype=torch.float32), torch.tensor(size), quasi)
+    decide = kernels.update_launches(quasi, False, sweep)[1]
+    decide.run((1,), partial_ptr=partial.view(-1), record_ptr=rec, P=pairs)
+    newton.judge(rec_ref, torch.tensor(change, dtype=torch.float32), torch.tensor(size), quasi, sweep)
     assert torch.equal(rec, rec_ref), (rec, rec_ref)
+    assert rec[newton.SWEEPS] == 2.0
 
 
 CELLS = {"tanh": RNNCell("tanh"), "relu": RNNCell("relu"), "gru": GRUCell()}
 ITERATION_CASES = [(1, 1, 1, None), (23, 3, 5, 4), (40, 2, 20, None)]  # steps, batch, hidden, chunk
 
 
-def check_fused_iteration(device: str, kind: str, steps: int, batch: int, hidden: int, chunk) -> None:
-    """One ``FusedIteration`` from random states against its twin: states, record."""
+def check_fused_iteration(
+    device: str, kind: str, steps: int, batch: int, hidden: int, chunk, sweep: bool = False
+) -> None:
+    """One ``FusedIteration`` (``sweep``: one Picard sweep) from random states against its twin:
+    states, record."""
     cell = CELLS[kind]
     g = torch.Generator().manual_seed(steps + hidden)
     rows = cell.gates * hidden
@@ -113,8 +122,13 @@ def check_fused_iteration(device: str, kind: str, steps: int, batch: int, hidden
     states = (torch.rand(steps + 1, batch, hidden, generator=g) * 2 - 1).to(device)
     lo, hi = cell.bounds(states[0], steps)
     twin_states, twin_record, rec = states.clone(), record().to(device), record().to(device)
-    kernels.fused_iteration_ref(cell, x, w, twin_states, lo, hi, twin_record)
-    kernels.FusedIteration(cell, x, w, states, lo, hi, rec, chunk)()
+    fused = kernels.FusedIteration(cell, x, w, states, lo, hi, rec, chunk)
+    if sweep:
+        newton.sweep(cell, x, twin_states, w, None, lo, hi, twin_record)
+        fused.sweep(rec)
+    else:
+        kernels.fused_iteration_ref(cell, x, w, twin_states, lo, hi, twin_record)
+        fused()
     assert rel_err(states.cpu(), twin_states.cpu()) < 1e-5
     assert torch.equal(rec[:3], twin_record[:3])  # stopped, iterations, converged
     assert rel_err(rec[newton.CHANGE].cpu(), twin_record[newton.CHANGE].cpu()) < 1e-4
@@ -126,11 +140,20 @@ def test_a_fused_iteration_matches_its_twin(kind, steps, batch, hidden, chunk) -
     check_fused_iteration("cpu", kind, steps, batch, hidden, chunk)
 
 
+@pytest.mark.parametrize("kind", list(CELLS))
+@pytest.mark.parametrize(("steps", "batch", "hidden"), extended_except([(23, 3, 5), (40, 2, 20)], first=1))
+def test_a_fused_sweep_matches_its_twin(kind, steps, batch, hidden) -> None:
+    """``FusedIteration.sweep``: the cell at every step from the last states, no scan, and the
+    sweeps' rule into their record, as ``newton.sweep``."""
+    check_fused_iteration("cpu", kind, steps, batch, hidden, None, sweep=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", list(CELLS))
 @pytest.mark.parametrize(("steps", "batch", "hidden", "chunk"), [*ITERATION_CASES, (3000, 16, 64, None)])
-def test_a_fused_iteration_matches_its_twin_on_a_gpu(kind, steps, batch, hidden, chunk) -> None:
-    check_fused_iteration("cuda", kind, steps, batch, hidden, chunk)
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_fused_iteration_matches_its_twin_on_a_gpu(kind, steps, batch, hidden, chunk, sweep) -> None:
+    check_fused_iteration("cuda", kind, steps, batch, hidden, chunk, sweep)
 
 
 @pytest.mark.parametrize("kind", extended_except(["tanh", "gru"], "tanh"))
@@ -296,10 +319,14 @@ def test_the_fallback_walk_matches_its_twin_and_runs_only_where_the_solve_did_no
 
 @pytest.mark.parametrize("kind", extended_except(["tanh", "gru"], "tanh"))
 @pytest.mark.parametrize("iters", [1, 10])  # 10: converged (in 4 or 5), and every one queued
-def test_a_captured_solve_reads_nothing_on_the_host_and_falls_back_on_the_device(monkeypatch, kind, iters):
-    """The solve as a CUDA graph captures it (``captured``): every iteration queued, none read on the
-    host; converged, the same states and stats as the eager solve; not converged in ``iters``, the
-    native states from the device's fallback (not the last iterate) and stats that say so."""
+@pytest.mark.parametrize("sweeps", extended_except([0, newton.SWEEPS], 0))
+def test_a_captured_solve_reads_nothing_on_the_host_and_falls_back_on_the_device(
+    monkeypatch, kind, iters, sweeps
+):
+    """The solve as a CUDA graph captures it (``captured``): every iteration (and Picard sweep)
+    queued, none read on the host; converged, the same states and stats as the eager solve; not
+    converged in ``iters``, the native states from the device's fallback (not the last iterate) and
+    stats that say so."""
     from bppsa_core.dispatch import ScanOptions
     from bppsa_core.layer import cell_of
 
@@ -308,17 +335,18 @@ def test_a_captured_solve_reads_nothing_on_the_host_and_falls_back_on_the_device
     cell = cell_of(ours.mode)
     w = LayerWeights(*(p.detach() for p in ours._flat_weights[:4]))
     s0 = torch.zeros(2, 8)
-    options, scan_options = newton.SolverOptions("newton", max_iters=iters), ScanOptions("triton")
+    options = newton.SolverOptions("newton", max_iters=iters, sweeps=sweeps)
+    scan_options = ScanOptions("triton")
     monkeypatch.setattr(newton._Watch, "stopped", lambda self: pytest.fail("read on the host"))
     captured, stats = newton._solve(cell, x, s0, w, None, options, scan_options, None, True, captured=True)
     monkeypatch.undo()
     eager, eager_stats = newton.solve(cell, x, s0, w, None, options, scan_options)
     assert isinstance(stats, torch.Tensor) and newton.SolveStats.from_tensor(stats) == eager_stats
-    assert eager_stats.converged == (iters == 10)
+    assert eager_stats.converged == (iters == 10) and (eager_stats.sweeps > 1) == (sweeps > 0)
     if eager_stats.converged:
         assert torch.equal(captured, eager)
     else:
         native = ref(x, s0.unsqueeze(0))[0].detach()
         assert eager_stats.iterations == iters and rel_err(captured, native) < 1e-5
         last_iterate = newton.solve(cell, x, s0, w, None, options, ScanOptions("chunked"))[0]
-        assert rel_err(last_iterate, native) > 1e-3  # what the fallback replaced
+        assert sweeps or rel_err(last_iterate, native) > 1e-3  # what the fallback replaced (from zeros)
