@@ -73,9 +73,10 @@ SOLVERS: tuple[str, ...] = ("native", "newton", "quasi-newton")
 # Largest change, relative to max(1, max |h|), at which the iterations stop.
 DEFAULT_TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 DEFAULT_MAX_ITERS = 100
-# Picard sweeps before Newton's iterations (newton_guess="sweeps"): at most SWEEPS, stopped once one
-# shrinks the change by less than SWEEP_RATE (re-measured by python -m benchmarks.forward --sweeps)
-SWEEPS = 32
+# Picard sweeps before Newton's iterations (newton_guess="sweeps"): at most MAX_SWEEPS (a GPU sweep's
+# four launches are host time; a few leave Newton an iteration fewer), stopped once one shrinks the
+# change by less than SWEEP_RATE (both re-measured by python -m benchmarks.forward --sweeps)
+MAX_SWEEPS = 4
 SWEEP_RATE = 0.75
 
 
@@ -264,7 +265,7 @@ def _solve(
                     sweep(cell, x, states, w, keep, lo, hi, sweeping.record, sweeping.lookahead > 0)
                 if not captured and sweeping.stopped():
                     break
-            watch.record[SWEEPS].copy_(sweeping.record[ITERATIONS])
+            watch.record[SWEPT].copy_(sweeping.record[ITERATIONS])
         for _ in range(options.max_iters):
             if fused is not None:
                 fused()
@@ -289,13 +290,13 @@ def _solve(
         if fused is not None:  # eagerly too, where it returns at once: compiled before any capture
             fused.fall_back()
         if captured:
-            return s, watch.record[ITERATIONS : SWEEPS + 1].clone()  # SolveStats.as_tensor's layout
+            return s, watch.record[ITERATIONS : SWEPT + 1].clone()  # SolveStats.as_tensor's layout
         return s, watch.stats()
 
 
-# The stopping rule's record, float64 on the device: its entries (SWEEPS: the Picard sweeps before
+# The stopping rule's record, float64 on the device: its entries (SWEPT: the Picard sweeps before
 # the iterations, a count the rule leaves as it is).
-STOPPED, ITERATIONS, CONVERGED, CHANGE, SWEEPS, LAST, TOL = range(7)
+STOPPED, ITERATIONS, CONVERGED, CHANGE, SWEPT, LAST, TOL = range(7)
 
 
 def judge(record: Tensor, change: Tensor, size: Tensor, quasi: bool, sweep: bool = False) -> Tensor:

@@ -23,7 +23,7 @@ backward, forward-mode AD, ``torch.func`` transforms, ``torch.compile`` and ``to
 ``forward_solver="newton"`` (or ``"quasi-newton"``) solves each layer's forward parallel in time by
 Newton iterations over the same scans (``bppsa_core.newton``; ``newton_tol``, ``newton_iters``,
 ``newton_guess``: the first iterate, "zeros", "previous" (the last forward's outputs when the
-shapes match) or "sweeps" (Picard sweeps from zeros, ``newton.SWEEPS`` at most)); the backward is
+shapes match) or "sweeps" (Picard sweeps from zeros, ``newton.MAX_SWEEPS`` at most)); the backward is
 unchanged. What each layer's solve took is in ``solver_stats`` after every forward.
 Not taken: an LSTM with ``proj_size > 0`` (refused at construction; ``backward="bptt"`` runs it).
 Under ``strategy="auto"``, a module of a width at which ``torch.nn``'s own kernels (cuDNN's
@@ -45,7 +45,7 @@ from torch.nn.utils.rnn import PackedSequence
 from bppsa_core import layer as bppsa_layer
 from bppsa_core.dispatch import ScanOptions, compiled_forward_takes, torch_nn_instead
 from bppsa_core.layer import SEGMENT, LayerConfig
-from bppsa_core.newton import DEFAULT_MAX_ITERS, NATIVE, SWEEPS, SolverOptions, SolveStats
+from bppsa_core.newton import DEFAULT_MAX_ITERS, MAX_SWEEPS, NATIVE, SolverOptions, SolveStats
 from bppsa_core.ops import layer
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
@@ -102,7 +102,7 @@ class _BPPSAMixin:
 
     def _config(self) -> LayerConfig:
         """The layer calls' config from the options as they are now (they may be set at any time)."""
-        sweeps = SWEEPS if self.newton_guess == "sweeps" else 0
+        sweeps = MAX_SWEEPS if self.newton_guess == "sweeps" else 0
         return _layer_config(
             self.mode, self.segment, self.strategy, self.chunk, self.levels,
             self.forward_solver, self.newton_tol, self.newton_iters, sweeps,

@@ -55,7 +55,7 @@ FLOAT_MAX = tl.constexpr(
     3.4028234663852886e38
 )  # float32's largest: where torch.nan_to_num cuts an infinite correction
 # The stopping rule's record (``bppsa_core.newton.judge``), float64: its entries, for the kernels.
-STOPPED, ITERATIONS, CONVERGED, CHANGE, SWEEPS, LAST, TOL = (tl.constexpr(i) for i in range(7))
+STOPPED, ITERATIONS, CONVERGED, CHANGE, SWEPT, LAST, TOL = (tl.constexpr(i) for i in range(7))
 SWEEP_RATE = tl.constexpr(newton.SWEEP_RATE)  # a sweep shrinking the change by less stops the sweeps
 NEWTON_SIZES = ("N", "BH", "P")  # run-time sizes, never specialized on
 

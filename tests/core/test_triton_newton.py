@@ -97,7 +97,7 @@ def test_the_decision_over_many_partials_is_the_rule(rule, change, size, last) -
     decide.run((1,), partial_ptr=partial.view(-1), record_ptr=rec, P=pairs)
     newton.judge(rec_ref, torch.tensor(change, dtype=torch.float32), torch.tensor(size), quasi, sweep)
     assert torch.equal(rec, rec_ref), (rec, rec_ref)
-    assert rec[newton.SWEEPS] == 2.0
+    assert rec[newton.SWEPT] == 2.0
 
 
 CELLS = {"tanh": RNNCell("tanh"), "relu": RNNCell("relu"), "gru": GRUCell()}
@@ -319,7 +319,7 @@ def test_the_fallback_walk_matches_its_twin_and_runs_only_where_the_solve_did_no
 
 @pytest.mark.parametrize("kind", extended_except(["tanh", "gru"], "tanh"))
 @pytest.mark.parametrize("iters", [1, 10])  # 10: converged (in 4 or 5), and every one queued
-@pytest.mark.parametrize("sweeps", extended_except([0, newton.SWEEPS], 0))
+@pytest.mark.parametrize("sweeps", extended_except([0, newton.MAX_SWEEPS], 0))
 def test_a_captured_solve_reads_nothing_on_the_host_and_falls_back_on_the_device(
     monkeypatch, kind, iters, sweeps
 ):
