@@ -66,7 +66,9 @@ def run(
     # TF32 products or a wrong step would be off by 1e-3 or more.
     truth = chunked_scan(*on("cpu", torch.float64), chunk=chunk)
     twin_err, kernel_err = rel_err(truth, twin.cpu()), rel_err(truth, kernel.cpu())
-    assert kernel_err < max(1e-5, 4 * twin_err), (kernel_err, twin_err)
+    slack = 4 if precision == "highest" else 16  # three TF32 products drop terms of about 2^-22
+    assert kernel_err < max(1e-5, slack * twin_err), (kernel_err, twin_err)
+    assert precision == "highest" or kernel_err < 1e-4, (kernel_err, twin_err)
 
 
 @pytest.mark.parametrize(ARGS, extended_except(CASES, *CASES[::9]))
@@ -130,8 +132,9 @@ def test_three_tf32_products_keep_the_kernels_float32_accuracy_on_a_gpu(
 def test_three_tf32_products_keep_a_layer_backwards_float32_accuracy_on_a_gpu(
     kind, n, batch, hidden, chunk
 ) -> None:
-    """A fused layer backward with three TF32 products a reduce step (``matmul precision "high"``) as
-    close to the float64 twin's g_0 and deltas as with full float32 products, within 4x or 1e-5."""
+    """A fused layer backward with three TF32 products a reduce step (``matmul precision "high"``)
+    about as close to the float64 twin's g_0 and deltas as with full float32 products: within 16
+    times their distance or 1e-5, and under 1e-4 (one TF32 product is off by 1e-3)."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
     from bppsa_core import triton as ts
@@ -147,7 +150,7 @@ def test_three_tf32_products_keep_a_layer_backwards_float32_accuracy_on_a_gpu(
         with matmul_precision(precision):
             got = backward(*args)
         err[precision] = max(rel_err(t, v.double().cpu()) for t, v in zip(truths, got, strict=True))
-    assert err["high"] < max(1e-5, 4 * err["highest"]), err
+    assert err["high"] < min(1e-4, max(1e-5, 16 * err["highest"])), err  # as ``run``'s bound
 
 
 @pytest.mark.parametrize(ARGS, extended_except(TRANSPOSED_CASES, *TRANSPOSED_CASES[::9]))
