@@ -23,6 +23,7 @@ differentiated goes through ``layer.differentiable_vjp`` instead of the operator
 from __future__ import annotations
 
 import sys
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -52,12 +53,11 @@ def _forward_op(
     x: Tensor, h0: Tensor, c0: Tensor | None, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None,
     b_hh: Tensor | None, lengths: Tensor | None, guess: Tensor | None,
     # the layer, its forward's solver and the scan (``LayerConfig``)
-    mode: str, segment: int, solver: str, tol: float | None, max_iters: int,
+    mode: str, segment: int, solver: str, tol: float | None, max_iters: int, sweeps: int,
     strategy: str, chunk: int | None, levels: int | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    config = LayerConfig(
-        mode, segment, ScanOptions(strategy, chunk, levels), SolverOptions(solver, tol, max_iters)
-    )
+    solving = SolverOptions(solver, tol, max_iters, sweeps)
+    config = LayerConfig(mode, segment, ScanOptions(strategy, chunk, levels), solving)
     weights = _present(w_ih, w_hh, b_ih, b_hh)
     out, h, c, stats = bppsa_layer.solved_forward(config, x, h0, c0, weights, lengths, guess)
     # an operator's results may not be views of its others; its stats stay on x's device, as a
@@ -69,7 +69,8 @@ def _forward_op(
 @_forward_op.register_fake
 def _(x, h0, c0, w_ih, w_hh, b_ih, b_hh, *rest):  # rest: lengths .. levels
     out = x.new_empty((x.shape[0], x.shape[1], w_hh.shape[1]))
-    stats = torch.empty((3,), dtype=torch.float64, device=x.device)  # on x's device, as the real one
+    # on x's device, as the real one, in ``SolveStats.as_tensor``'s layout: one entry per field
+    stats = torch.empty((len(fields(SolveStats)),), dtype=torch.float64, device=x.device)
     return out, h0.new_empty(h0.shape), (_empty(h0) if c0 is None else c0.new_empty(c0.shape)), stats
 
 
@@ -254,7 +255,7 @@ class _CompiledLayer(torch.autograd.Function):
         o, s = config.options, config.solver
         return torch.ops.bppsa.layer_forward(
             x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, guess, config.mode, config.segment,
-            s.method, s.tol, s.max_iters, o.strategy, o.chunk, o.levels,
+            s.method, s.tol, s.max_iters, s.sweeps, o.strategy, o.chunk, o.levels,
         )  # fmt: skip
 
     @staticmethod

@@ -247,6 +247,20 @@ def test_picard_sweeps_stop_where_the_recurrence_does_not_contract(caplog) -> No
         assert torch.equal(ours(x)[0], got)
 
 
+def test_the_layer_operator_carries_the_sweeps_that_compiled_graphs_call() -> None:
+    """``torch.compile`` reaches a layer through ``bppsa::layer_forward``, whose arguments spell out
+    the solver's options: the sweeps among them, and the stats in ``SolveStats.as_tensor``'s layout."""
+    from bppsa_core.layer import SEGMENT
+
+    torch.manual_seed(0)
+    rnn = torch.nn.RNN(1, 20)
+    x = torch.bernoulli(torch.full((100, 4, 1), 0.5))
+    weights = [p.detach() for p in rnn.parameters()]
+    args = (x, torch.zeros(1, 4, 20), None, *weights, None, None, "RNN_TANH", SEGMENT, "newton", None, 100)
+    stats = torch.ops.bppsa.layer_forward(*args, newton.MAX_SWEEPS, "auto", None, None)[3]
+    assert newton.SolveStats.from_tensor(stats).sweeps >= 2
+
+
 def test_native_forward_reports_zero_iterations() -> None:
     _, ours = pair("gru", 3, 8, num_layers=3)
     ours(torch.randn(5, 2, 3, dtype=F64))
