@@ -245,7 +245,7 @@ def newton_configs(largest: int) -> list[KernelConfig]:
             config("update", update_mode, every, update),
             config("decide", decide_mode, every, decide),
         ]
-    configs.append(config("decide", "sweep", every, newton.update_launches(True, True, True)[1]))
+    configs.append(config("decide", "sweep", every, newton.update_launches(False, True, True)[1]))
     return configs
 
 

@@ -260,7 +260,7 @@ def _solve(
                     fused.sweep(sweeping.record)
                 elif kernels:  # the update does nothing once the sweeps' record says stopped
                     d = cell.step(x, prev, w, keep)[0].sub_(s)
-                    newton_kernels.newton_update(s, d, lo, hi, sweeping.record, True, False, partial, True)
+                    newton_kernels.newton_update(s, d, lo, hi, sweeping.record, False, False, partial, True)
                 else:
                     sweep(cell, x, states, w, keep, lo, hi, sweeping.record, sweeping.lookahead > 0)
                 if not captured and sweeping.stopped():
@@ -305,11 +305,11 @@ def judge(record: Tensor, change: Tensor, size: Tensor, quasi: bool, sweep: bool
     (a 0-d bool tensor: the iteration counts). Stop when the error estimate, at the rate change /
     last change, is at most tol max(1, max |s|), or when the change is not finite: change min(1,
     rate / (1 - rate)) for Newton (the change itself at the first iteration, whose last change is
-    infinite), max(change, change rate / (1 - rate)) for quasi-Newton (``quasi``). Picard sweeps
-    (``sweep``, with ``quasi``: they converge linearly) also stop at a rate above ``SWEEP_RATE``."""
+    infinite), max(change, change rate / (1 - rate)) for quasi-Newton (``quasi``) and for Picard
+    sweeps (``sweep``: they too converge linearly), which also stop at a rate above ``SWEEP_RATE``."""
     stopped, iterations, _, _, sweeps, last, tol = record.unbind()
     change, size = (torch.where(t.isnan(), math.inf, t.to(torch.float64)) for t in (change, size))
-    if quasi:  # linear convergence: the error left is change * rate / (1 - rate)
+    if quasi or sweep:  # linear convergence: the error left is change * rate / (1 - rate)
         rate = torch.where(last > 0, change / last, 0.0)
         error = torch.where(rate < 1, torch.maximum(change, change * rate / (1 - rate)), math.inf)
     else:  # the geometric rest at the observed rate, which a quadratic convergence's undercuts
@@ -363,7 +363,7 @@ def sweep(
     (T + 1, B, S) with s_0, updated in place, and the sweeps' rule (``judge``) into ``record``;
     ``freeze`` as ``update``'s."""
     s = states[1:]
-    update(s, cell.step(x, states[:-1], w, keep)[0].sub_(s), lo, hi, record, True, freeze, sweep=True)
+    update(s, cell.step(x, states[:-1], w, keep)[0].sub_(s), lo, hi, record, False, freeze, sweep=True)
 
 
 # How many iterations the host queues past the one whose convergence flag it reads, by device type

@@ -172,8 +172,8 @@ def _decide(
     """The stopping rule on the largest change and |state| of the partials (``newton.judge``): the
     error estimate at the rate change / last change is change min(1, rate / (1 - rate)) (Newton;
     the change itself while the last change is infinite) or max(change, change rate / (1 - rate))
-    (QUASI); stop when it is at most tol max(1, max |s|) or not finite, and (SWEEP, with QUASI: a
-    Picard sweep's) at a rate above SWEEP_RATE."""
+    (QUASI, and SWEEP: a Picard sweep's, linear too); stop when it is at most tol max(1, max |s|) or
+    not finite, and (SWEEP) at a rate above SWEEP_RATE."""
     running = tl.load(record_ptr) == 0
     change = tl.zeros([BLOCK], dtype=tl.float32)
     size = tl.zeros([BLOCK], dtype=tl.float32)
@@ -186,7 +186,7 @@ def _decide(
     size = tl.max(size, axis=0).to(tl.float64)
     last = tl.load(record_ptr + LAST)
     tol = tl.load(record_ptr + TOL)
-    if QUASI:
+    if QUASI or SWEEP:
         rate = tl.where(last > 0, change / last, 0.0)
         error = tl.where(rate < 1, tl.maximum(change, change * rate / (1 - rate)), float("inf"))
     else:
@@ -262,7 +262,7 @@ def update_launches(quasi: bool, reversed_: bool, sweep: bool = False) -> tuple[
     them; made once."""
     return (
         Launch(_update, {"REVERSED": reversed_, "BLOCK": BLOCK}, WARPS),
-        Launch(_decide, {"QUASI": quasi or sweep, "SWEEP": sweep, "BLOCK": BLOCK}, WARPS),
+        Launch(_decide, {"QUASI": quasi, "SWEEP": sweep, "BLOCK": BLOCK}, WARPS),
     )
 
 
@@ -330,7 +330,7 @@ def newton_update_ref(
 ) -> None:
     """``newton_update`` in plain PyTorch: ``bppsa_core.newton.update``."""
     d = d[: s.shape[0]].flip(0) if reversed_ else d
-    newton.update(s, d, lo, hi, record, quasi or sweep, sweep=sweep)
+    newton.update(s, d, lo, hi, record, quasi, sweep=sweep)
 
 
 def takes(cell: object, method: str, keep: Tensor | None, w: LayerWeights) -> bool:
@@ -412,7 +412,7 @@ class FusedIteration:
         ``record``, after which the sweeps queued do nothing. Its twin: ``newton.sweep``."""
         self._residual(record)
         newton_update(
-            self.states[1:], self.residual, self.lo, self.hi, record, True, True, self.partial, True
+            self.states[1:], self.residual, self.lo, self.hi, record, False, True, self.partial, True
         )
 
     def _residual(self, record: Tensor) -> None:

@@ -87,7 +87,7 @@ def test_the_decision_over_many_partials_is_the_rule(rule, change, size, last) -
     on their largest change and |state|: converged or not, by the tolerance scaled by max(1, |s|) and,
     for quasi-Newton and Picard sweeps, by the rate of the last two changes; sweeps also stop once
     that rate is above ``newton.SWEEP_RATE``. The sweeps' count is left as it was."""
-    quasi, sweep = rule != "newton", rule == "sweep"
+    quasi, sweep = rule == "quasi-newton", rule == "sweep"
     g = torch.Generator().manual_seed(1)
     pairs = 2500
     partial = torch.rand(pairs, 2, generator=g) * torch.tensor([change, size]) * 0.5
