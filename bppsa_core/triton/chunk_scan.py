@@ -153,12 +153,16 @@ def _element(
 @triton.jit
 def _mat_step(agg, f, w, K: tl.constexpr, HAS_DIAG: tl.constexpr, DOT: tl.constexpr):
     """agg @ M for one element given as its factors ``f`` (``_element``) and the weights ``w``
-    (never transposed: see ``_reduce``); ``DOT``: the products' precision (``launch.dot_precision``)."""
-    out = tl.dot(agg * f[0][None, :], w[0], input_precision=DOT)
-    if K > 1:
-        out += tl.dot(agg * f[1][None, :], w[1], input_precision=DOT)
-    if K > 2:
-        out += tl.dot(agg * f[2][None, :], w[2], input_precision=DOT)
+    (never transposed: see ``_reduce``); ``DOT``: the products' precision (``launch.dot_precision``).
+    M's weight terms are summed first, sum_j diag(s_j) W_j, so that a GRU's three terms cost one
+    HP x HP product, not three (compiled by ``python -m benchmarks.kernels``)."""
+    if K == 1:
+        out = tl.dot(agg * f[0][None, :], w[0], input_precision=DOT)
+    else:
+        m = f[0][:, None] * w[0] + f[1][:, None] * w[1]
+        if K > 2:
+            m += f[2][:, None] * w[2]
+        out = tl.dot(agg, m, input_precision=DOT)
     if HAS_DIAG:
         out += agg * f[3][None, :]
     return out
@@ -167,19 +171,22 @@ def _mat_step(agg, f, w, K: tl.constexpr, HAS_DIAG: tl.constexpr, DOT: tl.conste
 @triton.jit
 def _vec_step(y, f, w, K: tl.constexpr, HAS_DIAG: tl.constexpr, MODE: tl.constexpr):
     """y @ M for one element given as its factors and one row vector y (SCALES_T: y @ M^T, with the
-    weights loaded transposed)."""
-    if MODE == SCALES_T:
+    weights loaded transposed); the weight terms' products are summed before the one reduction
+    across the lanes, which the walks wait on every step."""
+    if MODE == SCALES_T and K == 1:
         out = tl.sum(y[:, None] * w[0], axis=0) * f[0]
-        if K > 1:
-            out += tl.sum(y[:, None] * w[1], axis=0) * f[1]
+    elif MODE == SCALES_T:
+        m = w[0] * f[0][None, :] + w[1] * f[1][None, :]
         if K > 2:
-            out += tl.sum(y[:, None] * w[2], axis=0) * f[2]
+            m += w[2] * f[2][None, :]
+        out = tl.sum(y[:, None] * m, axis=0)
     else:
-        out = tl.sum((y * f[0])[:, None] * w[0], axis=0)
+        p = (y * f[0])[:, None] * w[0]
         if K > 1:
-            out += tl.sum((y * f[1])[:, None] * w[1], axis=0)
+            p += (y * f[1])[:, None] * w[1]
         if K > 2:
-            out += tl.sum((y * f[2])[:, None] * w[2], axis=0)
+            p += (y * f[2])[:, None] * w[2]
+        out = tl.sum(p, axis=0)
     if HAS_DIAG:
         out += y * f[3]
     return out
@@ -408,7 +415,8 @@ def launch_config(
     chain |= {"STOP": stop, "HP": hp}
     walks = {**chain, "FUSED": fused}  # the kernels that walk elements and write x_k or deltas
     # the one kernel with matrix products; chains of two or three terms (a GRU's) keep full float32:
-    # with three TF32 products their reduce spills (python -m benchmarks.kernels --dot tf32x3)
+    # with three TF32 products their reduce spills at HP = 64 and issues more instructions below
+    # (python -m benchmarks.kernels --dot tf32x3)
     reduce = {**chain, "DOT": dot if terms == 1 else DOT_PRECISION}
     warps = num_warps(terms, hp)
     sources = source_count(mode, has_diag)
@@ -416,9 +424,12 @@ def launch_config(
     # ``python -m benchmarks.kernels`` and tests/core/test_compile.py): a reduce loop is not
     # software-pipelined (a step loads a few vectors against an HP x HP product), except the GRU's
     # below HP = 64 or with offsets, where the unpipelined compile spills; the GRU's reduce at HP = 64
-    # and its expand at HP = 16, both without offsets, get a register cap that keeps ptxas from spilling.
+    # and its expand at HP = 16, both without offsets, get a register cap that keeps ptxas from spilling,
+    # and so do other chains of several terms at HP = 64, whose reduce ptxas kept at 80-128 registers
+    # with a stack slot.
     unpipelined = not gru or (hp == 64 and not has_b)
-    stages, reduce_cap = (1, 128 if gru else None) if unpipelined else (None, None)
+    several = 192 if terms > 1 and hp == 64 else None
+    stages, reduce_cap = (1, 128 if gru else several) if unpipelined else (None, None)
     expand_cap = 64 if gru and hp == 16 and not has_b else None
     return {
         "reduce": Launch(_reduce, reduce, warps, num_stages=stages, maxnreg=reduce_cap, sources=sources),

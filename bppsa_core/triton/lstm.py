@@ -3,8 +3,9 @@ with its plain-PyTorch reference beside it (``lstm_scan_ref``).
 
 ``_lstm_reduce``, ``_lstm_spine`` and ``_lstm_expand`` are organised as the factored chain's kernels
 (``bppsa_core.triton.chunk_scan``): a program holds the four gates' H x H weights and an aggregate as
-two (2H x H) column blocks, the h and the c columns; a step is four ``tl.dot`` for the h columns and
-two elementwise products for the c columns. The chain fits one program when 2H <= 64
+two (2H x H) column blocks, the h and the c columns; a step is two ``tl.dot`` for the h columns (the
+four gates' terms summed into each row block of the element first) and two elementwise products for
+the c columns. The chain fits one program when 2H <= 64
 (``dispatch.lstm_kernels_take``). The kernels read an element from the tuple ``src_ptrs`` =
 (scales_h, scales_c, diag_hc, diag_cc[, diag_hh]).
 
@@ -110,12 +111,15 @@ def _lstm_stored(src_ptrs, kb, H, r, vec):
 @triton.jit
 def _lstm_mat_step(a_h, a_c, f, w, HAS_HH: tl.constexpr, DOT: tl.constexpr):
     """(a_h | a_c) @ M for one element (its factors ``f``, ``_lstm_element``): rows of the aggregate,
-    its h columns and its c columns; ``DOT``: the products' precision (``launch.dot_precision``)."""
+    its h columns and its c columns; ``DOT``: the products' precision (``launch.dot_precision``).
+    The gates' terms are summed into M's two row blocks first, sum_g diag(s_g) W_g for the h rows
+    and for the c rows, so that a step is two HP x HP products, not four (compiled by
+    ``python -m benchmarks.kernels``)."""
     sh, sc, d_hc, d_cc, d_hh = f
-    out_h = tl.dot(a_h * sh[0][None, :] + a_c * sc[0][None, :], w[0], input_precision=DOT)
-    out_h += tl.dot(a_h * sh[1][None, :] + a_c * sc[1][None, :], w[1], input_precision=DOT)
-    out_h += tl.dot(a_h * sh[2][None, :] + a_c * sc[2][None, :], w[2], input_precision=DOT)
-    out_h += tl.dot(a_h * sh[3][None, :] + a_c * sc[3][None, :], w[3], input_precision=DOT)
+    m_h = sh[0][:, None] * w[0] + sh[1][:, None] * w[1] + sh[2][:, None] * w[2] + sh[3][:, None] * w[3]
+    m_c = sc[0][:, None] * w[0] + sc[1][:, None] * w[1] + sc[2][:, None] * w[2] + sc[3][:, None] * w[3]
+    out_h = tl.dot(a_h, m_h, input_precision=DOT)
+    out_h += tl.dot(a_c, m_c, input_precision=DOT)
     if HAS_HH:
         out_h += a_h * d_hh[None, :]
     out_c = a_h * d_hc[None, :] + a_c * d_cc[None, :]
@@ -124,12 +128,14 @@ def _lstm_mat_step(a_h, a_c, f, w, HAS_HH: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def _lstm_vec_step(y_h, y_c, f, w, HAS_HH: tl.constexpr):
-    """(y_h | y_c) @ M for one element and one row vector."""
+    """(y_h | y_c) @ M for one element and one row vector: the gates' products summed before the one
+    reduction across the lanes, which the walks wait on every step."""
     sh, sc, d_hc, d_cc, d_hh = f
-    out_h = tl.sum((y_h * sh[0] + y_c * sc[0])[:, None] * w[0], axis=0)
-    out_h += tl.sum((y_h * sh[1] + y_c * sc[1])[:, None] * w[1], axis=0)
-    out_h += tl.sum((y_h * sh[2] + y_c * sc[2])[:, None] * w[2], axis=0)
-    out_h += tl.sum((y_h * sh[3] + y_c * sc[3])[:, None] * w[3], axis=0)
+    p = (y_h * sh[0] + y_c * sc[0])[:, None] * w[0]
+    p += (y_h * sh[1] + y_c * sc[1])[:, None] * w[1]
+    p += (y_h * sh[2] + y_c * sc[2])[:, None] * w[2]
+    p += (y_h * sh[3] + y_c * sc[3])[:, None] * w[3]
+    out_h = tl.sum(p, axis=0)
     if HAS_HH:
         out_h += y_h * d_hh
     return out_h, y_h * d_hc + y_c * d_cc
@@ -375,8 +381,12 @@ def lstm_launch_config(
     warps = lstm_num_warps(hp)
     sources = 2 if fused else 5 if has_hh else 4
     reduce = {**settings, "DOT": dot}  # the one kernel with matrix products
-    launches = {  # the reduce unpipelined, as ``chunk_scan.launch_config``'s
-        "reduce": Launch(_lstm_reduce, reduce, warps, num_stages=1, sources=sources),
+    # the reduce unpipelined, as ``chunk_scan.launch_config``'s; at HP = 16 with a register cap: left
+    # to itself, ptxas kept it at 72 registers on sm_80 with a stack slot, and at 128 some compiles
+    # spilled (python -m benchmarks.kernels)
+    cap = 192 if hp == 16 else None
+    launches = {
+        "reduce": Launch(_lstm_reduce, reduce, warps, num_stages=1, maxnreg=cap, sources=sources),
         "spine": Launch(_lstm_spine, settings, warps, sources=sources),
         "expand": Launch(_lstm_expand, settings, warps, sources=sources),
     }
