@@ -288,6 +288,44 @@ def test_the_products_are_ieee_float32_unless_another_precision_is_compiled() ->
     assert len(report) == 14  # (RNN: 3 kernels; LSTM: 4, its cell states' included) x 2 precisions
 
 
+TERMS_CHECK = """
+import json, re
+from benchmarks import kernels
+from bppsa_core.triton import chunk_scan as cs, lstm
+from bppsa_core.triton.launch import padded
+hp = padded(20)
+launches = {
+    "rnn": cs.launch_config(cs.TANH.value, 1, False, True, 1, True, hp),
+    "scales K=2": cs.launch_config(cs.SCALES.value, 2, True, True, 0, False, hp),
+    "gru": cs.launch_config(cs.GRU.value, 3, True, True, 1, True, hp),
+    "gru transposed": cs.launch_config(cs.SCALES_T.value, 3, True, True, 0, False, hp),
+    "lstm": lstm.lstm_launch_config(False, True, hp, True),
+}
+report = {}
+for name, launch in launches.items():
+    for role in ("reduce", "expand"):
+        ttir = kernels.compile_config(kernels.config_of(launch[role], 20), 90).asm["ttir"]
+        dots, reductions = re.findall(r"= tt\\.dot ", ttir), re.findall(r"= .tt\\.reduce.", ttir)
+        report[f"{name} {role}"] = [len(dots), len(reductions)]
+print(json.dumps(report))
+"""
+
+
+def test_a_step_takes_one_matrix_product_and_one_reduction_whatever_its_weight_terms() -> None:
+    """A chain's element is sum_j diag(s_j) W_j: the reduce sums its terms before the one ``tl.dot``
+    of a step (an LSTM's two: its h and c rows), and a walk sums the terms' products before its
+    one reduction across the lanes (docs/DESIGN.md, "One matrix product a step"), in the Triton IR
+    of each kernel (one loop: a step's products are the kernel's)."""
+    argv = [sys.executable, "-c", TERMS_CHECK]
+    done = subprocess.run(argv, cwd=ROOT, env=compiled_env(), capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    for where, (dots, reductions) in report.items():
+        assert dots == (0 if where.endswith("expand") else 2 if where.startswith("lstm") else 1), where
+        assert reductions == 1, where
+    assert len(report) == 10
+
+
 LOWERED_CHECK = """
 import json
 from benchmarks import kernels
