@@ -156,7 +156,7 @@ def _mat_step(agg, f, w, K: tl.constexpr, HAS_DIAG: tl.constexpr, DOT: tl.conste
     (never transposed: see ``_reduce``); ``DOT``: the products' precision (``launch.dot_precision``).
     M's weight terms are summed first, sum_j diag(s_j) W_j, so that a GRU's three terms cost one
     HP x HP product, not three (compiled by ``python -m benchmarks.kernels``)."""
-    if K == 1:
+    if K == 1:  # one term: the aggregate scaled instead, fewer instructions (python -m benchmarks.kernels)
         out = tl.dot(agg * f[0][None, :], w[0], input_precision=DOT)
     else:
         m = f[0][:, None] * w[0] + f[1][:, None] * w[1]
