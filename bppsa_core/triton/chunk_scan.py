@@ -92,6 +92,7 @@ def _load_weights(w_ptr, H, K: tl.constexpr, HP: tl.constexpr, TRANSPOSE: tl.con
 @triton.jit
 def _element(
     src_ptrs,
+    offsets_ptr,
     k,
     b,
     B,
@@ -100,11 +101,15 @@ def _element(
     stride_b,
     K: tl.constexpr,
     HAS_DIAG: tl.constexpr,
+    HAS_B: tl.constexpr,
     MODE: tl.constexpr,
+    SHIFT: tl.constexpr,
     HP: tl.constexpr,
 ):
-    """Element k of sample b as a tuple: its scales (s0, s1, s2) of W_0..W_2, its diagonal e, and
-    (GRU) dn.
+    """Element k of sample b as a tuple: its scales (s0, s1, s2) of W_0..W_2, its diagonal e,
+    (GRU) dn, and its offset (with HAS_B; ``_offset``). None of it depends on the vector or aggregate
+    a loop carries, so the loops read each element a step ahead: its loads are then not waited on
+    in the step they are issued.
 
     SCALES: ``src_ptrs`` = (scales[, diag]): scales (n, B or 1, K, H) with element and batch strides
     ``stride_k``, ``stride_b`` counted in rows of H (so that H alone tells the compiler how its rows
@@ -147,7 +152,10 @@ def _element(
     else:
         h = tl.load(src_ptrs[0] + (k * B + b) * H + r, mask=vec, other=0.0)
         s0 = tl.where(vec, 1.0 - h * h, 0.0) if MODE == TANH else tl.where(h <= 0, 0.0, 1.0)  # NaN passes
-    return s0, s1, s2, e, dn
+    o = zero
+    if HAS_B:
+        o = _offset(offsets_ptr, k, b, B, H, r, vec, SHIFT)
+    return s0, s1, s2, e, dn, o
 
 
 @triton.jit
@@ -199,11 +207,61 @@ def _offset(offsets_ptr, k, b, B, H, r, vec, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _step_element(
+    f, src_ptrs, offsets_ptr, k, b, B, H, stride_k, stride_b, K: tl.constexpr, HAS_DIAG: tl.constexpr,
+    HAS_B: tl.constexpr, MODE: tl.constexpr, SHIFT: tl.constexpr, HP: tl.constexpr, AHEAD: tl.constexpr,
+):  # fmt: skip
+    """The element a walk's step k takes and the one it hands to the next step. AHEAD: ``f``, read
+    by the step before, and element k - 1 read now (a spare copy of element 0 after it), so that no
+    step waits on the loads it issues; else element k, read now (where holding two elements' factors
+    spills: ``launch_config``)."""
+    if AHEAD:
+        f_next = _element(
+            src_ptrs, offsets_ptr, tl.maximum(k - 1, 0), b, B, H, stride_k, stride_b, K, HAS_DIAG, HAS_B,
+            MODE, SHIFT, HP,
+        )  # fmt: skip
+        return f, f_next
+    else:
+        now = _element(
+            src_ptrs, offsets_ptr, k, b, B, H, stride_k, stride_b, K, HAS_DIAG, HAS_B, MODE, SHIFT, HP
+        )
+        return now, f  # ``f`` handed on unchanged: nothing is carried from one step to the next
+
+
+@triton.jit
+def _walk(
+    y, last, count, src_ptrs, w, offsets_ptr, out_ptr, delta_ptr, b, B, H, stride_k, stride_b,
+    K: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_B: tl.constexpr, MODE: tl.constexpr, SHIFT: tl.constexpr,
+    FUSED: tl.constexpr, HP: tl.constexpr, AHEAD: tl.constexpr,
+):  # fmt: skip
+    """y walked down through elements ``last``, ``last - 1``, ... (``count`` of them), each step's x
+    or deltas stored (``_walk_step``); the vector past the last returned."""
+    f = _element(
+        src_ptrs, offsets_ptr, last, b, B, H, stride_k, stride_b, K, HAS_DIAG, HAS_B, MODE, SHIFT, HP
+    )
+    for i in range(0, count):
+        k = last - i
+        f, f_next = _step_element(
+            f, src_ptrs, offsets_ptr, k, b, B, H, stride_k, stride_b, K, HAS_DIAG, HAS_B, MODE, SHIFT, HP,
+            AHEAD,
+        )  # fmt: skip
+        y = _walk_step(y, f, w, out_ptr, delta_ptr, k, b, B, H, K, HAS_DIAG, HAS_B, MODE, FUSED, HP)
+        f = f_next
+    return y
+
+
+@triton.jit
+def _aggregate(agg_ptr, agg_offsets_ptr, j, b, B, r, mat, vec, HP: tl.constexpr):
+    """Aggregate j of sample b and its offset, as ``_reduce`` stored them (HP wide), read masked."""
+    a = tl.load(agg_ptr + ((j * B + b) * HP + r[:, None]) * HP + r[None, :], mask=mat, other=0.0)
+    return a, tl.load(agg_offsets_ptr + (j * B + b) * HP + r, mask=vec, other=0.0)
+
+
+@triton.jit
 def _walk_step(
     y,
     f,
     w,
-    offsets_ptr,
     out_ptr,
     delta_ptr,
     k,
@@ -214,11 +272,10 @@ def _walk_step(
     HAS_DIAG: tl.constexpr,
     HAS_B: tl.constexpr,
     MODE: tl.constexpr,
-    SHIFT: tl.constexpr,
     FUSED: tl.constexpr,
     HP: tl.constexpr,
 ):
-    """x_k from y = x_{k+1} through element k (its factors ``f``), stored: every x_k, or (FUSED)
+    """x_k from y = x_{k+1} through element k (its factors and offset ``f``), stored: every x_k, or (FUSED)
     only x_0 and step k's deltas.
 
     The deltas of a layer mode (y is dL/dh at that step): an RNN's f'(z) * y (n, B, H); a GRU's
@@ -229,7 +286,7 @@ def _walk_step(
     vec = r < H
     y_next = _vec_step(y, f, w, K, HAS_DIAG, MODE)
     if HAS_B:
-        y_next += _offset(offsets_ptr, k, b, B, H, r, vec, SHIFT)
+        y_next += f[5]
     if FUSED:
         if MODE == GRU:
             row = delta_ptr + (k * B + b) * 6 * H + r
@@ -276,22 +333,30 @@ def _reduce(
     q = tl.program_id(0) + 1
     b = tl.program_id(1).to(tl.int64)  # 64-bit offsets: a (T, B, 6H) GRU delta may pass 2^31
     r = tl.arange(0, HP)
-    vec = r < H
     w = _load_weights(w_ptr, H, K, HP, False)
     agg = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     c = tl.zeros([HP], dtype=tl.float32)
+    # the elements in the order applied, from the chunk's last (SCALES_T: its first), each read a
+    # step ahead; the one past the chunk is in the chain (chunks 1..P-2 are reduced)
+    first = q * C + C - 1
+    step = -1
+    if MODE == SCALES_T:
+        first = q * C
+        step = 1
+    f = _element(
+        src_ptrs, offsets_ptr, first, b, B, H, stride_k, stride_b, K, HAS_DIAG, HAS_B, MODE, SHIFT, HP
+    )
     for i in range(0, C):
-        k = q * C + C - 1 - i
-        k_mat = k
-        if MODE == SCALES_T:
-            k_mat = q * C + i
-        f = _element(src_ptrs, k_mat, b, B, H, stride_k, stride_b, K, HAS_DIAG, MODE, HP)
+        k = first + step * i
+        f_next = _element(
+            src_ptrs, offsets_ptr, k + step, b, B, H, stride_k, stride_b, K, HAS_DIAG, HAS_B, MODE, SHIFT, HP
+        )
         if HAS_B and MODE == SCALES_T:
-            c += tl.sum(agg * _offset(offsets_ptr, k_mat, b, B, H, r, vec, SHIFT)[None, :], axis=1)
+            c += tl.sum(agg * f[5][None, :], axis=1)
         agg = _mat_step(agg, f, w, K, HAS_DIAG, DOT)
         if HAS_B and MODE != SCALES_T:
-            c = _vec_step(c, f, w, K, HAS_DIAG, MODE)
-            c += _offset(offsets_ptr, k, b, B, H, r, vec, SHIFT)
+            c = _vec_step(c, f, w, K, HAS_DIAG, MODE) + f[5]
+        f = f_next
     j = q - 1
     # Stored whole, padding included (the scratch is HP wide; ``_spine`` reads it masked): a masked
     # store keeps its mask's predicates alive through the loop, and ptxas spilled them to the stack.
@@ -313,7 +378,7 @@ def _spine(
     stride_k, stride_b,
     # meta-parameters
     K: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_B: tl.constexpr, MODE: tl.constexpr,
-    SHIFT: tl.constexpr, FUSED: tl.constexpr, STOP: tl.constexpr, HP: tl.constexpr,
+    SHIFT: tl.constexpr, FUSED: tl.constexpr, STOP: tl.constexpr, HP: tl.constexpr, AHEAD: tl.constexpr,
 ):  # fmt: skip
     """Sample b's remainder chunk walked from x_n, then the chunk aggregates scanned: every chunk's
     entry vector into ``entry``."""
@@ -328,19 +393,23 @@ def _spine(
     y = tl.load(x_last_ptr + b * H + r, mask=vec, other=0.0)
     if not FUSED:
         tl.store(out_ptr + (N * B + b) * H + r, y, mask=vec)
-    for i in range(0, REM):  # the remainder chunk (the whole chain if it is one chunk), from x_n down
-        k = N - 1 - i
-        f = _element(src_ptrs, k, b, B, H, stride_k, stride_b, K, HAS_DIAG, MODE, HP)
-        y = _walk_step(
-            y, f, w, offsets_ptr, out_ptr, delta_ptr, k, b, B, H, K, HAS_DIAG, HAS_B, MODE, SHIFT, FUSED, HP
-        )
+    y = _walk(  # the remainder chunk (the whole chain if it is one chunk), from x_n down
+        y, N - 1, REM, src_ptrs, w, offsets_ptr, out_ptr, delta_ptr, b, B, H, stride_k, stride_b, K, HAS_DIAG,
+        HAS_B, MODE, SHIFT, FUSED, HP, AHEAD,
+    )  # fmt: skip
     tl.store(entry_ptr + (NAGG * B + b) * H + r, y, mask=vec)
-    for i in range(0, NAGG):  # aggregates of chunks P-2 .. 1: entry of chunk j is x at (j + 1) C
+    # aggregates of chunks P-2 .. 1 (read a step ahead, as the elements): entry of chunk j is x at (j + 1) C
+    a = _aggregate(agg_ptr, agg_offsets_ptr, tl.maximum(NAGG - 1, 0), b, B, r, mat, vec, HP)
+    for i in range(0, NAGG):
         j = NAGG - 1 - i
-        a = tl.load(agg_ptr + ((j * B + b) * HP + r[:, None]) * HP + r[None, :], mask=mat, other=0.0)
-        y = tl.sum(y[:, None] * a, axis=0)
-        y += tl.load(agg_offsets_ptr + (j * B + b) * HP + r, mask=vec, other=0.0)
+        if AHEAD:
+            a_next = _aggregate(agg_ptr, agg_offsets_ptr, tl.maximum(j - 1, 0), b, B, r, mat, vec, HP)
+        else:
+            a_next = a  # handed on unchanged, as in ``_step_element``
+            a = _aggregate(agg_ptr, agg_offsets_ptr, j, b, B, r, mat, vec, HP)
+        y = tl.sum(y[:, None] * a[0], axis=0) + a[1]
         tl.store(entry_ptr + (j * B + b) * H + r, y, mask=vec)
+        a = a_next
 
 
 @triton.jit(do_not_specialize=BY_DATA)
@@ -353,7 +422,7 @@ def _expand(
     stride_k, stride_b,
     # meta-parameters
     K: tl.constexpr, HAS_DIAG: tl.constexpr, HAS_B: tl.constexpr, MODE: tl.constexpr,
-    SHIFT: tl.constexpr, FUSED: tl.constexpr, STOP: tl.constexpr, HP: tl.constexpr,
+    SHIFT: tl.constexpr, FUSED: tl.constexpr, STOP: tl.constexpr, HP: tl.constexpr, AHEAD: tl.constexpr,
 ):  # fmt: skip
     """Chunk q (0..P-2) of sample b walked from its entry vector."""
     if STOP:  # noqa: SIM102 (a constexpr test alone: no load is compiled without STOP)
@@ -364,12 +433,10 @@ def _expand(
     r = tl.arange(0, HP)
     w = _load_weights(w_ptr, H, K, HP, MODE == SCALES_T)
     y = tl.load(entry_ptr + (q * B + b) * H + r, mask=r < H, other=0.0)
-    for i in range(0, C):
-        k = q * C + C - 1 - i
-        f = _element(src_ptrs, k, b, B, H, stride_k, stride_b, K, HAS_DIAG, MODE, HP)
-        y = _walk_step(
-            y, f, w, offsets_ptr, out_ptr, delta_ptr, k, b, B, H, K, HAS_DIAG, HAS_B, MODE, SHIFT, FUSED, HP
-        )
+    _walk(
+        y, q * C + C - 1, C, src_ptrs, w, offsets_ptr, out_ptr, delta_ptr, b, B, H, stride_k, stride_b, K,
+        HAS_DIAG, HAS_B, MODE, SHIFT, FUSED, HP, AHEAD,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- launch
@@ -413,28 +480,33 @@ def launch_config(
     gru = mode == GRU.value
     chain = {"K": terms, "HAS_DIAG": has_diag or gru, "HAS_B": has_b, "MODE": mode, "SHIFT": shift}
     chain |= {"STOP": stop, "HP": hp}
-    walks = {**chain, "FUSED": fused}  # the kernels that walk elements and write x_k or deltas
+    # the kernels that walk elements and write x_k or deltas, each element read a step ahead; but the
+    # transposed chains' walks at HP = 64 spilled on 4 warps with it (near 255 registers without), so
+    # they read as they go, on 8 warps (python -m benchmarks.kernels)
+    ahead = not (mode == SCALES_T.value and hp == 64)
+    walks = {**chain, "FUSED": fused, "AHEAD": ahead}
     # the one kernel with matrix products; chains of two or three terms (a GRU's) keep full float32:
     # with three TF32 products their reduce spills at HP = 64 and issues more instructions below
     # (python -m benchmarks.kernels --dot tf32x3)
     reduce = {**chain, "DOT": dot if terms == 1 else DOT_PRECISION}
     warps = num_warps(terms, hp)
+    walk_warps = warps if ahead else 8
     sources = source_count(mode, has_diag)
     # Compile settings under which no configuration spills to a stack slot (re-checked by
     # ``python -m benchmarks.kernels`` and tests/core/test_compile.py): a reduce loop is not
-    # software-pipelined (a step loads a few vectors against an HP x HP product), except the GRU's
-    # below HP = 64 or with offsets, where the unpipelined compile spills; the GRU's reduce at HP = 64
-    # and its expand at HP = 16, both without offsets, get a register cap that keeps ptxas from spilling,
-    # and so do other chains of several terms at HP = 64, whose reduce ptxas kept at 80-128 registers
-    # with a stack slot.
+    # software-pipelined (a step loads a few vectors against an HP x HP product; the loops read each
+    # element a step ahead themselves), except the GRU's below HP = 64 or with offsets, where the
+    # unpipelined compile spills; the GRU's expand at HP = 16 without offsets gets a register cap that
+    # keeps ptxas from spilling, and so does the reduce of other chains of several terms at HP = 64,
+    # which ptxas kept at 80-128 registers with a stack slot.
     unpipelined = not gru or (hp == 64 and not has_b)
-    several = 192 if terms > 1 and hp == 64 else None
-    stages, reduce_cap = (1, 128 if gru else several) if unpipelined else (None, None)
+    several = 192 if terms > 1 and hp == 64 and not gru else None
+    stages, reduce_cap = (1, several) if unpipelined else (None, None)
     expand_cap = 64 if gru and hp == 16 and not has_b else None
     return {
         "reduce": Launch(_reduce, reduce, warps, num_stages=stages, maxnreg=reduce_cap, sources=sources),
-        "spine": Launch(_spine, walks, warps, sources=sources),
-        "expand": Launch(_expand, walks, warps, maxnreg=expand_cap, sources=sources),
+        "spine": Launch(_spine, walks, walk_warps, sources=sources),
+        "expand": Launch(_expand, walks, walk_warps, maxnreg=expand_cap, sources=sources),
     }
 
 

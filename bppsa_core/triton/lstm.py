@@ -55,9 +55,14 @@ def _lstm_weights(w_ptr, H, HP: tl.constexpr):
 
 
 @triton.jit
-def _lstm_element(src_ptrs, k, b, B, H, HAS_HH: tl.constexpr, FUSED: tl.constexpr, HP: tl.constexpr):
-    """Element k of sample b: the four gates' h scales, their c scales (each a tuple of four) and the
-    diagonals h<-c, c<-c, h<-h. FUSED: formed from the activated gates i, f, g, o (n, B, 4H) and the
+def _lstm_element(
+    src_ptrs, offsets_ptr, k, b, B, H, HAS_HH: tl.constexpr, HAS_B: tl.constexpr, FUSED: tl.constexpr,
+    HP: tl.constexpr,
+):  # fmt: skip
+    """Element k of sample b: the four gates' h scales, their c scales (each a tuple of four), the
+    diagonals h<-c, c<-c, h<-h, and its offset (h part, c part; zeros without HAS_B), none of it
+    depending on the vectors a loop carries, so the loops read each element a step ahead (as
+    ``chunk_scan``'s do). FUSED: formed from the activated gates i, f, g, o (n, B, 4H) and the
     cell states c_0..c_n (n + 1, B, H) as ``LSTMCell.factors`` forms them (with q = o (1 - tanh(c)^2):
     c's scales g i (1-i), c_{k} f (1-f), i (1-g^2), 0; h's q times those but tanh(c) o (1-o) for W_o;
     diagonals q f and f); padded lanes read 0 and give 0."""
@@ -83,7 +88,10 @@ def _lstm_element(src_ptrs, k, b, B, H, HAS_HH: tl.constexpr, FUSED: tl.constexp
     d_hh = tl.zeros([HP], dtype=tl.float32)
     if HAS_HH:
         d_hh = tl.load(src_ptrs[4] + (k * B + b) * H + r, mask=vec, other=0.0)
-    return sh, sc, d_hc, d_cc, d_hh
+    off = (tl.zeros([HP], dtype=tl.float32), tl.zeros([HP], dtype=tl.float32))
+    if HAS_B:
+        off = _lstm_offset(offsets_ptr, k, b, B, H, r, vec, FUSED, HP)
+    return sh, sc, d_hc, d_cc, d_hh, off
 
 
 @triton.jit
@@ -115,7 +123,7 @@ def _lstm_mat_step(a_h, a_c, f, w, HAS_HH: tl.constexpr, DOT: tl.constexpr):
     The gates' terms are summed into M's two row blocks first, sum_g diag(s_g) W_g for the h rows
     and for the c rows, so that a step is two HP x HP products, not four (compiled by
     ``python -m benchmarks.kernels``)."""
-    sh, sc, d_hc, d_cc, d_hh = f
+    sh, sc, d_hc, d_cc, d_hh = f[0], f[1], f[2], f[3], f[4]
     m_h = sh[0][:, None] * w[0] + sh[1][:, None] * w[1] + sh[2][:, None] * w[2] + sh[3][:, None] * w[3]
     m_c = sc[0][:, None] * w[0] + sc[1][:, None] * w[1] + sc[2][:, None] * w[2] + sc[3][:, None] * w[3]
     out_h = tl.dot(a_h, m_h, input_precision=DOT)
@@ -130,7 +138,7 @@ def _lstm_mat_step(a_h, a_c, f, w, HAS_HH: tl.constexpr, DOT: tl.constexpr):
 def _lstm_vec_step(y_h, y_c, f, w, HAS_HH: tl.constexpr):
     """(y_h | y_c) @ M for one element and one row vector: the gates' products summed before the one
     reduction across the lanes, which the walks wait on every step."""
-    sh, sc, d_hc, d_cc, d_hh = f
+    sh, sc, d_hc, d_cc, d_hh = f[0], f[1], f[2], f[3], f[4]
     p = (y_h * sh[0] + y_c * sc[0])[:, None] * w[0]
     p += (y_h * sh[1] + y_c * sc[1])[:, None] * w[1]
     p += (y_h * sh[2] + y_c * sc[2])[:, None] * w[2]
@@ -157,9 +165,25 @@ def _lstm_offset(offsets_ptr, k, b, B, H, r, vec, FUSED: tl.constexpr, HP: tl.co
 
 
 @triton.jit
+def _lstm_aggregate(agg_ptr, agg_offsets_ptr, j, b, B, r, mat, vec, HP: tl.constexpr):
+    """Aggregate j of sample b as ``_lstm_reduce`` stored it (2HP x 2HP), read masked: its h<-h, c<-h,
+    h<-c and c<-c blocks and its offset's h and c parts."""
+    base = agg_ptr + ((j * B + b) * 2 * HP + r[:, None]) * 2 * HP + r[None, :]
+    off = agg_offsets_ptr + (j * B + b) * 2 * HP + r
+    return (
+        tl.load(base, mask=mat, other=0.0),
+        tl.load(base + HP, mask=mat, other=0.0),
+        tl.load(base + HP * 2 * HP, mask=mat, other=0.0),
+        tl.load(base + HP * 2 * HP + HP, mask=mat, other=0.0),
+        tl.load(off, mask=vec, other=0.0),
+        tl.load(off + HP, mask=vec, other=0.0),
+    )
+
+
+@triton.jit
 def _lstm_walk_step(
-    y_h, y_c, f, w, offsets_ptr, out_ptr, delta_ptr, k, b, B, H, HAS_HH: tl.constexpr,
-    HAS_B: tl.constexpr, FUSED: tl.constexpr, HP: tl.constexpr,
+    y_h, y_c, f, w, out_ptr, delta_ptr, k, b, B, H, HAS_HH: tl.constexpr, HAS_B: tl.constexpr,
+    FUSED: tl.constexpr, HP: tl.constexpr,
 ):  # fmt: skip
     """x_k from y = x_{k+1} through element k, stored into row k of ``out``; FUSED, only x_0 is
     stored (``out`` (B, 2H)) and step k's pre-activation gradients y_h * scales_h + y_c * scales_c
@@ -169,9 +193,8 @@ def _lstm_walk_step(
     x_h, x_c = _lstm_vec_step(y_h, y_c, f, w, HAS_HH)
     k = k.to(tl.int64)
     if HAS_B:
-        o_h, o_c = _lstm_offset(offsets_ptr, k, b, B, H, r, vec, FUSED, HP)
-        x_h += o_h
-        x_c += o_c
+        x_h += f[5][0]
+        x_c += f[5][1]
     if FUSED:
         sh, sc = f[0], f[1]
         row = delta_ptr + (k * B + b) * 4 * H + r
@@ -203,21 +226,22 @@ def _lstm_reduce(
     b = tl.program_id(1).to(tl.int64)
     r = tl.arange(0, HP)
     rr = tl.arange(0, 2 * HP)  # the aggregate's rows: h rows, then c rows
-    vec = r < H
     w = _lstm_weights(w_ptr, H, HP)
     a_h = tl.where(rr[:, None] == r[None, :], 1.0, 0.0)
     a_c = tl.where(rr[:, None] == r[None, :] + HP, 1.0, 0.0)
     o_h = tl.zeros([HP], dtype=tl.float32)
     o_c = tl.zeros([HP], dtype=tl.float32)
-    for i in range(0, C):  # the chunk's last element is applied first
-        k = q * C + C - 1 - i
-        f = _lstm_element(src_ptrs, k, b, B, H, HAS_HH, FUSED, HP)
+    last = q * C + C - 1
+    f = _lstm_element(src_ptrs, offsets_ptr, last, b, B, H, HAS_HH, HAS_B, FUSED, HP)
+    for i in range(0, C):  # the chunk's last element is applied first; the one before it is in the chain
+        k = last - i
+        f_next = _lstm_element(src_ptrs, offsets_ptr, k - 1, b, B, H, HAS_HH, HAS_B, FUSED, HP)
         a_h, a_c = _lstm_mat_step(a_h, a_c, f, w, HAS_HH, DOT)
         if HAS_B:
             o_h, o_c = _lstm_vec_step(o_h, o_c, f, w, HAS_HH)
-            b_h, b_c = _lstm_offset(offsets_ptr, k, b, B, H, r, vec, FUSED, HP)
-            o_h += b_h
-            o_c += b_c
+            o_h += f[5][0]
+            o_c += f[5][1]
+        f = f_next
     j = q - 1
     # Stored whole, padding included (2HP x 2HP: h rows, c rows; h columns, c columns), as ``_reduce``.
     base = agg_ptr + ((j * B + b) * 2 * HP + rr[:, None]) * 2 * HP
@@ -249,29 +273,25 @@ def _lstm_spine(
         last = out_ptr + (N * B + b) * 2 * H + r
         tl.store(last, y_h, mask=vec)
         tl.store(last + H, y_c, mask=vec)
-    for i in range(0, REM):
+    f = _lstm_element(src_ptrs, offsets_ptr, N - 1, b, B, H, HAS_HH, HAS_B, FUSED, HP)
+    for i in range(0, REM):  # each element read a step ahead (the last read is a spare copy of element 0)
         k = N - 1 - i
-        f = _lstm_element(src_ptrs, k, b, B, H, HAS_HH, FUSED, HP)
-        y_h, y_c = _lstm_walk_step(
-            y_h, y_c, f, w, offsets_ptr, out_ptr, delta_ptr, k, b, B, H, HAS_HH, HAS_B, FUSED, HP
-        )
+        f_next = _lstm_element(src_ptrs, offsets_ptr, tl.maximum(k - 1, 0), b, B, H, HAS_HH, HAS_B, FUSED, HP)
+        y_h, y_c = _lstm_walk_step(y_h, y_c, f, w, out_ptr, delta_ptr, k, b, B, H, HAS_HH, HAS_B, FUSED, HP)
+        f = f_next
     entry = entry_ptr + (NAGG * B + b) * 2 * H + r
     tl.store(entry, y_h, mask=vec)
     tl.store(entry + H, y_c, mask=vec)
-    for i in range(0, NAGG):  # aggregates of chunks P-2 .. 1
+    a = _lstm_aggregate(agg_ptr, agg_offsets_ptr, tl.maximum(NAGG - 1, 0), b, B, r, mat, vec, HP)
+    for i in range(0, NAGG):  # aggregates of chunks P-2 .. 1, each read a step ahead
         j = NAGG - 1 - i
-        base = agg_ptr + ((j * B + b) * 2 * HP + r[:, None]) * 2 * HP + r[None, :]  # see _lstm_reduce
-        a_hh = tl.load(base, mask=mat, other=0.0)
-        a_hc = tl.load(base + HP, mask=mat, other=0.0)
-        a_ch = tl.load(base + HP * 2 * HP, mask=mat, other=0.0)
-        a_cc = tl.load(base + HP * 2 * HP + HP, mask=mat, other=0.0)
-        off = agg_offsets_ptr + (j * B + b) * 2 * HP + r
-        new_h = tl.sum(y_h[:, None] * a_hh + y_c[:, None] * a_ch, axis=0) + tl.load(off, mask=vec, other=0.0)
-        new_c = tl.sum(y_h[:, None] * a_hc + y_c[:, None] * a_cc, axis=0) + tl.load(
-            off + HP, mask=vec, other=0.0
-        )
+        a_next = _lstm_aggregate(agg_ptr, agg_offsets_ptr, tl.maximum(j - 1, 0), b, B, r, mat, vec, HP)
+        a_hh, a_hc, a_ch, a_cc, o_h, o_c = a
+        new_h = tl.sum(y_h[:, None] * a_hh + y_c[:, None] * a_ch, axis=0) + o_h
+        new_c = tl.sum(y_h[:, None] * a_hc + y_c[:, None] * a_cc, axis=0) + o_c
         y_h = new_h
         y_c = new_c
+        a = a_next
         entry = entry_ptr + (j * B + b) * 2 * H + r
         tl.store(entry, y_h, mask=vec)
         tl.store(entry + H, y_c, mask=vec)
@@ -293,12 +313,13 @@ def _lstm_expand(
     entry = entry_ptr + (q * B + b) * 2 * H + r
     y_h = tl.load(entry, mask=vec, other=0.0)
     y_c = tl.load(entry + H, mask=vec, other=0.0)
-    for i in range(0, C):
-        k = q * C + C - 1 - i
-        f = _lstm_element(src_ptrs, k, b, B, H, HAS_HH, FUSED, HP)
-        y_h, y_c = _lstm_walk_step(
-            y_h, y_c, f, w, offsets_ptr, out_ptr, delta_ptr, k, b, B, H, HAS_HH, HAS_B, FUSED, HP
-        )
+    last = q * C + C - 1
+    f = _lstm_element(src_ptrs, offsets_ptr, last, b, B, H, HAS_HH, HAS_B, FUSED, HP)
+    for i in range(0, C):  # each element read a step ahead (as in ``_lstm_spine``)
+        k = last - i
+        f_next = _lstm_element(src_ptrs, offsets_ptr, tl.maximum(k - 1, 0), b, B, H, HAS_HH, HAS_B, FUSED, HP)
+        y_h, y_c = _lstm_walk_step(y_h, y_c, f, w, out_ptr, delta_ptr, k, b, B, H, HAS_HH, HAS_B, FUSED, HP)
+        f = f_next
 
 
 @triton.jit

@@ -9,8 +9,9 @@ precisions; the ``extended`` tests compile every configuration for both archs at
 64 (``kernels.listed``: each mode, affine or not, fused or not, warps as launched), and every
 configuration at every H from 1 to 64.
 
-Spills: no compile may use local memory or a stack frame. Three of the launches' compile settings
-(``bppsa_core.triton.launch_config``: unpipelined reduce loops, two register caps) are there for this:
+Spills: no compile may use local memory or a stack frame. Some of the launches' compile settings
+(``bppsa_core.triton.launch_config``: unpipelined reduce loops, register caps, no read-ahead in the
+transposed walks at HP = 64) are there for this:
 with Triton's defaults alone, some compiles keep a value in a stack slot.
 """
 
@@ -288,7 +289,8 @@ def test_the_products_are_ieee_float32_unless_another_precision_is_compiled() ->
     assert len(report) == 14  # (RNN: 3 kernels; LSTM: 4, its cell states' included) x 2 precisions
 
 
-TERMS_CHECK = """
+# the scan launches whose Triton IR the structure tests read (H = 20), for a child process
+SCAN_LAUNCHES = """
 import json, re
 from benchmarks import kernels
 from bppsa_core.triton import chunk_scan as cs, lstm
@@ -301,6 +303,11 @@ launches = {
     "gru transposed": cs.launch_config(cs.SCALES_T.value, 3, True, True, 0, False, hp),
     "lstm": lstm.lstm_launch_config(False, True, hp, True),
 }
+"""
+
+TERMS_CHECK = (
+    SCAN_LAUNCHES
+    + """
 report = {}
 for name, launch in launches.items():
     for role in ("reduce", "expand"):
@@ -309,6 +316,7 @@ for name, launch in launches.items():
         report[f"{name} {role}"] = [len(dots), len(reductions)]
 print(json.dumps(report))
 """
+)
 
 
 def test_a_step_takes_one_matrix_product_and_one_reduction_whatever_its_weight_terms() -> None:
@@ -324,6 +332,53 @@ def test_a_step_takes_one_matrix_product_and_one_reduction_whatever_its_weight_t
         assert dots == (0 if where.endswith("expand") else 2 if where.startswith("lstm") else 1), where
         assert reductions == 1, where
     assert len(report) == 10
+
+
+AHEAD_CHECK = (
+    SCAN_LAUNCHES
+    + """
+def waits(ttir):
+    # per scf.for loop: its tt.dot and tt.reduce ops that read what a tt.load of the same iteration
+    # returned (values carried into the iteration break the chain)
+    lines, found = ttir.splitlines(), []
+    for i, line in enumerate(lines):
+        if "scf.for" not in line:
+            continue
+        depth, loaded, waiting = 0, set(), 0
+        for body in lines[i + 1:]:
+            depth += body.count("{") - body.count("}")
+            if depth < 0:
+                break
+            defined = re.match(r"\\s*(%[\\w.]+)(?::\\d+)? = ", body)
+            uses = {u.split("#")[0] for u in re.findall(r"%[\\w.#]+", body.split(" = ", 1)[-1])}
+            if defined and ("tt.load" in body or uses & loaded):
+                loaded.add(defined.group(1))
+                waiting += bool(re.search(r"= (tt\\.dot|.tt\\.reduce.)", body))
+        found.append(waiting)
+    return found
+report = {}
+for name, launch in launches.items():
+    for role in ("reduce", "spine", "expand"):
+        ttir = kernels.compile_config(kernels.config_of(launch[role], 20), 90).asm["ttir"]
+        report[f"{name} {role}"] = waits(ttir)
+print(json.dumps(report))
+"""
+)
+
+
+def test_no_step_of_a_scan_waits_on_the_loads_it_issues() -> None:
+    """Every loop of the scan kernels reads its next element (or aggregate) a step ahead, so a step's
+    products and reductions read only values loaded by the step before: in the Triton IR of each
+    kernel, no ``tt.dot`` or ``tt.reduce`` in a loop depends on a ``tt.load`` of the same iteration
+    (docs/DESIGN.md, "Each element read a step ahead"). Without it, every step of a walk waited on
+    the memory latency of its loads before its reduction across the lanes."""
+    argv = [sys.executable, "-c", AHEAD_CHECK]
+    done = subprocess.run(argv, cwd=ROOT, env=compiled_env(), capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert len(report) == 15
+    assert {where: loops for where, loops in report.items() if any(loops)} == {}
+    assert all(len(loops) == LOOPS[where.rsplit(" ", 1)[1]] for where, loops in report.items())
 
 
 LOWERED_CHECK = """
@@ -434,7 +489,7 @@ def test_a_launch_hands_its_compile_settings_to_the_kernel() -> None:
         "maxnreg": 64,
     }
     gru = ts.launch_config(ts.GRU.value, 3, True, False, 1, True, 64)
-    assert gru["reduce"].options() == {"num_warps": 8, "num_stages": 1, "maxnreg": 128}
+    assert gru["reduce"].options() == {"num_warps": 8, "num_stages": 1}
     assert gru["spine"].options() == {"num_warps": 8}
     assert {launch.sources for launch in gru.values()} == {3}  # gi, gh, h_prev
     with pytest.raises(ValueError, match="1 source tensors for a launch of 3"):
