@@ -211,6 +211,23 @@ def _lstm_walk_step(
     return x_h, x_c
 
 
+@triton.jit
+def _lstm_walk(
+    y_h, y_c, last, count, src_ptrs, w, offsets_ptr, out_ptr, delta_ptr, b, B, H, HAS_HH: tl.constexpr,
+    HAS_B: tl.constexpr, FUSED: tl.constexpr, HP: tl.constexpr,
+):  # fmt: skip
+    """(y_h, y_c) walked down through elements ``last``, ``last - 1``, ... (``count`` of them), each
+    read a step ahead (the last read a spare copy of element 0), as ``chunk_scan._walk``; each step's
+    x or deltas stored (``_lstm_walk_step``); the pair past the last returned."""
+    f = _lstm_element(src_ptrs, offsets_ptr, last, b, B, H, HAS_HH, HAS_B, FUSED, HP)
+    for i in range(0, count):
+        k = last - i
+        f_next = _lstm_element(src_ptrs, offsets_ptr, tl.maximum(k - 1, 0), b, B, H, HAS_HH, HAS_B, FUSED, HP)
+        y_h, y_c = _lstm_walk_step(y_h, y_c, f, w, out_ptr, delta_ptr, k, b, B, H, HAS_HH, HAS_B, FUSED, HP)
+        f = f_next
+    return y_h, y_c
+
+
 # ------------------------------------------------------------------------------------------ kernels
 
 
@@ -273,12 +290,9 @@ def _lstm_spine(
         last = out_ptr + (N * B + b) * 2 * H + r
         tl.store(last, y_h, mask=vec)
         tl.store(last + H, y_c, mask=vec)
-    f = _lstm_element(src_ptrs, offsets_ptr, N - 1, b, B, H, HAS_HH, HAS_B, FUSED, HP)
-    for i in range(0, REM):  # each element read a step ahead (the last read is a spare copy of element 0)
-        k = N - 1 - i
-        f_next = _lstm_element(src_ptrs, offsets_ptr, tl.maximum(k - 1, 0), b, B, H, HAS_HH, HAS_B, FUSED, HP)
-        y_h, y_c = _lstm_walk_step(y_h, y_c, f, w, out_ptr, delta_ptr, k, b, B, H, HAS_HH, HAS_B, FUSED, HP)
-        f = f_next
+    y_h, y_c = _lstm_walk(
+        y_h, y_c, N - 1, REM, src_ptrs, w, offsets_ptr, out_ptr, delta_ptr, b, B, H, HAS_HH, HAS_B, FUSED, HP
+    )
     entry = entry_ptr + (NAGG * B + b) * 2 * H + r
     tl.store(entry, y_h, mask=vec)
     tl.store(entry + H, y_c, mask=vec)
@@ -313,13 +327,10 @@ def _lstm_expand(
     entry = entry_ptr + (q * B + b) * 2 * H + r
     y_h = tl.load(entry, mask=vec, other=0.0)
     y_c = tl.load(entry + H, mask=vec, other=0.0)
-    last = q * C + C - 1
-    f = _lstm_element(src_ptrs, offsets_ptr, last, b, B, H, HAS_HH, HAS_B, FUSED, HP)
-    for i in range(0, C):  # each element read a step ahead (as in ``_lstm_spine``)
-        k = last - i
-        f_next = _lstm_element(src_ptrs, offsets_ptr, tl.maximum(k - 1, 0), b, B, H, HAS_HH, HAS_B, FUSED, HP)
-        y_h, y_c = _lstm_walk_step(y_h, y_c, f, w, out_ptr, delta_ptr, k, b, B, H, HAS_HH, HAS_B, FUSED, HP)
-        f = f_next
+    _lstm_walk(
+        y_h, y_c, q * C + C - 1, C, src_ptrs, w, offsets_ptr, out_ptr, delta_ptr, b, B, H, HAS_HH, HAS_B,
+        FUSED, HP,
+    )  # fmt: skip
 
 
 @triton.jit

@@ -369,7 +369,8 @@ print(json.dumps(report))
 def test_no_step_of_a_scan_waits_on_the_loads_it_issues() -> None:
     """Every loop of the scan kernels reads its next element (or aggregate) a step ahead, so a step's
     products and reductions read only values loaded by the step before: in the Triton IR of each
-    kernel, no ``tt.dot`` or ``tt.reduce`` in a loop depends on a ``tt.load`` of the same iteration
+    kernel at H = 20 (the transposed walks at HP = 64 read as they go: ``launch_config``), no
+    ``tt.dot`` or ``tt.reduce`` in a loop depends on a ``tt.load`` of the same iteration
     (docs/DESIGN.md, "Each element read a step ahead"). Without it, every step of a walk waited on
     the memory latency of its loads before its reduction across the lanes."""
     argv = [sys.executable, "-c", AHEAD_CHECK]
