@@ -79,8 +79,8 @@ def is_count(value: object, minimum: int) -> bool:
 
 @dataclass(frozen=True)
 class ScanOptions:
-    """How to scan: a strategy of ``STRATEGIES``, the chunk size of the chunked scans (None: about
-    sqrt(n / 2)) and the Blelloch levels before a sequential middle (None: all). Checked when made."""
+    """How to scan: a strategy of ``STRATEGIES``, the chunk size of the chunked scans (None:
+    ``default_chunk``) and the Blelloch levels before a sequential middle (None: all). Checked when made."""
 
     strategy: str = "auto"
     chunk: int | None = None
@@ -95,19 +95,37 @@ class ScanOptions:
             raise ValueError(f"levels must be a non-negative integer or None, got {self.levels!r}")
 
 
-def default_chunk(n: int, element_bytes: int = 0) -> int:
-    """Chunk size that balances the two dependent loops (2·chunk) against the chunk count.
+def chunked_steps(n: int, chunk: int) -> int:
+    """Dependent steps of a chunked scan of n elements in chunks of ``chunk``: a chunk reduced, the
+    spine's remainder r = n - (P-1)·C walked and the P-2 chunk aggregates scanned, a chunk expanded
+    (2C + r + P - 2; the remainder then one chunk for P = 2; n for one chunk)."""
+    p = math.ceil(n / chunk)
+    rem = n - (p - 1) * chunk
+    return n if p == 1 else rem + chunk if p == 2 else 2 * chunk + rem + p - 2
 
-    A chunked scan issues a few ops per reduce step, per expand step and per chunk aggregate, so its
-    op count is ~2·C + n/C: minimal near C = sqrt(n / 2). Each reduce step also works on one
-    element per chunk (``element_bytes`` each, with its GEMM's scaled copy: B·K·H²·itemsize); when
-    those would pass ``_CHUNK_WORKING_SET``, fewer, longer chunks keep a step's working set in the
+
+def default_chunk(n: int, element_bytes: int = 0) -> int:
+    """Chunk size with the fewest dependent steps (``chunked_steps``).
+
+    A chunked scan's dependent steps (a few ops each in the eager scan, a loop step in the kernels)
+    are ~2·C + n/C, fewest near C = sqrt(n / 2), where that sum is flat; within half to twice it, the
+    chunk that also leaves the spine a short remainder r saves up to C steps (the window holds the
+    minimum over all chunks for every n that tests/core/test_dispatch.py checks). Each reduce step also
+    works on one element per chunk (``element_bytes`` each, with its GEMM's scaled copy: B·K·H²·itemsize);
+    when those would pass ``_CHUNK_WORKING_SET``, fewer, longer chunks keep a step's working set in the
     CPU's cache (re-measured by ``python -m benchmarks.backward --suite long``, its GRU rows).
     """
-    c = max(1, round(math.sqrt(n / 2)))
+    c = _fewest_steps_chunk(n)
     if element_bytes:
         c = max(c, math.ceil(n * element_bytes / _CHUNK_WORKING_SET))
     return c
+
+
+@lru_cache(maxsize=1024)  # a pure function of n, asked once per scan
+def _fewest_steps_chunk(n: int) -> int:
+    balanced = max(1, round(math.sqrt(n / 2)))
+    near = range(max(1, balanced // 2), 2 * balanced + 2)
+    return min(near, key=lambda c: (chunked_steps(n, c), abs(c - balanced)))
 
 
 # ------------------------------------------------------------------------------------ where it runs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -28,6 +30,19 @@ def test_auto_choices() -> None:
     # What the CUDA graph captures: Blelloch, unless its up-sweep would not fit.
     assert eager_strategy(1000, 16, 20, GPU) == "blelloch"
     assert eager_strategy(10_000, 16, 256, GPU) == "chunked"  # a 42 GB up-sweep would not fit
+
+
+def test_the_default_chunk_takes_the_fewest_dependent_steps() -> None:
+    """Against every chunk that could do better (past 3 sqrt(n), 2C alone passes the balanced
+    chunk's steps), and fewer steps than the balanced chunk sqrt(n / 2) where its remainder is long:
+    T = 1,000 takes chunks of 27 (remainder 1, 91 steps), not 22 (remainder 10, 98)."""
+    steps = dispatch.chunked_steps
+    assert (dispatch.default_chunk(1000), steps(1000, 22), steps(1000, 27)) == (27, 98, 91)
+    for n in [*range(1, 3000), *range(3000, 100_000, 97)]:
+        chunks = [*range(1, min(n, 3 * math.isqrt(n) + 3) + 1), n]
+        fewest = min(steps(n, c) for c in chunks)
+        assert steps(n, dispatch.default_chunk(n)) == fewest, n
+    assert dispatch.default_chunk(10_000, 1 << 20) == 10_000 // 24 + 1  # the working-set floor
 
 
 @pytest.mark.parametrize(
