@@ -38,6 +38,7 @@ Imports nothing beyond torch, so it runs on a bare GPU machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,13 +49,13 @@ from torch import Tensor
 from benchmarks.common import (
     Progress,
     add_matmul_precision,
+    add_walk_warps,
     device_arg,
     failure,
     fmt_ms,
     machine_line,
     markdown,
     matmul_precision,
-    names_precision,
     non_negative_int,
     notes_lines,
     on_device,
@@ -63,6 +64,7 @@ from benchmarks.common import (
     profiled_events,
     run_tool,
     threads_arg,
+    walks_on,
 )
 from benchmarks.scan import MODULES, module_pair
 from experiments.graphs import capture_step, warm_up
@@ -85,6 +87,7 @@ class Row:
     batch: int
     hidden: int
     precision: str = "highest"  # torch.get_float32_matmul_precision() while it was measured
+    walks: str = "auto"  # the kernels' walk warps (--walk-warps)
     cells: dict[str, Cell] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     kernels: dict[str, Kernels] = field(default_factory=dict)  # per side ("cuDNN", "BPPSA"), --kernels
@@ -312,11 +315,19 @@ def _ratio(a: Cell | None, b: Cell | None) -> str:
     return f"{a / b:.3g}" if isinstance(a, float) and isinstance(b, float) and b > 0 else "–"
 
 
+def _settings(rows: Sequence[Row], row: Row | None = None) -> list[str]:
+    """The settings the table names (the matmul precision, the walk warps: where a row has one not
+    the default), as column heads, or as ``row``'s cells."""
+    settings = (("matmul precision", "precision", "highest"), ("walk warps", "walks", "auto"))
+    named = [(head, attr) for head, attr, unset in settings if any(getattr(r, attr) != unset for r in rows)]
+    return [head if row is None else getattr(row, attr) for head, attr in named]
+
+
 def format_table(rows: Sequence[Row], device: torch.device) -> str:
     """Markdown: per row the times, and BPPSA's speedup over cuDNN and over the naive loop."""
     baseline = "cuDNN" if device.type == "cuda" else "torch.nn"
-    precisions = names_precision(rows)
-    head = ["model", "T", "B", "H", *(["matmul precision"] if precisions else [])]
+    settings = _settings(rows)
+    head = ["model", "T", "B", "H", *settings]
     head += [c.replace("cuDNN", baseline) + " ms" for c in COLUMNS[:TIMES]]
     head += [f"{baseline} / BPPSA eager", "naive / BPPSA eager", f"{baseline} / BPPSA captured"]
     head += [f"{baseline} / BPPSA captured bwd"]
@@ -324,7 +335,7 @@ def format_table(rows: Sequence[Row], device: torch.device) -> str:
     body = []
     for r in rows:
         c = r.cells
-        cells = [r.model, str(r.steps), str(r.batch), str(r.hidden), *([r.precision] if precisions else [])]
+        cells = [r.model, str(r.steps), str(r.batch), str(r.hidden), *_settings(rows, r)]
         cells += [fmt_ms(c.get(k, "–")) for k in COLUMNS[:TIMES]]
         cells += [
             _ratio(c.get("cuDNN eager"), c.get("BPPSA eager")),
@@ -341,7 +352,6 @@ def format_kernels(rows: Sequence[Row]) -> str:
     """Markdown: per shape and side the ``KERNEL_ROWS`` kernels with the most GPU time in a backward,
     the others in one row, and all of them; "" where no row was profiled."""
     body = []
-    precisions = names_precision(rows)
     for r in rows:
         for side, kernels in r.kernels.items():
             total = sum(us for _, us in kernels.values()) or 1.0
@@ -350,11 +360,11 @@ def format_kernels(rows: Sequence[Row]) -> str:
             if rest:
                 listed.append((f"{len(rest)} others", (sum(n for n, _ in rest), sum(us for _, us in rest))))
             listed.append(("all", (sum(n for n, _ in kernels.values()), total)))
-            shape = [str(r.steps), str(r.hidden), *([r.precision] if precisions else []), side]
+            shape = [str(r.steps), str(r.hidden), *_settings(rows, r), side]
             body += [[*shape, name, f"{n:.3g}", f"{us:.4g}", f"{us / total:.0%}"] for name, (n, us) in listed]
     if not body:
         return ""
-    head = ["T", "H", *(["matmul precision"] if precisions else []), "side"]
+    head = ["T", "H", *_settings(rows), "side"]
     return markdown([*head, "kernel", "launches", "µs", "share"], body)
 
 
@@ -402,6 +412,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="torch.cuda.graph's capture_error_mode: which threads' unsafe CUDA calls fail a capture",
     )
     add_matmul_precision(p)
+    add_walk_warps(p)
     return p.parse_args(argv)
 
 
@@ -419,16 +430,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = []
         for hidden in args.H:
             for steps in args.T:
-                for precision in args.matmul_precision:
-                    progress(f"{model} T={steps} H={hidden} {precision} ...")
+                for precision, walks in itertools.product(args.matmul_precision, args.walk_warps):
+                    progress(f"{model} T={steps} H={hidden} {precision}, walk warps {walks} ...")
                     timing = (args.warmup, args.repeats, args.naive_max_T, args.capture_error_mode)
-                    with matmul_precision(precision):
-                        rows.append(
-                            bench(
-                                model, steps, args.B, hidden, args.device, *timing, chunk=args.chunk,
-                                kernels=args.kernels,
-                            )
+                    with matmul_precision(precision), walks_on(walks):
+                        row = bench(
+                            model, steps, args.B, hidden, args.device, *timing, chunk=args.chunk,
+                            kernels=args.kernels,
                         )  # fmt: skip
+                    row.walks = walks
+                    rows.append(row)
         notes = notes_lines(rows)
         print(f"\n### {model.upper()}\n\n{format_table(rows, args.device)}", flush=True)
         if notes:

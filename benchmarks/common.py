@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from bppsa_core.dispatch import WALK_WARPS, triton_installed
 from experiments.hardware import HardwareError, cpu_name, memory_cause, out_of_memory, resolve_device
 from toolbox.cli import (  # noqa: F401  (the count and number types: the tools import them from here)
     SEEDS,
@@ -103,6 +104,31 @@ def add_matmul_precision(p: argparse.ArgumentParser) -> None:
         "--matmul-precision", nargs="+", choices=MATMUL_PRECISIONS, default=["highest"],
         help="torch.set_float32_matmul_precision for the rows, each in turn: 'highest' full float32, "
         "'high' the BPPSA kernels' products as three TF32 ones (tf32x3) and cuBLAS's in TF32",
+    )  # fmt: skip
+
+
+WALK_CHOICES = ("auto", *map(str, WALK_WARPS))  # "auto": each launch's own warps
+
+
+@contextlib.contextmanager
+def walks_on(warps: str) -> Iterator[None]:
+    """The kernels' walks on ``warps`` warps inside (``bppsa_core.triton.launch.walk_warps``; "auto":
+    each launch's own). Nothing is set where Triton is not installed: no kernel runs there."""
+    if warps == "auto" or not triton_installed():
+        yield
+        return
+    from bppsa_core.triton.launch import walk_warps
+
+    with walk_warps(int(warps)):
+        yield
+
+
+def add_walk_warps(p: argparse.ArgumentParser) -> None:
+    """A tool's ``--walk-warps``: the rows measured with the kernels' walks on each count given."""
+    p.add_argument(
+        "--walk-warps", nargs="+", choices=WALK_CHOICES, default=["auto"],
+        help="warps of the Triton kernels' walks (spine, expand) for the rows, each in turn: 'auto' each "
+        "launch's own (4 at H <= 32), fewer keep a step's reduction within a warp where the weights fit",
     )  # fmt: skip
 
 

@@ -29,17 +29,20 @@ and its output (or why it failed, or was skipped):
    float32 matmul precision "highest" against "high", ``bppsa_core.triton.launch.dot_precision``):
    the captured backward per kernel (RNN, GRU, LSTM; H = 20; T = 1,000 and 10,000) and the Newton
    forward at initialization (RNN, GRU; T = 10,000 and 100,000), from zeros and from Picard sweeps;
-9. ``blocks``: the BPPSA backward's blocks of time steps (``--block-mib`` 8, 32 and 256: a CPU's
-   budget, and larger ones that take fewer launches) at T = 1,000, 30,000 and 100,000, which sets
-   the GPU's own (``bppsa_core.jacobians.BLOCK_BYTES``);
-10. ``workers``: BPPSA's and cuDNN's backward confined to 1, 2, 4, ... SMs (CUDA green contexts);
-11. ``forward``: the Newton forwards (``forward_solver="newton"``, ``"quasi-newton"``) against cuDNN's
-   sequential forward, T = 100 ... 100,000, H = 20 and 64, at initialization and trained
-   (``benchmarks.forward``);
-12. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
-   kernels at H = 1, 20, 32 and 64, for this GPU's architecture, to set beside the measured times
-   of steps 4, 7 and 8;
-13. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
+9. ``walks``: the kernels' walks (spine, expand) on each launch's own warps against 1 and 2
+   (``--walk-warps``, ``bppsa_core.triton.launch.walk_warps``): the captured backward per kernel
+   (RNN, GRU, LSTM; H = 20; T = 1,000 and 10,000);
+10. ``blocks``: the BPPSA backward's blocks of time steps (``--block-mib`` 8, 32 and 256: a CPU's
+    budget, and larger ones that take fewer launches) at T = 1,000, 30,000 and 100,000, which sets
+    the GPU's own (``bppsa_core.jacobians.BLOCK_BYTES``);
+11. ``workers``: BPPSA's and cuDNN's backward confined to 1, 2, 4, ... SMs (CUDA green contexts);
+12. ``forward``: the Newton forwards (``forward_solver="newton"``, ``"quasi-newton"``) against cuDNN's
+    sequential forward, T = 100 ... 100,000, H = 20 and 64, at initialization and trained
+    (``benchmarks.forward``);
+13. ``kernels``: registers, spills and the static cycle estimate (labelled as such) of the compiled
+    kernels at H = 1, 20, 32 and 64, for this GPU's architecture, to set beside the measured times
+    of steps 4, 7, 8 and 9;
+14. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
     of one thread per core (``benchmarks.distributed`` at T = 100,000): the measured 3- and
     4-rank points of docs/SCHEMES.md, which a 2-core machine cannot give. Its ``measured.csv``
     and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report; the same with
@@ -48,7 +51,7 @@ and its output (or why it failed, or was skipped):
     with two GPUs or more, once for each sample-group count of the BPPSA backward (``--micro-batches``
     1 to 16), which sets the GPU ranks' own.
     Both print each rank's BPPSA backward span by span (``--timeline``): where a rank waits.
-14. ``reproduction``: the paper's RNN experiments (figs. 7 and 8) trained on this GPU by
+15. ``reproduction``: the paper's RNN experiments (figs. 7 and 8) trained on this GPU by
     ``docs/reproduction/run.sh --device cuda --only`` ``REPRODUCTION_ONLY``, BPTT on cuDNN against
     BPPSA: their tables, figures and report.md go to docs/reproduction/cuda/, and the step shows the
     speedup table; then the same with every training step captured in CUDA graphs on both sides
@@ -101,8 +104,8 @@ from toolbox.files import output_file, write_atomic
 
 PROG = "python -m benchmarks.gpu_check"
 STEPS = (
-    "tests", "capture", "host", "backward", "epoch", "scan", "chunk", "precision", "blocks", "workers",
-    "forward", "kernels", "ranks", "reproduction",
+    "tests", "capture", "host", "backward", "epoch", "scan", "chunk", "precision", "walks", "blocks",
+    "workers", "forward", "kernels", "ranks", "reproduction",
 )  # fmt: skip
 CHUNKS = (8, 16, 32, 64, 128)
 # The chunk sweep's captured rows: where the eager backward is host work (T = 1,000), only the GPU
@@ -113,6 +116,9 @@ PRECISIONS = ["--matmul-precision", "highest", "high"]
 PRECISION_CAPTURE = ["--T", "1000", "10000", "--H", "20", "--naive-max-T", "0", "--kernels", *PRECISIONS]
 # and the Newton forward's other lever, its first iterate from Picard sweeps (--sweeps)
 PRECISION_NEWTON = ["--tables", "newton", "--weights", "init", "--T", "10000", "100000", "--sweeps"]
+# The walks step: the walks on each launch's own warps (4 at H = 20) against 1 and 2, per kernel
+WALKS = ["--walk-warps", "auto", "1", "2"]
+WALK_CAPTURE = ["--T", "1000", "10000", "--H", "20", "--naive-max-T", "0", "--kernels", *WALKS]
 BLOCK_MIBS = (8, 32, 256)  # the BPPSA backward's blocks of time steps (``--block-mib``)
 GPU_TEST_FILES = (
     "tests/core/test_triton.py",
@@ -134,6 +140,7 @@ TITLES = {
     "scan": "Scan only, against associative_scan",
     "chunk": "Triton chunk-size sweep",
     "precision": "The reduce kernels' products: full float32 against three TF32",
+    "walks": "The kernels' walks on fewer warps",
     "blocks": "Blocks of time steps of the BPPSA backward",
     "workers": "Backward against SMs (green contexts)",
     "forward": "Newton forward against cuDNN's",
@@ -219,6 +226,7 @@ def plan(
                 [*forward, *PRECISION_NEWTON, "--solvers", "newton", *PRECISIONS],
             ]
         ),
+        "walks": [[*capture, "--T", "30", "--H", "8", *WALKS]] if dry else [[*capture, *WALK_CAPTURE]],
         "blocks": [
             _bench(*block_shape, "--block-mib", str(b), "--tables", "backward", *device) for b in BLOCK_MIBS
         ],

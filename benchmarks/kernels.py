@@ -2,6 +2,7 @@
 static estimate of their loops.
 
     python -m benchmarks.kernels [--arch 80 90] [--T 1000] [--chunk 32] [--dot ieee] [--summary]
+    python -m benchmarks.kernels --walk-warps 1      # the walks (spine, expand) as walk_warps(1) sets them
 
 Every kernel configuration the modules can launch (``launch_configs``: kernel, mode, terms, diagonal,
 offsets, fused or not, the H it serves, with the constexprs and warps of ``bppsa_core.triton``'s
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from benchmarks.common import positive_int, run_tool
+from bppsa_core.dispatch import WALK_WARPS
 from bppsa_core.triton import chunk_scan
 from bppsa_core.triton.launch import DOT_PRECISION, Launch, padded
 from bppsa_core.triton.lstm import CELL_STEPS, gates_launch, lstm_launch_config
@@ -124,10 +126,11 @@ def h_variants(largest: int) -> list[tuple[int, ...]]:
     return sorted(tuple(hs) for hs in groups.values())
 
 
-def launch_configs(dot: str = DOT_PRECISION) -> list[KernelConfig]:
+def launch_configs(dot: str = DOT_PRECISION, walk_warps: int | None = None) -> list[KernelConfig]:
     """Every kernel configuration the modules can launch, each once; ``dot``: the reduce kernels'
     ``tl.dot`` precision asked of ``launch_config`` (``launch.dot_precision``: ``LOWERED_DOT_PRECISION``
-    under a lowered float32 matmul precision).
+    under a lowered float32 matmul precision); ``walk_warps``: the walks' warps a program set
+    (``launch.walk_warps``; None: the launches' own).
 
     ``factored_scan``: SCALES with K = 1, 2, 3, with and without a diagonal, and SCALES_T as the
     modules' transposed chains have it (an RNN's K = 1 with and without a diagonal, a GRU's K = 3
@@ -153,14 +156,16 @@ def launch_configs(dot: str = DOT_PRECISION) -> list[KernelConfig]:
         for mode, terms, diag, fused in scans:
             for affine in (False, True):
                 hp = padded(hidden[0])
-                launches = cs.launch_config(mode, terms, diag, affine, int(fused), fused, hp, dot=dot)
+                launches = cs.launch_config(
+                    mode, terms, diag, affine, int(fused), fused, hp, dot=dot, walk_warps=walk_warps
+                )
                 found += [
                     KernelConfig(role, cs.MODE_NAMES[mode], terms, diag, affine, fused, hidden, launch)
                     for role, launch in launches.items()
                 ]
         for terms, diag in ((1, False), (3, True)):  # a fused Newton iteration's, reading its record
             launches = cs.launch_config(
-                cs.SCALES_T.value, terms, diag, True, 0, False, padded(hidden[0]), True, dot
+                cs.SCALES_T.value, terms, diag, True, 0, False, padded(hidden[0]), True, dot, walk_warps
             )
             found += [
                 KernelConfig(role, "SCALES_T newton", terms, diag, True, False, hidden, launch)
@@ -170,7 +175,7 @@ def launch_configs(dot: str = DOT_PRECISION) -> list[KernelConfig]:
     for hidden in h_variants(MAX_LSTM_HIDDEN):
         for has_hh, fused in lstm_scans:
             for affine in (False, True):
-                launches = lstm_launch_config(has_hh, affine, padded(hidden[0]), fused, dot)
+                launches = lstm_launch_config(has_hh, affine, padded(hidden[0]), fused, dot, walk_warps)
                 found += [
                     KernelConfig(role, "LSTM", 4, has_hh, affine, fused, hidden, launch)
                     for role, launch in launches.items()
@@ -401,12 +406,14 @@ _INSTRUCTION = re.compile(
 
 class Loop(NamedTuple):
     """A loop in SASS: its instructions (from the backward branch's target to the branch, both
-    included), those on its shortest path (less what forward branches inside it can skip), and its
-    local-memory loads and stores (register spills, LDL/STL)."""
+    included), those on its shortest path (less what forward branches inside it can skip), its
+    local-memory loads and stores (register spills, LDL/STL) and its barriers (BAR: where the
+    program's warps wait for one another, as a reduction across warps does)."""
 
     instructions: int
     shortest: int
     local: int = 0
+    barriers: int = 0
 
 
 def sass_loops(dump: str) -> list[Loop]:
@@ -427,7 +434,8 @@ def sass_loops(dump: str) -> list[Loop]:
         body = [(a, op) for a, op, _ in instructions if start <= a <= end]
         skipped = {a for a, _ in body for at, to in branches if start < at < to <= end and at < a < to}
         local = sum(op.startswith(("LDL", "STL")) for _, op in body)
-        loops.append(Loop(len(body), len(body) - len(skipped), local))
+        barriers = sum(op.startswith("BAR") for _, op in body)
+        loops.append(Loop(len(body), len(body) - len(skipped), local, barriers))
     return loops
 
 
@@ -505,6 +513,7 @@ def row(
         "warps_per_sm": warps_per_sm(used["reg"], warps, used["shared"] + kernel.metadata.shared, arch),
         "loops": [loop.instructions for loop in loops],
         "loops_shortest": shortest,
+        "loop_barriers": [loop.barriers for loop in loops],
         "local_in_loops": sum(loop.local for loop in loops),
         "ftz": kernel.asm["ptx"].count(".ftz"),  # flush-to-zero instructions: none, subnormals kept
         "iterations": its,
@@ -648,8 +657,8 @@ def _flags(r: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _loops(r: dict[str, Any]) -> str:
-    return " + ".join(str(n) for n in r["loops"])
+def _loops(r: dict[str, Any], key: str = "loops") -> str:
+    return " + ".join(str(n) for n in r[key])
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
@@ -657,14 +666,14 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     warps per SM, the loops' instruction counts and the estimate, with the assumptions as a caption."""
     head = [
         "kernel", "mode", "K/diag/affine/fused", "HP", "H", "warps", "sm", "regs", "stack", "local",
-        "shared B", "warps/SM", "loop instr", "estimate (cycles)",
+        "shared B", "warps/SM", "loop instr", "loop barriers", "estimate (cycles)",
     ]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [
             r["kernel"], r["mode"], _flags(r), r["HP"], hidden_text(r["H"]), r["warps"], r["arch"], r["regs"],
             r["stack"], r["local"], f"{r['shared']} + {r['triton_shared']}", r["warps_per_sm"], _loops(r),
-            "n/a" if r["estimate"] is None else r["estimate"],
+            _loops(r, "loop_barriers"), "n/a" if r["estimate"] is None else r["estimate"],
         ]  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join([*lines, "", _caption(rows)])
@@ -688,7 +697,8 @@ def summary(rows: Sequence[dict[str, Any]], arch: int = 90) -> str:
     head = [
         "kernel", "mode", "HP", "H", "warps", f"regs sm_{arch}",
         *(f"regs sm_{a}" for a in others), "spills (stack + local B)", f"shared B sm_{arch}",
-        f"warps/SM sm_{arch}", f"loop instr sm_{arch}", f"estimate sm_{arch} (cycles)",
+        f"warps/SM sm_{arch}", f"loop instr sm_{arch}", f"loop barriers sm_{arch}",
+        f"estimate sm_{arch} (cycles)",
     ]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (kernel, mode, hp), group in groups.items():
@@ -707,6 +717,7 @@ def summary(rows: Sequence[dict[str, Any]], arch: int = 90) -> str:
             _span(r["shared"] + r["triton_shared"] for r in here),
             _span(r["warps_per_sm"] for r in here),
             " / ".join(_span(r["loops"][i] for r in here) for i in range(len(here[0]["loops"]))),
+            " / ".join(_span(r["loop_barriers"][i] for r in here) for i in range(len(here[0]["loops"]))),
             _span(r["estimate"] for r in here if r["estimate"] is not None),
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -766,6 +777,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="tl.dot's input_precision in the reduce kernels (the library's: ieee)",
     )
     parser.add_argument(
+        "--walk-warps",
+        type=int,
+        choices=WALK_WARPS,
+        default=None,
+        help="the walks' warps a program sets (bppsa_core.triton.launch.walk_warps): their kernels only",
+    )
+    parser.add_argument(
         "--summary", action="store_true", help="one line per kernel, mode and HP instead of every row"
     )
     parser.add_argument(
@@ -773,7 +791,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        configs = launch_configs()
+        configs = launch_configs(walk_warps=args.walk_warps)
+        if args.walk_warps is not None:  # the kernels the setting changes
+            configs = [c for c in configs if c.role in ("spine", "expand")]
         if args.configs == "representative":
             configs = representative(configs)
         elif args.configs == "listed":

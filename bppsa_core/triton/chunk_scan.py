@@ -49,6 +49,7 @@ from bppsa_core.triton.launch import (
     dot_precision,
     padded,
     three_launches,
+    walk_warps_set,
 )
 
 # How ``_element`` reads an element's factors (see the module docstring).
@@ -467,6 +468,7 @@ def launch_config(
     hp: int,
     stop: bool = False,
     dot: str = DOT_PRECISION,
+    walk_warps: int | None = None,
 ) -> dict[str, Launch]:
     """The three kernels of a chunked-scan launch by role (``reduce``, ``spine``, ``expand``), as
     ``_launch`` runs them and ``benchmarks.kernels`` compiles them.
@@ -475,7 +477,8 @@ def launch_config(
     ``has_diag``: a diagonal term (a GRU always has one); ``has_b``: offsets; ``shift``: offsets read
     one step late (the layer modes); ``fused``: only x_0 and the deltas written; ``hp``: ``padded(H)``;
     ``stop``: every program first reads a Newton solve's record and does nothing once it says stopped;
-    ``dot``: the reduce's ``tl.dot`` precision (``launch.dot_precision``) where the chain has one term.
+    ``dot``: the reduce's ``tl.dot`` precision (``launch.dot_precision``) where the chain has one term;
+    ``walk_warps``: the spine's and the expand's warps (``launch.walk_warps``) where HP <= 32, else theirs.
     """
     gru = mode == GRU.value
     chain = {"K": terms, "HAS_DIAG": has_diag or gru, "HAS_B": has_b, "MODE": mode, "SHIFT": shift}
@@ -490,23 +493,24 @@ def launch_config(
     # (python -m benchmarks.kernels --dot tf32x3)
     reduce = {**chain, "DOT": dot if terms == 1 else DOT_PRECISION}
     warps = num_warps(terms, hp)
-    walk_warps = warps if ahead else 8
+    walks_on = walk_warps if walk_warps is not None and hp <= 32 else warps if ahead else 8
     sources = source_count(mode, has_diag)
     # Compile settings under which no configuration spills to a stack slot (re-checked by
     # ``python -m benchmarks.kernels`` and tests/core/test_compile.py): a reduce loop is not
     # software-pipelined (a step loads a few vectors against an HP x HP product; the loops read each
     # element a step ahead themselves), except the GRU's below HP = 64 or with offsets, where the
     # unpipelined compile spills; the GRU's expand at HP = 16 without offsets gets a register cap that
-    # keeps ptxas from spilling, and so does the reduce of other chains of several terms at HP = 64,
-    # which ptxas kept at 80-128 registers with a stack slot.
+    # keeps ptxas from spilling (64 on 4 warps; other warps spill under it, and on 2 without a cap),
+    # and so does the reduce of other chains of several terms at HP = 64, which ptxas kept at 80-128
+    # registers with a stack slot.
     unpipelined = not gru or (hp == 64 and not has_b)
     several = 192 if terms > 1 and hp == 64 and not gru else None
     stages, reduce_cap = (1, several) if unpipelined else (None, None)
-    expand_cap = 64 if gru and hp == 16 and not has_b else None
+    expand_cap = (64 if walks_on == 4 else 128) if gru and hp == 16 and not has_b else None
     return {
         "reduce": Launch(_reduce, reduce, warps, num_stages=stages, maxnreg=reduce_cap, sources=sources),
-        "spine": Launch(_spine, walks, walk_warps, sources=sources),
-        "expand": Launch(_expand, walks, walk_warps, maxnreg=expand_cap, sources=sources),
+        "spine": Launch(_spine, walks, walks_on, sources=sources),
+        "expand": Launch(_expand, walks, walks_on, maxnreg=expand_cap, sources=sources),
     }
 
 
@@ -546,7 +550,9 @@ def _launch(
     walk = {"out_ptr": out, "delta_ptr": out if delta is None else delta}  # delta not read unless fused
     fused, has_b = delta is not None, offsets is not None
     stops = stop is not None
-    kernels = launch_config(mode.value, terms, has_diag, has_b, shift, fused, hp, stops, dot_precision())
+    kernels = launch_config(
+        mode.value, terms, has_diag, has_b, shift, fused, hp, stops, dot_precision(), walk_warps_set()
+    )
     three_launches(kernels, common, walk, x_last, n, chunk, hp)
 
 

@@ -8,7 +8,9 @@ compiles each configuration once, whatever the sequence length (docs/DESIGN.md, 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from functools import cache
 from typing import Any, NamedTuple
 
@@ -16,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from bppsa_core.dispatch import WALK_WARPS
 
 # The loops' bounds (chunk size C, remainder REM, aggregate count NAGG, an LSTM's steps T for its
 # cell states, a Newton iteration's partial count P): run-time arguments. Triton's interpreter (the
@@ -41,6 +45,33 @@ def dot_precision() -> str:
     """The reduce kernels' ``tl.dot`` precision for PyTorch's float32 matmul precision now: full
     float32 under "highest", three TF32 products under "high" or "medium"."""
     return DOT_PRECISION if torch.get_float32_matmul_precision() == "highest" else LOWERED_DOT_PRECISION
+
+
+# The warps of the walks (spine and expand), where a program sets them (``walk_warps``): None keeps
+# each launch's own. At 4 warps a walk step's one reduction crosses warps (barriers on the dependent
+# chain); on fewer it stays in a warp, with fewer lanes: ``benchmarks.capture --walk-warps`` times both.
+_walk_warps: int | None = None
+
+
+@contextlib.contextmanager
+def walk_warps(warps: int | None) -> Iterator[None]:
+    """Inside, the chunked scans' walks run on ``warps`` warps (one of ``dispatch.WALK_WARPS``; None: each
+    launch's own), where their weights fit (``launch_config``, ``lstm_launch_config``); the setting
+    before restored after."""
+    global _walk_warps
+    if warps is not None and warps not in WALK_WARPS:
+        accepted = ", ".join(map(str, WALK_WARPS))
+        raise ValueError(f"walk warps must be one of {accepted} or None, got {warps!r}")
+    before, _walk_warps = _walk_warps, warps
+    try:
+        yield
+    finally:
+        _walk_warps = before
+
+
+def walk_warps_set() -> int | None:
+    """The walks' warps set by ``walk_warps`` now, or None."""
+    return _walk_warps
 
 
 @cache  # asked by every launch

@@ -36,6 +36,7 @@ from bppsa_core.triton.launch import (
     dot_precision,
     padded,
     three_launches,
+    walk_warps_set,
 )
 
 # ------------------------------------------------------------------------------ per-element helpers
@@ -403,12 +404,18 @@ def lstm_num_warps(hp: int) -> int:
 
 @cache  # made once per configuration (read, never changed): a layer backward's host work counts
 def lstm_launch_config(
-    has_hh: bool, has_b: bool, hp: int, fused: bool = False, dot: str = DOT_PRECISION
+    has_hh: bool,
+    has_b: bool,
+    hp: int,
+    fused: bool = False,
+    dot: str = DOT_PRECISION,
+    walk_warps: int | None = None,
 ) -> dict[str, Launch]:
     """The three kernels of an LSTM launch by role, as ``lstm_scan`` and ``lstm_layer_backward`` run
     them: ``has_hh``, the h<-h diagonal (sequences of different lengths); ``has_b``, offsets; ``hp``,
     ``padded(H)``; ``fused``, a layer's backward (factors from the gates and cell states); ``dot``, the
-    reduce's ``tl.dot`` precision (``launch.dot_precision``)."""
+    reduce's ``tl.dot`` precision (``launch.dot_precision``); ``walk_warps``, the spine's and the
+    expand's warps (``launch.walk_warps``), at least 2 at HP = 32, where on 1 the spine spills."""
     settings = {"HAS_HH": has_hh, "HAS_B": has_b, "FUSED": fused, "HP": hp}
     warps = lstm_num_warps(hp)
     sources = 2 if fused else 5 if has_hh else 4
@@ -417,10 +424,11 @@ def lstm_launch_config(
     # to itself, ptxas kept it at 72 registers on sm_80 with a stack slot, and at 128 some compiles
     # spilled (python -m benchmarks.kernels)
     cap = 192 if hp == 16 else None
+    walks_on = warps if walk_warps is None else max(walk_warps, hp // 16)
     launches = {
         "reduce": Launch(_lstm_reduce, reduce, warps, num_stages=1, maxnreg=cap, sources=sources),
-        "spine": Launch(_lstm_spine, settings, warps, sources=sources),
-        "expand": Launch(_lstm_expand, settings, warps, sources=sources),
+        "spine": Launch(_lstm_spine, settings, walks_on, sources=sources),
+        "expand": Launch(_lstm_expand, settings, walks_on, sources=sources),
     }
     if fused:  # the cell states first, from the gates
         launches["cells"] = _cells_launch(hp)
@@ -457,7 +465,7 @@ def _launch(
     h = two_h // 2
     hp = padded(h)  # the aggregates 2HP x 2HP: see ``_lstm_reduce``
     common = chain_args(sources, weights, offsets, batch, h)
-    kernels = lstm_launch_config(has_hh, offsets is not None, hp, fused, dot_precision())
+    kernels = lstm_launch_config(has_hh, offsets is not None, hp, fused, dot_precision(), walk_warps_set())
     three_launches(kernels, common, walk, x_last, n, chunk, 2 * hp)
 
 

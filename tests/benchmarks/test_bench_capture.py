@@ -163,6 +163,24 @@ def test_each_matmul_precision_given_makes_a_row_of_its_own_named_in_a_column(ca
     assert "matmul precision" not in markdown_tables(capsys.readouterr().out)[0][0]
 
 
+def test_each_walk_warps_given_makes_a_row_of_its_own_with_the_kernels_walks_set(monkeypatch, capsys) -> None:
+    from bppsa_core.triton import launch
+
+    seen, real = [], capture.bench
+
+    def bench(*args, **kwargs):
+        seen.append(launch.walk_warps_set())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(capture, "bench", bench)
+    argv = ["--models", "rnn", "--T", "8", "--H", "4", "--B", "2", "--repeats", "1", "--warmup", "0"]
+    assert capture.main([*argv, "--walk-warps", "auto", "1", "2"]) == 0
+    (head, rows), *_ = markdown_tables(capsys.readouterr().out)
+    assert head[:6] == ["model", "T", "B", "H", "walk warps", "torch.nn eager ms"]
+    assert [r[4] for r in rows] == ["auto", "1", "2"] and seen == [None, 1, 2]
+    assert launch.walk_warps_set() is None  # restored
+
+
 def _event(name: str, us: float, device: str = "cuda") -> SimpleNamespace:
     kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
     return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(elapsed_us=lambda: us))
@@ -227,6 +245,7 @@ def test_a_gpu_backward_is_listed_by_its_kernels() -> None:
         (["--naive-max-T", "-1"], "argument --naive-max-T: -1 is negative"),
         (["--capture-error-mode", "local"], "argument --capture-error-mode: invalid choice: 'local'"),
         (["--chunk", "0"], "argument --chunk: 0 is not positive; accepted: positive integers"),
+        (["--walk-warps", "3"], "--walk-warps: invalid choice: '3' (choose from 'auto', '1', '2', '4', '8')"),
     ],
 )
 def test_bad_arguments_end_it_in_one_line(argv, message, capsys) -> None:

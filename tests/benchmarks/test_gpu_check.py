@@ -51,6 +51,9 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     for argv in steps["precision"]:
         assert argv[argv.index("--device") + 1] == "cuda"
         assert argv[argv.index("--matmul-precision") + 1 :][:2] == ["highest", "high"]
+    (walks,) = steps["walks"]  # the walks on their own warps, then on 1 and 2, per kernel
+    assert walks[1:3] == ["-m", "benchmarks.capture"] and walks[walks.index("--device") + 1] == "cuda"
+    assert "--kernels" in walks and walks[walks.index("--walk-warps") + 1 :][:3] == ["auto", "1", "2"]
     assert [a[a.index("--block-mib") + 1] for a in steps["blocks"]] == [str(b) for b in gpu_check.BLOCK_MIBS]
     assert all(
         a[a.index("--T") + 1 : a.index("--strategies")] == ["1000", "30000", "100000"]
@@ -122,7 +125,7 @@ def test_the_tests_step_runs_every_file_that_has_gpu_tests() -> None:
 def test_the_dry_plan_skips_what_needs_cuda_and_shrinks_the_rest() -> None:
     steps = gpu_check.plan(dry=True, repeats=1, warmup=0)
     assert steps["tests"] == "needs a CUDA device"
-    for name in ("backward", "epoch", "scan", "chunk", "precision", "blocks"):
+    for name in ("backward", "epoch", "scan", "chunk", "precision", "walks", "blocks"):
         for argv in steps[name]:
             assert argv[argv.index("--device") + 1] == "cpu"
             assert "--quick" in argv or "--T" in argv

@@ -6,8 +6,9 @@ The compiles run in a child process without ``TRITON_INTERPRET`` (conftest sets 
 when there is no GPU, and the kernels are then loaded for the interpreter, which cannot compile). The
 default run compiles an RNN's and an LSTM's layer backward for sm_90, with both products'
 precisions; the ``extended`` tests compile every configuration for both archs at H = 1, 20, 32 and
-64 (``kernels.listed``: each mode, affine or not, fused or not, warps as launched), and every
-configuration at every H from 1 to 64.
+64 (``kernels.listed``: each mode, affine or not, fused or not, warps as launched), every
+configuration at every H from 1 to 64, and the walks there on the warps a program may set them to
+(``launch.walk_warps``).
 
 Spills: no compile may use local memory or a stack frame. Some of the launches' compile settings
 (``bppsa_core.triton.launch_config``: unpipelined reduce loops, register caps, no read-ahead in the
@@ -72,11 +73,11 @@ def compiled_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
-def compile_rows(tmp: Path, configs: str) -> list[dict]:
-    """``python -m benchmarks.kernels --configs <configs>`` for both archs, in a child process."""
+def compile_rows(tmp: Path, configs: str, *options: str) -> list[dict]:
+    """``python -m benchmarks.kernels --configs <configs> <options>`` for both archs, in a child process."""
     out = tmp / "rows.json"
     cmd = [sys.executable, "-m", "benchmarks.kernels", "--arch", *map(str, ARCHS)]
-    cmd += ["--configs", configs, "--json", str(out)]
+    cmd += ["--configs", configs, *options, "--json", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, env=compiled_env(), capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("| kernel | mode |")
@@ -170,6 +171,21 @@ def test_every_configuration_compiles_for_both_archs_without_spills(tmp_path) ->
     covered = {(r["mode"], h) for r in rows for h in r["H"]}
     assert {h for mode, h in covered if mode == "GRU"} == set(range(1, 65))
     assert {h for mode, h in covered if mode == "LSTM"} == set(range(1, 33))
+    check_rows(rows)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("warps", [1, 2, 8])
+def test_the_walks_compile_without_spills_on_the_warps_a_program_sets(tmp_path, warps) -> None:
+    """``launch.walk_warps``: the spine and the expand of every mode on ``warps`` warps where HP <= 32
+    (an LSTM's on at least 2 at HP = 32, where 1 spills), their own above; at H = 1, 20, 32 and 64,
+    both archs, none spills (about two minutes each on 2 cores)."""
+    rows = compile_rows(tmp_path, "listed", "--walk-warps", str(warps))
+    assert {r["role"] for r in rows} == {"spine", "expand"}
+    set_by = {r["warps"] for r in rows if r["HP"] <= 32 and not (r["mode"] == "LSTM" and r["HP"] == 32)}
+    assert set_by == {warps}
+    assert {r["warps"] for r in rows if r["HP"] == 64} == {4, 8}
+    assert {r["warps"] for r in rows if r["mode"] == "LSTM" and r["HP"] == 32} == {max(warps, 2)}
     check_rows(rows)
 
 
@@ -418,7 +434,7 @@ SASS = """
         /*0040*/               @P1 BRA 0x60 ;
         /*0050*/                   STG.E desc[UR4][R6.64], R2 ;
         /*0060*/                   STL [R1], R0 ;
-        /*0070*/                   IADD3 R0, R0, -0x1, RZ ;
+        /*0070*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
         /*0080*/               @P2 BRA 0x30 ;
         /*0090*/                   EXIT ;
         /*00a0*/                   BRA 0xa0;
@@ -426,10 +442,10 @@ SASS = """
 
 
 def test_sass_loops_counts_a_loop_body_and_its_shortest_path() -> None:
-    """One loop from 0x30 to its backward branch at 0x80 (6 instructions, one a local store); the
-    forward branch inside may skip the global store (shortest path 5); the guard's forward branch and
-    the padding's branch to itself are not loops."""
-    assert kernels.sass_loops(SASS) == [kernels.Loop(instructions=6, shortest=5, local=1)]
+    """One loop from 0x30 to its backward branch at 0x80 (6 instructions, one a local store, one a
+    barrier); the forward branch inside may skip the global store (shortest path 5); the guard's
+    forward branch and the padding's branch to itself are not loops (nor barriers)."""
+    assert kernels.sass_loops(SASS) == [kernels.Loop(instructions=6, shortest=5, local=1, barriers=1)]
 
 
 def test_the_estimate_scales_linearly_with_iterations_and_with_warps_per_scheduler() -> None:

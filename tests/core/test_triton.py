@@ -535,6 +535,50 @@ def test_the_reduce_products_follow_pytorchs_float32_matmul_precision(monkeypatc
     assert {d for launches in dots.values() for d in launches} == {None}, dots
 
 
+def test_the_walks_run_on_the_warps_a_program_sets_where_the_weights_fit(monkeypatch) -> None:
+    """``launch.walk_warps`` sets the spine's and the expand's warps at HP <= 32 (an LSTM's at least 2
+    at HP = 32), not the reduce's, and leaves them at HP = 64; restored after; the results stay the
+    same. A count it does not take is refused, naming it."""
+    from bppsa_core import triton as ts
+    from bppsa_core.triton.launch import Launch, walk_warps
+
+    launched, real = [], Launch.run
+
+    def run(self, grid, **args):
+        launched.append((self.kernel.__name__, self.constexprs["HP"], self.num_warps))
+        return real(self, grid, **args)
+
+    monkeypatch.setattr(Launch, "run", run)
+    rnn, _ = fused_rnn_case("tanh", 37, 2, 20, 4, True, torch.float32)
+    gru, _ = fused_gru_case(11, 2, 64, 3, True, torch.float32)
+    lstm, _ = fused_lstm_case(9, 1, 20, 2, True, torch.float32)
+    backwards = (
+        lambda: ts.rnn_layer_backward(*rnn, "tanh", 4),
+        lambda: ts.gru_layer_backward(*gru, 3),
+        lambda: ts.lstm_layer_backward(*lstm, 2),
+    )
+    own = [f() for f in backwards]
+    warps = {(k, hp): w for k, hp, w in launched if k != "_lstm_cells"}
+    assert warps == {
+        ("_reduce", 32): 4, ("_spine", 32): 4, ("_expand", 32): 4,
+        ("_reduce", 64): 8, ("_spine", 64): 8, ("_expand", 64): 8,
+        ("_lstm_reduce", 32): 8, ("_lstm_spine", 32): 8, ("_lstm_expand", 32): 8,
+    }  # fmt: skip
+    launched.clear()
+    with walk_warps(1):
+        set_ = [f() for f in backwards]
+    walks = {("_spine", 32): 1, ("_expand", 32): 1, ("_lstm_spine", 32): 2, ("_lstm_expand", 32): 2}
+    assert {(k, hp): w for k, hp, w in launched if k != "_lstm_cells"} == warps | walks
+    for a, b in zip(own, set_, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    launched.clear()
+    ts.rnn_layer_backward(*rnn, "tanh", 4)
+    assert {w for k, _, w in launched} == {4}  # restored
+    refused = r"^walk warps must be one of 1, 2, 4, 8 or None, got 3$"
+    with pytest.raises(ValueError, match=refused), walk_warps(3):
+        pass
+
+
 def test_a_gru_too_wide_for_the_kernels_is_refused_by_the_triton_strategy() -> None:
     gru = bnn.GRU(2, 65, strategy="triton")
     with pytest.raises(ValueError, match=r"strategy='triton' takes a float32 factored chain .* H <= 64"):
