@@ -645,9 +645,10 @@ def _caption(rows: Sequence[dict[str, Any]]) -> str:
         f"Estimate: a static lower bound in cycles at T = {t}, chunk = {chunk}: loop SASS instructions "
         "(shortest path) x iterations x ceil(warps / 4), one instruction issued per cycle per warp "
         "scheduler (4 per SM); not a measurement. Loop instructions: one count per loop (the spine's "
-        "remainder walk, then its aggregate scan). Shared: the cubin's static bytes + the dynamic bytes "
-        "Triton launches with. Warps/SM: resident per SM by registers, shared memory (plus the 1 KB "
-        "reserved per block) and warp slots."
+        "remainder walk, then its aggregate scan); loop barriers: its BAR instructions an iteration, "
+        "where the program's warps wait for one another. Shared: the cubin's static bytes + the dynamic "
+        "bytes Triton launches with. Warps/SM: resident per SM by registers, shared memory (plus the 1 "
+        "KB reserved per block) and warp slots."
     )
 
 
@@ -716,9 +717,15 @@ def summary(rows: Sequence[dict[str, Any]], arch: int = 90) -> str:
             _span(r["stack"] + r["local"] for r in group),
             _span(r["shared"] + r["triton_shared"] for r in here),
             _span(r["warps_per_sm"] for r in here),
-            " / ".join(_span(r["loops"][i] for r in here) for i in range(len(here[0]["loops"]))),
-            " / ".join(_span(r["loop_barriers"][i] for r in here) for i in range(len(here[0]["loops"]))),
-            _span(r["estimate"] for r in here if r["estimate"] is not None),
+            *(
+                [
+                    " / ".join(_span(r[key][i] for r in here) for i in range(len(here[0]["loops"])))
+                    for key in ("loops", "loop_barriers")
+                ]
+                if here[0]["loops"]
+                else ["–", "–"]  # a pointwise kernel: no loop
+            ),
+            _span(r["estimate"] for r in here if r["estimate"] is not None) if here[0]["loops"] else "–",
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join([*lines, "", _caption(rows)])
