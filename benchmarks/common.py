@@ -128,7 +128,7 @@ def add_walk_warps(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--walk-warps", nargs="+", choices=WALK_CHOICES, default=["auto"],
         help="warps of the Triton kernels' walks (spine, expand) for the rows, each in turn: 'auto' each "
-        "launch's own (4 at H <= 32), fewer keep a step's reduction within a warp where the weights fit",
+        "launch's own; 1 keeps a step's reduction within a warp (bppsa_core.triton.launch.walk_warps)",
     )  # fmt: skip
 
 

@@ -39,8 +39,9 @@ MAX_TERMS = 3
 MAX_HIDDEN = 64
 # An LSTM's state is (h, c): 2H numbers, and its four gates' H x H weights stay in registers.
 MAX_LSTM_HIDDEN = MAX_HIDDEN // 2
-# The warps a program may ask the kernels' walks to run on (``bppsa_core.triton.launch.walk_warps``).
-WALK_WARPS = (1, 2, 4, 8)
+# The warps a program may ask the kernels' walks to run on (``bppsa_core.triton.launch.walk_warps``):
+# no more than 4, their own at HP <= 32 (on 8 the GRU's expand at HP = 32 spilled).
+WALK_WARPS = (1, 2, 4)
 
 # Below this many elements, a chunked scan has too few chunks to pay for its extra matrix work.
 _MIN_PARALLEL_LENGTH = 16

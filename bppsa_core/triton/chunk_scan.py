@@ -493,24 +493,24 @@ def launch_config(
     # (python -m benchmarks.kernels --dot tf32x3)
     reduce = {**chain, "DOT": dot if terms == 1 else DOT_PRECISION}
     warps = num_warps(terms, hp)
-    walks_on = walk_warps if walk_warps is not None and hp <= 32 else warps if ahead else 8
+    walk_num_warps = walk_warps if walk_warps is not None and hp <= 32 else warps if ahead else 8
     sources = source_count(mode, has_diag)
     # Compile settings under which no configuration spills to a stack slot (re-checked by
     # ``python -m benchmarks.kernels`` and tests/core/test_compile.py): a reduce loop is not
     # software-pipelined (a step loads a few vectors against an HP x HP product; the loops read each
     # element a step ahead themselves), except the GRU's below HP = 64 or with offsets, where the
     # unpipelined compile spills; the GRU's expand at HP = 16 without offsets gets a register cap that
-    # keeps ptxas from spilling (64 on 4 warps; other warps spill under it, and on 2 without a cap),
-    # and so does the reduce of other chains of several terms at HP = 64, which ptxas kept at 80-128
-    # registers with a stack slot.
+    # keeps ptxas from spilling (64 on 4 warps, 128 on others: under 64 they spilled, and on 2 warps
+    # without a cap), and so does the reduce of other chains of several terms at HP = 64, which ptxas
+    # kept at 80-128 registers with a stack slot.
     unpipelined = not gru or (hp == 64 and not has_b)
     several = 192 if terms > 1 and hp == 64 and not gru else None
     stages, reduce_cap = (1, several) if unpipelined else (None, None)
-    expand_cap = (64 if walks_on == 4 else 128) if gru and hp == 16 and not has_b else None
+    expand_cap = (64 if walk_num_warps == 4 else 128) if gru and hp == 16 and not has_b else None
     return {
         "reduce": Launch(_reduce, reduce, warps, num_stages=stages, maxnreg=reduce_cap, sources=sources),
-        "spine": Launch(_spine, walks, walks_on, sources=sources),
-        "expand": Launch(_expand, walks, walks_on, maxnreg=expand_cap, sources=sources),
+        "spine": Launch(_spine, walks, walk_num_warps, sources=sources),
+        "expand": Launch(_expand, walks, walk_num_warps, maxnreg=expand_cap, sources=sources),
     }
 
 

@@ -424,11 +424,11 @@ def lstm_launch_config(
     # to itself, ptxas kept it at 72 registers on sm_80 with a stack slot, and at 128 some compiles
     # spilled (python -m benchmarks.kernels)
     cap = 192 if hp == 16 else None
-    walks_on = warps if walk_warps is None else max(walk_warps, hp // 16)
+    walk_num_warps = warps if walk_warps is None else max(walk_warps, hp // 16)
     launches = {
         "reduce": Launch(_lstm_reduce, reduce, warps, num_stages=1, maxnreg=cap, sources=sources),
-        "spine": Launch(_lstm_spine, settings, walks_on, sources=sources),
-        "expand": Launch(_lstm_expand, settings, walks_on, sources=sources),
+        "spine": Launch(_lstm_spine, settings, walk_num_warps, sources=sources),
+        "expand": Launch(_lstm_expand, settings, walk_num_warps, sources=sources),
     }
     if fused:  # the cell states first, from the gates
         launches["cells"] = _cells_launch(hp)

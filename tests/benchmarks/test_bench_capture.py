@@ -245,7 +245,7 @@ def test_a_gpu_backward_is_listed_by_its_kernels() -> None:
         (["--naive-max-T", "-1"], "argument --naive-max-T: -1 is negative"),
         (["--capture-error-mode", "local"], "argument --capture-error-mode: invalid choice: 'local'"),
         (["--chunk", "0"], "argument --chunk: 0 is not positive; accepted: positive integers"),
-        (["--walk-warps", "3"], "--walk-warps: invalid choice: '3' (choose from 'auto', '1', '2', '4', '8')"),
+        (["--walk-warps", "3"], "--walk-warps: invalid choice: '3' (choose from 'auto', '1', '2', '4')"),
     ],
 )
 def test_bad_arguments_end_it_in_one_line(argv, message, capsys) -> None:

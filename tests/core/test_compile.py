@@ -175,7 +175,7 @@ def test_every_configuration_compiles_for_both_archs_without_spills(tmp_path) ->
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("warps", [1, 2, 8])
+@pytest.mark.parametrize("warps", [1, 2, 4])
 def test_the_walks_compile_without_spills_on_the_warps_a_program_sets(tmp_path, warps) -> None:
     """``launch.walk_warps``: the spine and the expand of every mode on ``warps`` warps where HP <= 32
     (an LSTM's on at least 2 at HP = 32, where 1 spills), their own above; at H = 1, 20, 32 and 64,
