@@ -63,6 +63,7 @@ from benchmarks.common import (
     positive_int,
     profiled_events,
     run_tool,
+    setting_cells,
     threads_arg,
     walks_on,
 )
@@ -315,18 +316,10 @@ def _ratio(a: Cell | None, b: Cell | None) -> str:
     return f"{a / b:.3g}" if isinstance(a, float) and isinstance(b, float) and b > 0 else "–"
 
 
-def _settings(rows: Sequence[Row], row: Row | None = None) -> list[str]:
-    """The settings the table names (the matmul precision, the walk warps: where a row has one not
-    the default), as column heads, or as ``row``'s cells."""
-    settings = (("matmul precision", "precision", "highest"), ("walk warps", "walks", "auto"))
-    named = [(head, attr) for head, attr, unset in settings if any(getattr(r, attr) != unset for r in rows)]
-    return [head if row is None else getattr(row, attr) for head, attr in named]
-
-
 def format_table(rows: Sequence[Row], device: torch.device) -> str:
     """Markdown: per row the times, and BPPSA's speedup over cuDNN and over the naive loop."""
     baseline = "cuDNN" if device.type == "cuda" else "torch.nn"
-    settings = _settings(rows)
+    settings = setting_cells(rows)
     head = ["model", "T", "B", "H", *settings]
     head += [c.replace("cuDNN", baseline) + " ms" for c in COLUMNS[:TIMES]]
     head += [f"{baseline} / BPPSA eager", "naive / BPPSA eager", f"{baseline} / BPPSA captured"]
@@ -335,7 +328,7 @@ def format_table(rows: Sequence[Row], device: torch.device) -> str:
     body = []
     for r in rows:
         c = r.cells
-        cells = [r.model, str(r.steps), str(r.batch), str(r.hidden), *_settings(rows, r)]
+        cells = [r.model, str(r.steps), str(r.batch), str(r.hidden), *setting_cells(rows, r)]
         cells += [fmt_ms(c.get(k, "–")) for k in COLUMNS[:TIMES]]
         cells += [
             _ratio(c.get("cuDNN eager"), c.get("BPPSA eager")),
@@ -360,11 +353,11 @@ def format_kernels(rows: Sequence[Row]) -> str:
             if rest:
                 listed.append((f"{len(rest)} others", (sum(n for n, _ in rest), sum(us for _, us in rest))))
             listed.append(("all", (sum(n for n, _ in kernels.values()), total)))
-            shape = [str(r.steps), str(r.hidden), *_settings(rows, r), side]
+            shape = [str(r.steps), str(r.hidden), *setting_cells(rows, r), side]
             body += [[*shape, name, f"{n:.3g}", f"{us:.4g}", f"{us / total:.0%}"] for name, (n, us) in listed]
     if not body:
         return ""
-    head = ["T", "H", *_settings(rows), "side"]
+    head = ["T", "H", *setting_cells(rows), "side"]
     return markdown([*head, "kernel", "launches", "µs", "share"], body)
 
 

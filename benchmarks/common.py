@@ -132,10 +132,17 @@ def add_walk_warps(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def names_precision(rows: Sequence[object]) -> bool:
-    """Whether a table names each row's matmul precision (its ``precision``): where one is not
-    PyTorch's default."""
-    return any(getattr(r, "precision", "highest") != "highest" for r in rows)
+# The settings a row may be measured under: (column head, the row's attribute, the default)
+ROW_SETTINGS = (("matmul precision", "precision", "highest"), ("walk warps", "walks", "auto"))
+
+
+def setting_cells(rows: Sequence[object], row: object | None = None) -> list[str]:
+    """The settings a table names (``ROW_SETTINGS``: each where some row has one not the default),
+    as column heads, or as ``row``'s cells."""
+    named = [
+        (head, attr) for head, attr, unset in ROW_SETTINGS if any(getattr(r, attr) != unset for r in rows)
+    ]
+    return [head if row is None else getattr(row, attr) for head, attr in named]
 
 
 def parser(module: str, doc: str) -> argparse.ArgumentParser:

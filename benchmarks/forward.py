@@ -6,6 +6,7 @@
     python -m benchmarks.forward --tables compiled --models rnn gru lstm --H 20 64 256 --T 1000
     python -m benchmarks.forward --device cuda --weights init --T 10000 --matmul-precision highest high
     python -m benchmarks.forward --tables newton --sweeps   # and each solver from Picard sweeps
+    python -m benchmarks.forward --device cuda --tables newton --T 10000 --walk-warps auto 1
 
 Two tables per model and width. ``compiled`` (CPU): torch.nn's training forward against the
 module's with ``strategy="numba"`` (the recurrence compiled, ``bppsa_core.numba_forward``), their
@@ -29,7 +30,8 @@ same task at each T.
 its own, taking turns with the rest; its "its" are the sweeps + the iterations.
 ``--matmul-precision`` times the ``newton`` rows under each of PyTorch's float32 matmul precisions
 given: under "high" the scan kernels' products are three TF32 ones
-(``bppsa_core.triton.launch.dot_precision``).
+(``bppsa_core.triton.launch.dot_precision``); ``--walk-warps`` under each count of warps given for
+the kernels' walks (``bppsa_core.triton.launch.walk_warps``; "auto": their own).
 
 Prints Markdown; progress goes to stderr. Imports nothing beyond torch, so it runs on a bare GPU
 machine.
@@ -38,6 +40,7 @@ machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,17 +52,19 @@ from torch import Tensor
 from benchmarks.common import (
     Progress,
     add_matmul_precision,
+    add_walk_warps,
     device_arg,
     fmt_ms,
     machine_line,
     markdown,
     matmul_precision,
-    names_precision,
     non_negative_int,
     parser,
     positive_int,
     run_tool,
+    setting_cells,
     threads_arg,
+    walks_on,
 )
 from bppsa_core import dispatch
 from bppsa_core import nn as bnn
@@ -88,6 +93,7 @@ class Row:
     features: int
     native_ms: float
     precision: str = "highest"  # torch.get_float32_matmul_precision() while it was measured
+    walks: str = "auto"  # the kernels' walk warps (--walk-warps)
     solver_ms: dict[str, float] = field(default_factory=dict)
     iterations: dict[str, int] = field(default_factory=dict)
     sweeps: dict[str, int] = field(default_factory=dict)
@@ -303,15 +309,14 @@ COMPILED_LEGEND = (
 
 def format_table(rows: Sequence[Row], solvers: Sequence[str]) -> str:
     """Markdown: native time, and per solver its iterations, time, ratio to native and difference."""
-    precisions = names_precision(rows)
-    head = ["model", "weights", "T", "B", "H", "F", *(["matmul precision"] if precisions else [])]
+    head = ["model", "weights", "T", "B", "H", "F", *setting_cells(rows)]
     head.append("native ms")
     for s in solvers:
         head += [f"{s} its", f"{s} ms", f"{s} / native", f"{s} max diff"]
     body = []
     for r in rows:
         cells = [r.model, r.weights, str(r.steps), str(r.batch), str(r.hidden), str(r.features)]
-        cells += [*([r.precision] if precisions else []), fmt_ms(r.native_ms)]
+        cells += [*setting_cells(rows, r), fmt_ms(r.native_ms)]
         for s in solvers:
             its = (f"{r.sweeps[s]} + " if r.sweeps.get(s) else "") + str(r.iterations[s])
             its += "" if r.converged[s] else " (fallback)"
@@ -362,6 +367,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also each solver started from Picard sweeps (newton_guess='sweeps'), taking turns",
     )  # fmt: skip
     add_matmul_precision(p)
+    add_walk_warps(p)
     args = p.parse_args(argv)
     args.methods = [*args.solvers, *(s + SWEEPS for s in args.solvers if args.sweeps)]
     cpu = args.device.type == "cpu"
@@ -400,11 +406,13 @@ def newton_table(
     timing = (args.warmup, args.repeats, args.max_iters, not args.no_grad)
     for label, state in states.items():
         for t in args.T:
-            for precision in args.matmul_precision:
-                progress(f"{model} {label} T={t} {precision} ...")
-                with matmul_precision(precision):
+            for precision, walks in itertools.product(args.matmul_precision, args.walk_warps):
+                progress(f"{model} {label} T={t} {precision}, walk warps {walks} ...")
+                with matmul_precision(precision), walks_on(walks):
                     shape = (t, args.B, hidden, device, dtype)
-                    rows.append(bench(model, state, label, *shape, args.methods, *timing))
+                    row = bench(model, state, label, *shape, args.methods, *timing)
+                row.walks = walks
+                rows.append(row)
     title = f"{model.upper()} (F = {features}, B = {args.B}, H = {hidden})"
     print(f"\n### Forward: {title}\n\n{format_table(rows, args.methods)}", flush=True)
 

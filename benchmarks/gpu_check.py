@@ -31,7 +31,8 @@ and its output (or why it failed, or was skipped):
    forward at initialization (RNN, GRU; T = 10,000 and 100,000), from zeros and from Picard sweeps;
 9. ``walks``: the kernels' walks (spine, expand) on each launch's own warps against 1 and 2
    (``--walk-warps``, ``bppsa_core.triton.launch.walk_warps``): the captured backward per kernel
-   (RNN, GRU, LSTM; H = 20; T = 1,000 and 10,000);
+   (RNN, GRU, LSTM; H = 20; T = 1,000 and 10,000) and the Newton forward at initialization (RNN,
+   GRU; T = 10,000 and 100,000);
 10. ``blocks``: the BPPSA backward's blocks of time steps (``--block-mib`` 8, 32 and 256: a CPU's
     budget, and larger ones that take fewer launches) at T = 1,000, 30,000 and 100,000, which sets
     the GPU's own (``bppsa_core.jacobians.BLOCK_BYTES``);
@@ -116,9 +117,12 @@ PRECISIONS = ["--matmul-precision", "highest", "high"]
 PRECISION_CAPTURE = ["--T", "1000", "10000", "--H", "20", "--naive-max-T", "0", "--kernels", *PRECISIONS]
 # and the Newton forward's other lever, its first iterate from Picard sweeps (--sweeps)
 PRECISION_NEWTON = ["--tables", "newton", "--weights", "init", "--T", "10000", "100000", "--sweeps"]
-# The walks step: the walks on each launch's own warps (4 at H = 20) against 1 and 2, per kernel
+# The walks step: the walks on each launch's own warps (4 at H = 20) against 1 and 2, per kernel,
+# and in the Newton forward, whose iterations are transposed scans
 WALKS = ["--walk-warps", "auto", "1", "2"]
 WALK_CAPTURE = ["--T", "1000", "10000", "--H", "20", "--naive-max-T", "0", "--kernels", *WALKS]
+WALK_NEWTON = ["--tables", "newton", "--weights", "init", "--T", "10000", "100000", "--solvers", "newton"]
+WALK_NEWTON += WALKS
 BLOCK_MIBS = (8, 32, 256)  # the BPPSA backward's blocks of time steps (``--block-mib``)
 GPU_TEST_FILES = (
     "tests/core/test_triton.py",
@@ -226,7 +230,11 @@ def plan(
                 [*forward, *PRECISION_NEWTON, "--solvers", "newton", *PRECISIONS],
             ]
         ),
-        "walks": [[*capture, "--T", "30", "--H", "8", *WALKS]] if dry else [[*capture, *WALK_CAPTURE]],
+        "walks": (
+            [[*capture, "--T", "30", "--H", "8", *WALKS], [*forward, "--quick", *WALKS]]
+            if dry
+            else [[*capture, *WALK_CAPTURE], [*forward, *WALK_NEWTON]]
+        ),
         "blocks": [
             _bench(*block_shape, "--block-mib", str(b), "--tables", "backward", *device) for b in BLOCK_MIBS
         ],

@@ -74,6 +74,25 @@ def test_each_matmul_precision_given_makes_a_newton_row_of_its_own(capsys) -> No
     assert torch.get_float32_matmul_precision() == "highest"  # restored
 
 
+def test_each_walk_warps_given_makes_a_newton_row_of_its_own_with_the_walks_set(monkeypatch, capsys) -> None:
+    from bppsa_core.triton import launch
+
+    seen, real = [], forward.bench
+
+    def bench(*args, **kwargs):
+        seen.append(launch.walk_warps_set())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "bench", bench)
+    argv = ["--tables", "newton", "--models", "rnn", "--weights", "init", "--T", "12", "--B", "2"]
+    argv += ["--H", "3", "--solvers", "newton", "--repeats", "1", "--warmup", "0"]
+    assert forward.main([*argv, "--matmul-precision", "highest", "high", "--walk-warps", "auto", "1"]) == 0
+    (head, rows), *_ = markdown_tables(capsys.readouterr().out)
+    assert head[6:9] == ["matmul precision", "walk warps", "native ms"]
+    assert [r[6:8] for r in rows] == [["highest", "auto"], ["highest", "1"], ["high", "auto"], ["high", "1"]]
+    assert seen == [None, 1, None, 1] and launch.walk_warps_set() is None  # restored
+
+
 def test_sweeps_add_each_solver_from_picard_sweeps_as_a_method_of_its_own(capsys) -> None:
     argv = ["--tables", "newton", "--models", "rnn", "--weights", "init", "--T", "40", "--B", "2"]
     assert forward.main([*argv, "--H", "6", "--solvers", "newton", "--repeats", "1", "--sweeps"]) == 0

@@ -51,9 +51,12 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     for argv in steps["precision"]:
         assert argv[argv.index("--device") + 1] == "cuda"
         assert argv[argv.index("--matmul-precision") + 1 :][:2] == ["highest", "high"]
-    (walks,) = steps["walks"]  # the walks on their own warps, then on 1 and 2, per kernel
-    assert walks[1:3] == ["-m", "benchmarks.capture"] and walks[walks.index("--device") + 1] == "cuda"
-    assert "--kernels" in walks and walks[walks.index("--walk-warps") + 1 :][:3] == ["auto", "1", "2"]
+    walk_capture, walk_newton = steps["walks"]  # the walks on their own warps, then on 1 and 2
+    assert walk_capture[1:3] == ["-m", "benchmarks.capture"] and "--kernels" in walk_capture
+    assert walk_newton[1:3] == ["-m", "benchmarks.forward"] and "newton" in walk_newton
+    for argv in steps["walks"]:
+        assert argv[argv.index("--device") + 1] == "cuda"
+        assert argv[argv.index("--walk-warps") + 1 :][:3] == ["auto", "1", "2"]
     assert [a[a.index("--block-mib") + 1] for a in steps["blocks"]] == [str(b) for b in gpu_check.BLOCK_MIBS]
     assert all(
         a[a.index("--T") + 1 : a.index("--strategies")] == ["1000", "30000", "100000"]
