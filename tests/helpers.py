@@ -110,6 +110,21 @@ def write_tree(root: Path, per_class: int = 2) -> Path:
     return root
 
 
+def walk_warps_seen(monkeypatch: pytest.MonkeyPatch, tool: object) -> list[int | None]:
+    """The kernels' walk warps set (``launch.walk_warps_set``) each time ``tool.bench`` (a
+    benchmark's row) runs, in order: ``tool.bench`` wrapped to record them."""
+    from bppsa_core.triton import launch
+
+    seen, real = [], tool.bench
+
+    def bench(*args, **kwargs):
+        seen.append(launch.walk_warps_set())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tool, "bench", bench)
+    return seen
+
+
 def markdown_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
     """Every Markdown table in ``text``, in order: its header cells and its rows of cells."""
     tables, lines, i = [], text.splitlines(), 0

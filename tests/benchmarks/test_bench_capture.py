@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import extended_except, markdown_tables
+from helpers import extended_except, markdown_tables, walk_warps_seen
 
 from benchmarks import capture
 from benchmarks.scan import MODULES
@@ -166,13 +166,7 @@ def test_each_matmul_precision_given_makes_a_row_of_its_own_named_in_a_column(ca
 def test_each_walk_warps_given_makes_a_row_of_its_own_with_the_kernels_walks_set(monkeypatch, capsys) -> None:
     from bppsa_core.triton import launch
 
-    seen, real = [], capture.bench
-
-    def bench(*args, **kwargs):
-        seen.append(launch.walk_warps_set())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(capture, "bench", bench)
+    seen = walk_warps_seen(monkeypatch, capture)
     argv = ["--models", "rnn", "--T", "8", "--H", "4", "--B", "2", "--repeats", "1", "--warmup", "0"]
     assert capture.main([*argv, "--walk-warps", "auto", "1", "2"]) == 0
     (head, rows), *_ = markdown_tables(capsys.readouterr().out)

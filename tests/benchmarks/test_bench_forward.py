@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import markdown_tables
+from helpers import markdown_tables, walk_warps_seen
 
 from benchmarks import forward
 from benchmarks.forward import bench, parse_args, trained_state
@@ -77,13 +77,7 @@ def test_each_matmul_precision_given_makes_a_newton_row_of_its_own(capsys) -> No
 def test_each_walk_warps_given_makes_a_newton_row_of_its_own_with_the_walks_set(monkeypatch, capsys) -> None:
     from bppsa_core.triton import launch
 
-    seen, real = [], forward.bench
-
-    def bench(*args, **kwargs):
-        seen.append(launch.walk_warps_set())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(forward, "bench", bench)
+    seen = walk_warps_seen(monkeypatch, forward)
     argv = ["--tables", "newton", "--models", "rnn", "--weights", "init", "--T", "12", "--B", "2"]
     argv += ["--H", "3", "--solvers", "newton", "--repeats", "1", "--warmup", "0"]
     assert forward.main([*argv, "--matmul-precision", "highest", "high", "--walk-warps", "auto", "1"]) == 0
