@@ -126,6 +126,22 @@ def test_three_tf32_products_keep_the_kernels_float32_accuracy_on_a_gpu(
     run("cuda", n, batch, hidden, chunk, affine, terms, transposed=transposed, precision="high")
 
 
+def distance(truths: tuple, got: tuple) -> float:
+    """The largest relative distance of a layer backward's outputs from its float64 twin's."""
+    return max(rel_err(t, v.double().cpu()) for t, v in zip(truths, got, strict=True))
+
+
+def fused_layer(kind: str, chunk: int) -> tuple:
+    """A fused layer backward's case maker (``kernel_cases``) and the backward, by kind."""
+    from bppsa_core import triton as ts
+
+    return {
+        "tanh": (partial(fused_rnn_case, "tanh"), lambda *a: ts.rnn_layer_backward(*a, "tanh", chunk)),
+        "gru": (fused_gru_case, lambda *a: ts.gru_layer_backward(*a, chunk)),
+        "lstm": (fused_lstm_case, lambda *a: ts.lstm_layer_backward(*a, chunk)),
+    }[kind]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["tanh", "lstm"])  # a GRU's chain keeps full float32 products
 @pytest.mark.parametrize(("n", "batch", "hidden", "chunk"), [(1000, 16, 20, 22), (1034, 64, 32, 23)])
@@ -137,20 +153,34 @@ def test_three_tf32_products_keep_a_layer_backwards_float32_accuracy_on_a_gpu(
     times their distance or 1e-5, and under 1e-4 (one TF32 product is off by 1e-3)."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
-    from bppsa_core import triton as ts
-
-    case, backward = {
-        "tanh": (partial(fused_rnn_case, "tanh"), lambda *a: ts.rnn_layer_backward(*a, "tanh", chunk)),
-        "lstm": (fused_lstm_case, lambda *a: ts.lstm_layer_backward(*a, chunk)),
-    }[kind]
+    case, backward = fused_layer(kind, chunk)
     args, truths = case(n, batch, hidden, chunk, True, torch.float64)
     args = [a.float().cuda() for a in args]
     err = {}
     for precision in ("highest", "high"):
         with matmul_precision(precision):
             got = backward(*args)
-        err[precision] = max(rel_err(t, v.double().cpu()) for t, v in zip(truths, got, strict=True))
+        err[precision] = distance(truths, got)
     assert err["high"] < min(1e-4, max(1e-5, 16 * err["highest"])), err  # as ``run``'s bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [1, 2])
+@pytest.mark.parametrize("kind", ["tanh", "gru", "lstm"])
+def test_the_walks_on_fewer_warps_keep_a_layer_backwards_float32_accuracy_on_a_gpu(kind, warps) -> None:
+    """``launch.walk_warps``: with its walks on 1 or 2 warps, a fused layer backward is as close to
+    the float64 twin as on its own warps (within 4 times their distance, or 1e-5)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    from bppsa_core.triton.launch import walk_warps
+
+    case, backward = fused_layer(kind, 22)
+    args, truths = case(1000, 16, 20, 22, True, torch.float64)
+    args = [a.float().cuda() for a in args]
+    own = distance(truths, backward(*args))
+    with walk_warps(warps):
+        set_ = distance(truths, backward(*args))
+    assert set_ < max(1e-5, 4 * own), (set_, own)
 
 
 @pytest.mark.parametrize(ARGS, extended_except(TRANSPOSED_CASES, *TRANSPOSED_CASES[::9]))
