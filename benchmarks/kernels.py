@@ -706,6 +706,11 @@ def summary(rows: Sequence[dict[str, Any]], arch: int = 90) -> str:
         here = [r for r in group if r["arch"] == arch]
         if not here:
             continue
+        loops = range(len(here[0]["loops"]))  # none in a pointwise kernel: its cells read "–"
+        per_loop = [  # loop instructions, then barriers
+            " / ".join(_span(r[key][i] for r in here) for i in loops) or "–"
+            for key in ("loops", "loop_barriers")
+        ]
         cells = [
             kernel,
             mode,
@@ -717,15 +722,8 @@ def summary(rows: Sequence[dict[str, Any]], arch: int = 90) -> str:
             _span(r["stack"] + r["local"] for r in group),
             _span(r["shared"] + r["triton_shared"] for r in here),
             _span(r["warps_per_sm"] for r in here),
-            *(
-                [
-                    " / ".join(_span(r[key][i] for r in here) for i in range(len(here[0]["loops"])))
-                    for key in ("loops", "loop_barriers")
-                ]
-                if here[0]["loops"]
-                else ["–", "–"]  # a pointwise kernel: no loop
-            ),
-            _span(r["estimate"] for r in here if r["estimate"] is not None) if here[0]["loops"] else "–",
+            *per_loop,
+            _span(r["estimate"] for r in here if r["estimate"] is not None) if loops else "–",
         ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join([*lines, "", _caption(rows)])
