@@ -10,9 +10,10 @@ h_T (of the top layer: ``h_n[-1]``). BPPSA and BPTT take turns, ``--warmup`` unt
 ``--repeats`` timed iterations each, the processes meeting at a barrier around every phase. A
 phase's time is the slowest rank's.
 
-``--exchange chain`` runs BPPSA's slices chained (``SequenceParallel(..., exchange="chain")``: no
-fold, each rank walks a group from the gradient the next rank hands on) instead of the scan's
-all-gather; its rows are the model's ``bppsa-chain``.
+``--exchange`` is BPPSA's (``SequenceParallel(..., exchange=...)``), by default the module's "auto":
+on CPU ranks its slices chained (no fold, each rank walks a group from the gradient the next rank
+hands on), on GPUs the scan's all-gather; ``allgather`` or ``chain`` takes one. Its rows are the
+model's ``bppsa-allgather`` or ``bppsa-chain``, named by the exchange taken.
 
 As each spawn ends, its times go to stderr in one line, so that a run stopped part-way keeps in its
 log what it had measured.
@@ -83,7 +84,7 @@ import torch.multiprocessing as mp
 
 from benchmarks import memory
 from benchmarks.common import markdown, non_negative_int, parser, positive_int, run_tool
-from bppsa_core.distributed import EXCHANGES, MICRO_BATCHES, sample_groups
+from bppsa_core.distributed import EXCHANGES, MICRO_BATCHES, exchange_taken, sample_groups
 from experiments.timing import median_ms, time_ms
 from toolbox.files import output_folder
 
@@ -536,8 +537,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--exchange",
         choices=EXCHANGES,
-        default="allgather",
-        help="how BPPSA's ranks hand the gradient on: the scan's all-gather or a chain of walks",
+        default="auto",
+        help="how BPPSA's ranks hand the gradient on: the scan's all-gather, a chain of walks, or the "
+        "module's choice (auto: the chain on CPU ranks, the all-gather on GPUs)",
     )
     p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed iterations per mode")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed iterations per mode (median)")
@@ -572,6 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--layers {args.layers} with --out: the cost model (analysis.schemes) prices one recurrent "
             "layer; accepted: --layers 1 with --out"
         )
+    args.exchange = exchange_taken(args.exchange, torch.device(args.device))  # named as taken
     shape = ("B", "H", "model", "features", "layers", "device", "micro_batches", "exchange")
     settings = {k: getattr(args, k) for k in (*shape, "warmup", "repeats", "timeline")}
     # one rank's BPPSA also in each p-rank spawn: on CPUs, whose speed drifts (a GPU rank's would need

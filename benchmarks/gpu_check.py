@@ -45,9 +45,10 @@ and its output (or why it failed, or was skipped):
     of steps 4, 7, 8 and 9;
 14. ``ranks``: the sequence split over 1 to 4 processes on this machine's CPU cores, one gloo rank
     of one thread per core (``benchmarks.distributed`` at T = 100,000): the measured 3- and
-    4-rank points of docs/SCHEMES.md, which a 2-core machine cannot give. Its ``measured.csv``
-    and ``calibration.json`` go to the folder ``<report>-ranks`` beside the report; the same with
-    BPPSA's slices chained (``--exchange chain``) to ``<report>-ranks-chain``. Then the same
+    4-rank points of docs/SCHEMES.md, which a 2-core machine cannot give: BPPSA's all-gather
+    (``--exchange allgather``), its ``measured.csv`` and ``calibration.json`` to the folder
+    ``<report>-ranks`` beside the report; its slices chained (``--exchange chain``, what CPU ranks
+    take by default) to ``<report>-ranks-chain``. Then the same
     over NCCL ranks of one GPU each, 1 to 4 as there are GPUs (one GPU: the NCCL path on one rank);
     with two GPUs or more, once for each sample-group count of the BPPSA backward (``--micro-batches``
     1 to 16), which sets the GPU ranks' own.
@@ -256,7 +257,7 @@ def plan(
             *(
                 _distributed(rank_counts(dry), 2000 if dry else RANKS_T, repeats, warmup, *extra)
                 for extra in (
-                    ["--out", str(ranks_folder(out))],
+                    ["--exchange", "allgather", "--out", str(ranks_folder(out))],
                     ["--exchange", "chain", "--out", str(ranks_folder(out, "chain"))],
                 )
             ),

@@ -89,6 +89,11 @@ which a compiled forward is too short to hide; it pays p - 1 hops where the all-
 ⌈log2 p⌉ rounds. On two ranks the two do the same work. ``python -m analysis.schemes`` models both
 (``bppsa-chain``).
 
+**Which exchange** (``exchange="auto"``, the default; ``exchange_taken``): the chain on CPU ranks,
+where it was the faster at two and three ranks and the model keeps it ahead up to 128; the all-gather
+on GPUs, where a middle rank's fold is a few parallel kernels rather than five walks, and several
+GPUs have not timed the two against each other.
+
 **Backward, distributed BPTT** (``backward="bptt"``, the baseline): the gradient travels back rank
 by rank: each rank waits for the gradient of its last state from rank r + 1, runs autograd over its
 slice (PyTorch's own backward of its fused forward) and sends the gradient of its first state to
@@ -130,8 +135,8 @@ from bppsa_core.scan import fold
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
 # How BPPSA's ranks hand the gradient on (module docstring): the scan's all-gather of folded slices,
-# or a chain of the slices' walks pipelined over the sample groups.
-EXCHANGES: tuple[str, ...] = ("allgather", "chain")
+# a chain of the slices' walks pipelined over the sample groups, or "auto" (``exchange_taken``).
+EXCHANGES: tuple[str, ...] = ("auto", "allgather", "chain")
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
 # The backward's sample groups on more than one rank: the pipeline's fill is 1/m of a slice's backward,
 # and each group adds an all-gather and its own calls; on CPU ranks groups of one sample pay best. A GPU
@@ -215,6 +220,16 @@ class SequenceParallelError(ValueError):
     """A sequence-parallel call that does not add up; raised on every rank alike."""
 
 
+def exchange_taken(exchange: str, device: torch.device) -> str:
+    """The exchange BPPSA's ranks take on ``device`` for ``exchange`` (one of ``EXCHANGES``): itself,
+    or for "auto" the chain on CPU ranks, where a middle rank's fold outlasts the forwards that would
+    hide it, and the all-gather on GPUs, where a fold is a few parallel kernels (module docstring;
+    re-measured by ``python -m benchmarks.distributed --ranks 2 3 --exchange allgather`` and ``chain``)."""
+    if exchange != "auto":
+        return exchange
+    return "chain" if device.type == "cpu" else "allgather"
+
+
 def _cpu_of_several(size: int, device: torch.device) -> bool:
     """A CPU rank of a group of several: its outputs are stored batch-major and its walks take
     ``RANK_BLOCK_BYTES`` blocks (module docstring)."""
@@ -235,7 +250,8 @@ class SequenceParallel(nn.Module):
     final states of every layer, the same on every rank. ``micro_batches``: how many groups of
     samples the BPPSA backward pipelines over the ranks, and the most its compiled forward does;
     ``exchange``: how BPPSA's ranks hand the gradient on, "allgather" (the scan over the ranks'
-    folded slices) or "chain" (module docstring).
+    folded slices), "chain" (module docstring) or "auto": the chain on CPU ranks, the all-gather on
+    GPUs (``exchange_taken``).
     """
 
     def __init__(
@@ -244,7 +260,7 @@ class SequenceParallel(nn.Module):
         group: dist.ProcessGroup | None = None,
         backward: str = "bppsa",
         micro_batches: int = MICRO_BATCHES,
-        exchange: str = "allgather",
+        exchange: str = "auto",
     ):
         super().__init__()
         if backward not in BACKWARDS:
@@ -283,6 +299,7 @@ class SequenceParallel(nn.Module):
         per_layer = len(m._flat_weights) // m.num_layers
         layers = [m._flat_weights[i * per_layer : (i + 1) * per_layer] for i in range(m.num_layers)]
         groups = _forward_groups(x, batch, self.backward, self.micro_batches, self.group, m, layers)
+        exchange = exchange_taken(self.exchange, x.device)
         lstm = m.mode == "LSTM"
         if hx is None:
             zeros = x.new_zeros(m.num_layers, batch, m.hidden_size)
@@ -295,7 +312,7 @@ class SequenceParallel(nn.Module):
             c0_i = None if c0 is None else c0[i]
             inp, last = _Layer.apply(
                 inp, h0[i], c0_i, m.mode, m.strategy, self.backward, groups[i], self.micro_batches,
-                self.exchange, folds, self.group, *weights,
+                exchange, folds, self.group, *weights,
             )  # fmt: skip
             lasts.append(last)
         with torch.no_grad():  # a fold is part of the backward: no graph of its own

@@ -60,6 +60,9 @@ IDENTITY_FREE = ("trainer.epochs",)
 # that value a key is left out, so a run recorded before the key keeps its identity (a sweep rerun
 # skips it, a resume takes it).
 ADDED_KEYS = {"trainer.capture": False, "backward.exchange": "allgather"}
+# Result keys that change nothing in one process: left out where the run had one (its resolved
+# ``hardware.ranks`` null), so a single-process run's identity does not depend on them.
+RANKS_ONLY_KEYS = ("backward.exchange",)
 # Overrides that name or place the sweep, not one of its jobs: left out of job folder names.
 SWEEP_KEYS = ("name", "experiment", "sweep", "hydra")
 # The model's keys of the forward solver (conf/forward/solver.yaml): BPPSA variants, as the backward's are.
@@ -129,7 +132,8 @@ def read_table(path: Path) -> pd.DataFrame | None:
 
 
 def _result_keys(config: dict) -> dict[str, Any]:
-    """The configuration as dotted keys, less NON_RESULT_KEYS and ADDED_KEYS at their old values."""
+    """The configuration as dotted keys, less NON_RESULT_KEYS, ADDED_KEYS at their old values and,
+    in one process, RANKS_ONLY_KEYS."""
     flat: dict[str, Any] = {}
 
     def walk(node: Any, prefix: tuple[str, ...]) -> None:
@@ -142,7 +146,8 @@ def _result_keys(config: dict) -> dict[str, Any]:
             flat[".".join(prefix)] = node
 
     walk(json.loads(json.dumps(config, default=str)), ())
-    return {k: v for k, v in flat.items() if k not in ADDED_KEYS or v != ADDED_KEYS[k]}
+    unused = RANKS_ONLY_KEYS if flat.get("hardware.ranks") is None else ()
+    return {k: v for k, v in flat.items() if (k not in ADDED_KEYS or v != ADDED_KEYS[k]) and k not in unused}
 
 
 def _identity_keys(config: dict) -> dict[str, Any]:

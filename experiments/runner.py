@@ -370,7 +370,7 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
             if x0.shape[1] < ranks.size:  # a length the configuration does not give (IRMAS frames)
                 raise unsplittable(x0.shape[1], ranks.size)
             split = (ranks.rank, ranks.size) if ranks.size > 1 else None
-            exchange = cfg.backward.get("exchange", "allgather")
+            exchange = cfg.backward.get("exchange", "auto")
             model = Classifier(layer, data.classes, split, exchange).to(device)
             optimizer = build(cfg.optimizer, params=model.parameters())
             for group in optimizer.param_groups if cfg.trainer.capture else ():

@@ -52,7 +52,7 @@ class Classifier(nn.Module):
     """
 
     def __init__(
-        self, rnn: nn.RNNBase, classes: int, ranks: tuple[int, int] | None = None, exchange: str = "allgather"
+        self, rnn: nn.RNNBase, classes: int, ranks: tuple[int, int] | None = None, exchange: str = "auto"
     ) -> None:
         super().__init__()
         self.rnn = rnn

@@ -70,7 +70,8 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     for argv in (ranks, chained):
         assert "--device" not in argv  # CPU ranks: the cost model's measured points
     assert ranks[ranks.index("--out") + 1] == str(Path.cwd() / "gpu_report-ranks")  # beside the report
-    assert "--exchange" not in ranks and chained[chained.index("--exchange") + 1] == "chain"
+    assert ranks[ranks.index("--exchange") + 1] == "allgather"  # the default on CPU ranks is the chain
+    assert chained[chained.index("--exchange") + 1] == "chain"
     assert chained[chained.index("--out") + 1] == str(Path.cwd() / "gpu_report-ranks-chain")
     assert on_gpus[on_gpus.index("--device") + 1] == "cuda" and "--out" not in on_gpus
 

@@ -206,8 +206,10 @@ def test_nccl_ranks_of_one_gpu_each_give_autograds_gradients() -> None:
 
 
 def _folds_in_the_forward(rank: int, size: int) -> None:
-    """Each middle rank folds each layer's slice once, in the forward, and only when a backward can
-    follow; the first and last ranks never fold. A retained graph goes back twice from one fold."""
+    """With the all-gather, each middle rank folds each layer's slice once, in the forward, and only
+    when a backward can follow; the first and last ranks never fold. A retained graph goes back twice
+    from one fold. CPU ranks by default chain their slices: no rank folds, and every one receives a
+    gradient from the next rank but the last."""
     from unittest import mock
 
     import bppsa_core.distributed as sp
@@ -217,7 +219,13 @@ def _folds_in_the_forward(rank: int, size: int) -> None:
     mine = torch.tensor_split(x, size)[rank]
     middle = 0 < rank < size - 1
     with mock.patch.object(sp, "slice_fold", wraps=sp.slice_fold) as folds:
-        parallel = SequenceParallel(model)
+        out, h_n = SequenceParallel(model)(mine)
+        with mock.patch.object(sp.dist, "irecv", wraps=sp.dist.irecv) as receives:
+            (out.sum() + h_n.sum()).backward()
+        assert folds.call_count == 0, f"rank {rank}: folded under the default exchange on CPU ranks"
+        assert (receives.call_count > 0) == (rank < size - 1), f"rank {rank}: {receives.call_count} receives"
+        model.zero_grad()
+        parallel = SequenceParallel(model, exchange="allgather")
         with torch.no_grad():
             parallel(mine)
         assert folds.call_count == 0, f"rank {rank}: folded without a backward to come"
@@ -245,7 +253,7 @@ def _spans(rank: int, size: int) -> None:
     from bppsa_core.distributed import timeline
 
     torch.manual_seed(0)
-    parallel = SequenceParallel(RNN(F, H, dtype=torch.float64), micro_batches=2)
+    parallel = SequenceParallel(RNN(F, H, dtype=torch.float64), micro_batches=2, exchange="allgather")
     x = torch.randn(T, B, F, dtype=torch.float64)[_mine(rank, size)]
     timeline.reset()
     out, h_n = parallel(x)
@@ -281,7 +289,7 @@ def _order(rank: int, size: int) -> None:
     import bppsa_core.distributed as sp
 
     torch.manual_seed(0)
-    parallel = SequenceParallel(RNN(F, H, dtype=torch.float64), micro_batches=2)
+    parallel = SequenceParallel(RNN(F, H, dtype=torch.float64), micro_batches=2, exchange="allgather")
     x = torch.randn(T, B, F, dtype=torch.float64)[_mine(rank, size)]
     events, real_gather, real_walk = [], dist.all_gather, sp.bppsa_backward
 
@@ -515,7 +523,7 @@ def test_a_split_that_does_not_add_up_is_refused_on_every_rank() -> None:
         (GRU(F, H, bidirectional=True), {}, "bidirectional layers cannot run sequence-parallel"),
         (GRU(F, H, num_layers=2, dropout=0.5), {}, "dropout 0.5 between layers is not taken"),
         (GRU(F, H), {"backward": "ring"}, "unknown backward 'ring'; accepted: bppsa, bptt"),
-        (GRU(F, H), {"exchange": "tree"}, "unknown exchange 'tree'; accepted: allgather, chain"),
+        (GRU(F, H), {"exchange": "tree"}, "unknown exchange 'tree'; accepted: auto, allgather, chain"),
         (GRU(F, H), {"micro_batches": 0}, "micro_batches 0 is not taken; accepted: a positive integer"),
         (GRU(F, H), {"micro_batches": 2.5}, "micro_batches 2.5 is not taken; accepted: a positive integer"),
     ],
@@ -542,7 +550,9 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     assert "| 80 | 2 | bppsa |" in printed and "vs BPTT, same ranks" in printed
     rows = pd.read_csv(tmp_path / "measured.csv")
     assert set(zip(rows["scheme"], rows["p"], strict=True)) == {
-        (s, p) for s in ("bppsa-allgather", "bptt-distributed") for p in (1, 2)
+        (s, p)
+        for s in ("bppsa-chain", "bptt-distributed")
+        for p in (1, 2)  # CPU ranks' default exchange
     }
     assert (rows["time"] > 0).all() and (rows["backward_s"] > 0).all()
     assert (rows["memory_per_rank"] > 0).all()  # the forward keeps its states for the backward
@@ -554,7 +564,7 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     line = next(line for line in printed.splitlines() if line.startswith("| 80 | 2 | bppsa |"))
     assert "| vs 1 rank, same processes |" in printed and line.split("|")[8].strip().endswith("×")
     two = rows[(rows["p"] == 2) & (rows["backward"] == "bppsa")].set_index("T")["bytes_per_rank"]
-    assert two[40] == two[80] > 0  # one all-gather of B·H·(H+1) numbers, whatever T
+    assert two[40] == two[80] > 0  # a gradient of B·H numbers handed on, whatever T
     load_measured(tmp_path / "measured.csv")  # what analysis.schemes draws beside its model
     # one rank's costs at the largest T, as the model charges a device (analysis.schemes)
     costs = load_calibration(tmp_path / "calibration.json")
@@ -587,10 +597,9 @@ def test_the_benchmark_prints_each_ranks_timeline_when_asked(capsys) -> None:
     args = ["--ranks", "1", "2", "--T", "40", "--B", "4", "--warmup", "0", "--repeats", "1"]
     assert bench.main(args) == 0
     assert "each rank's spans" not in capsys.readouterr().out
-    assert bench.main([*args, "--timeline", "--micro-batches", "2"]) == 0
-    printed = capsys.readouterr().out
-    assert "BPPSA backward, T = 40, 1 rank(s): each rank's spans (ms from its start)" in printed
-    two = printed.split("BPPSA backward, T = 40, 2 rank(s)")[1].splitlines()
+    allgather = ["--ranks", "2", *args[3:], "--timeline", "--micro-batches", "2", "--exchange", "allgather"]
+    assert bench.main(allgather) == 0
+    two = capsys.readouterr().out.split("BPPSA backward, T = 40, 2 rank(s)")[1].splitlines()
     assert two[1].startswith("rank 0: all-gather ") and two[1].count("walk ") == 2
     assert two[2].startswith("rank 1: walk ") and "wait " in two[2] and two[2].endswith(tuple("0123456789)"))
 
@@ -736,7 +745,7 @@ def test_one_rank_runs_in_the_p_ranks_processes_only_on_cpus_and_when_one_rank_i
     assert asked == [alongside, alongside]
 
 
-def test_the_chained_exchange_reaches_the_ranks_and_names_its_rows_as_the_model_does(
+def test_the_exchange_taken_reaches_the_ranks_and_names_its_rows_as_the_model_does(
     tmp_path, monkeypatch, capsys
 ) -> None:
     import pandas as pd
@@ -753,11 +762,17 @@ def test_the_chained_exchange_reaches_the_ranks_and_names_its_rows_as_the_model_
         return [rank] * ranks
 
     monkeypatch.setattr(bench, "measure", measure)
-    assert bench.main(["--ranks", "2", "3", "--T", "30", "--exchange", "chain", "--out", str(tmp_path)]) == 0
-    assert asked == ["chain", "chain"] and "BPPSA's exchange chain;" in capsys.readouterr().out
-    rows = pd.read_csv(tmp_path / "measured.csv")
-    assert set(rows["scheme"]) == {"bppsa-chain", "bptt-distributed"}
-    load_measured(tmp_path / "measured.csv")  # schemes the model draws
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    # the module's default names the exchange it takes: the chain on CPU ranks, the all-gather on GPUs
+    cases = (([], "chain"), (["--exchange", "allgather"], "allgather"), (["--device", "cuda"], "allgather"))
+    for extra, taken in cases:
+        asked.clear()
+        out = tmp_path / taken / str(len(extra))
+        assert bench.main(["--ranks", "2", "3", "--T", "30", *extra, "--out", str(out)]) == 0
+        assert asked == [taken, taken] and f"BPPSA's exchange {taken};" in capsys.readouterr().out
+        rows = pd.read_csv(out / "measured.csv")
+        assert set(rows["scheme"]) == {f"bppsa-{taken}", "bptt-distributed"}
+        load_measured(out / "measured.csv")  # schemes the model draws
 
 
 def test_the_speedup_in_the_same_processes_pairs_each_iteration_and_other_ranks_only_meet(

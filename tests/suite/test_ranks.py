@@ -86,7 +86,7 @@ def test_three_ranks_chained_train_as_one_process_does(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
         losses[ranks] = pd.read_csv(run_dir / "records.csv").set_index("epoch")
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["config"]["backward"]["exchange"] == ("chain" if extra else "allgather")
+        assert summary["config"]["backward"]["exchange"] == ("chain" if extra else "auto")
     for column in ("loss", "test_loss"):
         assert (abs(losses[1][column] - losses[3][column]) <= 1e-4 * abs(losses[1][column])).all(), column
 

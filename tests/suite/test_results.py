@@ -138,11 +138,16 @@ def test_a_key_added_later_keeps_the_identity_of_runs_recorded_before_it_at_its_
     assert records.differing_keys(before, off) == {}
     assert records.differing_keys(before, on) == {"trainer.capture": (None, True)}
     # backward.exchange: the all-gather is what sequence-parallel runs did before the key
-    bppsa = {**before, "backward": {"mode": "bppsa", "strategy": "auto"}}
-    gather, chain = (
-        {**bppsa, "backward": {**bppsa["backward"], "exchange": e}} for e in ("allgather", "chain")
+    bppsa = {**before, "backward": {"mode": "bppsa", "strategy": "auto"}, "hardware": {"ranks": 2}}
+    gather, chain, auto = (
+        {**bppsa, "backward": {**bppsa["backward"], "exchange": e}} for e in ("allgather", "chain", "auto")
     )
     assert records.config_hash(gather) == records.config_hash(bppsa) != records.config_hash(chain)
+    assert records.config_hash(auto) not in (records.config_hash(gather), records.config_hash(chain))
+    # in one process (ranks null) there is no exchange: every value is the run recorded before the key
+    alone = [{**c, "hardware": {"ranks": None}} for c in (bppsa, gather, chain, auto)]
+    assert len({records.config_hash(c) for c in alone}) == 1
+    assert records.differing_keys(alone[0], alone[2]) == {}
 
 
 def test_the_merge_writes_every_cell_back_as_it_was(tmp_path: Path) -> None:

@@ -698,7 +698,7 @@ BAD_INPUT = [
         "hardware.device=cuda (or auto) on a machine with a GPU, or trainer.capture=false",
     ),
     (["trainer.capture=maybe"], "trainer.capture must be true or false, got 'maybe'"),
-    (["backward.exchange=ring"], "backward.exchange must be one of allgather, chain, got 'ring'"),
+    (["backward.exchange=ring"], "backward.exchange must be one of auto, allgather, chain, got 'ring'"),
     (
         ["trainer.capture=true", "model=lstm", "model.forward_solver=newton"],
         "model.forward_solver=newton needs the host during the step, which trainer.capture=true replays "
