@@ -90,9 +90,10 @@ which a compiled forward is too short to hide; it pays p - 1 hops where the all-
 (``bppsa-chain``).
 
 **Which exchange** (``exchange="auto"``, the default; ``exchange_taken``): the chain on CPU ranks,
-where it was the faster at two and three ranks and the model keeps it ahead up to 128; the all-gather
-on GPUs, where a middle rank's fold is a few parallel kernels rather than five walks, and several
-GPUs have not timed the two against each other.
+where it was as fast on two ranks and two to three times faster on three, and the model keeps it
+ahead of the all-gather at every rank count it prices (to 1,024); the all-gather on GPUs, where a
+middle rank's fold is a few parallel kernels rather than five walks, and several GPUs have not timed
+the two against each other.
 
 **Backward, distributed BPTT** (``backward="bptt"``, the baseline): the gradient travels back rank
 by rank: each rank waits for the gradient of its last state from rank r + 1, runs autograd over its
