@@ -376,10 +376,11 @@ def _results(out: str, ranks: int) -> list[dict] | None:
     return every if isinstance(every, list) and len(every) == ranks and all(every) else None
 
 
-def rows_of(steps: int, ranks: int, per_rank: list[dict], exchange: str = "allgather") -> list[dict]:
+def rows_of(steps: int, ranks: int, per_rank: list[dict], exchange: str) -> list[dict]:
     """One row per backward mode: the slowest rank's phase times, the most bytes and memory of a rank;
     BPPSA's also its speedup over one rank in the same processes, where measured (``_times``). Each
-    row's scheme is the model's name for it (``analysis.schemes``), BPPSA's by its ``exchange``."""
+    row's scheme is the model's name for it (``analysis.schemes``), BPPSA's by the ``exchange`` its
+    ranks took (``exchange_taken``)."""
     rows = []
     for name in ("bppsa", "bptt"):
         forward = max(r["times"][name]["forward"] for r in per_rank)
