@@ -258,16 +258,18 @@ def prefetch_row(typingctx, array, t, b):
     return nbtypes.void(array, t, b), codegen
 
 
-def _product_tile(rows: int) -> Callable:
+def _product_tile(rows: int, per: int) -> Callable:
     """An intrinsic ``tile(acc, h, w_t, b0)``: ``acc[b0:b0 + rows] += h[b0:b0 + rows] @ w_t[:, :R]``
     for C-contiguous acc (N, R), h (N, K) and w_t (K, R') with R' >= R >= ``LANES``. Each block of
     ``LANES`` columns holds the ``rows`` rows' sums in registers while k runs (one load of w_t's
     row serves every row), and every element adds its products one at a time, k ascending (each a
     fused multiply-add where ``FMA``): the same bits as a plain loop in that order, whatever the
-    tile. Blocks go two at a time. The last block, where R is not a multiple of the lanes, is the
-    window of the last ``LANES`` columns, summed with the last pair or odd block (three or two at
-    a time: at H = 20 one pass of k, not two) from the values before this update and stored last
-    (the columns it shares with the block before are the same operations, so the same bits)."""
+    tile. Blocks go ``per`` at a time: each is a chain of K dependent additions, so a tile of few
+    rows needs more blocks in flight to keep the vector units busy. The last block, where R is not
+    a multiple of the lanes, is the window of the last ``LANES`` columns, summed with the blocks
+    left over (or the last ``per``: at H = 20 one pass of k, not two) from the values before this
+    update and stored last (the columns it shares with the block before are the same operations,
+    so the same bits)."""
 
     @intrinsic
     def tile(typingctx, acc, h, w_t, b0):
@@ -299,8 +301,8 @@ def _product_tile(rows: int) -> Callable:
 
             acc_rows = [row(a.data, i, cols) for i in range(rows)]
             h_rows = [row(x.data, i, inner) for i in range(rows)]
-            # the sums of up to three blocks of columns at once: independent chains per row
-            sums = [[cgutils.alloca_once(builder, v.type) for _ in range(3)] for _ in range(rows)]
+            # the sums of up to per + 1 blocks of columns at once: independent chains per row
+            sums = [[cgutils.alloca_once(builder, v.type) for _ in range(per + 1)] for _ in range(rows)]
 
             def blocks(starts):
                 """sums[i][c] = row i's columns starts[c] .. + lanes, every k's product added in order."""
@@ -324,26 +326,32 @@ def _product_tile(rows: int) -> Callable:
                     for c, j in enumerate(starts):
                         v.store(builder.load(sums[i][c]), acc_rows[i], j)
 
-            width = ir.Constant(i64, v.lanes)
+            def const(n):
+                return ir.Constant(i64, n)
+
+            width = const(v.lanes)
             last = builder.sub(cols, width)
             full = builder.udiv(cols, width)
-            pairs, odd = builder.udiv(full, ir.Constant(i64, 2)), builder.trunc(full, ir.IntType(1))
-            ragged = builder.icmp_unsigned("!=", builder.urem(cols, width), ir.Constant(i64, 0))
-            # A ragged window joins the last group of blocks (a pair, or the odd block left), so that
-            # its k loop is not a pass of its own: it is summed from the values before the update
-            # like the rest, and stored last.
-            joins_pair = builder.and_(ragged, builder.not_(odd))
-            with cgutils.for_range(builder, builder.sub(pairs, builder.zext(joins_pair, i64))) as loop:
-                j = builder.mul(loop.index, ir.Constant(i64, 2 * v.lanes))
-                update([j, builder.add(j, width)])
-            j = builder.mul(builder.sub(full, ir.Constant(i64, 1)), width)  # the odd block, if any
-            with builder.if_then(joins_pair):
-                pair = builder.mul(builder.sub(pairs, ir.Constant(i64, 1)), ir.Constant(i64, 2 * v.lanes))
-                update([pair, builder.add(pair, width), last])
-            with builder.if_then(builder.and_(odd, ragged)):
-                update([j, last])
-            with builder.if_then(builder.and_(odd, builder.not_(ragged))):
-                update([j])
+            groups, left = builder.udiv(full, const(per)), builder.urem(full, const(per))
+            ragged = builder.icmp_unsigned("!=", builder.urem(cols, width), const(0))
+            # A ragged window joins the blocks left over (or, with none left, the last group), so
+            # that its k loop is not a pass of its own: it is summed from the values before the
+            # update like the rest, and stored last.
+            joins_group = builder.and_(ragged, builder.icmp_unsigned("==", left, const(0)))
+            with cgutils.for_range(builder, builder.sub(groups, builder.zext(joins_group, i64))) as loop:
+                j = builder.mul(loop.index, const(per * v.lanes))
+                update([builder.add(j, const(c * v.lanes)) for c in range(per)])
+            with builder.if_then(joins_group):
+                j = builder.mul(builder.sub(groups, const(1)), const(per * v.lanes))
+                update([*(builder.add(j, const(c * v.lanes)) for c in range(per)), last])
+            j = builder.mul(groups, const(per * v.lanes))  # the blocks left over, if any
+            for n in range(1, per):
+                starts = [builder.add(j, const(c * v.lanes)) for c in range(n)]
+                is_n = builder.icmp_unsigned("==", left, const(n))
+                with builder.if_then(builder.and_(is_n, ragged)):
+                    update([*starts, last])
+                with builder.if_then(builder.and_(is_n, builder.not_(ragged))):
+                    update(starts)
             return context.get_dummy_value()
 
         return nbtypes.void(acc, h, w_t, b0), codegen
@@ -351,7 +359,9 @@ def _product_tile(rows: int) -> Callable:
     return tile
 
 
-_tile4, _tile1 = _product_tile(4), _product_tile(1)
+# Four rows hold 3 x 4 sums in registers at most, blocks two at a time; one row's blocks go eight
+# at a time, chains enough for the vector units (re-measured by ``python -m benchmarks.backward``).
+_tile4, _tile1 = _product_tile(4, 2), _product_tile(1, 8)
 
 
 @njit(inline="always", error_model="numpy")
@@ -426,7 +436,7 @@ def put(dst, src):
 # file, not by its options or by the code it inlines from this module, so a build made with other
 # options or an older ``add_hidden`` is not loaded from an older cache (the tag changes with them).
 _OPTIONS = dict(cache=True, error_model="numpy", nogil=True)
-_OPTIONS_TAG = "ng7"
+_OPTIONS_TAG = "ng8"
 
 
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:

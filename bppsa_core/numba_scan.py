@@ -56,43 +56,50 @@ from bppsa_core.numba_math import (
 
 
 @njit(cache=True, inline="always")
-def _apply(k, b0, per_row, n_terms, has_diag, tiny, scales, diag, w, ys, u, acc):
+def _apply(k, b0, per_row, n_terms, has_diag, tiny, scales, diag, w0, w1, w2, ys, u, acc):
     """acc[i] = ys[i] @ M_k[b] for every row i, b = b0 + i·per_row (a walk's rows are samples side by
     side, an aggregate's the rows of one sample's), with results below ``tiny`` in magnitude flushed
-    to 0 (module docstring); u (rows, H) is scratch. Indexed, never sliced (a view per step costs
-    its reference counting), and a step's rows side by side: each row's work is a few short loops,
-    whose entry costs as much as their body. The rows of M are taken four at a time and their
-    products summed in pairs, so each result waits on a chain of H / 4 additions instead of H
-    (re-measured by ``python -m benchmarks.backward --strategies numba chunked``)."""
+    to 0 (module docstring); w0, w1, w2 the terms' weights (``_terms``), u (rows, H) scratch. Each
+    term scales the rows (u = ys * s_kj), then adds u @ W_j four rows at a time in vector registers
+    (``numba_math.add_hidden``): each load of W serves four samples, which matters once W leaves
+    the L1 cache (from H = 48 for a GRU's three terms), and no row's bits depend on its neighbours
+    (re-measured by ``python -m benchmarks.backward --strategies numba``). Indexed, never sliced
+    (a view per step costs its reference counting)."""
     rows, hid = ys.shape
     zero = ys.dtype.type(0)
-    quads = hid - hid % 4
     for i in range(rows):
-        b = b0 + i * per_row
-        bs = b if scales.shape[1] > 1 else 0
-        bd = b if diag.shape[1] > 1 else 0
+        bd = b0 + i * per_row if diag.shape[1] > 1 else 0
         for j in range(hid):
             acc[i, j] = ys[i, j] * diag[k, bd, j] if has_diag else zero
-        for t in range(n_terms):
+    for t in range(n_terms):
+        for i in range(rows):
+            bs = b0 + i * per_row if scales.shape[1] > 1 else 0
             for r in range(hid):
                 u[i, r] = ys[i, r] * scales[k, bs, t, r]
-            for r in range(0, quads, 4):
-                a0, a1, a2, a3 = u[i, r], u[i, r + 1], u[i, r + 2], u[i, r + 3]
-                for j in range(hid):
-                    acc[i, j] += (a0 * w[t, r, j] + a1 * w[t, r + 1, j]) + (
-                        a2 * w[t, r + 2, j] + a3 * w[t, r + 3, j]
-                    )
-            for r in range(quads, hid):
-                a = u[i, r]
-                for j in range(hid):
-                    acc[i, j] += a * w[t, r, j]
+        if t == 0:
+            add_hidden(acc, u, w0)
+        elif t == 1:
+            add_hidden(acc, u, w1)
+        else:
+            add_hidden(acc, u, w2)
+    for i in range(rows):
         for j in range(hid):
             if abs(acc[i, j]) < tiny:
                 acc[i, j] = zero
 
 
-@njit(cache=True)
-def _walk(n_terms, has_diag, has_b, tiny, lo, hi, b0, ys, scales, diag, w, offsets, out):
+@njit(cache=True, inline="always")
+def _terms(w):
+    """The K <= 3 weights (K, H, H) as ``_apply`` takes them: three C-contiguous (H, H) copies (the
+    last one repeated where K < 3), their rows ``padded`` apart, made once per scan."""
+    w0 = padded(w[0])
+    w1 = padded(w[min(1, w.shape[0] - 1)])
+    w2 = padded(w[min(2, w.shape[0] - 1)])
+    return w0, w1, w2
+
+
+@njit(cache=True, inline="always")  # into the builds: their names say which add_hidden
+def _walk(n_terms, has_diag, has_b, tiny, lo, hi, b0, ys, scales, diag, w0, w1, w2, offsets, out):
     """Walk elements hi - 1 down to lo of samples b0 .. b0 + len(ys) - 1 from ys (one x_hi a row),
     side by side, storing every x_k into ``out``."""
     nb, hid = ys.shape
@@ -104,7 +111,7 @@ def _walk(n_terms, has_diag, has_b, tiny, lo, hi, b0, ys, scales, diag, w, offse
             prefetch_row(out, k - 1, b0 + i)
             if has_b:
                 prefetch_row(offsets, k - 1, b0 + i)
-        _apply(k, b0, 1, n_terms, has_diag, tiny, scales, diag, w, ys, u, nxt)
+        _apply(k, b0, 1, n_terms, has_diag, tiny, scales, diag, w0, w1, w2, ys, u, nxt)
         for i in range(nb):
             for j in range(hid):
                 v = nxt[i, j] + offsets[k, b0 + i, j] if has_b else nxt[i, j]
@@ -121,6 +128,7 @@ def _scan(n_terms, has_diag, has_b, tiny, chunk, groups, scales, diag, w, offset
     agg = np.empty((max(nagg, 1), batch, hid, hid), x_last.dtype)
     agg_off = np.zeros((max(nagg, 1), batch, hid), x_last.dtype)
     entry = np.empty((max(p - 1, 1), batch, hid), x_last.dtype)
+    w0, w1, w2 = _terms(w)
     for task in prange(nagg * batch):  # reduce: chunk q = 1..P-2, last element applied first
         q, b = np.int64(task) // batch + 1, np.int64(task) % batch  # a prange index is unsigned
         a = np.eye(hid, dtype=x_last.dtype)
@@ -128,10 +136,10 @@ def _scan(n_terms, has_diag, has_b, tiny, chunk, groups, scales, diag, w, offset
         c = np.zeros((1, hid), x_last.dtype)
         cu, c_nxt = np.empty_like(c), np.empty_like(c)
         for k in range(q * chunk + chunk - 1, q * chunk - 1, -1):
-            _apply(k, b, 0, n_terms, has_diag, tiny, scales, diag, w, a, u, nxt)
+            _apply(k, b, 0, n_terms, has_diag, tiny, scales, diag, w0, w1, w2, a, u, nxt)
             a, nxt = nxt, a
             if has_b:
-                _apply(k, b, 0, n_terms, has_diag, tiny, scales, diag, w, c, cu, c_nxt)
+                _apply(k, b, 0, n_terms, has_diag, tiny, scales, diag, w0, w1, w2, c, cu, c_nxt)
                 for j in range(hid):
                     c[0, j] = c_nxt[0, j] + offsets[k, b, j]
         put(agg[q - 1, b], a)
@@ -140,7 +148,8 @@ def _scan(n_terms, has_diag, has_b, tiny, chunk, groups, scales, diag, w, offset
         b0, b1 = g * batch // groups, (g + 1) * batch // groups
         ys = x_last[b0:b1].copy()
         put(out[n, b0:b1], ys)
-        _walk(n_terms, has_diag, has_b, tiny, (p - 1) * chunk, n, b0, ys, scales, diag, w, offsets, out)
+        lo = (p - 1) * chunk
+        _walk(n_terms, has_diag, has_b, tiny, lo, n, b0, ys, scales, diag, w0, w1, w2, offsets, out)
         if p > 1:
             put(entry[nagg, b0:b1], ys)
     for b_ in prange(batch if nagg else 0):  # then the aggregates, a sample a task
@@ -158,7 +167,7 @@ def _scan(n_terms, has_diag, has_b, tiny, chunk, groups, scales, diag, w, offset
         b0, b1 = g * batch // groups, (g + 1) * batch // groups
         ys = entry[q, b0:b1].copy()
         lo = q * chunk
-        _walk(n_terms, has_diag, has_b, tiny, lo, lo + chunk, b0, ys, scales, diag, w, offsets, out)
+        _walk(n_terms, has_diag, has_b, tiny, lo, lo + chunk, b0, ys, scales, diag, w0, w1, w2, offsets, out)
 
 
 @njit(cache=True)

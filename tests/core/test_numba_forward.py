@@ -135,11 +135,12 @@ def test_two_threads_give_the_one_thread_result_bit_for_bit(mode) -> None:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype) -> None:
-    """``numba_math.add_hidden`` (rows in tiles of four and one, columns in vector blocks, a ragged
-    last block) against ``add_hidden_reference``: the same bits for rows of every count, columns
-    narrower than a vector, a multiple of it, one block more or less than a pair, and ragged after
-    pairs or after an odd block, so that the threads' groups of samples change nothing; and with
-    w_t's rows longer than acc's (``numba_math.padded``), whose columns past acc's are never read."""
+    """``numba_math.add_hidden`` (rows in tiles of four, blocks of columns two at a time, and of one,
+    eight at a time; a ragged last block) against ``add_hidden_reference``: the same bits for rows
+    of every count, columns narrower than a vector, and every count of blocks up to 17 with and
+    without a ragged one (so every count left over after the pairs and the eights, and the window
+    joining a whole group), so that the threads' groups of samples change nothing; and with w_t's
+    rows longer than acc's (``numba_math.padded``), whose columns past acc's are never read."""
     import numba
 
     @numba.njit(error_model="numpy")
@@ -154,7 +155,7 @@ def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype)
     rng = np.random.default_rng(0)
     shapes = [
         (16, 20, 80), (16, 80, 20), (5, 7, 9), (3, 3, 3), (1, 1, 8), (7, 4, 17), (6, 33, 64), (9, 5, 24),
-        (4, 6, 28), (5, 3, 13), (4, 2, 60),
+        (4, 6, 28), (5, 3, 13), (4, 2, 60), *((rows, 3, cols) for rows in (1, 6) for cols in range(8, 141)),
     ]  # fmt: skip
     differs = []
     draw = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
