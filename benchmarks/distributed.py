@@ -56,14 +56,15 @@ costs the model charges a device that runs ``bppsa_core.distributed`` (``--calib
 - ``forward_sample``: seconds per step and sample of BPPSA's forward where it runs compiled (a CPU
   with numba), else 0: BPPSA's forward is then the fused one too;
 - ``forward_group``: seconds per step of that compiled forward for each group of samples it runs at
-  once, whatever its samples: a group of ``FORWARD_GROUP_SAMPLES`` (as a rank of several runs them)
+  once, whatever its samples: a group of ``GROUP_SAMPLES`` (as a rank of several runs them)
   is timed against the whole batch in the one rank's process, and the two costs split one rank's
   forward into this and ``forward_sample``;
 - ``walk``: seconds per step and sample of BPPSA's backward of a slice from a given gradient;
 - ``fold``: seconds per step and sample of a middle rank's fold of its slice into one matrix per
   sample (``slice_fold``, as a middle rank runs it in its forward);
 - ``overhead``: seconds per operation of BPTT's backward (autograd's, 2T - 1 operations);
-- ``groups``: the BPPSA backward's sample groups (``--micro-batches``).
+- ``groups``: the BPPSA backward's sample groups on a rank of several (``--micro-batches`` at most,
+  ``distributed.backward_groups``).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ import torch.multiprocessing as mp
 
 from benchmarks import memory
 from benchmarks.common import markdown, non_negative_int, parser, positive_int, run_tool
-from bppsa_core.distributed import EXCHANGES, MICRO_BATCHES, exchange_taken, sample_groups
+from bppsa_core.distributed import EXCHANGES, MICRO_BATCHES, backward_groups, exchange_taken, sample_groups
 from experiments.timing import median_ms, time_ms
 from toolbox.files import output_folder
 
@@ -264,19 +265,19 @@ def _compiled_forward(model: torch.nn.RNNBase, x: torch.Tensor) -> bool:
 
 
 def _group_share(model: torch.nn.RNNBase, x: torch.Tensor, warmup: int, repeats: int) -> float:
-    """The compiled forward of a group of ``FORWARD_GROUP_SAMPLES`` samples of ``x`` over that of the
+    """The compiled forward of a group of ``GROUP_SAMPLES`` samples of ``x`` over that of the
     whole batch (medians, taking turns), each into a batch-major output as a rank of several runs
     its groups (``SequenceParallel``'s forward)."""
-    from bppsa_core.distributed import FORWARD_GROUP_SAMPLES
+    from bppsa_core.distributed import GROUP_SAMPLES
     from bppsa_core.layer import sequential_forward
     from bppsa_core.numba_forward import new_outputs
 
     steps, batch = x.shape[:2]
-    if batch <= FORWARD_GROUP_SAMPLES:  # the batch is one group
+    if batch <= GROUP_SAMPLES:  # the batch is one group
         return 1.0
     weights, h0 = list(model._flat_weights), x.new_zeros(batch, model.hidden_size)
     out = new_outputs(steps, batch, model.hidden_size, x.dtype, batch_major=True)
-    sizes: dict[int, list[float]] = {FORWARD_GROUP_SAMPLES: [], batch: []}
+    sizes: dict[int, list[float]] = {GROUP_SAMPLES: [], batch: []}
 
     def run(n: int) -> None:
         with torch.no_grad():  # as in the forward of the ranks (the weights require grad)
@@ -295,14 +296,14 @@ def _group_share(model: torch.nn.RNNBase, x: torch.Tensor, warmup: int, repeats:
 
 def forward_split(per_step: float, batch: int, share: float) -> tuple[float, float]:
     """(per sample, per group): a compiled forward's cost per step, ``per_step`` for the whole batch,
-    split so that a group of ``FORWARD_GROUP_SAMPLES`` costs ``share`` of it: the straight line
+    split so that a group of ``GROUP_SAMPLES`` costs ``share`` of it: the straight line
     through the two. A share no line with both parts positive passes (0: none measured) leaves the
     whole cost per sample."""
-    from bppsa_core.distributed import FORWARD_GROUP_SAMPLES
+    from bppsa_core.distributed import GROUP_SAMPLES
 
-    if batch <= FORWARD_GROUP_SAMPLES:
+    if batch <= GROUP_SAMPLES:
         return per_step / batch, 0.0
-    per_sample = per_step * (1 - share) / (batch - FORWARD_GROUP_SAMPLES)
+    per_sample = per_step * (1 - share) / (batch - GROUP_SAMPLES)
     per_group = per_step - per_sample * batch
     if per_sample <= 0 or per_group < 0:
         return per_step / batch, 0.0
@@ -314,7 +315,7 @@ def calibration(
 ) -> dict:
     """The model's costs of a device (module docstring) from one rank's rows at ``steps``;
     ``compiled``: BPPSA's forward ran compiled (else it is the fused one, which ``forward_step``
-    prices), a group of ``FORWARD_GROUP_SAMPLES`` costing ``share`` of the batch (``_group_share``;
+    prices), a group of ``GROUP_SAMPLES`` costing ``share`` of the batch (``_group_share``;
     0: no group's part)."""
     one = {r["backward"]: r for r in rows if r["p"] == 1 and r["T"] == steps}
     per_sample, per_group = 0.0, 0.0
@@ -533,7 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--micro-batches",
         type=positive_int,
         default=MICRO_BATCHES,
-        help="sample groups the BPPSA backward pipelines over the ranks (the most its compiled forward does)",
+        help="the most sample groups the BPPSA backward pipelines over the ranks, on CPU ranks of 4 samples "
+        "at least (and the most its compiled forward does)",
     )
     p.add_argument(
         "--exchange",
@@ -614,7 +616,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, costs = merged(rounds), None
     if folds:
         steps = max(folds)
-        groups = len(sample_groups(args.B, args.micro_batches))
+        device = torch.device(args.device)  # the groups of a rank of several
+        groups = len(sample_groups(args.B, backward_groups(args.B, args.micro_batches, 2, device)))
         share = statistics.median(shares[steps]) if steps in shares else 0.0
         costs = calibration(steps, args.B, groups, rows, statistics.median(folds[steps]), compiled, share)
         bppsa_forward = "BPPSA's fused"

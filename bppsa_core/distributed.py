@@ -22,7 +22,7 @@ slices are long enough for a message's latency not to count (``FORWARD_GROUP_MIN
 batch goes in groups: a rank sends each group's last state on as soon as it has it, and rank r + 1
 runs that group while rank r runs the next. For m groups over p ranks a layer then takes about
 (p + m - 1) / m slices' forwards of a group instead of p of the batch; ``forward_groups`` picks the
-m whose pipeline is shortest (at least ``FORWARD_GROUP_SAMPLES`` samples each, ``micro_batches``
+m whose pipeline is shortest (at least ``GROUP_SAMPLES`` samples each, ``micro_batches``
 groups at most): two groups for the paper's RNN on two ranks, where a group's own work is four
 samples', four for its GRU. The ranks agree on it (one all-gather at the start, which also checks
 the slices), since a sender's groups must be its receiver's. PyTorch's fused kernel costs nearly
@@ -60,8 +60,10 @@ wavefront. A forward under ``torch.no_grad()`` or with nothing requiring a gradi
 one whose outputs never reach a backward has folded for nothing.
 
 **Micro-batches in the backward.** Samples are independent, so the batch is cut into
-``micro_batches`` contiguous groups (default ``MICRO_BATCHES``, at most one per sample), and the
-steps above run group after group: while the other ranks finish group j (steps 4-5), the last
+``micro_batches`` contiguous groups at most (default ``MICRO_BATCHES``), on CPU ranks of at least
+``GROUP_SAMPLES`` samples each (``backward_groups``: the compiled walk multiplies four samples at a
+time, and walks a group of fewer about half as fast per sample, so the paper's B = 16 goes in four
+groups), and the steps above run group after group: while the other ranks finish group j (steps 4-5), the last
 rank already works on group j + 1 (step 1). That is a pipeline over the groups: the backward takes
 about (m + 1) / m of one rank's share of the work for m groups, instead of twice it with two ranks,
 where the first rank would wait for the last rank's whole backward. Bytes exchanged are the same;
@@ -139,15 +141,17 @@ BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
 # a chain of the slices' walks pipelined over the sample groups, or "auto" (``exchange_taken``).
 EXCHANGES: tuple[str, ...] = ("auto", "allgather", "chain")
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
-# The backward's sample groups on more than one rank: the pipeline's fill is 1/m of a slice's backward,
-# and each group adds an all-gather and its own calls; on CPU ranks groups of one sample pay best. A GPU
-# rank's group may cost nearly what the whole batch does (a launch per product, whatever the samples).
-# Re-measured by ``python -m benchmarks.distributed --micro-batches M`` (``--device cuda`` on GPUs, or
-# the ``ranks`` step of ``benchmarks.gpu_check`` on two GPUs or more, which runs 1 to 16 groups).
+# The most sample groups the backward runs in turn on more than one rank: the pipeline's fill is 1/m of
+# a slice's backward, and each group adds an exchange and its own calls. A GPU rank's group may cost
+# nearly what the whole batch does (a launch per product, whatever the samples). Re-measured by
+# ``python -m benchmarks.distributed --micro-batches M`` (``--device cuda`` on GPUs, or the ``ranks``
+# step of ``benchmarks.gpu_check`` on two GPUs or more, which runs 1 to 16 groups).
 MICRO_BATCHES = 16
-# Samples a group of a compiled forward over several CPU ranks takes at least (``forward_groups``):
-# the hidden product's tiles take four samples at a time, and fewer re-read the weights per sample.
-FORWARD_GROUP_SAMPLES = 4
+# Samples a group takes at least on CPU ranks, in the compiled forward (``forward_groups``) and in the
+# backward (``backward_groups``): the compiled kernels' products take four samples at a time
+# (``numba_math.add_hidden``), and a group of fewer walks each sample about half as fast (re-measured
+# by ``python -m benchmarks.distributed --ranks 2 --T 100000 --micro-batches 4``, against 16).
+GROUP_SAMPLES = 4
 # A compiled step's work for a group of samples beside its samples' (the loop, the stores), in
 # multiply-adds: about 100 ns, four samples' of the paper's RNN (re-measured as ``forward_group``
 # over ``forward_sample`` by ``python -m benchmarks.distributed --ranks 1 2 --T 100000``).
@@ -249,7 +253,8 @@ class SequenceParallel(nn.Module):
     ``batch_first``, and the initial states as torch.nn takes them (h0, or an LSTM's (h0, c0), each
     (num_layers, B, H); read on rank 0), and returns this rank's outputs of the top layer and the
     final states of every layer, the same on every rank. ``micro_batches``: how many groups of
-    samples the BPPSA backward pipelines over the ranks, and the most its compiled forward does;
+    samples the BPPSA backward pipelines over the ranks at most (on CPU ranks, groups of at least
+    ``GROUP_SAMPLES``: ``backward_groups``), and the most its compiled forward does;
     ``exchange``: how BPPSA's ranks hand the gradient on, "allgather" (the scan over the ranks'
     folded slices), "chain" (module docstring) or "auto": the chain on CPU ranks, the all-gather on
     GPUs (``exchange_taken``).
@@ -456,12 +461,21 @@ def sample_groups(batch: int, groups: int) -> list[slice]:
     return [slice(int(g[0]), int(g[-1]) + 1) for g in torch.arange(batch).tensor_split(min(batch, groups))]
 
 
+def backward_groups(batch: int, micro_batches: int, ranks: int, device: torch.device) -> int:
+    """How many groups of samples the BPPSA backward over ``ranks`` runs in turn (module docstring):
+    one on a single rank, ``micro_batches`` at most, and on CPU ranks groups of at least
+    ``GROUP_SAMPLES`` samples, for the compiled walk's products."""
+    if ranks == 1:
+        return 1
+    return max(1, min(micro_batches, batch // GROUP_SAMPLES)) if device.type == "cpu" else micro_batches
+
+
 def forward_groups(batch: int, steps: int, micro_batches: int, ranks: int = 2, work: float = 0) -> int:
     """How many groups of samples a compiled forward over ``ranks`` CPU ranks hands on in turn
     (``_pipelined_forward``), its shortest slice ``steps`` long, a sample's step ``work``
     multiply-adds (0: unknown): the count whose pipeline ends first, a group's step costing its
     samples' work plus ``FORWARD_GROUP_WORK``; ``micro_batches`` at most, each of at least
-    ``FORWARD_GROUP_SAMPLES``, the fewest of equals, and one below ``FORWARD_GROUP_MIN_STEPS``."""
+    ``GROUP_SAMPLES``, the fewest of equals, and one below ``FORWARD_GROUP_MIN_STEPS``."""
     if steps < FORWARD_GROUP_MIN_STEPS:
         return 1
     own = FORWARD_GROUP_WORK / work if work > 0 else 0.0  # a group's own work, in samples
@@ -469,7 +483,7 @@ def forward_groups(batch: int, steps: int, micro_batches: int, ranks: int = 2, w
     def pipeline(m: int) -> float:  # the last rank's end: the first rank's m groups, then the last
         return m * own + batch + (ranks - 1) * (own + -(-batch // m))
 
-    return min(range(1, max(1, min(micro_batches, batch // FORWARD_GROUP_SAMPLES)) + 1), key=pipeline)
+    return min(range(1, max(1, min(micro_batches, batch // GROUP_SAMPLES)) + 1), key=pipeline)
 
 
 def _pipelined_forward(x, state, mode, strategy, groups, group, weights):
@@ -556,7 +570,7 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     whose share needs no walk of its own starts every group's all-gather first (``early``)."""
     x, h_in, out, *rest = ctx.saved_tensors
     c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
-    spans = sample_groups(h_in.shape[0], ctx.micro_batches if size > 1 else 1)
+    spans = sample_groups(h_in.shape[0], backward_groups(h_in.shape[0], ctx.micro_batches, size, x.device))
     folded = ctx.folded  # a middle rank's A, folded in the forward (kept for a retained graph)
     # views of the group's samples: the walk copies each block's steps side by side as it goes
     # (jacobians.PreviousStates), so no copy of the group's whole slice is made
@@ -599,7 +613,7 @@ def _chained(ctx, grad_out, grad_hn, grad_cn, rank, size):
     x, h_in, out, *rest = ctx.saved_tensors
     c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
     group, lstm, need_x = ctx.group, ctx.lstm, ctx.needs_input_grad[0]
-    spans = sample_groups(h_in.shape[0], ctx.micro_batches if size > 1 else 1)
+    spans = sample_groups(h_in.shape[0], backward_groups(h_in.shape[0], ctx.micro_batches, size, x.device))
     config = LayerConfig(ctx.mode, options=ScanOptions())
     top = rank == size - 1
     if not top:  # every group's gradient from the right, received as it comes

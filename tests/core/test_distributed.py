@@ -18,7 +18,7 @@ from torch import nn
 
 from bppsa_core import GRU, LSTM, RNN
 from bppsa_core.chain import DenseChain
-from bppsa_core.distributed import MICRO_BATCHES, SequenceParallel, SequenceParallelError
+from bppsa_core.distributed import GROUP_SAMPLES, MICRO_BATCHES, SequenceParallel, SequenceParallelError
 from bppsa_core.layer import LayerConfig
 from bppsa_core.scan import fold, sequential_scan
 
@@ -97,10 +97,10 @@ def _exact(rank: int, size: int) -> None:
 
     mine = _mine(rank, size)
     cases = ((RNN, {"nonlinearity": "tanh"}), (RNN, {"nonlinearity": "relu"}), (GRU, {}), (LSTM, {}))
-    # BPPSA with the batch whole, in groups of 2 + 1 samples, and one sample a group (the default),
-    # in the backward and (groups of one sample at least, and any slice, here) in the compiled forward;
-    # its slices' walks chained in groups of 2 + 1 and of one sample
-    sp.FORWARD_GROUP_SAMPLES, sp.FORWARD_GROUP_MIN_STEPS, sp.FORWARD_GROUP_WORK = 1, 1, 0
+    # BPPSA with the batch whole, in groups of 2 + 1 samples, and one sample a group (the default
+    # count, with groups of one sample at least here, and any slice) in the backward and the compiled
+    # forward; its slices' walks chained in groups of 2 + 1 and of one sample
+    sp.GROUP_SAMPLES, sp.FORWARD_GROUP_MIN_STEPS, sp.FORWARD_GROUP_WORK = 1, 1, 0
     runs = (
         ("bppsa", 1, "allgather"),
         ("bppsa", 2, "allgather"),
@@ -250,8 +250,10 @@ def test_a_middle_rank_folds_in_the_forward_only() -> None:
 def _spans(rank: int, size: int) -> None:
     """Three ranks, two sample groups, a loss on every output (so the middle rank walks twice per
     group: its own outputs' part and the gradient from the right)."""
+    import bppsa_core.distributed as sp
     from bppsa_core.distributed import timeline
 
+    sp.GROUP_SAMPLES = 1  # groups of fewer samples than a CPU rank's tiles take, for a batch of 3
     torch.manual_seed(0)
     parallel = SequenceParallel(RNN(F, H, dtype=torch.float64), micro_batches=2, exchange="allgather")
     x = torch.randn(T, B, F, dtype=torch.float64)[_mine(rank, size)]
@@ -288,6 +290,7 @@ def _order(rank: int, size: int) -> None:
 
     import bppsa_core.distributed as sp
 
+    sp.GROUP_SAMPLES = 1  # groups of fewer samples than a CPU rank's tiles take, for a batch of 3
     torch.manual_seed(0)
     parallel = SequenceParallel(RNN(F, H, dtype=torch.float64), micro_batches=2, exchange="allgather")
     x = torch.randn(T, B, F, dtype=torch.float64)[_mine(rank, size)]
@@ -329,8 +332,10 @@ def _one_scratch(rank: int, size: int) -> None:
     """Each rank walks its sample groups with one set of scratch buffers, not fresh ones per group."""
     from unittest import mock
 
+    import bppsa_core.distributed as sp
     import bppsa_core.numba_scan as numba_scan
 
+    sp.GROUP_SAMPLES = 1  # groups of fewer samples than a CPU rank's tiles take, for a batch of 3
     torch.manual_seed(0)
     parallel = SequenceParallel(RNN(F, H, dtype=torch.float64), micro_batches=2)  # groups of 2 and 1
     out, h_n = parallel(torch.randn(T, B, F, dtype=torch.float64)[_mine(rank, size)])
@@ -359,7 +364,7 @@ def test_a_ranks_sample_groups_share_the_walks_scratch() -> None:
 
 def _forward_sends(rank: int, size: int) -> None:
     """A layer that runs compiled hands its last state on a group of samples at a time (groups of
-    ``FORWARD_GROUP_SAMPLES`` samples at least, ``micro_batches`` at most), where the shortest slice
+    ``GROUP_SAMPLES`` samples at least, ``micro_batches`` at most), where the shortest slice
     has ``FORWARD_GROUP_MIN_STEPS``; one that runs PyTorch's kernel (strategy "sequential", or
     compiled on one rank only) and the BPTT baseline hand on the batch whole. Either way the
     outputs and final states are torch.nn's."""
@@ -367,7 +372,7 @@ def _forward_sends(rank: int, size: int) -> None:
 
     from bppsa_core import distributed as sp
 
-    batch = 3 * sp.FORWARD_GROUP_SAMPLES + 1
+    batch = 3 * sp.GROUP_SAMPLES + 1
     x = torch.randn(T, batch, F, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     shortest = T // size
     # strategy, backward, micro-batches, the least steps, the first rank compiled only; sends a layer
@@ -410,7 +415,7 @@ def _forward_sends(rank: int, size: int) -> None:
         (16, 4, 420, 16, 4),  # more ranks to fill: more groups
         (64, 2, 420, 16, 4),
         (16, 2, 3 * 20 * 44, 16, 4),  # its GRU (24 inputs): a group costs little more than its samples
-        (16, 2, 0, 16, 4),  # work unknown: as many as groups of FORWARD_GROUP_SAMPLES allow
+        (16, 2, 0, 16, 4),  # work unknown: as many as groups of GROUP_SAMPLES allow
         (16, 2, 420, 1, 1),  # micro_batches bounds them
         (3, 2, 0, 16, 1),  # fewer samples than a group takes
     ],
@@ -449,8 +454,9 @@ def _rank_blocks(rank: int, size: int) -> None:
 
         return real(taken, *args)
 
+    distributed.GROUP_SAMPLES = 1  # on several ranks, groups of one sample, for a batch of 3
     torch.manual_seed(0)
-    parallel = SequenceParallel(RNN(F, H, dtype=torch.float64))  # on several ranks, groups of one sample
+    parallel = SequenceParallel(RNN(F, H, dtype=torch.float64))
     out, h_n = parallel(torch.randn(T, B, F, dtype=torch.float64)[_mine(rank, size)])
     layout = (H, out.shape[0] * H, 1) if size > 1 else (B * H, H, 1)
     assert out.stride() == layout, f"rank {rank} of {size}: outputs of strides {out.stride()}"
@@ -571,7 +577,7 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
     assert (
         set(costs)
         == {"forward_step", "forward_sample", "forward_group", "walk", "fold", "overhead", "groups"}
-        and costs["groups"] == MICRO_BATCHES
+        and costs["groups"] == 16 // GROUP_SAMPLES  # a CPU rank's groups: MICRO_BATCHES at most
     )
     one = rows[(rows["p"] == 1) & (rows["T"] == 80)].set_index("backward")
     # BPTT's forward is the fused one, per step; BPPSA's is compiled here, per step and sample and
@@ -594,7 +600,7 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
 def test_the_benchmark_prints_each_ranks_timeline_when_asked(capsys) -> None:
     from benchmarks import distributed as bench
 
-    args = ["--ranks", "1", "2", "--T", "40", "--B", "4", "--warmup", "0", "--repeats", "1"]
+    args = ["--ranks", "1", "2", "--T", "40", "--B", "8", "--warmup", "0", "--repeats", "1"]  # groups of 4
     assert bench.main(args) == 0
     assert "each rank's spans" not in capsys.readouterr().out
     allgather = ["--ranks", "2", *args[3:], "--timeline", "--micro-batches", "2", "--exchange", "allgather"]
