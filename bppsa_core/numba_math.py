@@ -389,7 +389,7 @@ def add_hidden(acc, h, w_t):
     registers (``_product_tile``), each element's products added one at a time, k ascending (fused
     where ``FMA``), so that the rows' grouping (the threads' groups of samples) changes no bit.
     Rows narrower than a vector take the same order in plain loops. The compiled forward's
-    recurrence and the LSTM's walk; its plain twin is ``add_hidden_reference``."""
+    recurrence and the walks (``numba_scan``); its plain twin is ``add_hidden_reference``."""
     n, cols = acc.shape
     if cols < LANES_MIN:
         add_hidden_reference(acc, h, w_t)
