@@ -55,8 +55,9 @@ def _at_one_and_two_threads(monkeypatch, builds: tuple[str, str], run) -> list:
 @pytest.mark.extended  # the parallel scan's build to compile, a dozen seconds
 def test_threads_change_nothing(monkeypatch) -> None:
     """Every task of a phase is independent, so 2 threads give the 1-thread result bit for bit, with
-    all three phases running (chunk 3 of 37 elements: reduce, spine and expand)."""
-    chain, x, b = chain_case(37, 3, 5, True, 3, F32)
+    all three phases running (chunk 3 of 37 elements: reduce, spine and expand), and the walk's
+    products of a group of 6 samples (a tile of four and two rows) as of two groups of 3 (rows)."""
+    chain, x, b = chain_case(37, 6, 9, True, 3, F32)
     run = lambda: scan(chain, x, b, strategy="numba", chunk=3)  # noqa: E731
     one, two = _at_one_and_two_threads(monkeypatch, ("_scan_serial", "_scan_parallel"), run)
     assert torch.equal(one, two)
