@@ -258,18 +258,19 @@ def prefetch_row(typingctx, array, t, b):
     return nbtypes.void(array, t, b), codegen
 
 
-def _product_tile(rows: int, per: int) -> Callable:
+def _product_tile(rows: int, pers: tuple[int, ...]) -> Callable:
     """An intrinsic ``tile(acc, h, w_t, b0)``: ``acc[b0:b0 + rows] += h[b0:b0 + rows] @ w_t[:, :R]``
     for C-contiguous acc (N, R), h (N, K) and w_t (K, R') with R' >= R >= ``LANES``. Each block of
     ``LANES`` columns holds the ``rows`` rows' sums in registers while k runs (one load of w_t's
     row serves every row), and every element adds its products one at a time, k ascending (each a
     fused multiply-add where ``FMA``): the same bits as a plain loop in that order, whatever the
-    tile. Blocks go ``per`` at a time: each is a chain of K dependent additions, so a tile of few
-    rows needs more blocks in flight to keep the vector units busy. The last block, where R is not
-    a multiple of the lanes, is the window of the last ``LANES`` columns, summed with the blocks
-    left over (or the last ``per``: at H = 20 one pass of k, not two) from the values before this
-    update and stored last (the columns it shares with the block before are the same operations,
-    so the same bits)."""
+    tile. Blocks go ``pers[0]`` at a time, those left over ``pers[1]`` at a time, and so on: each
+    is a chain of K dependent additions, so a tile of few rows needs more blocks in flight to keep
+    the vector units busy, and a few passes for the leftovers keep the code (and its compile)
+    short. The last block, where R is not a multiple of the lanes, is the window of the last
+    ``LANES`` columns, summed in the last pass (at H = 20 one pass of k, not two) from the values
+    before this update and stored last (the columns it shares with the block before are the same
+    operations, so the same bits)."""
 
     @intrinsic
     def tile(typingctx, acc, h, w_t, b0):
@@ -301,8 +302,8 @@ def _product_tile(rows: int, per: int) -> Callable:
 
             acc_rows = [row(a.data, i, cols) for i in range(rows)]
             h_rows = [row(x.data, i, inner) for i in range(rows)]
-            # the sums of up to per + 1 blocks of columns at once: independent chains per row
-            sums = [[cgutils.alloca_once(builder, v.type) for _ in range(per + 1)] for _ in range(rows)]
+            # the sums of up to max(pers) + 1 blocks of columns at once: independent chains per row
+            sums = [[cgutils.alloca_once(builder, v.type) for _ in range(max(pers) + 1)] for _ in range(rows)]
 
             def blocks(starts):
                 """sums[i][c] = row i's columns starts[c] .. + lanes, every k's product added in order."""
@@ -331,27 +332,38 @@ def _product_tile(rows: int, per: int) -> Callable:
 
             width = const(v.lanes)
             last = builder.sub(cols, width)
-            full = builder.udiv(cols, width)
-            groups, left = builder.udiv(full, const(per)), builder.urem(full, const(per))
             ragged = builder.icmp_unsigned("!=", builder.urem(cols, width), const(0))
-            # A ragged window joins the blocks left over (or, with none left, the last group), so
-            # that its k loop is not a pass of its own: it is summed from the values before the
-            # update like the rest, and stored last.
-            joins_group = builder.and_(ragged, builder.icmp_unsigned("==", left, const(0)))
-            with cgutils.for_range(builder, builder.sub(groups, builder.zext(joins_group, i64))) as loop:
-                j = builder.mul(loop.index, const(per * v.lanes))
-                update([builder.add(j, const(c * v.lanes)) for c in range(per)])
-            with builder.if_then(joins_group):
-                j = builder.mul(builder.sub(groups, const(1)), const(per * v.lanes))
-                update([*(builder.add(j, const(c * v.lanes)) for c in range(per)), last])
-            j = builder.mul(groups, const(per * v.lanes))  # the blocks left over, if any
-            for n in range(1, per):
-                starts = [builder.add(j, const(c * v.lanes)) for c in range(n)]
-                is_n = builder.icmp_unsigned("==", left, const(n))
-                with builder.if_then(builder.and_(is_n, ragged)):
-                    update([*starts, last])
-                with builder.if_then(builder.and_(is_n, builder.not_(ragged))):
-                    update(starts)
+
+            def sweep(j0, count, pers):
+                """``count`` blocks from column ``j0``, ``pers[0]`` at a time, those left over by
+                ``pers[1:]`` (the last per's leftovers one pass each). A ragged window joins the
+                last pass (the blocks left over, or the last group where none are), so that its k
+                loop is not a pass of its own: it is summed from the values before the update like
+                the rest, and stored last."""
+                per = pers[0]
+                groups, left = builder.udiv(count, const(per)), builder.urem(count, const(per))
+                none_left = builder.icmp_unsigned("==", left, const(0))
+                some = builder.icmp_unsigned("!=", count, const(0))
+                joins = builder.and_(ragged, builder.and_(none_left, some))
+                with cgutils.for_range(builder, builder.sub(groups, builder.zext(joins, i64))) as loop:
+                    j = builder.add(j0, builder.mul(loop.index, const(per * v.lanes)))
+                    update([builder.add(j, const(c * v.lanes)) for c in range(per)])
+                with builder.if_then(joins):
+                    j = builder.add(j0, builder.mul(builder.sub(groups, const(1)), const(per * v.lanes)))
+                    update([*(builder.add(j, const(c * v.lanes)) for c in range(per)), last])
+                j = builder.add(j0, builder.mul(groups, const(per * v.lanes)))  # the blocks left over
+                if len(pers) > 1:
+                    sweep(j, left, pers[1:])
+                    return
+                for n in range(1, per):
+                    starts = [builder.add(j, const(c * v.lanes)) for c in range(n)]
+                    is_n = builder.icmp_unsigned("==", left, const(n))
+                    with builder.if_then(builder.and_(is_n, ragged)):
+                        update([*starts, last])
+                    with builder.if_then(builder.and_(is_n, builder.not_(ragged))):
+                        update(starts)
+
+            sweep(const(0), builder.udiv(cols, width), pers)
             return context.get_dummy_value()
 
         return nbtypes.void(acc, h, w_t, b0), codegen
@@ -360,8 +372,9 @@ def _product_tile(rows: int, per: int) -> Callable:
 
 
 # Four rows hold 3 x 4 sums in registers at most, blocks two at a time; one row's blocks go eight
-# at a time, chains enough for the vector units (re-measured by ``python -m benchmarks.backward``).
-_tile4, _tile1 = _product_tile(4, 2), _product_tile(1, 8)
+# at a time, chains enough for the vector units, then two (re-measured by ``python -m
+# benchmarks.backward``).
+_tile4, _tile1 = _product_tile(4, (2,)), _product_tile(1, (8, 2))
 
 
 @njit(inline="always", error_model="numpy")

@@ -76,12 +76,7 @@ def _apply(k, b0, per_row, n_terms, has_diag, tiny, scales, diag, w0, w1, w2, ys
             bs = b0 + i * per_row if scales.shape[1] > 1 else 0
             for r in range(hid):
                 u[i, r] = ys[i, r] * scales[k, bs, t, r]
-        if t == 0:
-            add_hidden(acc, u, w0)
-        elif t == 1:
-            add_hidden(acc, u, w1)
-        else:
-            add_hidden(acc, u, w2)
+        add_hidden(acc, u, w0 if t == 0 else w1 if t == 1 else w2)  # one inlined copy: compile time
     for i in range(rows):
         for j in range(hid):
             if abs(acc[i, j]) < tiny:
