@@ -372,8 +372,8 @@ def _product_tile(rows: int, pers: tuple[int, ...]) -> Callable:
 
 
 # Four rows hold 3 x 4 sums in registers at most, blocks two at a time; one row's blocks go eight
-# at a time, chains enough for the vector units, then two (re-measured by ``python -m
-# benchmarks.backward``).
+# at a time, chains enough for the vector units, then two (re-measured by
+# ``python -m benchmarks.backward``).
 _tile4, _tile1 = _product_tile(4, (2,)), _product_tile(1, (8, 2))
 
 
