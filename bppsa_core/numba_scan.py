@@ -165,41 +165,57 @@ def _scan(n_terms, has_diag, has_b, tiny, chunk, groups, scales, diag, w, offset
         _walk(n_terms, has_diag, has_b, tiny, lo, lo + chunk, b0, ys, scales, diag, w0, w1, w2, offsets, out)
 
 
-@njit(cache=True)
-def _lstm_walk(has_hh, has_b, tiny, b, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out):
-    """Walk an LSTM chain's elements n - 1 down to 0 for sample b from out[n, b] = (x_h, x_c),
-    storing every x_k into ``out``: the four gates' rows (x_h * scales_h + x_c * scales_c) against
-    the stacked (4H, H) weights, four rows at a time as in ``_apply``; c's part is diagonal."""
-    n, hid = scales_h.shape[0], w.shape[1]
-    rows = 4 * hid
-    y = out[n, b, :].copy()
-    pre = np.empty(rows, y.dtype)
-    nxt = np.empty(2 * hid, y.dtype)
+@njit(cache=True, inline="always")  # into the builds: their names say which add_hidden
+def _lstm_walk(
+    has_hh, has_b, tiny, b0, b1, scales_h, scales_c, w_rows, diag_hc, diag_cc, diag_hh, offsets, out
+):
+    """Walk an LSTM chain's elements n - 1 down to 0 for samples b0 .. b1 - 1 side by side from
+    out[n] = (x_h, x_c), storing every x_k into ``out``: the four gates' rows
+    (x_h * scales_h + x_c * scales_c) against the stacked (4H, H) weights ``w_rows`` (``padded``)
+    through ``add_hidden``, four samples a load of W as in ``_apply``; c's part is diagonal."""
+    n, hid = scales_h.shape[0], scales_h.shape[3]
+    ys = out[n, b0:b1].copy()
+    nb = b1 - b0
+    zero = ys.dtype.type(0)
+    pre = np.empty((nb, 4 * hid), ys.dtype)
+    acc = np.empty((nb, hid), ys.dtype)
+    cn = np.empty((nb, hid), ys.dtype)
     for k in range(n - 1, -1, -1):
-        for j in range(4):
-            for i in range(hid):
-                pre[j * hid + i] = y[i] * scales_h[k, b, j, i] + y[hid + i] * scales_c[k, b, j, i]
-        for col in range(hid):
-            nxt[col] = y[col] * diag_hh[k, b, col] if has_hh else 0.0
-            nxt[hid + col] = y[col] * diag_hc[k, b, col] + y[hid + col] * diag_cc[k, b, col]
-        for r in range(0, rows, 4):  # rows = 4H: four at a time, summed in pairs
-            a0, a1, a2, a3 = pre[r], pre[r + 1], pre[r + 2], pre[r + 3]
+        for i in range(nb):
+            b = b0 + i
+            if k > 0:  # the next step's rows, while this one's are worked on
+                prefetch_row(scales_h, k - 1, b)
+                prefetch_row(scales_c, k - 1, b)
+            for j in range(4):
+                for r in range(hid):
+                    pre[i, j * hid + r] = (
+                        ys[i, r] * scales_h[k, b, j, r] + ys[i, hid + r] * scales_c[k, b, j, r]
+                    )
             for col in range(hid):
-                nxt[col] += (a0 * w[r, col] + a1 * w[r + 1, col]) + (a2 * w[r + 2, col] + a3 * w[r + 3, col])
-        for col in range(2 * hid):
-            if has_b:
-                nxt[col] += offsets[k, b, col]
-            if abs(nxt[col]) < tiny:
-                nxt[col] = 0.0
-        put(out[k, b], nxt)
-        put(y, nxt)
+                acc[i, col] = ys[i, col] * diag_hh[k, b, col] if has_hh else zero
+                cn[i, col] = ys[i, col] * diag_hc[k, b, col] + ys[i, hid + col] * diag_cc[k, b, col]
+        add_hidden(acc, pre, w_rows)
+        for i in range(nb):
+            b = b0 + i
+            for col in range(2 * hid):
+                v = acc[i, col] if col < hid else cn[i, col - hid]
+                if has_b:
+                    v += offsets[k, b, col]
+                if abs(v) < tiny:
+                    v = zero
+                out[k, b, col] = v
+                ys[i, col] = v
 
 
-def _lstm_scan(has_hh, has_b, tiny, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out):
-    """Every sample's walk from its x_n (out[n]), the samples as parallel tasks."""
-    for b_ in prange(out.shape[1]):
-        b = np.int64(b_)
-        _lstm_walk(has_hh, has_b, tiny, b, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out)
+def _lstm_scan(has_hh, has_b, tiny, groups, scales_h, scales_c, w, diag_hc, diag_cc, diag_hh, offsets, out):
+    """Every sample's walk from its x_n (out[n]), a group of samples a task."""
+    batch = out.shape[1]
+    w_rows = padded(w)
+    for g in prange(groups):
+        b0, b1 = g * batch // groups, (g + 1) * batch // groups
+        _lstm_walk(
+            has_hh, has_b, tiny, b0, b1, scales_h, scales_c, w_rows, diag_hc, diag_cc, diag_hh, offsets, out
+        )
 
 
 @intrinsic
@@ -407,7 +423,7 @@ def chunked_scan(
 
 def lstm_scan(chain: LSTMChain, x_last: Tensor, offsets: Tensor | None, *, flush: bool = True) -> Tensor:
     """The scan of an LSTM's chain (``chain.LSTMChain``, not transposed) over its state (h, c):
-    every sample walked from its x_n (B, 2H) through all n elements, the samples in parallel, with
+    every sample walked from its x_n (B, 2H) through all n elements, a group of samples a thread, with
     offsets (n, B, 2H) or None; one dtype (float32 or float64). ``flush``: flush subnormal results
     to 0. Returns x_0..x_n as (n + 1, B, 2H)."""
     n = chain.length
@@ -417,10 +433,12 @@ def lstm_scan(chain: LSTMChain, x_last: Tensor, offsets: Tensor | None, *, flush
         return out
     placeholder = x_last.new_zeros((1, 1, 1))
     hidden = chain.weights.shape[-1]
-    (_lstm_scan_parallel if threads() > 1 else _lstm_scan_serial)(
+    n_threads = threads()
+    (_lstm_scan_parallel if n_threads > 1 else _lstm_scan_serial)(
         chain.diag_hh is not None,
         offsets is not None,
         torch.finfo(x_last.dtype).tiny if flush else 0.0,
+        min(n_threads, x_last.shape[0]),
         *_arrays(chain.scales_h, chain.scales_c, chain.weights.reshape(4 * hidden, hidden)),
         *_arrays(chain.diag_hc, chain.diag_cc, placeholder if chain.diag_hh is None else chain.diag_hh),
         *_arrays(placeholder if offsets is None else offsets),

@@ -270,14 +270,30 @@ def _lstm_chain(n: int, batch: int, hidden: int, dtype: torch.dtype, past_end: b
 
 @pytest.mark.parametrize("dtype", extended_except([F64, F32], first=1))  # a build per dtype to compile
 @pytest.mark.parametrize(("past_end", "offsets"), [(False, False), (False, True), (True, True)])
-def test_an_lstm_chain_walked_in_the_kernels_matches_the_sequential_twin(dtype, past_end, offsets) -> None:
-    """The LSTM's chain over (h, c), with h's identity past a sequence's end (diag_hh) and offsets."""
-    chain = _lstm_chain(23, 3, 5, dtype, past_end)
-    x = torch.randn(3, 10, dtype=dtype)
-    b = torch.randn(23, 3, 10, dtype=dtype) if offsets else None
+@pytest.mark.parametrize(("batch", "hidden"), [(3, 5), (6, 20)], ids=["plain rows", "tiles"])
+def test_an_lstm_chain_walked_in_the_kernels_matches_the_sequential_twin(
+    dtype, past_end, offsets, batch, hidden
+) -> None:
+    """The LSTM's chain over (h, c), with h's identity past a sequence's end (diag_hh) and offsets;
+    rows narrower than a vector, and six samples wide enough for the products' tiles (one of four
+    samples, then two single rows)."""
+    chain = _lstm_chain(23, batch, hidden, dtype, past_end)
+    x = torch.randn(batch, 2 * hidden, dtype=dtype)
+    b = torch.randn(23, batch, 2 * hidden, dtype=dtype) if offsets else None
     out = scan(chain, x, b, strategy="numba")
-    assert out.shape == (24, 3, 10) and out.dtype == dtype
+    assert out.shape == (24, batch, 2 * hidden) and out.dtype == dtype
     assert rel_err(scan(chain, x, b, strategy="sequential"), out) < TOL[dtype]
+
+
+@pytest.mark.extended  # the parallel build to compile
+def test_threads_change_nothing_in_an_lstm_chain(monkeypatch) -> None:
+    """The LSTM chain's groups of samples are independent tasks whose products keep each element's
+    order: one group of 6 samples (a tile of four and two rows) on one thread gives two groups of 3
+    on two, bit for bit."""
+    chain, x, b = _lstm_chain(17, 6, 20, F32, True), torch.randn(6, 40), torch.randn(17, 6, 40)
+    run = lambda: scan(chain, x, b, strategy="numba")  # noqa: E731
+    one, two = _at_one_and_two_threads(monkeypatch, ("_lstm_scan_serial", "_lstm_scan_parallel"), run)
+    assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("dtype", extended_except([F64, F32], first=1))  # a build per dtype to compile
