@@ -8,7 +8,8 @@ medians of ``--repeats`` runs after ``--warmup``, so every ratio compares like w
 
 * ``backward``: the full backward (forward excluded) of BPTT and of BPPSA per scan strategy; both
   modules share weights and inputs, and the last column is the largest relative gradient difference
-  between them, a check that the timed code computes the same thing. A strategy that cannot run for
+  between them, a check that the timed code computes the same thing; ``--packed`` feeds both a
+  ``PackedSequence`` of B lengths from T down to about T / 2. A strategy that cannot run for
   the shape (it raises ValueError) gets "n/a" cells and a note under the table; a strategy named in
   ``--strategies`` that cannot run on the device at all is refused before anything is timed.
 * ``scan``: the scan alone on the identical chain, BPPSA per strategy against the peers
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 from benchmarks.common import (
     Progress,
@@ -130,17 +132,26 @@ def default_strategies(device: torch.device) -> list[str]:
 # -------------------------------------------------------------------------------------- full backward
 
 
+def packed_input(x: torch.Tensor) -> PackedSequence:
+    """x (B, T, F) as B sequences of lengths T down to about T / 2, evenly spaced, longest first:
+    a batch of variable lengths, as a packed batch carries."""
+    batch, steps = x.shape[:2]
+    lengths = torch.linspace(steps, max(1, steps // 2), batch).round().long()
+    return pack_padded_sequence(x, lengths, batch_first=True)
+
+
 def backward_once(
-    module: torch.nn.Module, x: torch.Tensor, head: torch.Tensor, loss: str
+    module: torch.nn.Module, x: torch.Tensor | PackedSequence, head: torch.Tensor, loss: str
 ) -> tuple[float, float, list[torch.Tensor]]:
     """One forward and one backward (ms each) of ``loss`` through ``module``, and its gradients."""
     module.zero_grad(set_to_none=True)
-    result: list[tuple[torch.Tensor, torch.Tensor]] = []
-    forward_ms = time_ms(lambda: result.append(module(x)), x.device)
+    result: list[tuple[torch.Tensor | PackedSequence, torch.Tensor]] = []
+    forward_ms = time_ms(lambda: result.append(module(x)), head.device)
     out, state = result[0]
+    out = out.data if isinstance(out, PackedSequence) else out  # every sequence's outputs, stacked
     h_n = state[0] if isinstance(state, tuple) else state  # an LSTM's state is (h_n, c_n)
     value = (h_n[-1] @ head).sum() if loss == "last" else (out @ head).sum()
-    ms = time_ms(value.backward, x.device)
+    ms = time_ms(value.backward, head.device)
     return forward_ms, ms, [p.grad.detach().clone() for p in module.parameters()]
 
 
@@ -159,9 +170,11 @@ def bench(
     seed: int = 0,
     floors: Floors | None = None,
     chunk: int | None = None,
+    packed: bool = False,
 ) -> Row:
     """Time one configuration: BPTT and BPPSA with every scan strategy that runs here (``chunk``:
-    the chunked, numba and triton strategies' chunk size; default: the modules').
+    the chunked, numba and triton strategies' chunk size; default: the modules'; ``packed``: the
+    input a ``PackedSequence``, ``packed_input``).
 
     A cell is the backward's median plus what the method's forward takes beyond ``torch.nn``'s
     (median against median, never less than 0): BPPSA is charged for any work it adds to the
@@ -178,6 +191,7 @@ def bench(
     ref_cls, our_cls = MODULES[model], getattr(bnn, MODULES[model].__name__)
     ref = ref_cls(features, hidden, batch_first=True).to(device, dtype)
     x = torch.bernoulli(torch.full((batch, steps, features), 0.5, device=device, dtype=dtype))
+    x = packed_input(x) if packed else x
     head = torch.randn(hidden, 1, device=device, dtype=dtype)
     modules: dict[str, torch.nn.Module] = {"BPTT": ref}
     cells: dict[str, float | str] = {}
@@ -550,6 +564,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "bppsa_core.jacobians.BLOCK_BYTES, 8 on a CPU, 256 on a GPU); to tune it",
     )
     p.add_argument("--loss", choices=("last", "all"), default="last", help="loss on h_T or on every output")
+    p.add_argument(
+        "--packed",
+        action="store_true",
+        help="backward table: the input a PackedSequence of lengths T down to T / 2",
+    )
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
@@ -587,6 +606,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"{flag}: {exc}")
     args.tables = args.tables or (list(TABLES) if args.suite else ["backward"])
     args.model = args.model or "rnn"
+    if args.packed and args.tables != ["backward"]:
+        p.error(
+            f"--packed times the backward table only, not {' '.join(args.tables)}; "
+            "accepted: --tables backward"
+        )
     if not args.suite and "epoch" in args.tables and args.model != "rnn":
         p.error("the epoch comparison is the paper's RNN bitstream task; accepted: --model rnn")
     return args
@@ -627,7 +651,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(machine_line(device))
     print(
-        f"loss on {'h_T' if args.loss == 'last' else 'every output'}, {args.dtype}, median of {args.repeats}"
+        f"loss on {'h_T' if args.loss == 'last' else 'every output'}"
+        f"{', packed sequences of lengths T down to T / 2' if args.packed else ''}"
+        f", {args.dtype}, median of {args.repeats}"
         f" after {args.warmup} warm-up runs; strategies: {' '.join(strategies)}"
         f"; chunk {args.chunk or DEFAULT_CHUNK}; blocks of {jacobians.default_block_bytes(device) >> 20} MiB"
     )
@@ -643,7 +669,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = []
             for t, b, h, f in cs.configs:
                 progress(f"backward {cs.model} T={t} B={b} H={h} F={f} ...")
-                rows.append(bench(cs.model, t, b, h, f, strategies, device, dtype, args.loss, **timing))
+                config = (cs.model, t, b, h, f, strategies, device, dtype, args.loss)
+                rows.append(bench(*config, packed=args.packed, **timing))
             table(f"Full backward: {cs.title}", format_table(rows, strategies), rows)
     if "epoch" in args.tables and epochs:
         rows, failed = [], []

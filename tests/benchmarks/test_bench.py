@@ -49,6 +49,25 @@ def test_a_backward_row_times_bptt_and_every_strategy_and_checks_the_gradients(m
     assert row.floor_levels_ms == FLOORS.levels_ms(9)
 
 
+@pytest.mark.parametrize("model", ["rnn", "gru", "lstm"])
+@pytest.mark.parametrize("loss", ["last", "all"])
+def test_a_packed_backward_row_gives_autograds_gradients(model, loss) -> None:
+    """Both modules take the same packed batch, whose lengths run from T down to about T / 2; the
+    loss on every output reads the packed outputs."""
+    row = bench(model, 9, 3, 3, 2, ["chunked"], CPU, loss=loss, packed=True, **ONCE)
+    assert set(row.bppsa_ms) == {"chunked"} and row.notes == {}
+    assert row.max_rel_err < 1e-4
+
+
+def test_a_packed_input_runs_from_t_down_to_half_of_it() -> None:
+    x = torch.arange(4 * 9 * 2, dtype=torch.float32).reshape(4, 9, 2)
+    packed = backward.packed_input(x)
+    lengths = torch.nn.utils.rnn.pad_packed_sequence(packed, batch_first=True)[1]
+    assert lengths.tolist() == [9, 7, 6, 4]
+    padded = torch.nn.utils.rnn.pad_packed_sequence(packed, batch_first=True)[0]
+    assert torch.equal(padded[1, :7], x[1, :7]) and not padded[3, 4:].any()
+
+
 def test_the_methods_take_turns_and_the_row_gives_their_spread(monkeypatch) -> None:
     """The methods' backwards alternate round by round; the row's spread is the largest
     (max - min) / median of a method's timed runs (the warm-up round's left out), here BPTT's
@@ -314,6 +333,11 @@ def test_default_strategies_are_those_that_exist(monkeypatch) -> None:
         (["--quick"], "--quick shrinks a suite; accepted: --suite paper --quick"),
         (["--model", "gru", "--tables", "epoch"], "the epoch comparison is the paper's RNN bitstream task"),
         (["--peers", "numpy"], "argument --peers: invalid choice: 'numpy'"),
+        (
+            ["--packed", "--tables", "scan"],
+            "--packed times the backward table only, not scan; accepted: --tables",
+        ),
+        (["--packed", "--suite", "paper"], "--packed times the backward table only, not backward scan epoch"),
     ],
 )
 def test_bad_input_exits_with_one_clear_line(argv, message, capsys) -> None:
