@@ -139,11 +139,11 @@ def new_tape(
     lengths: Tensor | None,
 ) -> LSTMTape | None:
     """An empty ``LSTMTape`` for a layer call, inside its forward (nothing recorded there), whose
-    backward will be the fused compiled LSTM's (the scan strategy resolves to "numba", no
-    ``lengths``) and whose forward runs compiled (``dispatch.compiled_forward``, taped), else None;
-    for ``solved_forward`` to fill."""
+    backward will be the fused compiled LSTM's (the scan strategy resolves to "numba") and whose
+    forward runs compiled (``dispatch.compiled_forward``, taped), else None; for ``solved_forward``
+    to fill. ``lengths`` (packed sequences) change nothing: the tape holds zeros past each end."""
     strategy = config.options.strategy
-    if c0 is None or lengths is not None or config.solver.method != "native" or x.device.type != "cpu":
+    if c0 is None or config.solver.method != "native" or x.device.type != "cpu":
         return None
     if strategy not in dispatch.COMPILED_FORWARD_STRATEGIES:  # asked first: a layer call's host work counts
         return None
@@ -436,7 +436,7 @@ def bppsa_backward(
     flush = flush_denormals(x.device) if out.shape[0] >= FLUSH_MIN_STEPS else contextlib.nullcontext()
     with flush, reusing_buffers():
         if tape is not None:
-            return _taped_backward(tape, x, weights, *grads, need_input, need_state)
+            return _taped_backward(tape, x, weights, lengths, *grads, need_input, need_state)
         return _backward(config, x, h0, c0, weights, lengths, out, *grads, need_input, need_state)
 
 
@@ -456,9 +456,7 @@ def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_
     h_prev: Tensor | PreviousStates = PreviousStates(h0, h)
     g_last = _last_grad(grad_out, grad_hn, h)
     g_c_last = None if c0 is None else (torch.zeros_like(g_last) if grad_cn is None else grad_cn)
-    fused = None
-    if keep is None:
-        fused = _fused_layer(config, cell, x, h_prev, h, w, grad_out, g_last, c0, g_c_last)
+    fused = _fused_layer(config, cell, x, h_prev, h, w, grad_out, g_last, c0, g_c_last, lengths, keep)
     if fused is not None:  # made block by block: the previous states too
         deltas, first = fused
     else:
@@ -492,6 +490,7 @@ def _taped_backward(
     tape: LSTMTape,
     x: Tensor,
     weights: list[Tensor],
+    lengths: Tensor | None,
     grad_out: Tensor | None,
     grad_hn: Tensor | None,
     grad_cn: Tensor | None,
@@ -502,13 +501,15 @@ def _taped_backward(
     walk over the kept gates, block by block from the end (``_lstm_walked``), and the gradients'
     GEMMs (``layer_grads``), with none of the general path's routing, casts or copies: a short
     layer's backward is mostly such host work (re-measured by ``python -m benchmarks.host``). A
-    tape is kept only for one dtype throughout and no lengths (``new_tape``)."""
+    tape is kept only for one dtype throughout (``new_tape``); ``lengths``: packed sequences'."""
     from bppsa_core.numba_scan import LSTMWalk
 
     w = LayerWeights(*weights)
+    if grad_out is not None and lengths is not None:
+        grad_out = grad_out * _keep(lengths, grad_out.shape[0], grad_out)  # constants past each end
     g_last = _last_grad(grad_out, grad_hn, tape.hidden)
     g_c_last = torch.zeros_like(g_last) if grad_cn is None else grad_cn
-    walk = LSTMWalk(tape.gates, tape.states[1:], w.w_hh, grad_out, tape.cells)
+    walk = LSTMWalk(tape.gates, tape.states[1:], w.w_hh, grad_out, tape.cells, lengths)
     deltas, first = _lstm_walked(walk, tape.gates.shape[0], g_last, g_c_last)
     dx, dw = layer_grads(deltas, x, tape.hidden[:-1], w, need_input)
     g_h0, g_c0 = first() if need_state else (None, None)  # the walk's own (2, B, H): no copy
@@ -545,10 +546,14 @@ def _fused_layer(
     g_last: Tensor,
     c0: Tensor | None,
     g_c_last: Tensor | None,
+    lengths: Tensor | None,
+    keep: Tensor | None,
 ) -> tuple[Deltas, Callable[[], Tensor]] | None:
     """A layer's input- and hidden-side pre-activation gradients (``deltas(t)`` for slices of steps)
     and its g_0 (``first()``, once ``layer_grads`` has taken the deltas; an LSTM's (dL/dh_0,
-    dL/dc_0)), or None. ``g_last``, ``g_c_last``: the gradients of h_T and (an LSTM) c_T.
+    dL/dc_0)), or None. ``g_last``, ``g_c_last``: the gradients of h_T and (an LSTM) c_T;
+    ``lengths`` and ``keep`` (``_keep``): packed sequences' (the compiled kernels take them, the
+    Triton kernels do not), or None.
 
     Where the layer's strategy resolves to "triton" (``dispatch.resolve``: "triton" itself, or
     "auto" on a GPU) and the kernels take the layer and run on its device: the fused Triton kernels
@@ -570,11 +575,11 @@ def _fused_layer(
             from bppsa_core import numba_scan
 
             gates = cell.activations(x, h_prev.whole(), w)
-            delta, g0 = numba_scan.lstm_layer_backward(gates, h, c0, w.w_hh, g_last, g_c_last, u)
+            delta, g0 = numba_scan.lstm_layer_backward(gates, h, c0, w.w_hh, g_last, g_c_last, u, lengths)
             return (lambda t: (delta[t],) * 2), (lambda: g0)  # one object: the biases summed once
         chunk = chunk or dispatch.numba_chunk(steps, batch, hidden, cell.gates, torch.get_num_threads())
-        return _walked(cell, x, h_prev, w, u, g_last) if chunk >= steps else None
-    if chosen != "triton" or not fits or not dispatch.kernels_run_on(h.device):
+        return _walked(cell, x, h_prev, w, u, g_last, keep) if chunk >= steps else None
+    if chosen != "triton" or not fits or keep is not None or not dispatch.kernels_run_on(h.device):
         return None
     from bppsa_core import triton as triton_kernels
 
@@ -633,11 +638,18 @@ def _routed(
 
 
 def _walked(
-    cell: Cell, x: Tensor, h_prev: PreviousStates, w: LayerWeights, u: Tensor | None, g_last: Tensor
+    cell: Cell,
+    x: Tensor,
+    h_prev: PreviousStates,
+    w: LayerWeights,
+    u: Tensor | None,
+    g_last: Tensor,
+    keep: Tensor | None,
 ) -> tuple[Deltas, Callable[[], Tensor]]:
     """A layer's scan as one chunk of the compiled kernels (each sample walked once, samples in
     parallel), made block by block from the end as ``layer_grads`` asks for the deltas: a block's
-    factors (the cell's vectorized PyTorch code), its walk from the gradient at its end
+    factors (the cell's vectorized PyTorch code; with ``keep``, the identity past each sequence's
+    end), its walk from the gradient at its end
     (``numba_scan.chunked_scan``), its pre-activation gradients. Only a block's worth ever exists;
     the walk's output and the side-by-side states reuse one buffer each, block after block
     (``jacobians.reusing_buffers``, whose scope ``bppsa_backward`` opens).
@@ -648,7 +660,8 @@ def _walked(
     from bppsa_core import numba_scan
 
     def walk(lo: int, hi: int, g_end: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
-        factors = cell.factors(x[lo:hi], h_prev[lo:hi], h_prev.outputs(lo, hi), w)
+        kept = None if keep is None else keep[lo:hi]
+        factors = cell.factors(x[lo:hi], h_prev[lo:hi], h_prev.outputs(lo, hi), w, keep=kept)
         chain = cell.chain(factors, w)
         offsets = None  # element k's offset is u_k = dL/dh_k from outside (u_0 = 0)
         if u is not None:

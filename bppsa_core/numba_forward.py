@@ -41,6 +41,7 @@ from bppsa_core.numba_math import (
     build,
     padded,
     put,
+    running,
     threads,
 )
 
@@ -181,8 +182,8 @@ def _lstm(groups, inputs, w_hh, h0, c0, steps, out, h_last, c_last, gates, cells
     (rows i, f, g, o), h0 and c0 (B, H); writes the outputs and the last
     (h, c); otherwise as ``_rnn``. Its taped build (``_TAPED``) also writes the activated gates
     (S, B, 4H), the cell states c_0..c_S into cells (S + 1, B, H) and the states h_0..h_S into
-    states (S + 1, B, H), what the backward takes (``layer.LSTMTape``); a build of its own, as a
-    run-time flag in the loop slows both down.
+    states (S + 1, B, H), what the backward takes (``layer.LSTMTape``), zeros past a sample's end;
+    a build of its own, as a run-time flag in the loop slows both down.
 
     A step activates each sample's 4H gates in one loop (``_gate``, sigmoid or tanh by column) and
     the group's new cell states' tanh in another, over all its samples at once: loops of 4H and
@@ -227,6 +228,12 @@ def _lstm(groups, inputs, w_hh, h0, c0, steps, out, h_last, c_last, gates, cells
                         for j in range(hid):
                             cells[t + 1, lo + b, j] = c[b, j]
                             states[t + 1, lo + b, j] = h[b, j]
+                elif _TAPED:  # past the sample's end: zeros, as its outputs
+                    for j in range(rows):
+                        gates[t, lo + b, j] = 0.0
+                    for j in range(hid):
+                        cells[t + 1, lo + b, j] = 0.0
+                        states[t + 1, lo + b, j] = 0.0
             _store(out, t, lo, steps, h)
         put(h_last[lo:hi], h)
         put(c_last[lo:hi], c)
@@ -292,13 +299,6 @@ def new_outputs(steps: int, batch: int, hidden: int, dtype: torch.dtype, batch_m
     return torch.from_numpy(np.empty((steps, batch, hidden), kind))
 
 
-@functools.lru_cache(maxsize=64)
-def _running(batch: int, steps: int) -> np.ndarray:
-    """The steps each sample runs in a segment without lengths: all of them (the kernels only read
-    it; made once per shape, as a short layer's call costs a few such allocations)."""
-    return np.full(batch, steps, np.int64)
-
-
 def layer_forward(
     mode: str,
     x: Tensor,
@@ -350,7 +350,7 @@ def layer_forward(
     whole = steps <= segment  # one segment: the arrays themselves, no slices
     for s in range(0, steps, segment):
         e = min(steps, s + segment)
-        seg = _running(batch, e - s) if ends is None else np.clip(ends - s, 0, e - s)
+        seg = running(batch, e - s) if ends is None else np.clip(ends - s, 0, e - s)
         if in_step:
             inputs = (UNUSED[x.dtype], xs if whole else xs[s:e], w_in, b_ih, b_hh)
         else:

@@ -16,6 +16,7 @@ parallel, rounds alike and the threads change no bit of the results.
 
 from __future__ import annotations
 
+import functools
 import math
 import platform
 import types
@@ -434,6 +435,13 @@ NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 # per dtype, an array the kernels take in place of an absent one (an untaped build's tape, a walk
 # without outside gradients): never read
 UNUSED = {d: np.zeros((1, 1, 1), t) for d, t in NUMPY_DTYPES.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def running(batch: int, steps: int) -> np.ndarray:
+    """The steps each sample runs where none ends early: all of them, (B,) int64 (the kernels only
+    read it; made once per shape, as a short layer's call costs a few such allocations)."""
+    return np.full(batch, steps, np.int64)
 
 
 @njit(inline="always", error_model="numpy")

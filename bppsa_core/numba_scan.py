@@ -51,6 +51,7 @@ from bppsa_core.numba_math import (
     padded,
     prefetch_row,
     put,
+    running,
     threads,
 )
 
@@ -301,7 +302,7 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
 _SCALAR_ROWS = False  # a build with it set keeps the scalar loop at every H (the tests' twin)
 
 
-def _lstm_layer(has_u, has_c, one, tiny, groups, first, last, gates, h, c, w_hh, u, g_in, g_out, delta):
+def _lstm_layer(has_u, has_c, one, tiny, groups, first, last, gates, h, c, w_hh, u, ends, g_in, g_out, delta):
     """An LSTM layer's backward over steps ``first`` .. ``last`` - 1, each group of samples a task,
     from the activated gates (T, B, 4H; rows i, f, g, o), its outputs h_1..h_T (T, B, H) and c
     (T + 1, B, H) holding c_0 in its first row and, ``has_c``, c_1..c_T after it (else they are made
@@ -311,7 +312,10 @@ def _lstm_layer(has_u, has_c, one, tiny, groups, first, last, gates, h, c, w_hh,
     gradients d go straight into ``delta[t - first]`` (delta (last - first, B, 4H), or ``gates``
     itself with ``first`` 0: a step's gates are read before its d is written), then
     dL/dh_{t-1} = d @ W_hh + u[t-1] (the outputs' gradient, when ``has_u``; ``w_hh`` (4H, H)) and
-    dL/dc_{t-1} = dc f, both flushed below ``tiny`` (module docstring).
+    dL/dc_{t-1} = dc f, both flushed below ``tiny`` (module docstring). A sample's steps from
+    ``ends[b]`` on (ends (B,) int64; T for all where none ends early) are past its end: the identity,
+    their d 0, so the gradients pass through them unchanged (plus the outputs' ``u``, which is 0
+    there but at the step of its last output).
 
     tanh(c_t) is h_t / o_t (0 where o_t is): a division, where a scalar tanh would cost most of the
     walk; it enters only multiplied by o_t, so its rounding near o_t = 0 does not carry. ``one`` and
@@ -337,6 +341,10 @@ def _lstm_layer(has_u, has_c, one, tiny, groups, first, last, gates, h, c, w_hh,
             k = t - first  # delta's row
             for i in range(nb):
                 b = lo + i
+                if t >= ends[b]:  # past the sample's end
+                    for j in range(4 * hid):
+                        delta[k, b, j] = zero
+                    continue
                 if t > first:  # the next step's rows, while this one's are worked on
                     for rows_of in (gates, h, c):
                         prefetch_row(rows_of, t - 1, b)
@@ -357,8 +365,10 @@ def _lstm_layer(has_u, has_c, one, tiny, groups, first, last, gates, h, c, w_hh,
                         dc[i, j] = nc if abs(nc) >= tiny else zero
             inject = has_u and t > 0
             for i in range(nb):
+                ended = t >= ends[lo + i]
                 for j in range(hid):
-                    acc[i, j] = u[t - 1, lo + i, j] if inject else zero
+                    a = u[t - 1, lo + i, j] if inject else zero
+                    acc[i, j] = a + dh[i, j] if ended else a
             add_hidden(acc, delta[k, lo:hi], w_rows)
             for i in range(nb):
                 for j in range(hid):
@@ -455,15 +465,17 @@ def lstm_layer_backward(
     g_h: Tensor,
     g_c: Tensor,
     u: Tensor | None,
+    lengths: Tensor | None = None,
     *,
     flush: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """An LSTM layer's backward in one compiled call: its cell states c_1..c_T from the activated
     ``gates`` (T, B, 4, H; i, f, g, o) and c0 (B, H), then every sample walked from (g_h, g_c)
     (B, H), the gradients of h_T and c_T, with ``h`` the layer's outputs h_1..h_T (T, B, H) and
-    ``u`` (T, B, H) the outputs' gradients (or None). The walk forms each step's factors from its
-    gates on the fly (no factor tensors), so this is the whole chain and its pre-activation
-    gradients in one pass.
+    ``u`` (T, B, H) the outputs' gradients (or None; 0 past each end). The walk forms each step's
+    factors from its gates on the fly (no factor tensors), so this is the whole chain and its
+    pre-activation gradients in one pass. ``lengths`` (B,): each sample's steps (packed sequences,
+    the identity past them), or None for all T.
 
     Returns the gates' pre-activation gradients (T, B, 4H; shared by the input and hidden sides),
     written over ``gates`` (contiguous), and g_0 = (dL/dh_0, dL/dc_0) (B, 2H). One dtype, float32
@@ -476,7 +488,7 @@ def lstm_layer_backward(
     c = gates.new_empty((steps + 1, batch, hidden))
     c[0] = c0
     g, delta = torch.stack((g_h, g_c)), gates.view(steps, batch, 4 * hidden)
-    LSTMWalk(delta, h, w_hh, u, c, flush=flush, has_c=False)(0, steps, g, g, delta)
+    LSTMWalk(delta, h, w_hh, u, c, lengths, flush=flush, has_c=False)(0, steps, g, g, delta)
     return delta, torch.cat((g[0], g[1]), -1)
 
 
@@ -484,11 +496,12 @@ class LSTMWalk:
     """An LSTM layer's compiled backward (``_lstm_layer``) over the kept activated ``gates``
     (T, B, 4H), outputs ``h`` (T, B, H), ``cells`` c_0..c_T (T + 1, B, H; ``has_c`` False: only
     c_0 set, the rest made on the first call, which must then cover every step), the hidden
-    weights ``w_hh`` (4H, H) and the outputs' gradients ``u`` (T, B, H) or None, walked over any
-    block of steps, the latest first: so that a layer's deltas are made and taken block by block
-    (``bppsa_core.layer``) and only a block of them exists, in the cache, instead of T steps'
-    through memory. ``gates``, ``h`` and ``cells``: tensors or a tape's arrays
-    (``layer.LSTMTape``). The arrays are handed to the kernel once, not once a block."""
+    weights ``w_hh`` (4H, H), the outputs' gradients ``u`` (T, B, H) or None and the samples'
+    ``lengths`` (B,) or None (``lstm_layer_backward``), walked over any block of steps, the latest
+    first: so that a layer's deltas are made and taken block by block (``bppsa_core.layer``) and
+    only a block of them exists, in the cache, instead of T steps' through memory. ``gates``, ``h``
+    and ``cells``: tensors or a tape's arrays (``layer.LSTMTape``). The arrays are handed to the
+    kernel once, not once a block."""
 
     def __init__(
         self,
@@ -497,6 +510,7 @@ class LSTMWalk:
         w_hh: Tensor,
         u: Tensor | None,
         cells: Tensor | np.ndarray,
+        lengths: Tensor | None = None,
         *,
         flush: bool = True,
         has_c: bool = True,
@@ -505,10 +519,10 @@ class LSTMWalk:
         n_threads = threads()
         self._kernel = _lstm_layer_parallel if n_threads > 1 else _lstm_layer_serial
         self._head = (u is not None, has_c, one, tiny if flush else one - one, min(n_threads, gates.shape[1]))
-        self._arrays = (
-            *_arrays(gates, h, cells, w_hh),
-            UNUSED[w_hh.dtype] if u is None else _arrays(u)[0],
-        )
+        steps, batch = gates.shape[:2]
+        ends = running(batch, steps) if lengths is None else lengths.to("cpu", torch.int64).numpy()
+        outside = UNUSED[w_hh.dtype] if u is None else _arrays(u)[0]
+        self._arrays = (*_arrays(gates, h, cells, w_hh), outside, ends)
 
     def __call__(self, first: int, last: int, g_in: Tensor, g_out: Tensor, delta: Tensor) -> None:
         """Steps ``last`` - 1 down to ``first``: from the gradients (dL/dh, dL/dc) after them,

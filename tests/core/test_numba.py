@@ -9,6 +9,7 @@ import torch
 from helpers import extended_except, rel_err, torch_threads
 from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case
 from recurrent import assert_same
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 pytest.importorskip("numba")
 
@@ -69,7 +70,7 @@ def test_an_lstm_walks_rows_in_vectors_as_its_scalar_loop(dtype) -> None:
     same kernel built with its scalar loop at every H: the same bits, for H a multiple of the
     vector, ragged, and wider than two vectors, with an output gate of 0 and flushed dc; each
     written over its gates as the untaped backward does; and walked in blocks of steps from the
-    end, as the taped backward is."""
+    end, as the taped backward is; one sample ends early (packed sequences)."""
     scalar = numba_math.build(numba_scan._lstm_layer, False, scalar_rows=True)
     for steps, batch, hidden in [(7, 3, 16), (6, 5, 9), (5, 2, 20)]:
         gates = torch.rand(steps, batch, 4, hidden, dtype=dtype)
@@ -81,19 +82,21 @@ def test_an_lstm_walks_rows_in_vectors_as_its_scalar_loop(dtype) -> None:
         w_hh, u = torch.randn(4 * hidden, hidden, dtype=dtype), torch.randn(steps, batch, hidden, dtype=dtype)
         g_h, g_c = torch.randn(batch, hidden, dtype=dtype), torch.randn(batch, hidden, dtype=dtype) * 1e-38
         one, tiny = numba_scan._LSTM_SCALARS[dtype]
+        ends = torch.full((batch,), steps)
+        ends[-1] = 2
         results = []
         for kernel, in_place in itertools.product((numba_scan._lstm_layer_serial, scalar), (False, True)):
             read = gates.clone().view(steps, batch, -1)  # in place: the gradients written over it
             g = torch.stack((g_h, g_c))  # in, and out in place
             delta = read if in_place else torch.empty(steps, batch, 4 * hidden, dtype=dtype)
-            arrays = [t.numpy() for t in (read, h, c, w_hh, u, g, g, delta)]
+            arrays = [t.numpy() for t in (read, h, c, w_hh, u, ends, g, g, delta)]
             kernel(True, True, one, tiny, 1, 0, steps, *arrays)
             results.append(torch.cat((g.flatten(), delta.flatten())))
         # block by block from the end, each block's deltas in a buffer of its own
         g, blocks = torch.stack((g_h, g_c)), []
         for first, last in ((3, steps), (1, 3), (0, 1)):
             blocks.insert(0, torch.empty(last - first, batch, 4 * hidden, dtype=dtype))
-            arrays = [t.numpy() for t in (gates.view(steps, batch, -1), h, c, w_hh, u, g, g, blocks[0])]
+            arrays = [t.numpy() for t in (gates.view(steps, batch, -1), h, c, w_hh, u, ends, g, g, blocks[0])]
             numba_scan._lstm_layer_serial(True, True, one, tiny, 1, first, last, *arrays)
         results.append(torch.cat((g.flatten(), torch.cat(blocks).flatten())))
         assert all(torch.equal(results[0], r) for r in results[1:])
@@ -174,7 +177,9 @@ def test_a_walk_takes_its_blocks_from_the_end() -> None:
     w = LayerWeights(torch.randn(4, 2), torch.randn(4, 4), None, None)
     h = torch.rand(steps, 1, 4)
     h_prev = jacobians.PreviousStates(torch.rand(1, 4), h)
-    deltas, first = layer_mod._walked(cell, torch.randn(steps, 1, 2), h_prev, w, None, torch.randn(1, 4))
+    deltas, first = layer_mod._walked(
+        cell, torch.randn(steps, 1, 2), h_prev, w, None, torch.randn(1, 4), None
+    )
     with pytest.raises(RuntimeError, match="g_0 is known once every block has been walked"):
         first()
     deltas(slice(3, 6))
@@ -224,21 +229,27 @@ def test_a_group_of_samples_viewed_out_of_the_batch_walks_as_its_copy(mode, monk
     assert len(set(copied)) > 2 and 0 in copied  # several blocks, each copied, the views' only
 
 
-def test_packed_sequences_scan_in_the_kernels() -> None:
-    """Variable lengths take the scan of the stored chain (identities past each end) in SCALES mode."""
+@pytest.mark.parametrize("kind", ["RNN", "GRU"])
+def test_packed_sequences_walk_in_the_kernels(monkeypatch, kind) -> None:
+    """Variable lengths take the compiled walk block by block (``layer._walked``, blocks of 3 steps
+    here), the identity past each end, and give autograd's gradients (float64, 1e-10)."""
     torch.manual_seed(1)
-    ref = torch.nn.GRU(3, 5).double()
-    ours = bnn.GRU(3, 5, strategy="numba").double()
+    ref = getattr(torch.nn, kind)(3, 5).double()
+    ours = getattr(bnn, kind)(3, 5, strategy="numba").double()
     ours.load_state_dict(ref.state_dict())
-    seqs = [torch.randn(t, 3, dtype=F64) for t in (9, 4, 1)]
+    walks, real_walked = [], layer_mod._walked
+    monkeypatch.setattr(layer_mod, "_walked", lambda *a: walks.append(a[-1] is not None) or real_walked(*a))
+    monkeypatch.setattr(jacobians, "_block_steps", lambda *a: 3)
+    seqs = [torch.randn(t, 3, dtype=F64) for t in (10, 4, 4, 1)]
     grads = []
     for m in (ref, ours):
-        packed = torch.nn.utils.rnn.pack_sequence([s.clone().requires_grad_() for s in seqs])
-        out, h_n = m(packed)
+        xs = [s.clone().requires_grad_() for s in seqs]
+        out, h_n = m(torch.nn.utils.rnn.pack_sequence(xs))
         (out.data.cos().sum() + h_n.sum()).backward()
-        grads.append([p.grad for p in m.parameters()])
+        grads.append([*(x.grad for x in xs), *(p.grad for p in m.parameters())])
     for a, b in zip(*grads, strict=True):
         assert rel_err(a, b) < 1e-10
+    assert walks == [True]
 
 
 @pytest.mark.parametrize(
@@ -339,15 +350,17 @@ def test_an_lstm_on_the_cpu_takes_the_fused_kernels_and_gives_autograds_gradient
     monkeypatch, strategy, kwargs
 ) -> None:
     """float64, loss on every output, on h_n and on c_n: exact to 1e-10, through the fused layer
-    backward for every layer and direction; packed input takes the stored chain walked in the
-    kernels (identities past each end)."""
+    backward for every layer and direction, packed input too (with its lengths: the identity past
+    each end), and never the stored chain's scan."""
     torch.manual_seed(0)
     ref = torch.nn.LSTM(3, 4, **kwargs).double()
     ours = bnn.LSTM(3, 4, strategy=strategy, **kwargs).double()
     ours.load_state_dict(ref.state_dict())
     fused, walks = [], []
     real_fused, real_walk = numba_scan.LSTMWalk, numba_scan.lstm_scan
-    monkeypatch.setattr(numba_scan, "LSTMWalk", lambda *a, **k: fused.append(1) or real_fused(*a, **k))
+    monkeypatch.setattr(
+        numba_scan, "LSTMWalk", lambda *a, **k: fused.append(a[5] is not None) or real_fused(*a, **k)
+    )
     monkeypatch.setattr(numba_scan, "lstm_scan", lambda *a: walks.append(1) or real_walk(*a))
     shape = (2, 6, 3) if kwargs.get("batch_first") else (6, 2, 3)
     seqs = [torch.randn(t, 3, dtype=F64) for t in (7, 5, 2)]
@@ -362,7 +375,7 @@ def test_an_lstm_on_the_cpu_takes_the_fused_kernels_and_gives_autograds_gradient
     for a, b in zip(*grads, strict=True):
         assert rel_err(a, b) < 1e-10
     calls = kwargs["num_layers"] * (2 if kwargs.get("bidirectional") else 1)
-    assert len(fused) == calls and len(walks) == calls
+    assert fused == [False] * calls + [True] * calls and walks == []
 
 
 @pytest.mark.parametrize(("kind", "sums"), [("RNN", 1), ("GRU", 2), ("LSTM", 1)])
@@ -382,11 +395,15 @@ def test_a_layer_backward_sums_a_shared_pre_activation_once(monkeypatch, kind, s
 
 # float32: two builds of the compiled LSTM forward to compile, for the extended run
 @pytest.mark.parametrize("dtype", [F64, pytest.param(torch.float32, marks=pytest.mark.extended)])
-def test_an_lstm_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(monkeypatch, dtype) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_lstm_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(
+    monkeypatch, dtype, packed
+) -> None:
     """The compiled forward keeps the gates and cell states (``layer.LSTMTape``) where a gradient is
     wanted, the backward takes them instead of recomputing; gradients equal the recomputing
     backward's and autograd's (float64 1e-10, float32 1e-5), a second backward over the kept graph
-    (retain_graph) too: the kept gates are not overwritten. Nothing is kept under no_grad."""
+    (retain_graph) too: the kept gates are not overwritten. Nothing is kept under no_grad. Packed
+    sequences too: the tape holds zeros past each end, as the outputs do."""
     torch.manual_seed(0)
     ref = torch.nn.LSTM(3, 5, num_layers=2).to(dtype)
     ours = bnn.LSTM(3, 5, num_layers=2, strategy="numba").to(dtype)
@@ -399,9 +416,15 @@ def test_an_lstm_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(m
         numba_scan, "LSTMWalk", lambda *a, **k: taken.append(k.get("has_c", True)) or real_walk(*a, **k)
     )
 
+    lengths = [40, 31, 31, 5]
+
+    def run(m: torch.nn.Module, xx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, (h_n, c_n) = m(pack_padded_sequence(xx, lengths) if packed else xx)
+        return pad_packed_sequence(out)[0] if packed else out, h_n, c_n
+
     def grads(m: torch.nn.Module, retain: bool = False) -> list[torch.Tensor]:
         xx = x.clone().requires_grad_()
-        out, (h_n, c_n) = m(xx)
+        out, h_n, c_n = run(m, xx)
         loss = out.sin().sum() + h_n.pow(2).sum() + c_n.cos().sum()
         first = torch.autograd.grad(loss, [xx, *m.parameters()], retain_graph=retain)
         return list(torch.autograd.grad(loss, [xx, *m.parameters()])) if retain else list(first)
@@ -410,10 +433,12 @@ def test_an_lstm_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(m
     taped = grads(ours)
     assert taken == [True, True] and all(isinstance(t, layer_mod.LSTMTape) for t in kept)
     kept.clear()  # the top layer's tape: h_0..h_T and c_0..c_T, a copy of the outputs, not them
-    out, (_, c_n) = ours(x.clone().requires_grad_())
+    out, _, c_n = run(ours, x.clone().requires_grad_())
     top = kept[-1]
     assert torch.equal(top.hidden[1:], out) and not top.hidden[0].any()
-    assert torch.equal(torch.from_numpy(top.cells[-1]), c_n[-1]) and not top.cells[0].any()
+    ends = lengths if packed else [x.shape[0]] * 4  # c_n: each sample's c at its end
+    assert torch.equal(torch.from_numpy(top.cells[ends]).diagonal().T, c_n[-1]) and not top.cells[0].any()
+    assert not top.gates[ends[-1] :, -1].any() and not top.cells[ends[-1] + 1 :, -1].any()
     assert out.untyped_storage().data_ptr() != top.hidden.untyped_storage().data_ptr()
     twice = grads(ours, retain=True)
     taken.clear()
