@@ -211,7 +211,7 @@ def numba_takes(terms: int, *dtypes: torch.dtype, lstm: bool = False) -> bool:
 # PyTorch's LSTM is one fused kernel
 # already, which the compiled loop beats below H = 32 on one thread
 # (re-measured by ``python -m benchmarks.forward --tables compiled --no-grad``, and --models lstm).
-# A taped LSTM forward (``layer.LSTMTape``) spares its backward the gates' recomputation: forward
+# A taped LSTM forward (``layer.Tape``) spares its backward the gates' recomputation: forward
 # and backward together win up to _TAPED_LSTM_MAX_HIDDEN, the cells charging a forward slower
 # than torch.nn's (re-measured by ``python -m benchmarks.backward --model lstm``).
 # On more threads the compiled LSTM shares its samples among them, where PyTorch's kernel's

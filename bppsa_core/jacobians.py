@@ -569,7 +569,7 @@ class PreviousStates:
     the next block is taken. The block's work then reads memory in order, and a rank holds one
     block's copy instead of its group's whole slice, for a little more backward time (re-measured by
     ``python -m benchmarks.distributed --ranks 2``). ``whole``: h_0..h_{T-1} side by side where the
-    caller has them already (an LSTM's tape, ``layer.LSTMTape``), of which every block is a view."""
+    caller has them already (a tape, ``layer.Tape``), of which every block is a view."""
 
     def __init__(self, h0: Tensor, h: Tensor, whole: Tensor | None = None) -> None:
         self.h0, self.h = h0, h

@@ -61,7 +61,7 @@ from bppsa_core.scan import forward_scan, scan
 if TYPE_CHECKING:  # numba (and the NumPy it needs) is an optional extra: imported where it runs
     import numpy as np
 
-    from bppsa_core.numba_scan import LSTMWalk
+    from bppsa_core.numba_scan import GRUWalk, LSTMWalk
 
 log = logging.getLogger(__name__)
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
@@ -112,20 +112,22 @@ def cell_of(mode: str) -> Cell:
     return RNNCell("relu" if mode == "RNN_RELU" else "tanh")
 
 
-class LSTMTape(NamedTuple):
-    """What an LSTM layer's compiled forward keeps for its fused compiled backward
-    (``numba_scan.LSTMWalk``, block by block: ``_lstm_walked``), which otherwise recomputes them
-    (``numba_scan.lstm_layer_backward``) (the gates' two GEMMs and activations, then the cell
-    states, most of its time at small H): the activated gates (T, B, 4H; i, f, g, o side by side),
-    the cell states c_0..c_T and the states h_0..h_T (T + 1, B, H each), as the NumPy arrays the
-    kernels write and read (no conversion per call). ``hidden`` is ``states`` as a tensor, the same
-    memory: the backward's outputs h_1..h_T and previous states h_0..h_{T-1}, so the outputs the
-    layer returns are not what its backward reads, and its caller may change them in place with
-    no copy (``ops.layer``'s ``own_output``). 6H numbers a step and sample, fewer than autograd
-    keeps for ``torch.nn.LSTM``."""
+class Tape(NamedTuple):
+    """What a GRU or LSTM layer's compiled forward keeps for its fused compiled backward
+    (``numba_scan.GRUWalk`` / ``LSTMWalk``, block by block: ``_walked_tape``), which otherwise
+    recomputes them (a GRU's factors by the cell's PyTorch code, ``_walked``; an LSTM's gates by
+    two GEMMs and its cell states, ``numba_scan.lstm_layer_backward``; most of the backward's time
+    at small H): the gates (T, B, 4H; an LSTM's i, f, g, o activated, a GRU's r, z, n and
+    m = W_hn h + b_hn, side by side), an LSTM's cell states c_0..c_T (T + 1, B, H; a GRU's None)
+    and the states h_0..h_T (T + 1, B, H), as the NumPy arrays the kernels write and read (no
+    conversion per call), zeros past each packed sequence's end. ``hidden`` is ``states`` as a
+    tensor, the same memory: the backward's outputs h_1..h_T and previous states h_0..h_{T-1}, so
+    the outputs the layer returns are not what its backward reads, and its caller may change them
+    in place with no copy (``ops.layer``'s ``own_output``). 5H or 6H numbers a step and sample,
+    fewer than autograd keeps for ``torch.nn``'s modules."""
 
     gates: np.ndarray
-    cells: np.ndarray
+    cells: np.ndarray | None
     states: np.ndarray
     hidden: Tensor
 
@@ -137,37 +139,49 @@ def new_tape(
     c0: Tensor | None,
     weights: list[Tensor],
     lengths: Tensor | None,
-) -> LSTMTape | None:
-    """An empty ``LSTMTape`` for a layer call, inside its forward (nothing recorded there), whose
-    backward will be the fused compiled LSTM's (the scan strategy resolves to "numba") and whose
-    forward runs compiled (``dispatch.compiled_forward``, taped), else None; for ``solved_forward``
-    to fill. ``lengths`` (packed sequences) change nothing: the tape holds zeros past each end."""
-    strategy = config.options.strategy
-    if c0 is None or config.solver.method != "native" or x.device.type != "cpu":
+) -> Tape | None:
+    """An empty ``Tape`` for a GRU or LSTM layer call, inside its forward (nothing recorded there),
+    whose backward will be the fused compiled walk (the scan strategy resolves to "numba"; a GRU's
+    walked as one chunk, ``dispatch.numba_chunk``) and whose forward runs compiled
+    (``dispatch.compiled_forward``, taped), else None; for ``solved_forward`` to fill. ``lengths``
+    (packed sequences) change nothing: the tape holds zeros past each end."""
+    strategy, mode = config.options.strategy, config.mode
+    if mode not in _TAPED_MODES or config.solver.method != "native" or x.device.type != "cpu":
         return None
     if strategy not in dispatch.COMPILED_FORWARD_STRATEGIES:  # asked first: a layer call's host work counts
         return None
     steps, batch, hidden = x.shape[0], x.shape[1], h0.shape[-1]
-    dtypes = (x.dtype, h0.dtype, c0.dtype, *[w.dtype for w in weights])
-    if not steps or not _taped(strategy, (steps, batch, hidden), dtypes):
+    dtypes = tuple(t.dtype for t in (x, h0, c0, *weights) if t is not None)
+    if not steps or not _taped(mode, strategy, (steps, batch, hidden), dtypes):
+        return None
+    if mode == "GRU" and _chunk(config, steps, batch, hidden, 3) < steps:  # the stored chain's chunked scan
         return None
     if torch.is_autocast_enabled("cpu"):
         return None
     from bppsa_core.numba_forward import tape_arrays
 
-    gates, cells, states = tape_arrays(steps, batch, hidden, x.dtype)
-    return LSTMTape(gates, cells, states, torch.from_numpy(states))
+    gates, cells, states = tape_arrays(steps, batch, hidden, x.dtype, mode == "LSTM")
+    return Tape(gates, cells, states, torch.from_numpy(states))
+
+
+_TAPED_MODES = {"GRU": GRUCell(), "LSTM": LSTMCell()}  # the modes whose compiled forward keeps a tape
 
 
 @functools.lru_cache(maxsize=256)  # asked once a layer call: a short layer's work costs as much
-def _taped(strategy: str, shape: tuple[int, int, int], dtypes: tuple[torch.dtype, ...]) -> bool:
-    """Whether a CPU LSTM layer call of this (T, B, H) keeps a tape: its backward routes to the
-    compiled walk (``_route``) and its forward runs compiled, taped
+def _taped(mode: str, strategy: str, shape: tuple[int, int, int], dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether a CPU GRU or LSTM layer call of this (T, B, H) keeps a tape: its backward routes to
+    the compiled kernels (``_route``) and its forward runs compiled, taped
     (``dispatch.compiled_forward_takes``)."""
     cpu = torch.device("cpu")
-    return _route(LSTMCell(), strategy, shape, cpu, *dtypes)[2] and dispatch.compiled_forward_takes(
-        strategy, "LSTM", shape[2], "cpu", dtypes, True
+    return _route(_TAPED_MODES[mode], strategy, shape, cpu, *dtypes)[2] and dispatch.compiled_forward_takes(
+        strategy, mode, shape[2], "cpu", dtypes, True
     )
+
+
+def _chunk(config: LayerConfig, steps: int, batch: int, hidden: int, terms: int) -> int:
+    """The chunk of a layer's compiled scan: the configured one, else the threads'
+    (``dispatch.numba_chunk``)."""
+    return config.options.chunk or dispatch.numba_chunk(steps, batch, hidden, terms, torch.get_num_threads())
 
 
 # ------------------------------------------------------------------------------------------- forward
@@ -258,7 +272,7 @@ def solved_forward(
     weights: list[Tensor],
     lengths: Tensor | None,
     guess: Tensor | None = None,
-    tape: LSTMTape | None = None,
+    tape: Tape | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, SolveStats | Tensor]:
     """``native_forward``'s results by ``config.solver``, and what the solve took (inside a CUDA
     graph capture, as a tensor on the device: ``newton.solve``); ``tape`` (from ``new_tape``) is
@@ -312,7 +326,7 @@ def sequential_forward(
     lengths: Tensor | None,
     segment: int = SEGMENT,
     batch_major: bool = False,
-    tape: LSTMTape | None = None,
+    tape: Tape | None = None,
     out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``native_forward``'s results, compiled (``bppsa_core.numba_forward``) where
@@ -424,7 +438,7 @@ def bppsa_backward(
     grad_hn: Tensor | None,
     grad_cn: Tensor | None,
     need_input: bool = True,
-    tape: LSTMTape | None = None,
+    tape: Tape | None = None,
     need_state: bool = True,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, list[Tensor]]:
     """The gradients of x, h0, c0 and the weights of one layer, from those of its outputs, its
@@ -487,7 +501,7 @@ def _backward(config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_
 
 
 def _taped_backward(
-    tape: LSTMTape,
+    tape: Tape,
     x: Tensor,
     weights: list[Tensor],
     lengths: Tensor | None,
@@ -497,22 +511,30 @@ def _taped_backward(
     need_input: bool,
     need_state: bool,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, list[Tensor]]:
-    """``bppsa_backward`` of an LSTM layer whose compiled forward kept its ``tape``: the compiled
-    walk over the kept gates, block by block from the end (``_lstm_walked``), and the gradients'
-    GEMMs (``layer_grads``), with none of the general path's routing, casts or copies: a short
-    layer's backward is mostly such host work (re-measured by ``python -m benchmarks.host``). A
-    tape is kept only for one dtype throughout (``new_tape``); ``lengths``: packed sequences'."""
-    from bppsa_core.numba_scan import LSTMWalk
+    """``bppsa_backward`` of a GRU or LSTM layer whose compiled forward kept its ``tape``: the
+    compiled walk over the kept gates, block by block from the end (``_walked_tape``), and the
+    gradients' GEMMs (``layer_grads``), with none of the general path's routing, casts or copies: a
+    short layer's backward is mostly such host work (re-measured by ``python -m benchmarks.host``).
+    A tape is kept only for one dtype throughout (``new_tape``); ``lengths``: packed sequences'."""
+    from bppsa_core.numba_scan import GRUWalk, LSTMWalk
 
     w = LayerWeights(*weights)
     if grad_out is not None and lengths is not None:
         grad_out = grad_out * _keep(lengths, grad_out.shape[0], grad_out)  # constants past each end
     g_last = _last_grad(grad_out, grad_hn, tape.hidden)
-    g_c_last = torch.zeros_like(g_last) if grad_cn is None else grad_cn
-    walk = LSTMWalk(tape.gates, tape.states[1:], w.w_hh, grad_out, tape.cells, lengths)
-    deltas, first = _lstm_walked(walk, tape.gates.shape[0], g_last, g_c_last)
+    steps = tape.gates.shape[0]
+    if tape.cells is None:  # a GRU's
+        walk = GRUWalk(tape.gates, tape.states, w.w_hh, grad_out, lengths)
+        deltas, first = _walked_tape(walk, steps, g_last, (3, 3))
+    else:
+        g_c_last = torch.zeros_like(g_last) if grad_cn is None else grad_cn
+        walk = LSTMWalk(tape.gates, tape.states[1:], w.w_hh, grad_out, tape.cells, lengths)
+        deltas, first = _walked_tape(walk, steps, torch.stack((g_last, g_c_last)), (4,))
     dx, dw = layer_grads(deltas, x, tape.hidden[:-1], w, need_input)
-    g_h0, g_c0 = first() if need_state else (None, None)  # the walk's own (2, B, H): no copy
+    if not need_state:
+        return dx, None, None, _weight_grads(dw)
+    g0 = first()  # the walk's own: no copy
+    g_h0, g_c0 = (g0, None) if tape.cells is None else g0
     return dx, g_h0, g_c0, _weight_grads(dw)
 
 
@@ -577,8 +599,9 @@ def _fused_layer(
             gates = cell.activations(x, h_prev.whole(), w)
             delta, g0 = numba_scan.lstm_layer_backward(gates, h, c0, w.w_hh, g_last, g_c_last, u, lengths)
             return (lambda t: (delta[t],) * 2), (lambda: g0)  # one object: the biases summed once
-        chunk = chunk or dispatch.numba_chunk(steps, batch, hidden, cell.gates, torch.get_num_threads())
-        return _walked(cell, x, h_prev, w, u, g_last, keep) if chunk >= steps else None
+        if _chunk(config, steps, batch, hidden, cell.gates) < steps:  # the stored chain's chunked scan
+            return None
+        return _walked(cell, x, h_prev, w, u, g_last, keep)
     if chosen != "triton" or not fits or keep is not None or not dispatch.kernels_run_on(h.device):
         return None
     from bppsa_core import triton as triton_kernels
@@ -676,24 +699,27 @@ def _walked(
     return _from_the_end(h_prev.shape[0], g_last, walk)
 
 
-def _lstm_walked(
-    walk: LSTMWalk, steps: int, g_last: Tensor, g_c_last: Tensor
+def _walked_tape(
+    walk: GRUWalk | LSTMWalk, steps: int, g_start: Tensor, widths: tuple[int, ...]
 ) -> tuple[Deltas, Callable[[], Tensor]]:
-    """An LSTM layer's compiled backward over its kept gates (``numba_scan.LSTMWalk``), made block by
-    block from the end as ``layer_grads`` asks for the deltas, a block's in one buffer reused block
-    after block (``jacobians.reusing_buffers``): the deltas of T steps never exist at once, and a
-    block's are still in the cache when ``layer_grads`` takes them (re-measured by
-    ``python -m benchmarks.backward --model lstm --threads 1 --strategies numba``). ``first()`` is
-    (dL/dh_0, dL/dc_0) stacked (2, B, H), a tensor of the walk's own."""
+    """A GRU or LSTM layer's compiled backward over its tape (``numba_scan.GRUWalk`` /
+    ``LSTMWalk``), made block by block from the end as ``layer_grads`` asks for the deltas, a
+    block's in buffers reused block after block (``jacobians.reusing_buffers``): the deltas of T
+    steps never exist at once, and a block's are still in the cache when ``layer_grads`` takes them
+    (re-measured by ``python -m benchmarks.backward --model lstm --threads 1 --strategies numba``).
+    ``g_start``: dL/dh_T (B, H), an LSTM's stacked with dL/dc_T (2, B, H); ``widths``: the delta
+    buffers' widths in H, an LSTM's one (4H, both sides: the biases summed once), a GRU's input
+    and hidden sides (3H each). ``first()`` is g_0 shaped as ``g_start``, a tensor of the walk's
+    own."""
 
     def block(lo: int, hi: int, g_end: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
-        batch, hidden = g_end.shape[1:]
-        delta = buffer("lstm deltas", (hi - lo, batch, 4 * hidden), g_end)
+        batch, hidden = g_end.shape[-2:]
+        made = [buffer(f"tape deltas {i}", (hi - lo, batch, n * hidden), g_end) for i, n in enumerate(widths)]
         g = torch.empty_like(g_end)  # not in place: a walk started over from the end reads g_last again
-        walk(lo, hi, g_end, g, delta)
-        return (delta, delta), g  # one object: the biases summed once
+        walk(lo, hi, g_end, g, *made)
+        return (made[0], made[-1]), g
 
-    return _from_the_end(steps, torch.stack((g_last, g_c_last)), block)
+    return _from_the_end(steps, g_start, block)
 
 
 def _from_the_end(

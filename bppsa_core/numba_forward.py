@@ -46,7 +46,7 @@ from bppsa_core.numba_math import (
 )
 
 # The kernels' activations: float64's here, each dtype's in its build (``numba_math.build``); the
-# LSTM's untaped build, whose taped one (``_kernel``) sets _TAPED.
+# GRU's and LSTM's untaped builds, whose taped ones (``_kernel``) set _TAPED.
 _, _tanh, _sigmoid, _gate = ACTIVATIONS[np.float64]
 _TAPED = False
 
@@ -137,11 +137,14 @@ def _rnn(relu, groups, inputs, w_hh, h0, steps, out, h_last):
         put(h_last[lo:hi], h)
 
 
-def _gru(groups, inputs, w_hh, h0, steps, out, h_last):
+def _gru(groups, inputs, w_hh, h0, steps, out, h_last, gates, states):
     """A GRU's recurrence over a segment: ``inputs`` the input side (``_project``), w_hh (3H, H) (rows
     r, z, n), b_hh's n part inside r; otherwise as ``_rnn``. A step's sigmoids are one loop over
     a sample's 2H units (r, z side by side), its tanh one loop over the group's candidates n, as
-    the LSTM's (``_lstm``): PyTorch's formulas, in its order."""
+    the LSTM's (``_lstm``): PyTorch's formulas, in its order. Its taped build (``_TAPED``) also
+    writes each step's r, z, n and m = W_hn h + b_hn into gates (S, B, 4H) and the states
+    h_0..h_S into states (S + 1, B, H), what the backward takes (``layer.Tape``), zeros past a
+    sample's end, as the LSTM's."""
     seg, batch, hid = out.shape
     rows = w_hh.shape[0]
     b_hh = inputs[4]
@@ -151,6 +154,8 @@ def _gru(groups, inputs, w_hh, h0, steps, out, h_last):
         lo, hi = g * batch // groups, (g + 1) * batch // groups
         n = hi - lo
         h = h0[lo:hi].copy()
+        if _TAPED:
+            put(states[0, lo:hi], h)
         acc, xin, xt = np.empty((n, rows), h.dtype), np.empty((n, rows), h.dtype), _step_inputs(inputs, n)
         cand = np.empty(n * hid, h.dtype)
         for t in range(seg):
@@ -173,6 +178,18 @@ def _gru(groups, inputs, w_hh, h0, steps, out, h_last):
                     for j in range(hid):  # h' = n + z (h - n)
                         c = cand[b * hid + j]
                         h[b, j] = c + acc[b, hid + j] * (h[b, j] - c)
+                    if _TAPED:
+                        for j in range(2 * hid):
+                            gates[t, lo + b, j] = acc[b, j]
+                        for j in range(hid):
+                            gates[t, lo + b, 2 * hid + j] = cand[b * hid + j]
+                            gates[t, lo + b, 3 * hid + j] = acc[b, 2 * hid + j]
+                            states[t + 1, lo + b, j] = h[b, j]
+                elif _TAPED:  # past the sample's end: zeros, as its outputs
+                    for j in range(4 * hid):
+                        gates[t, lo + b, j] = 0.0
+                    for j in range(hid):
+                        states[t + 1, lo + b, j] = 0.0
             _store(out, t, lo, steps, h)
         put(h_last[lo:hi], h)
 
@@ -182,7 +199,7 @@ def _lstm(groups, inputs, w_hh, h0, c0, steps, out, h_last, c_last, gates, cells
     (rows i, f, g, o), h0 and c0 (B, H); writes the outputs and the last
     (h, c); otherwise as ``_rnn``. Its taped build (``_TAPED``) also writes the activated gates
     (S, B, 4H), the cell states c_0..c_S into cells (S + 1, B, H) and the states h_0..h_S into
-    states (S + 1, B, H), what the backward takes (``layer.LSTMTape``), zeros past a sample's end;
+    states (S + 1, B, H), what the backward takes (``layer.Tape``), zeros past a sample's end;
     a build of its own, as a run-time flag in the loop slows both down.
 
     A step activates each sample's 4H gates in one loop (``_gate``, sigmoid or tanh by column) and
@@ -254,13 +271,15 @@ def _kernel(cell: str, dtype: torch.dtype, parallel: bool, taped: bool = False) 
 # ------------------------------------------------------------------------------------------- calls
 
 
-def tape_arrays(steps: int, batch: int, hidden: int, dtype: torch.dtype) -> tuple[np.ndarray, ...]:
-    """An LSTM tape's empty arrays (``layer.LSTMTape``): gates (T, B, 4H), cells and states
-    (T + 1, B, H)."""
+def tape_arrays(
+    steps: int, batch: int, hidden: int, dtype: torch.dtype, cells: bool
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """A tape's empty arrays (``layer.Tape``): gates (T, B, 4H), cells (an LSTM's, ``cells``, else
+    None) and states (T + 1, B, H)."""
     kind = NUMPY_DTYPES[dtype]
     return (
         np.empty((steps, batch, 4 * hidden), kind),
-        np.empty((steps + 1, batch, hidden), kind),
+        np.empty((steps + 1, batch, hidden), kind) if cells else None,
         np.empty((steps + 1, batch, hidden), kind),
     )
 
@@ -308,15 +327,15 @@ def layer_forward(
     lengths: Tensor | None,
     segment: int,
     out: Tensor | None = None,
-    tape: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    tape: tuple[np.ndarray, np.ndarray | None, np.ndarray] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One layer's forward: ``native_forward``'s results (h0 and c0 (B, H) or (1, B, H), the last
     states shaped as they are), written into ``out`` (T, B, H; any strides; None: new,
     time-major), the inputs projected in the kernels' steps or, where their weights exceed
     ``PROJECT_IN_STEP_MAX_BYTES``, as one GEMM per segment of at most ``segment`` steps (so that
-    only a segment's projection exists). ``tape``: an LSTM's arrays (``layer.LSTMTape``: gates
-    (T, B, 4H), cells and states (T + 1, B, H)), into which its activated gates, cell states
-    c_0..c_T and states h_0..h_T are written. Returns (out, h_T, c_T), c_T None but for an LSTM.
+    only a segment's projection exists). ``tape``: a GRU's or an LSTM's arrays (``layer.Tape``:
+    gates (T, B, 4H), cells (an LSTM's, else None) and states (T + 1, B, H)), into which its gates,
+    cell states c_0..c_T and states h_0..h_T are written. Returns (out, h_T, c_T), c_T None but for an LSTM.
     Nothing is recorded for autograd here (``dispatch.compiled_forward``). Arrays the kernels write
     are made as arrays, the tensors returned are their memory: a short layer's call is mostly such
     host work (re-measured by ``python -m benchmarks.host``)."""
@@ -362,7 +381,10 @@ def layer_forward(
         if cell == "rnn":
             kernel(mode == "RNN_RELU", groups, inputs, w_hh, h, seg, *outputs)
         elif cell == "gru":
-            kernel(groups, inputs, w_hh, h, seg, *outputs)
+            kept = (UNUSED[x.dtype],) * 2
+            if tape is not None:
+                kept = (tape[0], tape[2]) if whole else (tape[0][s:e], tape[2][s : e + 1])
+            kernel(groups, inputs, w_hh, h, seg, *outputs, *kept)
         else:
             c_next = np.empty_like(c)
             kept = (UNUSED[x.dtype],) * 3

@@ -377,6 +377,69 @@ def _lstm_layer(has_u, has_c, one, tiny, groups, first, last, gates, h, c, w_hh,
         put(g_out[1, lo:hi], dc)
 
 
+def _gru_layer(has_u, one, tiny, groups, first, last, gates, h, w_hh, u, ends, g_in, g_out, d_in, d_hid):
+    """A GRU layer's backward over steps ``first`` .. ``last`` - 1, each group of samples a task,
+    from its forward's tape: ``gates`` (T, B, 4H; r, z, n and m = W_hn h + b_hn) and the states
+    h_0..h_T ``h`` (T + 1, B, H). The walk goes from dL/dh after step ``last`` - 1, ``g_in``
+    (B, H), back to dL/dh before step ``first``, ``g_out`` (B, H; may be ``g_in``), the group's
+    samples side by side. At step t, from g = dL/dh_{t+1}:
+
+        dn = g (1 - z)(1 - n^2),  dz = g (h_t - n) z (1 - z),  dr = dn m r (1 - r),
+
+    the input side's pre-activation gradients (dr, dz, dn) go into ``d_in[t - first]`` and the
+    hidden side's (dr, dz, dn r) into ``d_hid[t - first]`` (each (last - first, B, 3H)), and
+    dL/dh_t = g z + d_hid @ W_hh + u[t-1] (``w_hh`` (3H, H); the outputs' gradient when
+    ``has_u``), flushed below ``tiny``. Steps from ``ends[b]`` on are past sample b's end: the
+    identity, their gradients 0 (``_lstm_layer``'s). The factors are formed as the walk goes (none
+    stored): the plain-PyTorch twin is ``GRUCell.factors``, its chain scanned, and
+    ``GRUCell.preactivation_grads``."""
+    hid = gates.shape[2] // 4
+    batch = gates.shape[1]
+    zero = one - one
+    w_rows = padded(w_hh)
+    for grp in prange(groups):
+        lo, hi = grp * batch // groups, (grp + 1) * batch // groups
+        nb = hi - lo
+        dh = g_in[lo:hi].copy()
+        acc = np.empty((nb, hid), dh.dtype)
+        for t in range(last - 1, first - 1, -1):
+            k = t - first  # the deltas' row
+            inject = has_u and t > 0
+            for i in range(nb):
+                b = lo + i
+                if t >= ends[b]:  # past the sample's end
+                    for j in range(3 * hid):
+                        d_in[k, b, j] = zero
+                        d_hid[k, b, j] = zero
+                    for j in range(hid):
+                        acc[i, j] = (u[t - 1, b, j] if inject else zero) + dh[i, j]
+                    continue
+                if t > first:  # the next step's rows, while this one's are worked on
+                    for rows_of in (gates, h):
+                        prefetch_row(rows_of, t - 1, b)
+                    for rows_of in (d_in, d_hid):
+                        prefetch_row(rows_of, k - 1, b)
+                for j in range(hid):
+                    r, z = gates[t, b, j], gates[t, b, hid + j]
+                    n, m = gates[t, b, 2 * hid + j], gates[t, b, 3 * hid + j]
+                    g = dh[i, j]
+                    dn = g * (one - z) * (one - n * n)
+                    dz = g * (h[t, b, j] - n) * z * (one - z)
+                    dr = dn * m * r * (one - r)
+                    d_in[k, b, j] = dr
+                    d_in[k, b, hid + j] = dz
+                    d_in[k, b, 2 * hid + j] = dn
+                    d_hid[k, b, j] = dr
+                    d_hid[k, b, hid + j] = dz
+                    d_hid[k, b, 2 * hid + j] = dn * r
+                    acc[i, j] = (u[t - 1, b, j] if inject else zero) + g * z
+            add_hidden(acc, d_hid[k, lo:hi], w_rows)
+            for i in range(nb):
+                for j in range(hid):
+                    dh[i, j] = acc[i, j] if abs(acc[i, j]) >= tiny else zero
+        put(g_out[lo:hi], dh)
+
+
 # One thread runs the serial build in the calling thread (no pool to wake, no worker spinning
 # beside other work, each prange a plain loop); more threads run the parallel one.
 _scan_serial = build(_scan, False)
@@ -385,6 +448,8 @@ _lstm_scan_serial = build(_lstm_scan, False)
 _lstm_scan_parallel = build(_lstm_scan, True)
 _lstm_layer_serial = build(_lstm_layer, False)
 _lstm_layer_parallel = build(_lstm_layer, True)
+_gru_layer_serial = build(_gru_layer, False)
+_gru_layer_parallel = build(_gru_layer, True)
 
 
 def _arrays(*tensors: Tensor | np.ndarray) -> list[np.ndarray]:
@@ -500,7 +565,7 @@ class LSTMWalk:
     ``lengths`` (B,) or None (``lstm_layer_backward``), walked over any block of steps, the latest
     first: so that a layer's deltas are made and taken block by block (``bppsa_core.layer``) and
     only a block of them exists, in the cache, instead of T steps' through memory. ``gates``, ``h``
-    and ``cells``: tensors or a tape's arrays (``layer.LSTMTape``). The arrays are handed to the
+    and ``cells``: tensors or a tape's arrays (``layer.Tape``). The arrays are handed to the
     kernel once, not once a block."""
 
     def __init__(
@@ -515,7 +580,7 @@ class LSTMWalk:
         flush: bool = True,
         has_c: bool = True,
     ) -> None:
-        one, tiny = _LSTM_SCALARS[w_hh.dtype]
+        one, tiny = _SCALARS[w_hh.dtype]
         n_threads = threads()
         self._kernel = _lstm_layer_parallel if n_threads > 1 else _lstm_layer_serial
         self._head = (u is not None, has_c, one, tiny if flush else one - one, min(n_threads, gates.shape[1]))
@@ -531,6 +596,43 @@ class LSTMWalk:
         self._kernel(*self._head, first, last, *self._arrays, g_in.numpy(), g_out.numpy(), delta.numpy())
 
 
-# per dtype, the scalars ``_lstm_layer`` takes: one and the flush threshold in that dtype (no step
-# widens)
-_LSTM_SCALARS = {d: (t(1.0), t(torch.finfo(d).tiny)) for d, t in NUMPY_DTYPES.items()}
+# per dtype, the scalars ``_lstm_layer`` and ``_gru_layer`` take: one and the flush threshold in that
+# dtype (no step widens)
+_SCALARS = {d: (t(1.0), t(torch.finfo(d).tiny)) for d, t in NUMPY_DTYPES.items()}
+
+
+class GRUWalk:
+    """A GRU layer's compiled backward (``_gru_layer``) over its forward's tape (``layer.Tape``):
+    the gates (T, B, 4H; r, z, n, m) and the states h_0..h_T (T + 1, B, H), with the hidden
+    weights ``w_hh`` (3H, H), the outputs' gradients ``u`` (T, B, H; 0 past each end) or None and
+    the samples' ``lengths`` (B,) or None, walked over any block of steps, the latest first, as
+    ``LSTMWalk``."""
+
+    def __init__(
+        self,
+        gates: np.ndarray,
+        states: np.ndarray,
+        w_hh: Tensor,
+        u: Tensor | None,
+        lengths: Tensor | None = None,
+        *,
+        flush: bool = True,
+    ) -> None:
+        one, tiny = _SCALARS[w_hh.dtype]
+        n_threads = threads()
+        steps, batch = gates.shape[:2]
+        self._kernel = _gru_layer_parallel if n_threads > 1 else _gru_layer_serial
+        self._head = (u is not None, one, tiny if flush else one - one, min(n_threads, batch))
+        ends = running(batch, steps) if lengths is None else lengths.to("cpu", torch.int64).numpy()
+        outside = UNUSED[w_hh.dtype] if u is None else _arrays(u)[0]
+        self._arrays = (*_arrays(gates, states, w_hh), outside, ends)
+
+    def __call__(
+        self, first: int, last: int, g_in: Tensor, g_out: Tensor, d_in: Tensor, d_hid: Tensor
+    ) -> None:
+        """Steps ``last`` - 1 down to ``first``: from dL/dh after them, ``g_in`` (B, H), to dL/dh
+        before them into ``g_out`` (B, H; may be ``g_in``), the steps' input- and hidden-side
+        pre-activation gradients into ``d_in`` and ``d_hid`` (last - first, B, 3H), all contiguous."""
+        self._kernel(
+            *self._head, first, last, *self._arrays, g_in.numpy(), g_out.numpy(), d_in.numpy(), d_hid.numpy()
+        )

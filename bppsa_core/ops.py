@@ -224,7 +224,7 @@ def _keep(ctx: Any, inputs: tuple, output: tuple, out: Tensor) -> None:
     only where forward-mode differentiation is on (a dual level entered): the one place a jvp runs."""
     x, h0, c0, lengths, _guess, config, *weights = inputs
     ctx.config = config
-    ctx.tape = None  # what a compiled LSTM forward kept for the backward (``_EagerLayer``)
+    ctx.tape = None  # what a compiled GRU or LSTM forward kept for the backward (``_EagerLayer``)
     ctx.save_for_backward(x, h0, c0, lengths, out, *weights)
     if forward_ad._current_level >= 0:
         ctx.save_for_forward(x, h0, c0, lengths, out, *weights)
@@ -321,8 +321,8 @@ class _EagerLayer(torch.autograd.Function):
     and takes its context, so that ``apply`` does not bind the arguments to the forward's signature;
     not usable under the ``torch.func`` transforms, which ``_plain`` rules out. Its first inputs:
     ``record``, whether the call is recorded for a backward (the grad mode at the call; inside the
-    forward it is off): then a compiled LSTM forward keeps its gates and states for the backward
-    (``layer.LSTMTape``) in the context; ``own``, ``layer``'s ``own_output``. Its results are
+    forward it is off): then a compiled GRU or LSTM forward keeps its gates and states for the backward
+    (``layer.Tape``) in the context; ``own``, ``layer``'s ``own_output``. Its results are
     ``solved_forward``'s as they come, c None without one and the stats a ``SolveStats`` (a tensor
     inside a capture): outputs autograd passes through, with no empty tensor or copy made for them."""
 
@@ -371,7 +371,7 @@ def layer(
     ``as_tensor`` from the operators or a capture.
     ``own_output``: the outputs returned are not what the backward reads, so that the caller may
     change them in place (a module's top layer, as ``torch.nn``'s): a copy where the backward keeps
-    them, none where an LSTM's tape holds its own.
+    them, none where a tape holds its own (a GRU's, an LSTM's).
     """
     # torch.compile traces autograd.Functions, but not their jvp: compiled graphs get the same
     # function without it (forward-mode differentiation of a compiled graph is not supported anyway).

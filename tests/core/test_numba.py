@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from helpers import extended_except, rel_err, torch_threads
@@ -81,7 +82,7 @@ def test_an_lstm_walks_rows_in_vectors_as_its_scalar_loop(dtype) -> None:
         )
         w_hh, u = torch.randn(4 * hidden, hidden, dtype=dtype), torch.randn(steps, batch, hidden, dtype=dtype)
         g_h, g_c = torch.randn(batch, hidden, dtype=dtype), torch.randn(batch, hidden, dtype=dtype) * 1e-38
-        one, tiny = numba_scan._LSTM_SCALARS[dtype]
+        one, tiny = numba_scan._SCALARS[dtype]
         ends = torch.full((batch,), steps)
         ends[-1] = 2
         results = []
@@ -127,8 +128,10 @@ def test_a_net_on_the_cpu_runs_the_kernels_and_gives_autograds_gradients(
     """float64, two layers, loss on every output and on h_n: exact to 1e-10. One chunk (the default
     here, "auto" too): each layer walked block by block (blocks of 4 steps: the walk carries the
     gradient across them, its blocks' scratch reused); chunk 5: the stored chain's chunked scan in the
-    kernels."""
+    kernels. A GRU's forward keeps no tape here (as a Newton solver's or PyTorch's forward), so its
+    backward makes its factors: the tape's walk is ``test_a_gru_or_an_lstm_walks_its_tape...``."""
     torch.manual_seed(0)
+    monkeypatch.setattr(layer_mod, "new_tape", lambda *a: None)
     kwargs = {"nonlinearity": "relu"} if kind == "RNN" else {}
     ref = getattr(torch.nn, kind)(2, 6, num_layers=2, batch_first=True, **kwargs).double()
     ours = getattr(bnn, kind)(2, 6, num_layers=2, batch_first=True, strategy=strategy, chunk=chunk, **kwargs)
@@ -151,17 +154,22 @@ def test_a_net_on_the_cpu_runs_the_kernels_and_gives_autograds_gradients(
         assert len({s.untyped_storage().data_ptr() for s in scans}) <= 2 * ours.num_layers
 
 
+@pytest.mark.parametrize("kind", ["GRU", "LSTM"])
 @pytest.mark.parametrize("block", [None, 4])
-def test_an_lstm_walks_its_tape_block_by_block_and_gives_autograds_gradients(monkeypatch, block) -> None:
+def test_a_gru_or_an_lstm_walks_its_tape_block_by_block_and_gives_autograds_gradients(
+    monkeypatch, kind, block
+) -> None:
     """The taped backward walks the kept gates in blocks of steps from the end as ``layer_grads``
-    takes them (4 here: the walk carries (dL/dh, dL/dc) across them, the blocks' deltas in one buffer
-    reused); float64, two layers, loss on every output, h_n and c_n: exact to 1e-10."""
+    takes them (4 here: the walk carries dL/dh (an LSTM's and dL/dc) across them, the blocks' deltas
+    in buffers reused); float64, two layers, loss on every output and the last states: exact to
+    1e-10."""
     torch.manual_seed(0)
-    ref = torch.nn.LSTM(2, 6, num_layers=2, batch_first=True).double()
-    ours = bnn.LSTM(2, 6, num_layers=2, batch_first=True, strategy="numba").double()
+    ref = getattr(torch.nn, kind)(2, 6, num_layers=2, batch_first=True).double()
+    ours = getattr(bnn, kind)(2, 6, num_layers=2, batch_first=True, strategy="numba").double()
     ours.load_state_dict(ref.state_dict())
-    buffers, real = [], numba_scan.LSTMWalk.__call__
-    monkeypatch.setattr(numba_scan.LSTMWalk, "__call__", lambda w, *a: buffers.append(a[-1]) or real(w, *a))
+    walk = getattr(numba_scan, f"{kind}Walk")
+    buffers, real = [], walk.__call__
+    monkeypatch.setattr(walk, "__call__", lambda w, *a: buffers.append(a[-1]) or real(w, *a))
     if block:
         monkeypatch.setattr(jacobians, "_block_steps", lambda *a: block)
         monkeypatch.setattr(jacobians, "SCRATCH_MIN_BYTES", 0)  # these tiny blocks' scratch named too
@@ -232,8 +240,10 @@ def test_a_group_of_samples_viewed_out_of_the_batch_walks_as_its_copy(mode, monk
 @pytest.mark.parametrize("kind", ["RNN", "GRU"])
 def test_packed_sequences_walk_in_the_kernels(monkeypatch, kind) -> None:
     """Variable lengths take the compiled walk block by block (``layer._walked``, blocks of 3 steps
-    here), the identity past each end, and give autograd's gradients (float64, 1e-10)."""
+    here), the identity past each end, and give autograd's gradients (float64, 1e-10); a GRU's
+    forward keeping no tape (its taped packed backward: ``test_an_lstm_or_a_gru_backward_from...``)."""
     torch.manual_seed(1)
+    monkeypatch.setattr(layer_mod, "new_tape", lambda *a: None)
     ref = getattr(torch.nn, kind)(3, 5).double()
     ours = getattr(bnn, kind)(3, 5, strategy="numba").double()
     ours.load_state_dict(ref.state_dict())
@@ -393,52 +403,64 @@ def test_a_layer_backward_sums_a_shared_pre_activation_once(monkeypatch, kind, s
         assert m.bias_ih_l0.grad.data_ptr() != m.bias_hh_l0.grad.data_ptr()
 
 
-# float32: two builds of the compiled LSTM forward to compile, for the extended run
+# float32: two builds of the compiled forward to compile, for the extended run
 @pytest.mark.parametrize("dtype", [F64, pytest.param(torch.float32, marks=pytest.mark.extended)])
 @pytest.mark.parametrize("packed", [False, True])
-def test_an_lstm_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(
-    monkeypatch, dtype, packed
+@pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+def test_a_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(
+    monkeypatch, kind, dtype, packed
 ) -> None:
-    """The compiled forward keeps the gates and cell states (``layer.LSTMTape``) where a gradient is
-    wanted, the backward takes them instead of recomputing; gradients equal the recomputing
-    backward's and autograd's (float64 1e-10, float32 1e-5), a second backward over the kept graph
-    (retain_graph) too: the kept gates are not overwritten. Nothing is kept under no_grad. Packed
-    sequences too: the tape holds zeros past each end, as the outputs do."""
+    """A GRU's or an LSTM's compiled forward keeps its gates and states (``layer.Tape``; an LSTM's
+    cell states too) where a gradient is wanted, the backward takes them instead of recomputing;
+    gradients equal the recomputing backward's and autograd's (float64 1e-10, float32 1e-5), a
+    second backward over the kept graph (retain_graph) too: the kept gates are not overwritten.
+    Nothing is kept under no_grad. Packed sequences too: the tape holds zeros past each end, as the
+    outputs do."""
     torch.manual_seed(0)
-    ref = torch.nn.LSTM(3, 5, num_layers=2).to(dtype)
-    ours = bnn.LSTM(3, 5, num_layers=2, strategy="numba").to(dtype)
+    ref = getattr(torch.nn, kind)(3, 5, num_layers=2).to(dtype)
+    ours = getattr(bnn, kind)(3, 5, num_layers=2, strategy="numba").to(dtype)
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(40, 4, 3, dtype=dtype)
-    kept, taken = [], []  # taken: per layer backward, whether it walked kept cell states
-    real_tape, real_walk = layer_mod.new_tape, numba_scan.LSTMWalk
+    kept, taken = [], []  # taken: per layer backward, whether it walked a tape
+    real_tape = layer_mod.new_tape
     monkeypatch.setattr(layer_mod, "new_tape", lambda *a: kept.append(real_tape(*a)) or kept[-1])
-    monkeypatch.setattr(
-        numba_scan, "LSTMWalk", lambda *a, **k: taken.append(k.get("has_c", True)) or real_walk(*a, **k)
-    )
-
+    if kind == "LSTM":  # the recomputing backward makes the cell states in its walk
+        real_walk = numba_scan.LSTMWalk
+        monkeypatch.setattr(
+            numba_scan, "LSTMWalk", lambda *a, **k: taken.append(k.get("has_c", True)) or real_walk(*a, **k)
+        )
+    else:  # the recomputing backward makes the factors (``_walked``)
+        real_gru, real_walked = numba_scan.GRUWalk, layer_mod._walked
+        monkeypatch.setattr(numba_scan, "GRUWalk", lambda *a, **k: taken.append(True) or real_gru(*a, **k))
+        monkeypatch.setattr(layer_mod, "_walked", lambda *a: taken.append(False) or real_walked(*a))
     lengths = [40, 31, 31, 5]
 
-    def run(m: torch.nn.Module, xx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out, (h_n, c_n) = m(pack_padded_sequence(xx, lengths) if packed else xx)
+    def run(m: torch.nn.Module, xx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        out, state = m(pack_padded_sequence(xx, lengths) if packed else xx)
+        h_n, c_n = state if kind == "LSTM" else (state, None)
         return pad_packed_sequence(out)[0] if packed else out, h_n, c_n
 
     def grads(m: torch.nn.Module, retain: bool = False) -> list[torch.Tensor]:
         xx = x.clone().requires_grad_()
         out, h_n, c_n = run(m, xx)
-        loss = out.sin().sum() + h_n.pow(2).sum() + c_n.cos().sum()
+        loss = out.sin().sum() + h_n.pow(2).sum() + (0 if c_n is None else c_n.cos().sum())
         first = torch.autograd.grad(loss, [xx, *m.parameters()], retain_graph=retain)
         return list(torch.autograd.grad(loss, [xx, *m.parameters()])) if retain else list(first)
 
     expected = grads(ref)
     taped = grads(ours)
-    assert taken == [True, True] and all(isinstance(t, layer_mod.LSTMTape) for t in kept)
-    kept.clear()  # the top layer's tape: h_0..h_T and c_0..c_T, a copy of the outputs, not them
+    assert taken == [True, True] and all(isinstance(t, layer_mod.Tape) for t in kept)
+    kept.clear()  # the top layer's tape: h_0..h_T (and c_0..c_T), a copy of the outputs, not them
     out, _, c_n = run(ours, x.clone().requires_grad_())
     top = kept[-1]
     assert torch.equal(top.hidden[1:], out) and not top.hidden[0].any()
-    ends = lengths if packed else [x.shape[0]] * 4  # c_n: each sample's c at its end
-    assert torch.equal(torch.from_numpy(top.cells[ends]).diagonal().T, c_n[-1]) and not top.cells[0].any()
-    assert not top.gates[ends[-1] :, -1].any() and not top.cells[ends[-1] + 1 :, -1].any()
+    ends = lengths if packed else [x.shape[0]] * 4
+    assert not top.gates[ends[-1] :, -1].any()  # past the last sample's end
+    if kind == "LSTM":  # c_n: each sample's c at its end
+        assert torch.equal(torch.from_numpy(top.cells[ends]).diagonal().T, c_n[-1]) and not top.cells[0].any()
+        assert not top.cells[ends[-1] + 1 :, -1].any()
+    else:
+        assert top.cells is None
     assert out.untyped_storage().data_ptr() != top.hidden.untyped_storage().data_ptr()
     twice = grads(ours, retain=True)
     taken.clear()
@@ -453,6 +475,63 @@ def test_an_lstm_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(
     with torch.no_grad():
         ours(x)
     assert kept == []
+
+
+@pytest.mark.parametrize("dtype", extended_except([F64, F32], first=1))  # a build per dtype to compile
+def test_the_gru_walk_over_a_tape_matches_the_generic_path(dtype) -> None:
+    """``numba_scan.GRUWalk`` over the tape of the compiled forward (``numba_forward.layer_forward``)
+    against its plain-PyTorch twin: ``GRUCell.factors``, its chain scanned sequentially and
+    ``preactivation_grads``, with the outputs' gradients injected and one sample ending early
+    (``keep``, the identity past its end); walked in two blocks from the end."""
+    from bppsa_core import numba_forward
+
+    torch.manual_seed(3)
+    steps, batch, hidden, features = 17, 3, 5, 2
+    cell = jacobians.GRUCell()
+    shapes = ((15, features), (15, hidden), (15,), (15,))
+    w = LayerWeights(*(torch.randn(s, dtype=dtype) * 0.4 for s in shapes))
+    x, h0 = torch.randn(steps, batch, features, dtype=dtype), torch.randn(batch, hidden, dtype=dtype)
+    lengths = torch.tensor([steps, steps, 6])
+    gates, cells, states = numba_forward.tape_arrays(steps, batch, hidden, dtype, False)
+    weights = [w.w_ih, w.w_hh, w.b_ih, w.b_hh]
+    out = numba_forward.layer_forward("GRU", x, h0, None, weights, lengths, 64, None, (gates, cells, states))[
+        0
+    ]
+    keep = layer_mod._keep(lengths, steps, out)
+    g_h, u = torch.randn(batch, hidden, dtype=dtype), torch.randn(steps, batch, hidden, dtype=dtype) * keep
+
+    h_prev = torch.cat((h0.unsqueeze(0), out[:-1]))
+    factors = cell.factors(x, h_prev, out, w, keep=keep)
+    offsets = torch.cat((torch.zeros_like(u[:1]), u[:-1]))
+    g = scan(cell.chain(factors, w), g_h + u[-1], offsets, strategy="sequential")
+    twin = cell.preactivation_grads(g[1:], factors)
+
+    walk = numba_scan.GRUWalk(gates, states, w.w_hh, u, lengths)
+    d_in, d_hid = (torch.empty(steps, batch, 3 * hidden, dtype=dtype) for _ in range(2))
+    g0 = g_h + u[-1]
+    for lo, hi in ((9, steps), (0, 9)):
+        walk(lo, hi, g0, g0, d_in[lo:hi], d_hid[lo:hi])
+    for a, b in zip((*twin, g[0]), (d_in, d_hid, g0), strict=True):
+        assert rel_err(a, b) < TOL[dtype]
+
+
+@pytest.mark.extended  # a parallel float64 build of its own to compile
+def test_threads_change_nothing_in_a_gru_walk(monkeypatch) -> None:
+    """The GRU walk's samples are independent tasks: its serial and parallel builds agree bit for bit."""
+    gates, states = np.random.rand(9, 3, 20), np.random.rand(10, 3, 5)
+    w_hh, u, g_h = (
+        torch.randn(15, 5, dtype=F64),
+        torch.randn(9, 3, 5, dtype=F64),
+        torch.randn(3, 5, dtype=F64),
+    )
+
+    def run() -> list[torch.Tensor]:
+        g, d_in, d_hid = g_h.clone(), torch.empty(9, 3, 15, dtype=F64), torch.empty(9, 3, 15, dtype=F64)
+        numba_scan.GRUWalk(gates, states, w_hh, u)(0, 9, g, g, d_in, d_hid)
+        return [g, d_in, d_hid]
+
+    results = _at_one_and_two_threads(monkeypatch, ("_gru_layer_serial", "_gru_layer_parallel"), run)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 def test_the_chunk_follows_the_threads() -> None:

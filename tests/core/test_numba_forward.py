@@ -301,7 +301,7 @@ def _recording(monkeypatch) -> list[str]:
         ("relu", "auto", 8, True),
         ("gru", "auto", 8, True),
         ("tanh", "auto", 1025, False),  # wider than it was measured to win at: PyTorch's GEMMs
-        ("lstm", "auto", 8, True),  # a gradient is wanted: the taped forward (layer.LSTMTape)
+        ("lstm", "auto", 8, True),  # a gradient is wanted: the taped forward (layer.Tape)
         ("lstm", "auto", 136, False),  # wider than the taped forward wins at
         ("lstm", "numba", 8, True),
         ("tanh", "sequential", 8, False),  # the plain-PyTorch strategies keep PyTorch's forward
