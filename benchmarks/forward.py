@@ -246,7 +246,8 @@ def bench_compiled(
 ) -> CompiledRow:
     """One row of the compiled table: torch.nn's training forward, ours with PyTorch's fused kernel
     (``strategy="sequential"``: the kernel under no_grad, what "auto" would run instead) and ours
-    with the recurrence compiled (``strategy="numba"``; an LSTM's keeps its gates for the backward),
+    with the recurrence compiled (``strategy="numba"``; a GRU's or an LSTM's keeps its gates for the
+    backward),
     the same weights and batch, taking turns; ``grad`` False: their inference forwards;
     ``other_projection``: also ours compiled with the inputs' projection on the other side of its
     bound (``OtherProjection``)."""
@@ -296,8 +297,8 @@ def format_compiled(rows: Sequence[CompiledRow]) -> str:
 
 COMPILED_LEGEND = (
     "Training forward of one layer (the module call; torch.nn's records for its backward, ours "
-    "records nothing: its backward is BPPSA's; with --no-grad every forward is inference, and an "
-    "LSTM's compiled one keeps no gates); 'fused': ours with PyTorch's fused kernel; "
+    "records nothing: its backward is BPPSA's, a GRU's or an LSTM's compiled one keeping its gates for it; "
+    "with --no-grad every forward is inference, and keeps none); 'fused': ours with PyTorch's fused kernel; "
     "'compiled': ours with the recurrence compiled; a ratio < 1 means the compiled forward is faster; "
     "'auto': the forward strategy='auto' takes there (the compiled one where it beats the fused "
     "kernel; torch.nn where auto leaves the whole module to torch.nn); 'max diff': the largest "

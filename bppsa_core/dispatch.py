@@ -60,16 +60,18 @@ _GPU_BLELLOCH_BYTES = 1 << 30
 # cuDNN's persistent kernels (RNN H <= 256, GRU and LSTM 128) they lose 2-30 times; at H = 256, past
 # them, only a GRU's scan is ahead (1.1-1.2 times; an LSTM's 0.7-0.8), and wider the H^3 work against
 # cuDNN's H^2 halves a lead with each doubling of H. A CPU: from where the compiled walk's small
-# products lose to the batched GEMMs of PyTorch's kernel (above the widths where they were seen to
-# win: GRU H = 192 and LSTM H = 256 1.03-1.35 times slower at T = 100 to 1,000, even at 10,000).
-# Re-measured by ``python -m benchmarks.gpu_check --steps capture`` and
-# ``python -m benchmarks.backward --threads 1 --strategies numba --H 128 --F 128`` (and 192, 256).
+# products lose to the batched GEMMs of PyTorch's kernel (an LSTM above H = 192: 1.03-1.35 times
+# slower at H = 256, T = 100 to 10,000), or where no tape is kept (a GRU's above H = 512, where its
+# compiled forward stops: its walk over the tape still wins at 512). Re-measured by
+# ``python -m benchmarks.gpu_check --steps capture``, and on a CPU by
+# ``python -m benchmarks.backward --threads 1 --strategies numba --model lstm --H 256 --F 256`` and
+# ``python -m benchmarks.backward --threads 1 --strategies numba --model gru --H 512 --F 512``.
 _TORCH_NN_HIDDEN: dict[str, dict[str, tuple[tuple[int, float], ...]]] = {
     "cuda": {
         "RNN_TANH": ((MAX_HIDDEN, math.inf),), "RNN_RELU": ((MAX_HIDDEN, math.inf),),
         "GRU": ((MAX_HIDDEN, 128), (256, math.inf)), "LSTM": ((MAX_LSTM_HIDDEN, math.inf),),
     },
-    "cpu": {"GRU": ((128, math.inf),), "LSTM": ((192, math.inf),)},
+    "cpu": {"GRU": ((512, math.inf),), "LSTM": ((192, math.inf),)},
 }  # fmt: skip
 
 T = TypeVar("T")

@@ -65,8 +65,8 @@ def test_the_default_chunk_takes_the_fewest_dependent_steps() -> None:
         ("auto", "RNN_TANH", 512, GPU, F32, True),  # wider still: the scan's H^3 work loses more
         ("auto", "LSTM", 192, CPU, F32, False),  # the CPU's compiled walk is faster up to there
         ("auto", "LSTM", 256, CPU, F32, True),
-        ("auto", "GRU", 128, CPU, F32, False),
-        ("auto", "GRU", 192, CPU, F32, True),
+        ("auto", "GRU", 512, CPU, F32, False),  # its walk over the tape wins up to there
+        ("auto", "GRU", 513, CPU, F32, True),  # past the compiled forward: no tape
         ("auto", "RNN_TANH", 1024, CPU, F32, False),  # the RNN's walk is never slower there
         ("auto", "GRU", 256, CPU, F64, False),
         ("auto", "LSTM", 64, GPU, F64, False),
@@ -79,9 +79,11 @@ def test_auto_leaves_a_module_to_torch_nn_only_where_its_kernels_win(
     assert dispatch.torch_nn_instead(strategy, mode, hidden, device, dtype) is instead
 
 
-def test_inference_that_the_compiled_forward_takes_is_not_left_to_torch_nn() -> None:
-    """A CPU GRU above H = 128 is torch.nn's for training, but its inference runs the compiled
-    forward up to H = 512, where that beats PyTorch's (``dispatch._COMPILED_FORWARD_MAX_HIDDEN``)."""
+def test_inference_that_the_compiled_forward_takes_is_not_left_to_torch_nn(monkeypatch) -> None:
+    """A CPU GRU left to torch.nn for training above some H (128 here) still runs the compiled
+    forward in inference up to H = 512, where that beats PyTorch's
+    (``dispatch._COMPILED_FORWARD_MAX_HIDDEN``)."""
+    monkeypatch.setitem(dispatch._TORCH_NN_HIDDEN["cpu"], "GRU", ((128, math.inf),))
     assert dispatch.torch_nn_instead("auto", "GRU", 192, CPU, F32)
     assert not dispatch.torch_nn_instead("auto", "GRU", 192, CPU, F32, inference=True)
     assert not dispatch.torch_nn_instead("auto", "GRU", 512, CPU, F32, inference=True)

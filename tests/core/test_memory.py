@@ -68,10 +68,9 @@ print(peak_bytes() - before)
 def test_a_million_steps_back_propagate_in_memory_linear_in_the_states(kind: str, bound: int) -> None:
     """T = 1,000,000, B = 1, H = 20 on the CPU: the backward's peak, counted in units of the layer's
     states (T * B * H floats), stays a small constant: no T x H x H chain, no per-step overhead, no
-    step's deltas all at once (an LSTM's alone would be 4 units). Measured, in the compiled kernels
-    walked block by block: 1.15 (RNN), 1.29 (GRU), 1.1 (LSTM, from the gates and states its forward
-    kept): the outputs' gradient autograd hands in (one unit: the loss's select makes it whole)
-    and a block's scratch."""
+    step's deltas all at once (an LSTM's alone would be 4 units); the compiled kernels walked block
+    by block hold little more than the outputs' gradient autograd hands in (docs/PERFORMANCE.md,
+    "A million steps")."""
     steps = 1_000_000
     unit = steps * 1 * 20 * 4
     assert int(run_child(LONG, kind, str(steps))) < bound * unit

@@ -367,15 +367,15 @@ def test_a_sequence_longer_than_one_kernel_call_takes_runs_in_the_modules_own_se
 
 def test_a_long_sequence_of_a_module_auto_leaves_to_torch_nn_trains_in_its_own_layers(monkeypatch) -> None:
     """The same for a module that "auto" leaves to torch.nn (a GRU wider than the CPU's compiled
-    walk wins at): past the kernel's limit it trains in its own layers, with torch.nn's gradients;
-    a sequence that fits is still torch.nn's."""
+    forward, which keeps the tape its walk needs, runs): past the kernel's limit it trains in its
+    own layers, with torch.nn's gradients; a sequence that fits is still torch.nn's."""
     from bppsa_core import layer as layer_mod
 
     monkeypatch.setitem(layer_mod.ONE_CALL_STEPS, "cpu", 4)
     calls = []
     real = layer_mod.solved_forward
     monkeypatch.setattr(layer_mod, "solved_forward", lambda *a: calls.append(1) or real(*a))
-    ref, ours = pair("gru", 2, 130, dtype=torch.float32)  # "auto" leaves float32 alone to torch.nn
+    ref, ours = pair("gru", 2, 513, dtype=torch.float32)  # "auto" leaves float32 alone to torch.nn
     for steps in (4, 9):
         calls.clear()
         x = torch.randn(steps, 2, 2)
@@ -581,11 +581,12 @@ def test_the_module_asks_with_its_options_and_parameters(monkeypatch) -> None:
 
 
 def test_auto_runs_torch_nn_on_a_cpu_at_a_width_where_it_wins(monkeypatch) -> None:
-    """On the CPU, "auto" runs a GRU of H = 192 as torch.nn; an explicit strategy runs BPPSA."""
+    """On the CPU, "auto" runs a GRU of H = 513 (wider than its compiled forward) as torch.nn; an
+    explicit strategy runs BPPSA."""
     calls = _layer_calls(monkeypatch)
     x = torch.randn(3, 2, 4)
     for strategy, made in (("auto", 0), ("sequential", 1)):
-        out, _ = bnn.GRU(4, 192, strategy=strategy)(x)
+        out, _ = bnn.GRU(4, 513, strategy=strategy)(x)
         out.sum().backward()
         assert len(calls) == made
         calls.clear()

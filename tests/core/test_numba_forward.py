@@ -98,8 +98,10 @@ def test_wide_inputs_are_projected_on_the_host_with_the_same_results(mode, monke
 
 
 def test_a_wide_grus_inference_runs_compiled_where_its_training_is_torch_nns(monkeypatch) -> None:
-    """A float32 GRU at H = 192: "auto" leaves its training to torch.nn (no layer call), while its
-    inference runs the compiled forward in its layers, with torch.nn's outputs."""
+    """A float32 GRU at H = 192 where "auto" leaves its training to torch.nn (above H = 128 here: no
+    layer call), while its inference runs the compiled forward in its layers, with torch.nn's
+    outputs."""
+    monkeypatch.setitem(dispatch._TORCH_NN_HIDDEN["cpu"], "GRU", ((128, math.inf),))
     ran = _recording(monkeypatch)
     ref, ours = pair("gru", 3, 192, num_layers=2, dtype=F32)
     x = torch.randn(6, 2, 3)
