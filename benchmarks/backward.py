@@ -9,7 +9,9 @@ medians of ``--repeats`` runs after ``--warmup``, so every ratio compares like w
 * ``backward``: the full backward (forward excluded) of BPTT and of BPPSA per scan strategy; both
   modules share weights and inputs, and the last column is the largest relative gradient difference
   between them, a check that the timed code computes the same thing; ``--packed`` feeds both a
-  ``PackedSequence`` of B lengths from T down to about T / 2. A strategy that cannot run for
+  ``PackedSequence`` of B lengths from T down to about T / 2; ``--untaped`` adds a column, "numba"
+  with its forward keeping no tape (a GRU's or an LSTM's backward then recomputes what the tape
+  holds: what the tape saves, forward and backward together). A strategy that cannot run for
   the shape (it raises ValueError) gets "n/a" cells and a note under the table; a strategy named in
   ``--strategies`` that cannot run on the device at all is refused before anything is timed.
 * ``scan``: the scan alone on the identical chain, BPPSA per strategy against the peers
@@ -58,6 +60,7 @@ from benchmarks.common import (
 from benchmarks.floors import Floors, measure_floors
 from benchmarks.scan import MODULES, TERMS, bench_scan, format_scan_table
 from bppsa_core import jacobians
+from bppsa_core import layer as bppsa_layer
 from bppsa_core import nn as bnn
 from bppsa_core.dispatch import STRATEGIES, check_device
 from experiments.graphs import Snapshot, capture_step
@@ -140,6 +143,26 @@ def packed_input(x: torch.Tensor) -> PackedSequence:
     return pack_padded_sequence(x, lengths, batch_first=True)
 
 
+UNTAPED = "numba untaped"  # the column of ``--untaped``
+
+
+class Untaped(torch.nn.Module):
+    """A BPPSA module whose layers keep no tape (``layer.new_tape`` answers None during its
+    forward): a GRU's or an LSTM's backward then recomputes the gates instead of reading them."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor | PackedSequence) -> tuple:
+        real = bppsa_layer.new_tape
+        bppsa_layer.new_tape = lambda *args: None
+        try:
+            return self.module(x)
+        finally:
+            bppsa_layer.new_tape = real
+
+
 def backward_once(
     module: torch.nn.Module, x: torch.Tensor | PackedSequence, head: torch.Tensor, loss: str
 ) -> tuple[float, float, list[torch.Tensor]]:
@@ -171,10 +194,12 @@ def bench(
     floors: Floors | None = None,
     chunk: int | None = None,
     packed: bool = False,
+    untaped: bool = False,
 ) -> Row:
     """Time one configuration: BPTT and BPPSA with every scan strategy that runs here (``chunk``:
     the chunked, numba and triton strategies' chunk size; default: the modules'; ``packed``: the
-    input a ``PackedSequence``, ``packed_input``).
+    input a ``PackedSequence``, ``packed_input``; ``untaped``: also "numba" keeping no tape,
+    ``Untaped``, in the column ``UNTAPED``).
 
     A cell is the backward's median plus what the method's forward takes beyond ``torch.nn``'s
     (median against median, never less than 0): BPPSA is charged for any work it adds to the
@@ -200,6 +225,10 @@ def bench(
         ours = our_cls(features, hidden, batch_first=True, strategy=strategy, chunk=chunk).to(device, dtype)
         ours.load_state_dict(ref.state_dict())
         modules[strategy] = ours
+    if untaped:
+        ours = our_cls(features, hidden, batch_first=True, strategy="numba", chunk=chunk).to(device, dtype)
+        ours.load_state_dict(ref.state_dict())
+        modules[UNTAPED] = Untaped(ours)
     times: dict[str, list[float]] = {name: [] for name in modules}
     forward: dict[str, list[float]] = {name: [] for name in modules}
     grads: dict[str, list[torch.Tensor]] = {}
@@ -569,6 +598,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="backward table: the input a PackedSequence of lengths T down to T / 2",
     )
+    p.add_argument(
+        "--untaped",
+        action="store_true",
+        help=f"backward table: also numba with its forward keeping no tape, the column '{UNTAPED}'",
+    )
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
@@ -606,11 +640,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"{flag}: {exc}")
     args.tables = args.tables or (list(TABLES) if args.suite else ["backward"])
     args.model = args.model or "rnn"
-    if args.packed and args.tables != ["backward"]:
-        p.error(
-            f"--packed times the backward table only, not {' '.join(args.tables)}; "
-            "accepted: --tables backward"
-        )
+    for flag in ("packed", "untaped"):
+        if getattr(args, flag) and args.tables != ["backward"]:
+            p.error(
+                f"--{flag} times the backward table only, not {' '.join(args.tables)}; "
+                "accepted: --tables backward"
+            )
     if not args.suite and "epoch" in args.tables and args.model != "rnn":
         p.error("the epoch comparison is the paper's RNN bitstream task; accepted: --model rnn")
     return args
@@ -670,8 +705,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for t, b, h, f in cs.configs:
                 progress(f"backward {cs.model} T={t} B={b} H={h} F={f} ...")
                 config = (cs.model, t, b, h, f, strategies, device, dtype, args.loss)
-                rows.append(bench(*config, packed=args.packed, **timing))
-            table(f"Full backward: {cs.title}", format_table(rows, strategies), rows)
+                rows.append(bench(*config, packed=args.packed, untaped=args.untaped, **timing))
+            columns = [*strategies, UNTAPED] if args.untaped else strategies
+            table(f"Full backward: {cs.title}", format_table(rows, columns), rows)
     if "epoch" in args.tables and epochs:
         rows, failed = [], []
         for t, b, h, n in epochs:

@@ -59,6 +59,22 @@ def test_a_packed_backward_row_gives_autograds_gradients(model, loss) -> None:
     assert row.max_rel_err < 1e-4
 
 
+@pytest.mark.parametrize("model", ["gru", "lstm"])
+def test_an_untaped_column_times_numba_keeping_no_tape(monkeypatch, model) -> None:
+    """--untaped: a column of "numba" whose forward keeps no tape (its backward recomputes the
+    gates), with autograd's gradients; the "numba" column's forward keeps one."""
+    from bppsa_core import layer as layer_mod
+
+    kept, real = [], layer_mod.new_tape
+    monkeypatch.setattr(layer_mod, "new_tape", lambda *a: kept.append(real(*a)) or kept[-1])
+    row = bench(model, 9, 3, 3, 2, ["numba"], CPU, untaped=True, **ONCE)
+    assert set(row.bppsa_ms) == {"numba", backward.UNTAPED} and row.notes == {}
+    assert row.max_rel_err < 1e-4
+    assert len(kept) == 1 and isinstance(kept[0], layer_mod.Tape)  # one round: numba's forward alone
+    head = backward.format_table([row], ["numba", backward.UNTAPED]).splitlines()[0]
+    assert "| numba untaped ms | numba untaped / BPTT |" in head
+
+
 def test_a_packed_input_runs_from_t_down_to_half_of_it() -> None:
     x = torch.arange(4 * 9 * 2, dtype=torch.float32).reshape(4, 9, 2)
     packed = backward.packed_input(x)
@@ -338,6 +354,7 @@ def test_default_strategies_are_those_that_exist(monkeypatch) -> None:
             "--packed times the backward table only, not scan; accepted: --tables",
         ),
         (["--packed", "--suite", "paper"], "--packed times the backward table only, not backward scan epoch"),
+        (["--untaped", "--tables", "epoch"], "--untaped times the backward table only, not epoch; accepted"),
     ],
 )
 def test_bad_input_exits_with_one_clear_line(argv, message, capsys) -> None:
