@@ -123,6 +123,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -133,7 +134,15 @@ from torch import Tensor, nn
 from bppsa_core import dispatch
 from bppsa_core.dispatch import ScanOptions
 from bppsa_core.jacobians import LayerWeights, PreviousStates, block_budget, reusing_buffers
-from bppsa_core.layer import LayerConfig, bppsa_backward, cell_of, native_forward, sequential_forward
+from bppsa_core.layer import (
+    LayerConfig,
+    Tape,
+    bppsa_backward,
+    cell_of,
+    native_forward,
+    new_tape,
+    sequential_forward,
+)
 from bppsa_core.scan import fold
 
 BACKWARDS: tuple[str, ...] = ("bppsa", "bptt")
@@ -392,10 +401,17 @@ class _Layer(torch.autograd.Function):
             if rank < size - 1:
                 dist.send(traffic.add(last.contiguous()), dst=_peer(group, rank + 1), group=group)
         else:
+            walked = _backward_spans(x.shape[1], micro_batches, size, x.device)
+            tapes = None
+            if backward == "bppsa" and any(ctx.needs_input_grad):
+                tapes = _new_tapes(mode, strategy, x, h0, c0, list(weights), walked)
             with torch.no_grad():
-                state, out, last = _pipelined_forward(x, state, mode, strategy, groups, group, weights)
+                state, out, last = _pipelined_forward(
+                    x, state, mode, strategy, groups, group, weights, walked, tapes
+                )
             h_in, c_in = _split(state, lstm)
             ctx.save_for_backward(x, h_in, out, *([c_in] if lstm else []), *weights)
+            ctx.tapes = tapes
         ctx.folded = None
         if (
             backward == "bppsa"
@@ -486,42 +502,79 @@ def forward_groups(batch: int, steps: int, micro_batches: int, ranks: int = 2, w
     return min(range(1, max(1, min(micro_batches, batch // GROUP_SAMPLES)) + 1), key=pipeline)
 
 
-def _pipelined_forward(x, state, mode, strategy, groups, group, weights):
+def _backward_spans(batch: int, micro_batches: int, size: int, device: torch.device) -> list[slice]:
+    """The groups of samples the BPPSA backward walks in turn (``backward_groups``)."""
+    return sample_groups(batch, backward_groups(batch, micro_batches, size, device))
+
+
+def _new_tapes(mode, strategy, x, h0, c0, weights, walked) -> list[Tape] | None:
+    """A GRU's or an LSTM's tape (``layer.new_tape``, as a module keeps one) for each group of samples
+    the backward walks (``walked``), each its own C-contiguous arrays: a group's slice of one tape
+    would cost the compiled forward's writes and the walk's reads their vector code (re-measured by
+    ``python -m benchmarks.distributed --model gru --ranks 1 2 --T 100000``). None where a module
+    keeps no tape."""
+    config = LayerConfig(mode, options=ScanOptions(strategy))
+    tapes = [new_tape(config, x[:, s], h0[s], None if c0 is None else c0[s], weights, None) for s in walked]
+    return None if None in tapes else tapes
+
+
+def _cut(span: slice, walked: list[slice]) -> list[slice]:
+    """``span`` cut where the backward's groups (``walked``) begin: pieces that each lie in one."""
+    cuts = [span.start, *(w.start for w in walked if span.start < w.start < span.stop), span.stop]
+    return [slice(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+def _tape_of(tapes: list[Tape] | None, walked: list[slice], piece: slice) -> Tape | None:
+    """The samples ``piece`` of the tape of the backward's group it lies in (``_cut``), or None."""
+    if tapes is None:
+        return None
+    for w, tape in zip(walked, tapes, strict=True):
+        if w.start <= piece.start < w.stop:
+            return tape.samples(slice(piece.start - w.start, piece.stop - w.start))
+    raise ValueError(f"samples {piece.start}..{piece.stop} lie in no group of {walked}")
+
+
+def _pipelined_forward(x, state, mode, strategy, groups, group, weights, walked, tapes):
     """This rank's BPPSA forward of one layer's slice, from ``state`` on rank 0 and from the state
     the rank before ends with elsewhere: returns that state, the outputs and this slice's last
     state. The samples go in ``groups`` (``_forward_groups``), each group's last state sent on as
     soon as it is made, so that the next rank runs that group while this one runs the next (module
-    docstring)."""
+    docstring). ``tapes``: a GRU's or an LSTM's for each of the backward's groups (``walked``;
+    ``_new_tapes``), or None; with them a group runs in pieces, each writing one tape."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     steps, batch = x.shape[:2]
     hidden, lstm = weights[1].shape[1], mode == "LSTM"
     major = _cpu_of_several(size, x.device)  # batch-major where the backward walks groups of samples
     spans = sample_groups(batch, groups)
+    pieces = [[s] if tapes is None else _cut(s, walked) for s in spans]
+    whole = len(spans) == 1 and len(pieces[0]) == 1  # one call, which makes its outputs
     if rank > 0:
         state = torch.empty_like(state)
         arrivals = [
             dist.irecv(state[s], src=_peer(group, rank - 1), group=group, tag=i) for i, s in enumerate(spans)
         ]
-    if len(spans) > 1:
+    if whole:
+        out = None
+    else:
         from bppsa_core.numba_forward import new_outputs
 
         out = new_outputs(steps, batch, hidden, x.dtype, batch_major=major)
-    else:
-        out = None
     last, sends = torch.empty_like(state), []
     for i, s in enumerate(spans):
         if rank > 0:
             arrivals[i].wait()
-        h_in, c_in = _split(state[s], lstm)
-        if out is None:
-            out, h_last, c_last = sequential_forward(
-                strategy, mode, x, h_in, c_in, list(weights), None, batch_major=major
-            )
-        else:
-            _, h_last, c_last = sequential_forward(
-                strategy, mode, x[:, s], h_in, c_in, list(weights), None, out=out[:, s]
-            )
-        last[s] = _join(h_last, c_last)
+        for p in pieces[i]:
+            h_in, c_in = _split(state[p], lstm)
+            kept = _tape_of(tapes, walked, p)
+            if whole:
+                out, h_last, c_last = sequential_forward(
+                    strategy, mode, x, h_in, c_in, list(weights), None, batch_major=major, tape=kept
+                )
+            else:
+                _, h_last, c_last = sequential_forward(
+                    strategy, mode, x[:, p], h_in, c_in, list(weights), None, out=out[:, p], tape=kept
+                )
+            last[p] = _join(h_last, c_last)
         if rank < size - 1:
             sends.append(dist.isend(traffic.add(last[s]), dst=_peer(group, rank + 1), group=group, tag=i))
     for work in sends:
@@ -570,14 +623,15 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     whose share needs no walk of its own starts every group's all-gather first (``early``)."""
     x, h_in, out, *rest = ctx.saved_tensors
     c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
-    spans = sample_groups(h_in.shape[0], backward_groups(h_in.shape[0], ctx.micro_batches, size, x.device))
+    spans = _backward_spans(h_in.shape[0], ctx.micro_batches, size, x.device)
     folded = ctx.folded  # a middle rank's A, folded in the forward (kept for a retained graph)
     # views of the group's samples: the walk copies each block's steps side by side as it goes
     # (jacobians.PreviousStates), so no copy of the group's whole slice is made
     groups = [
         [None if t is None else t[:, s] for t in (x, out, grad_out)]
         + [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn, folded)]
-        for s in spans
+        + [None if ctx.tapes is None else ctx.tapes[i]]
+        for i, s in enumerate(spans)
     ]
     config = LayerConfig(ctx.mode, options=ScanOptions())
     early = size > 1 and (rank == 0 or (rank < size - 1 and grad_out is None))
@@ -613,7 +667,7 @@ def _chained(ctx, grad_out, grad_hn, grad_cn, rank, size):
     x, h_in, out, *rest = ctx.saved_tensors
     c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
     group, lstm, need_x = ctx.group, ctx.lstm, ctx.needs_input_grad[0]
-    spans = sample_groups(h_in.shape[0], backward_groups(h_in.shape[0], ctx.micro_batches, size, x.device))
+    spans = _backward_spans(h_in.shape[0], ctx.micro_batches, size, x.device)
     config = LayerConfig(ctx.mode, options=ScanOptions())
     top = rank == size - 1
     if not top:  # every group's gradient from the right, received as it comes
@@ -632,9 +686,10 @@ def _chained(ctx, grad_out, grad_hn, grad_cn, rank, size):
                 v_h, v_c = _split(given[s], lstm)
             c_s = None if c_in is None else c_in[s]
             g_s = None if grad_out is None else grad_out[:, s]
+            tape = None if ctx.tapes is None else ctx.tapes[i]
             with timeline.span("walk"):
                 done = bppsa_backward(
-                    config, x[:, s], h_in[s], c_s, weights, None, out[:, s], g_s, v_h, v_c, need_x
+                    config, x[:, s], h_in[s], c_s, weights, None, out[:, s], g_s, v_h, v_c, need_x, tape
                 )
             if rank > 0:
                 first = traffic.add(_join(done[1], done[2]).contiguous())
@@ -647,12 +702,12 @@ def _chained(ctx, grad_out, grad_hn, grad_cn, rank, size):
 
 def _share(ctx, config, rank, size, weights, group):
     """What this rank shares of one group of samples (``group``: its x, out, grad_out, h_in, c_in,
-    grad_hn, grad_cn and folded A, as ``_bppsa`` cuts them): its slice as an affine element [A | b]
+    grad_hn, grad_cn, folded A and tape, as ``_bppsa`` cuts them): its slice as an affine element [A | b]
     of the gradient entering it from the right (middle ranks; A folded in the forward), the
     gradient of its first state (the last rank), nothing (rank 0). Also the last rank's whole
     backward of the group (``done``) and a middle rank's walk of its own outputs' part (``own``),
     each None where not made."""
-    x, out, grad_out, h_in, c_in, grad_hn, grad_cn, folded = group
+    x, out, grad_out, h_in, c_in, grad_hn, grad_cn, folded, tape = group
     lstm, need_x = ctx.lstm, ctx.needs_input_grad[0]  # no input gradient where x needs none
     batch, state = h_in.shape[0], h_in.shape[1] * (1 + lstm)
     share = h_in.new_zeros(batch, state, state + 1)
@@ -660,14 +715,16 @@ def _share(ctx, config, rank, size, weights, group):
     if rank == size - 1:
         with timeline.span("walk"):
             done = bppsa_backward(
-                config, x, h_in, c_in, weights, None, out, grad_out, grad_hn, grad_cn, need_x
+                config, x, h_in, c_in, weights, None, out, grad_out, grad_hn, grad_cn, need_x, tape
             )
         share[..., state] = _join(done[1], done[2])
     elif rank > 0:
         share[..., :state] = folded
         if grad_out is not None:  # b: what the slice's own outputs send back, walked from nothing at its end
             with timeline.span("walk"):
-                own = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, None, None, need_x)
+                own = bppsa_backward(
+                    config, x, h_in, c_in, weights, None, out, grad_out, None, None, need_x, tape
+                )
             share[..., state] = _join(own[1], own[2])
     return share, done, own
 
@@ -685,6 +742,7 @@ def _bppsa_group(ctx, config, rank, size, weights, group, started, pending):
     last rank needs nothing back from the all-gather, so it does not wait for it: it goes on to the
     next group, and its all-gathers (``pending``) complete while it works."""
     x, out, grad_out, h_in, c_in = group[:5]
+    tape = group[-1]
     lstm, need_x = ctx.lstm, ctx.needs_input_grad[0]  # no input gradient where x needs none
     state = h_in.shape[1] * (1 + lstm)
     done = own = None
@@ -712,7 +770,7 @@ def _bppsa_group(ctx, config, rank, size, weights, group, started, pending):
             ).squeeze(1)
         v_h, v_c = _split(v, lstm)
         with timeline.span("walk"):
-            done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, v_h, v_c, need_x)
+            done = bppsa_backward(config, x, h_in, c_in, weights, None, out, grad_out, v_h, v_c, need_x, tape)
     if own is not None:  # the two walks' gradients, summed
         dx, g_h0, g_c0, grads = done
         g_c0 = None if g_c0 is None else g_c0 + own[2]

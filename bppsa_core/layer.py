@@ -131,6 +131,11 @@ class Tape(NamedTuple):
     states: np.ndarray
     hidden: Tensor
 
+    def samples(self, s: slice) -> Tape:
+        """The tape of the samples ``s``: views, no copy (a sequence-parallel rank's group)."""
+        cells = None if self.cells is None else self.cells[:, s]
+        return Tape(self.gates[:, s], cells, self.states[:, s], self.hidden[:, s])
+
 
 def new_tape(
     config: LayerConfig,

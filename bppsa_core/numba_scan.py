@@ -51,6 +51,7 @@ from bppsa_core.numba_math import (
     padded,
     prefetch_row,
     put,
+    row_pointer,
     running,
     threads,
 )
@@ -227,8 +228,8 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
     over a gate's H units in vectors of ``LANES`` (H at least that), the same operations in the
     same order on every lane, so the same bits. A ragged last block is the window of the last
     lanes, made from the values before the row and stored last (as ``numba_math.add_hidden``'s)."""
-    arrays = (gates, h, c, delta, dh, dc)
-    if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == dh.dtype for a in arrays):
+    arrays = (gates, h, c, delta, dh, dc)  # C-contiguous, or a tape's group of samples (rows contiguous)
+    if not all(isinstance(a, types.Array) and a.layout in "CA" and a.dtype == dh.dtype for a in arrays):
         return None
     if dh.dtype not in LANES:
         return None
@@ -248,14 +249,9 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
         )
         zero = ir.Constant(v.type, None)
         hid = builder.extract_value(dhs.shape, 1)
-        batch = builder.extract_value(hs.shape, 1)
-        at_step, at_d = (builder.add(builder.mul(s, batch), sample) for s in (step, d_step))  # (t, b), (k, b)
-        width = builder.mul(hid, ir.Constant(i64, 4))
-        gate_row, d_row = (
-            builder.gep(a.data, [builder.mul(at, width)]) for a, at in ((gs, at_step), (ds, at_d))
-        )
-        h_row, c_row = (builder.gep(a.data, [builder.mul(at_step, hid)]) for a in (hs, cs))
-        dh_row, dc_row = (builder.gep(a.data, [builder.mul(row, hid)]) for a in (dhs, dcs))
+        gate_row, h_row, c_row = (row_pointer(builder, a, step, sample) for a in (gs, hs, cs))
+        d_row = row_pointer(builder, ds, d_step, sample)
+        dh_row, dc_row = (row_pointer(builder, a, row) for a in (dhs, dcs))
 
         def gate(k, j):
             return builder.add(builder.mul(hid, ir.Constant(i64, k)), j)

@@ -434,6 +434,75 @@ def test_a_compiled_forward_hands_its_state_on_a_group_of_samples_at_a_time() ->
     _ranks(2, _forward_sends)
 
 
+def _taped(rank: int, size: int) -> None:
+    """A GRU's or an LSTM's ranks keep a tape for each group of samples their backward walks, which
+    their forward's groups (2 of 4 samples here) write a backward group (2 samples) at a time, each
+    into C-contiguous arrays, and which their walks take instead of recomputing the gates: autograd's
+    gradients, float64."""
+    from unittest import mock
+
+    import bppsa_core.distributed as sp
+    from bppsa_core import layer, numba_forward
+
+    batch, mine, real = 8, _mine(rank, size), numba_forward.layer_forward
+    written = []  # per forward call: its samples, and whether its tape's arrays are C-contiguous
+
+    def forward(*args, **kwargs):
+        tape = args[8] if len(args) > 8 else kwargs.get("tape")
+        arrays = [a for a in tape or () if a is not None]
+        written.append((args[1].shape[1], bool(arrays) and all(a.flags.c_contiguous for a in arrays)))
+        return real(*args, **kwargs)
+
+    for cls in (GRU, LSTM):
+        torch.manual_seed(0)
+        model = cls(F, H, dtype=torch.float64)
+        reference = getattr(nn, cls.__name__)(F, H, dtype=torch.float64)
+        reference.load_state_dict(model.state_dict())
+        x = torch.randn(T, batch, F, dtype=torch.float64)
+        xr, xl = x.clone().requires_grad_(), x[mine].clone().requires_grad_()
+        out, h_n = reference(xr)
+        h_n = h_n[0] if cls is LSTM else h_n
+        (out.sum() + h_n.pow(2).sum()).backward()
+        written.clear()
+        with (
+            mock.patch.object(sp, "GROUP_SAMPLES", 2),  # the backward: 4 groups of 2
+            mock.patch.object(sp, "FORWARD_GROUP_MIN_STEPS", 1),
+            mock.patch.object(sp, "forward_groups", lambda *args: 2),  # the forward: 2 groups of 4
+            mock.patch.object(numba_forward, "layer_forward", forward),
+            mock.patch.object(layer, "_taped_backward", wraps=layer._taped_backward) as taped,
+            mock.patch.object(layer, "_backward", wraps=layer._backward) as untaped,
+        ):
+            out_l, h_n_l = SequenceParallel(model, micro_batches=4)(xl)
+            h_n_l = h_n_l[0] if cls is LSTM else h_n_l
+            (out_l.sum() + h_n_l.pow(2).sum()).backward()
+        case = f"{cls.__name__}, rank {rank}"
+        assert written == [(2, True)] * 4, f"{case}: the forward's calls (samples, C-contiguous): {written}"
+        assert (taped.call_count, untaped.call_count) == (4, 0), f"{case}: {taped.call_count} taped walks"
+        close = {"rtol": 1e-10, "atol": 1e-10, "msg": lambda m, case=case: f"{case}: {m}"}
+        torch.testing.assert_close(xl.grad, xr.grad[mine], **close)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, **{**close, "msg": f"{case}: {name}"})
+
+
+@pytest.mark.extended
+def test_gru_and_lstm_ranks_walk_a_tape_per_group_of_samples() -> None:
+    _ranks(2, _taped)
+
+
+@pytest.mark.parametrize(
+    ("span", "walked", "pieces"),
+    [
+        ((0, 8), [(0, 4), (4, 8)], [(0, 4), (4, 8)]),  # groups nested in the backward's: theirs
+        ((3, 6), [(0, 2), (2, 4), (4, 6)], [(3, 4), (4, 6)]),  # across a boundary: cut there
+        ((0, 2), [(0, 4), (4, 8)], [(0, 2)]),  # within one: whole
+    ],
+)
+def test_a_taped_forwards_group_is_cut_where_the_backwards_groups_begin(span, walked, pieces) -> None:
+    from bppsa_core.distributed import _cut
+
+    assert _cut(slice(*span), [slice(*w) for w in walked]) == [slice(*p) for p in pieces]
+
+
 def _rank_blocks(rank: int, size: int) -> None:
     """A CPU rank of several stores its outputs batch-major and takes its blocks of steps within
     ``RANK_BLOCK_BYTES``; one rank keeps time-major outputs and a process's budget (both budgets
