@@ -36,6 +36,12 @@ as it is, with no copy. What the rank returns is that view, as torch.nn returns 
 takes huge pages where a tensor's fresh memory faults a page every 4 KB: written a step at a time
 across B rows, those faults had doubled the forward.
 
+A GRU's or an LSTM's rank keeps what a module's layer keeps for its compiled walk (``layer.Tape``:
+the gates and states, read instead of recomputed), one tape per group of samples its backward walks,
+each in arrays of its own: the forward runs its groups a backward group at a time (``_cut``), so
+that each call writes one whole tape. A group's slice of one batch-wide tape has rows the kernels
+cannot take as contiguous, and cost the forward's stores and the walk's loads their vector code.
+
 **Backward, BPPSA** (``backward="bppsa"``), per layer, from the top, for each group of samples
 in turn (below):
 1. the last rank runs its slice's backward as a single process would (its chain ends at the loss);

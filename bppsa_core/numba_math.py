@@ -217,8 +217,8 @@ class Vectors:
 
 def row_pointer(builder, array, *index):
     """In an intrinsic's code, a pointer to ``array[index..., 0]`` of a NumPy array's struct (as
-    ``context.make_array`` gives it), through its strides: a C-contiguous array's, or the rows of a
-    sequence-parallel group's slice of one (``layer.Tape.samples``), whose rows are contiguous."""
+    ``context.make_array`` gives it), through its strides: a C-contiguous array's, or a slice of one's
+    samples (``layer.Tape.samples``), whose rows stay contiguous."""
     at = ir.Constant(ir.IntType(64), 0)
     for d, i in enumerate(index):  # strides in bytes
         at = builder.add(at, builder.mul(i, builder.extract_value(array.strides, d)))
@@ -233,7 +233,7 @@ _PREFETCH_MAX_BYTES = 512
 @intrinsic
 def prefetch_row(typingctx, array, t, b):
     """Asks the CPU to bring ``array[t, b]`` (of an array of 3 or more dimensions whose rows are
-    contiguous: a C-contiguous one, or a sequence-parallel group's slice of one) into its cache, one
+    contiguous: a C-contiguous one, or a slice of one's samples) into its cache, one
     prefetch per 64-byte line, where it is at most ``_PREFETCH_MAX_BYTES``; changes no value. A walk
     reads and writes the step before the one it is on, down through memory, in rows too short for
     the hardware prefetchers to follow: the LSTM's walk at H = 20 is 6-18 % faster with it. Longer

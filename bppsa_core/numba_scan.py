@@ -228,7 +228,7 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
     over a gate's H units in vectors of ``LANES`` (H at least that), the same operations in the
     same order on every lane, so the same bits. A ragged last block is the window of the last
     lanes, made from the values before the row and stored last (as ``numba_math.add_hidden``'s)."""
-    arrays = (gates, h, c, delta, dh, dc)  # C-contiguous, or a tape's group of samples (rows contiguous)
+    arrays = (gates, h, c, delta, dh, dc)  # C-contiguous, or a slice of one's samples (rows contiguous)
     if not all(isinstance(a, types.Array) and a.layout in "CA" and a.dtype == dh.dtype for a in arrays):
         return None
     if dh.dtype not in LANES:
