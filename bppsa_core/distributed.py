@@ -416,8 +416,10 @@ class _Layer(torch.autograd.Function):
                     x, state, mode, strategy, groups, group, weights, walked, tapes
                 )
             h_in, c_in = _split(state, lstm)
-            ctx.save_for_backward(x, h_in, out, *([c_in] if lstm else []), *weights)
-            ctx.tapes = tapes
+            # the tapes last, as tensors (``Tape.tensors``): freed with the rest after the backward
+            kept = [t for tape in tapes or () for t in tape.tensors()]
+            ctx.save_for_backward(x, h_in, out, *([c_in] if lstm else []), *weights, *kept)
+            ctx.tape_count = len(tapes or ())
         ctx.folded = None
         if (
             backward == "bppsa"
@@ -627,8 +629,7 @@ def _bptt(ctx, grad_out, grad_hn, grad_cn, rank, size):
 def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     """The BPPSA backward of the micro-batches one after another (module docstring), joined. A rank
     whose share needs no walk of its own starts every group's all-gather first (``early``)."""
-    x, h_in, out, *rest = ctx.saved_tensors
-    c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
+    x, h_in, c_in, out, weights, tapes = _saved(ctx)
     spans = _backward_spans(h_in.shape[0], ctx.micro_batches, size, x.device)
     folded = ctx.folded  # a middle rank's A, folded in the forward (kept for a retained graph)
     # views of the group's samples: the walk copies each block's steps side by side as it goes
@@ -636,7 +637,7 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     groups = [
         [None if t is None else t[:, s] for t in (x, out, grad_out)]
         + [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn, folded)]
-        + [None if ctx.tapes is None else ctx.tapes[i]]
+        + [None if tapes is None else tapes[i]]
         for i, s in enumerate(spans)
     ]
     config = LayerConfig(ctx.mode, options=ScanOptions())
@@ -657,6 +658,17 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     return _joined(parts, ctx.lstm)
 
 
+def _saved(ctx) -> tuple:
+    """What a layer's BPPSA forward saved: x, h_in, c_in (an LSTM's, else None), out, the weights and
+    the tapes (None where it kept none)."""
+    x, h_in, out, *rest = ctx.saved_tensors
+    c_in, rest = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
+    count = 3 * ctx.tape_count  # each tape's tensors, after the weights
+    weights, kept = rest[: len(rest) - count], rest[len(rest) - count :]
+    tapes = [Tape.of(*kept[i : i + 3]) for i in range(0, count, 3)]
+    return x, h_in, c_in, out, weights, tapes or None
+
+
 def _joined(parts: list, lstm: bool):
     """The groups' backwards (dx, g_h0, g_c0, weight gradients each) as the whole batch's."""
     dx, g_h0, g_c0, grads = zip(*parts, strict=True)
@@ -670,8 +682,7 @@ def _chained(ctx, grad_out, grad_hn, grad_cn, rank, size):
     turn, this rank walks its slice from the gradient rank r + 1 hands on for that group (the last
     rank from h_n's) and hands the gradient of its first state to rank r - 1, so that rank r - 1
     walks this group while this rank walks the next."""
-    x, h_in, out, *rest = ctx.saved_tensors
-    c_in, weights = (rest[0], rest[1:]) if ctx.lstm else (None, rest)
+    x, h_in, c_in, out, weights, tapes = _saved(ctx)
     group, lstm, need_x = ctx.group, ctx.lstm, ctx.needs_input_grad[0]
     spans = _backward_spans(h_in.shape[0], ctx.micro_batches, size, x.device)
     config = LayerConfig(ctx.mode, options=ScanOptions())
@@ -692,7 +703,7 @@ def _chained(ctx, grad_out, grad_hn, grad_cn, rank, size):
                 v_h, v_c = _split(given[s], lstm)
             c_s = None if c_in is None else c_in[s]
             g_s = None if grad_out is None else grad_out[:, s]
-            tape = None if ctx.tapes is None else ctx.tapes[i]
+            tape = None if tapes is None else tapes[i]
             with timeline.span("walk"):
                 done = bppsa_backward(
                     config, x[:, s], h_in[s], c_s, weights, None, out[:, s], g_s, v_h, v_c, need_x, tape

@@ -136,6 +136,19 @@ class Tape(NamedTuple):
         cells = None if self.cells is None else self.cells[:, s]
         return Tape(self.gates[:, s], cells, self.states[:, s], self.hidden[:, s])
 
+    def tensors(self) -> tuple[Tensor, Tensor | None, Tensor]:
+        """The gates, the cells (or None) and the states as tensors of the same memory, for
+        ``ctx.save_for_backward``: autograd then frees the tape once the backward has run, unless the
+        graph is retained, as it frees what it saved itself (held by the context instead, a tape
+        lived as long as the outputs, into the next step's forward). ``of`` is the inverse."""
+        cells = None if self.cells is None else torch.from_numpy(self.cells)
+        return torch.from_numpy(self.gates), cells, self.hidden
+
+    @staticmethod
+    def of(gates: Tensor, cells: Tensor | None, hidden: Tensor) -> Tape:
+        """The tape whose ``tensors`` these are."""
+        return Tape(gates.numpy(), None if cells is None else cells.numpy(), hidden.numpy(), hidden)
+
 
 def new_tape(
     config: LayerConfig,

@@ -218,14 +218,16 @@ def _copy(out: Tensor) -> Tensor:
     return compiled.new_outputs(*out.shape, out.dtype).copy_(out)
 
 
-def _keep(ctx: Any, inputs: tuple, output: tuple, out: Tensor) -> None:
+def _keep(ctx: Any, inputs: tuple, output: tuple, out: Tensor, tape: bppsa_layer.Tape | None = None) -> None:
     """What a layer call's backward and tangent read: its inputs and ``out``, its outputs h_1..h_T
-    (``output[0]``, or a copy the call did not return: ``_EagerLayer``). The tangent's copy is made
-    only where forward-mode differentiation is on (a dual level entered): the one place a jvp runs."""
+    (``output[0]``, or a copy the call did not return: ``_EagerLayer``), and the ``tape`` a compiled
+    GRU or LSTM forward kept (``_EagerLayer``), saved last (``Tape.tensors``). The tangent's copy is
+    made only where forward-mode differentiation is on (a dual level entered): the one place a jvp
+    runs."""
     x, h0, c0, lengths, _guess, config, *weights = inputs
     ctx.config = config
-    ctx.tape = None  # what a compiled GRU or LSTM forward kept for the backward (``_EagerLayer``)
-    ctx.save_for_backward(x, h0, c0, lengths, out, *weights)
+    ctx.taped = tape is not None
+    ctx.save_for_backward(x, h0, c0, lengths, out, *weights, *(() if tape is None else tape.tensors()))
     if forward_ad._current_level >= 0:
         ctx.save_for_forward(x, h0, c0, lengths, out, *weights)
     ctx.set_materialize_grads(False)
@@ -267,6 +269,10 @@ class _CompiledLayer(torch.autograd.Function):
         ctx: Any, grad_out: Tensor | None, grad_hn: Tensor | None, grad_cn: Tensor | None, _stats: Any
     ) -> tuple:
         x, h0, c0, lengths, out, *weights = ctx.saved_tensors
+        tape = None
+        if ctx.taped:  # saved after the weights (``_keep``)
+            *weights, gates, cells, hidden = weights
+            tape = bppsa_layer.Tape.of(gates, cells, hidden)
         config: LayerConfig = ctx.config
         if c0 is None:
             grad_cn = None
@@ -282,7 +288,7 @@ class _CompiledLayer(torch.autograd.Function):
         if _plain(x, h0, grad_out, grad_hn, grad_cn):
             need_state = need[1] or (c0 is not None and need[2])
             dx, dh0, dc0, dw = bppsa_layer.bppsa_backward(
-                config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need[0], ctx.tape,
+                config, x, h0, c0, weights, lengths, out, grad_out, grad_hn, grad_cn, need[0], tape,
                 need_state,
             )  # fmt: skip
         else:
@@ -339,8 +345,7 @@ class _EagerLayer(torch.autograd.Function):
             kept = tape.hidden[1:]
         elif own and recorded:
             output = (_copy(kept), *output[1:])
-        _keep(ctx, inputs, output, kept)
-        ctx.tape = tape
+        _keep(ctx, inputs, output, kept, tape)
         return output
 
     @staticmethod

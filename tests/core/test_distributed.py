@@ -438,7 +438,9 @@ def _taped(rank: int, size: int) -> None:
     """A GRU's or an LSTM's ranks keep a tape for each group of samples their backward walks, which
     their forward's groups (2 of 4 samples here) write a backward group (2 samples) at a time, each
     into C-contiguous arrays, and which their walks take instead of recomputing the gates: autograd's
-    gradients, float64."""
+    gradients, float64. The tapes go once the backward has run, though the outputs live on."""
+    import gc
+    import weakref
     from unittest import mock
 
     import bppsa_core.distributed as sp
@@ -446,6 +448,12 @@ def _taped(rank: int, size: int) -> None:
 
     batch, mine, real = 8, _mine(rank, size), numba_forward.layer_forward
     written = []  # per forward call: its samples, and whether its tape's arrays are C-contiguous
+    alive, real_tapes = [], sp._new_tapes
+
+    def tapes(*args):
+        made = real_tapes(*args)
+        alive.extend(weakref.ref(tape.gates) for tape in made or ())
+        return made
 
     def forward(*args, **kwargs):
         tape = args[8] if len(args) > 8 else kwargs.get("tape")
@@ -464,11 +472,13 @@ def _taped(rank: int, size: int) -> None:
         h_n = h_n[0] if cls is LSTM else h_n
         (out.sum() + h_n.pow(2).sum()).backward()
         written.clear()
+        alive.clear()
         with (
             mock.patch.object(sp, "GROUP_SAMPLES", 2),  # the backward: 4 groups of 2
             mock.patch.object(sp, "FORWARD_GROUP_MIN_STEPS", 1),
             mock.patch.object(sp, "forward_groups", lambda *args: 2),  # the forward: 2 groups of 4
             mock.patch.object(numba_forward, "layer_forward", forward),
+            mock.patch.object(sp, "_new_tapes", tapes),
             mock.patch.object(layer, "_taped_backward", wraps=layer._taped_backward) as taped,
             mock.patch.object(layer, "_backward", wraps=layer._backward) as untaped,
         ):
@@ -478,6 +488,9 @@ def _taped(rank: int, size: int) -> None:
         case = f"{cls.__name__}, rank {rank}"
         assert written == [(2, True)] * 4, f"{case}: the forward's calls (samples, C-contiguous): {written}"
         assert (taped.call_count, untaped.call_count) == (4, 0), f"{case}: {taped.call_count} taped walks"
+        taped.reset_mock()  # the calls it recorded hold the tapes
+        gc.collect()
+        assert len(alive) == 4 and all(r() is None for r in alive), f"{case}: tapes kept past the backward"
         close = {"rtol": 1e-10, "atol": 1e-10, "msg": lambda m, case=case: f"{case}: {m}"}
         torch.testing.assert_close(xl.grad, xr.grad[mine], **close)
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):

@@ -477,6 +477,39 @@ def test_a_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(
     assert kept == []
 
 
+@pytest.mark.parametrize("retain", [False, True])
+@pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+def test_a_tape_is_freed_once_its_backward_has_run_unless_the_graph_is_retained(
+    monkeypatch, kind, retain
+) -> None:
+    """A tape, the most a GRU or LSTM step keeps, goes when its backward has run, as what autograd
+    saves goes, though the outputs live on (a training loop's names hold them into the next step's
+    forward, which would then hold two tapes); a retained graph keeps it for its next backward."""
+    import gc
+    import weakref
+
+    alive, real_tape = [], layer_mod.new_tape
+
+    def taped(*args):
+        tape = real_tape(*args)
+        alive.extend(weakref.ref(a) for a in (tape.gates, tape.cells, tape.states) if a is not None)
+        return tape
+
+    monkeypatch.setattr(layer_mod, "new_tape", taped)
+    torch.manual_seed(0)
+    model = getattr(bnn, kind)(3, 5, num_layers=2, strategy="numba", dtype=F64)
+    out, state = model(torch.randn(20, 4, 3, dtype=F64))
+    h_n = state[0] if kind == "LSTM" else state
+    loss = out.sin().sum() + h_n.pow(2).sum()
+    assert len(alive) == 2 * (3 if kind == "LSTM" else 2) and all(r() is not None for r in alive)
+    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=retain)
+    gc.collect()
+    assert [r() is not None for r in alive] == [retain] * len(alive), "the tapes after the backward"
+    if retain:  # the retained graph's second backward reads them again: the same gradients
+        for a, b in zip(first, torch.autograd.grad(loss, list(model.parameters())), strict=True):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", extended_except([F64, F32], first=1))  # a build per dtype to compile
 def test_the_gru_walk_over_a_tape_matches_the_generic_path(dtype) -> None:
     """``numba_scan.GRUWalk`` over the tape of the compiled forward (``numba_forward.layer_forward``)
