@@ -5,8 +5,8 @@
 For each T and rank count p, spawns p gloo processes of one thread each (``--device cuda``: p NCCL
 processes, one GPU each, GPU r for rank r). Each holds the contiguous
 time slice of its rank (``bppsa_core.distributed.SequenceParallel``) and runs forward and backward
-of the paper's model, a one-layer RNN (or ``--model gru``, ``--layers`` stacked) with the loss on
-h_T (of the top layer: ``h_n[-1]``). BPPSA and BPTT take turns, ``--warmup`` untimed then
+of the paper's model, a one-layer RNN (or ``--model gru`` / ``lstm``, ``--layers`` stacked) with the
+loss on h_T (of the top layer: ``h_n[-1]``). BPPSA and BPTT take turns, ``--warmup`` untimed then
 ``--repeats`` timed iterations each, the processes meeting at a barrier around every phase. A
 phase's time is the slowest rank's.
 
@@ -89,12 +89,12 @@ from bppsa_core.distributed import EXCHANGES, MICRO_BATCHES, backward_groups, ex
 from experiments.timing import median_ms, time_ms
 from toolbox.files import output_folder
 
-MODELS = ("rnn", "gru")
+MODELS = ("rnn", "gru", "lstm")
 DEVICES = ("cpu", "cuda")
 
 
 def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
-    from bppsa_core import GRU, RNN
+    from bppsa_core import GRU, LSTM, RNN
     from bppsa_core.distributed import SequenceParallel
 
     torch.set_num_threads(1)
@@ -106,7 +106,7 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
     try:
         steps, batch, hidden = settings["T"], settings["B"], settings["H"]
         torch.manual_seed(0)
-        cls = GRU if settings["model"] == "gru" else RNN
+        cls = {"rnn": RNN, "gru": GRU, "lstm": LSTM}[settings["model"]]
         model = cls(settings["features"], hidden, num_layers=settings["layers"], device=device)
         parts = torch.tensor_split(torch.arange(steps), size)
         x = torch.randn(len(parts[rank]), batch, settings["features"], device=device)
@@ -149,6 +149,11 @@ def _worker(rank: int, size: int, store: str, out: str, settings: dict) -> None:
         dist.destroy_process_group()
 
 
+def _last_h(h_n: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The top layer's h_T, which the loss is on: of h_n, or of an LSTM's (h_n, c_n)."""
+    return (h_n[0] if isinstance(h_n, tuple) else h_n)[-1]
+
+
 def _peaks(runs: dict, model: torch.nn.Module, x: torch.Tensor, device: torch.device, meet) -> dict:
     """Each mode's peak memory (``_peak_since``) in one iteration after one of its own, BPPSA's
     first: BPTT's many small tensors leave the heap in a state that makes a later BPPSA iteration's
@@ -161,7 +166,7 @@ def _peaks(runs: dict, model: torch.nn.Module, x: torch.Tensor, device: torch.de
             meet()
             before = _peak_start(device) if measured else None
             top, h_n = run(x)
-            h_n[-1].sum().backward()
+            _last_h(h_n).sum().backward()
             if measured:
                 peak[name] = None if before is None else _peak_since(device, before)
             del top, h_n
@@ -200,7 +205,7 @@ def _times(turns: dict, model: torch.nn.Module, meet, warmup: int, repeats: int,
                 timeline.reset()
                 timeline.on = True
             middle = time.perf_counter()
-            h_n[-1].sum().backward()
+            _last_h(h_n).sum().backward()
             del top, h_n  # nothing of this iteration outlives it
             meet()
             end = time.perf_counter()
@@ -247,10 +252,11 @@ def _fold_seconds(model: torch.nn.RNNBase, x: torch.Tensor, warmup: int, repeats
     with torch.no_grad():
         out, _ = model(x)
     h0 = x.new_zeros(x.shape[1], model.hidden_size)
+    c0 = h0 if model.mode == "LSTM" else None
 
     def run() -> None:
         with torch.no_grad():  # as in the forward of the ranks (the weights require grad)
-            slice_fold(config, x, h0, None, out, weights)
+            slice_fold(config, x, h0, c0, out, weights)
 
     return median_ms(run, x.device, warmup, repeats) / 1e3
 
@@ -276,13 +282,21 @@ def _group_share(model: torch.nn.RNNBase, x: torch.Tensor, warmup: int, repeats:
     if batch <= GROUP_SAMPLES:  # the batch is one group
         return 1.0
     weights, h0 = list(model._flat_weights), x.new_zeros(batch, model.hidden_size)
+    c0 = h0 if model.mode == "LSTM" else None
     out = new_outputs(steps, batch, model.hidden_size, x.dtype, batch_major=True)
     sizes: dict[int, list[float]] = {GROUP_SAMPLES: [], batch: []}
 
     def run(n: int) -> None:
         with torch.no_grad():  # as in the forward of the ranks (the weights require grad)
             sequential_forward(
-                model.strategy, model.mode, x[:, :n], h0[:n], None, weights, None, out=out[:, :n]
+                model.strategy,
+                model.mode,
+                x[:, :n],
+                h0[:n],
+                c0 if c0 is None else c0[:n],
+                weights,
+                None,
+                out=out[:, :n],
             )
 
     for i in range(warmup + repeats):

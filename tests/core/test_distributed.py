@@ -679,6 +679,22 @@ def test_the_benchmark_times_both_modes_and_its_bytes_do_not_grow_with_t(tmp_pat
 
 
 @pytest.mark.extended
+def test_the_benchmark_runs_an_lstm_with_its_loss_on_h_t(tmp_path, capsys) -> None:
+    import pandas as pd
+
+    from benchmarks import distributed as bench
+
+    args = ["--model", "lstm", "--ranks", "1", "2", "--T", "40", "--warmup", "0", "--repeats", "1"]
+    assert bench.main([*args, "--out", str(tmp_path)]) == 0
+    assert "lstm, 1 layer(s)" in capsys.readouterr().out
+    rows = pd.read_csv(tmp_path / "measured.csv")
+    assert (rows["backward_s"] > 0).all() and set(rows["p"]) == {1, 2}
+    two = rows[(rows["p"] == 2) & (rows["backward"] == "bppsa")]
+    assert (two["bytes_per_rank"] > 0).all()  # h and c handed on: B·2H numbers
+    assert json.loads((tmp_path / "calibration.json").read_text())["fold"] > 0
+
+
+@pytest.mark.extended
 def test_the_benchmark_prints_each_ranks_timeline_when_asked(capsys) -> None:
     from benchmarks import distributed as bench
 
