@@ -328,7 +328,7 @@ class _EagerLayer(torch.autograd.Function):
     not usable under the ``torch.func`` transforms, which ``_plain`` rules out. Its first inputs:
     ``record``, whether the call is recorded for a backward (the grad mode at the call; inside the
     forward it is off): then a compiled GRU or LSTM forward keeps its gates and states for the backward
-    (``layer.Tape``) in the context; ``own``, ``layer``'s ``own_output``. Its results are
+    (``layer.Tape``), saved with the rest (``_keep``); ``own``, ``layer``'s ``own_output``. Its results are
     ``solved_forward``'s as they come, c None without one and the stats a ``SolveStats`` (a tensor
     inside a capture): outputs autograd passes through, with no empty tensor or copy made for them."""
 
