@@ -132,7 +132,8 @@ class Tape(NamedTuple):
     hidden: Tensor
 
     def samples(self, s: slice) -> Tape:
-        """The tape of the samples ``s``: views, no copy (a sequence-parallel rank's group)."""
+        """The tape of the samples ``s``: views, no copy (a sequence-parallel rank's forward writes
+        a piece of a group's tape through one where its groups and the backward's do not nest)."""
         cells = None if self.cells is None else self.cells[:, s]
         return Tape(self.gates[:, s], cells, self.states[:, s], self.hidden[:, s])
 

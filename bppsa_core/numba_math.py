@@ -215,32 +215,20 @@ class Vectors:
         return b.shuffle_vector(v, v, self._zeros)
 
 
-def row_pointer(builder, array, *index):
-    """In an intrinsic's code, a pointer to ``array[index..., 0]`` of a NumPy array's struct (as
-    ``context.make_array`` gives it), through its strides: a C-contiguous array's, or a slice of one's
-    samples (``layer.Tape.samples``), whose rows stay contiguous."""
-    at = ir.Constant(ir.IntType(64), 0)
-    for d, i in enumerate(index):  # strides in bytes
-        at = builder.add(at, builder.mul(i, builder.extract_value(array.strides, d)))
-    i8p = ir.IntType(8).as_pointer()
-    return builder.bitcast(builder.gep(builder.bitcast(array.data, i8p), [at]), array.data.type)
-
-
 # The longest row ``prefetch_row`` asks for: eight cache lines (an LSTM's gates at H = 32 in float32).
 _PREFETCH_MAX_BYTES = 512
 
 
 @intrinsic
 def prefetch_row(typingctx, array, t, b):
-    """Asks the CPU to bring ``array[t, b]`` (of an array of 3 or more dimensions whose rows are
-    contiguous: a C-contiguous one, or a slice of one's samples) into its cache, one
-    prefetch per 64-byte line, where it is at most ``_PREFETCH_MAX_BYTES``; changes no value. A walk
-    reads and writes the step before the one it is on, down through memory, in rows too short for
-    the hardware prefetchers to follow: the LSTM's walk at H = 20 is 6-18 % faster with it. Longer
-    rows they follow, and asking slows the walk (the LSTM's at H = 64 by a fifth) (re-measured by
-    ``python -m benchmarks.backward --model lstm --threads 1 --strategies numba``, --T 10000, and
-    --H 64 --F 24)."""
-    if not (isinstance(array, nbtypes.Array) and array.ndim >= 3):
+    """Asks the CPU to bring ``array[t, b]`` (of a C-contiguous array of 3 or more dimensions) into
+    its cache, one prefetch per 64-byte line, where it is at most ``_PREFETCH_MAX_BYTES``; changes no
+    value. A walk reads and writes the step before the one it is on, down through memory, in rows
+    too short for the hardware prefetchers to follow: the LSTM's walk at H = 20 is 6-18 % faster
+    with it. Longer rows they follow, and asking slows the walk (the LSTM's at H = 64 by a fifth)
+    (re-measured by ``python -m benchmarks.backward --model lstm --threads 1 --strategies numba``,
+    --T 10000, and --H 64 --F 24)."""
+    if not (isinstance(array, nbtypes.Array) and array.ndim >= 3 and array.layout == "C"):
         return None
 
     def codegen(context, builder, signature, args):
@@ -253,7 +241,8 @@ def prefetch_row(typingctx, array, t, b):
         width = builder.extract_value(a.shape, 2)
         for d in range(3, array.ndim):
             width = builder.mul(width, builder.extract_value(a.shape, d))
-        row = builder.bitcast(row_pointer(builder, a, step, sample), i8p)
+        at = builder.mul(builder.add(builder.mul(step, builder.extract_value(a.shape, 1)), sample), width)
+        row = builder.bitcast(builder.gep(a.data, [at]), i8p)
         size = ir.Constant(i64, context.get_abi_sizeof(context.get_data_type(array.dtype)))
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
         prefetch = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
@@ -468,7 +457,7 @@ def put(dst, src):
 # file, not by its options or by the code it inlines from this module, so a build made with other
 # options or an older ``add_hidden`` is not loaded from an older cache (the tag changes with them).
 _OPTIONS = dict(cache=True, error_model="numpy", nogil=True)
-_OPTIONS_TAG = "ng9"
+_OPTIONS_TAG = "ng10"
 
 
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:

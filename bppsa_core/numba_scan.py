@@ -51,7 +51,6 @@ from bppsa_core.numba_math import (
     padded,
     prefetch_row,
     put,
-    row_pointer,
     running,
     threads,
 )
@@ -228,8 +227,8 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
     over a gate's H units in vectors of ``LANES`` (H at least that), the same operations in the
     same order on every lane, so the same bits. A ragged last block is the window of the last
     lanes, made from the values before the row and stored last (as ``numba_math.add_hidden``'s)."""
-    arrays = (gates, h, c, delta, dh, dc)  # C-contiguous, or a slice of one's samples (rows contiguous)
-    if not all(isinstance(a, types.Array) and a.layout in "CA" and a.dtype == dh.dtype for a in arrays):
+    arrays = (gates, h, c, delta, dh, dc)
+    if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == dh.dtype for a in arrays):
         return None
     if dh.dtype not in LANES:
         return None
@@ -249,9 +248,14 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
         )
         zero = ir.Constant(v.type, None)
         hid = builder.extract_value(dhs.shape, 1)
-        gate_row, h_row, c_row = (row_pointer(builder, a, step, sample) for a in (gs, hs, cs))
-        d_row = row_pointer(builder, ds, d_step, sample)
-        dh_row, dc_row = (row_pointer(builder, a, row) for a in (dhs, dcs))
+        batch = builder.extract_value(hs.shape, 1)
+        at_step, at_d = (builder.add(builder.mul(s, batch), sample) for s in (step, d_step))  # (t, b), (k, b)
+        width = builder.mul(hid, ir.Constant(i64, 4))
+        gate_row, d_row = (
+            builder.gep(a.data, [builder.mul(at, width)]) for a, at in ((gs, at_step), (ds, at_d))
+        )
+        h_row, c_row = (builder.gep(a.data, [builder.mul(at_step, hid)]) for a in (hs, cs))
+        dh_row, dc_row = (builder.gep(a.data, [builder.mul(row, hid)]) for a in (dhs, dcs))
 
         def gate(k, j):
             return builder.add(builder.mul(hid, ir.Constant(i64, k)), j)
@@ -580,16 +584,24 @@ class LSTMWalk:
         n_threads = threads()
         self._kernel = _lstm_layer_parallel if n_threads > 1 else _lstm_layer_serial
         self._head = (u is not None, has_c, one, tiny if flush else one - one, min(n_threads, gates.shape[1]))
-        steps, batch = gates.shape[:2]
-        ends = running(batch, steps) if lengths is None else lengths.to("cpu", torch.int64).numpy()
-        outside = UNUSED[w_hh.dtype] if u is None else _arrays(u)[0]
-        self._arrays = (*_arrays(gates, h, cells, w_hh), outside, ends)
+        self._arrays = (*_arrays(gates, h, cells, w_hh), *_outside_and_ends(u, lengths, gates, w_hh.dtype))
 
     def __call__(self, first: int, last: int, g_in: Tensor, g_out: Tensor, delta: Tensor) -> None:
         """Steps ``last`` - 1 down to ``first``: from the gradients (dL/dh, dL/dc) after them,
         ``g_in`` (2, B, H), to those before them into ``g_out`` (2, B, H; may be ``g_in``), the
         steps' pre-activation gradients into ``delta`` (last - first, B, 4H), all contiguous."""
         self._kernel(*self._head, first, last, *self._arrays, g_in.numpy(), g_out.numpy(), delta.numpy())
+
+
+def _outside_and_ends(
+    u: Tensor | None, lengths: Tensor | None, gates: Tensor | np.ndarray, dtype: torch.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """What a layer walk's kernel takes of the outputs' gradients ``u`` (an unused array without
+    them) and of the samples' ``lengths`` (B,): each sample's ends, all T where None (``running``);
+    T and B from the ``gates``."""
+    steps, batch = gates.shape[:2]
+    outside = UNUSED[dtype] if u is None else _arrays(u)[0]
+    return outside, running(batch, steps) if lengths is None else lengths.to("cpu", torch.int64).numpy()
 
 
 # per dtype, the scalars ``_lstm_layer`` and ``_gru_layer`` take: one and the flush threshold in that
@@ -616,12 +628,9 @@ class GRUWalk:
     ) -> None:
         one, tiny = _SCALARS[w_hh.dtype]
         n_threads = threads()
-        steps, batch = gates.shape[:2]
         self._kernel = _gru_layer_parallel if n_threads > 1 else _gru_layer_serial
-        self._head = (u is not None, one, tiny if flush else one - one, min(n_threads, batch))
-        ends = running(batch, steps) if lengths is None else lengths.to("cpu", torch.int64).numpy()
-        outside = UNUSED[w_hh.dtype] if u is None else _arrays(u)[0]
-        self._arrays = (*_arrays(gates, states, w_hh), outside, ends)
+        self._head = (u is not None, one, tiny if flush else one - one, min(n_threads, gates.shape[1]))
+        self._arrays = (*_arrays(gates, states, w_hh), *_outside_and_ends(u, lengths, gates, w_hh.dtype))
 
     def __call__(
         self, first: int, last: int, g_in: Tensor, g_out: Tensor, d_in: Tensor, d_hid: Tensor
