@@ -8,7 +8,9 @@ environment (``MALLOC``) so that malloc returns every block of 64 KiB or more to
 freed: the resident set then follows the live tensors instead of keeping their space for reuse.
 Small blocks still come from malloc's heap, and a heap that many small tensors have fragmented
 (autograd's graph of a long sequence) can later hold large ones without the resident set growing:
-``reset_peak`` first hands every free page of the heap back (glibc's ``malloc_trim``).
+``reset_peak`` first hands every free page of the heap back (glibc's ``malloc_trim``), and the
+memory ``bppsa_core`` keeps for its next tapes (``bppsa_core.release_tapes``), so that a measured
+step counts its tapes as a first step does.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import re
+
+from bppsa_core import release_tapes
 
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
@@ -43,8 +47,9 @@ def _trim() -> None:
 
 
 def reset_peak() -> bool:
-    """Reset the high-water mark to the resident set now, with malloc's free pages given back first;
-    False where the system does not allow it."""
+    """Reset the high-water mark to the resident set now, with the kept tapes' free memory and
+    malloc's free pages given back first; False where the system does not allow it."""
+    release_tapes()
     _trim()
     try:
         with open("/proc/self/clear_refs", "w") as f:

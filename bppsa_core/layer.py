@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -181,6 +182,16 @@ def new_tape(
 
     gates, cells, states = tape_arrays(steps, batch, hidden, x.dtype, mode == "LSTM")
     return Tape(gates, cells, states, torch.from_numpy(states))
+
+
+def release_tapes() -> None:
+    """Hand back the memory kept for the CPU tapes of GRU and LSTM layers (``Tape``): after its
+    backward a tape's memory is kept for the next forward's (``numba_forward.TapeMemory``: a long
+    sequence's would otherwise be faulted in again every step), up to what the steps held at once.
+    Tapes still in use go when their backward has run. As ``torch.cuda.empty_cache`` for a GPU."""
+    forward = sys.modules.get("bppsa_core.numba_forward")  # none made where it was never imported
+    if forward is not None:
+        forward.TAPES.release()
 
 
 _TAPED_MODES = {"GRU": GRUCell(), "LSTM": LSTMCell()}  # the modes whose compiled forward keeps a tape

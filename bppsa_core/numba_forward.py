@@ -23,7 +23,10 @@ outputs are 0 and its state is carried to the last state.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import threading
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -31,6 +34,7 @@ import torch
 from numba import njit, prange
 from torch import Tensor
 
+from bppsa_core.jacobians import SCRATCH_MIN_BYTES
 from bppsa_core.numba_math import (
     ACTIVATIONS,
     GATE_SIGMOID,
@@ -271,17 +275,72 @@ def _kernel(cell: str, dtype: torch.dtype, parallel: bool, taped: bool = False) 
 # ------------------------------------------------------------------------------------------- calls
 
 
+class TapeMemory:
+    """The memory of the tapes (``tape_arrays``), kept for the next forward's once their backward
+    has freed them, as PyTorch's caching allocator keeps a GPU's.
+
+    Why: a long sequence's tape is hundreds of MB, which glibc maps fresh for every forward and
+    unmaps when freed, so each training step's forward faulted its tape in again, page by page: a
+    fifth to a third of a GRU's or an LSTM's forward at T = 30,000 (re-measured by the harness's
+    phase times, ``python run.py model=gru dataset.seq_len=30000``: DESIGN.md). A tape takes the
+    smallest free buffer that holds it; where none does, a new one is made and the free ones, all
+    too small, are let go, so that what is kept never exceeds what the steps held at once.
+    ``release`` lets every free buffer go (``bppsa_core.release_tapes``). A buffer is in use while
+    any array or tensor of its memory lives: each holds its lease, a ctypes view of the buffer
+    (NumPy's views keep the object their memory came from), and the buffer keeps a weak reference
+    to it. Tapes under ``jacobians.SCRATCH_MIN_BYTES`` are new arrays: malloc reuses such blocks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffers: list[tuple[np.ndarray, weakref.ref]] = []  # (memory, its lease)
+
+    def lease(self, nbytes: int) -> ctypes.Array:
+        """``nbytes`` of memory, whatever the last tape left there, alive while anything holds it."""
+        with self._lock:
+            best = None
+            for i, (memory, lease) in enumerate(self._buffers):
+                smaller = best is None or memory.nbytes < self._buffers[best][0].nbytes
+                if memory.nbytes >= nbytes and smaller and lease() is None:
+                    best = i
+            if best is None:  # the free ones are all too small: let them go
+                self._buffers = [b for b in self._buffers if b[1]() is not None]
+                memory = np.empty(nbytes, np.uint8)
+            else:
+                memory = self._buffers.pop(best)[0]
+            lease = (ctypes.c_byte * nbytes).from_buffer(memory)
+            self._buffers.append((memory, weakref.ref(lease)))
+            return lease
+
+    def release(self) -> None:
+        """Let every free buffer go; those in use go when their tapes do."""
+        with self._lock:
+            self._buffers = [b for b in self._buffers if b[1]() is not None]
+
+    def kept_bytes(self) -> tuple[int, int]:
+        """The bytes kept: in use, and free."""
+        with self._lock:
+            used = sum(memory.nbytes for memory, lease in self._buffers if lease() is not None)
+            return used, sum(memory.nbytes for memory, _ in self._buffers) - used
+
+
+TAPES = TapeMemory()
+ITEM_BYTES = {d: np.dtype(t).itemsize for d, t in NUMPY_DTYPES.items()}
+
+
 def tape_arrays(
     steps: int, batch: int, hidden: int, dtype: torch.dtype, cells: bool
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """A tape's empty arrays (``layer.Tape``): gates (T, B, 4H), cells (an LSTM's, ``cells``, else
-    None) and states (T + 1, B, H)."""
+    """A tape's uninitialized arrays (``layer.Tape``): gates (T, B, 4H), cells (an LSTM's, ``cells``,
+    else None) and states (T + 1, B, H), C-contiguous, in one buffer of ``TAPES``."""
     kind = NUMPY_DTYPES[dtype]
-    return (
-        np.empty((steps, batch, 4 * hidden), kind),
-        np.empty((steps + 1, batch, hidden), kind) if cells else None,
-        np.empty((steps + 1, batch, hidden), kind),
-    )
+    gates, state = (steps, batch, 4 * hidden), (steps + 1, batch, hidden)
+    n_gates, n_state = steps * batch * 4 * hidden, (steps + 1) * batch * hidden
+    n = n_gates + n_state * (2 if cells else 1)
+    if n * ITEM_BYTES[dtype] < SCRATCH_MIN_BYTES:
+        return np.empty(gates, kind), np.empty(state, kind) if cells else None, np.empty(state, kind)
+    flat = np.frombuffer(TAPES.lease(n * ITEM_BYTES[dtype]), kind)
+    kept_cells = flat[n_gates : n_gates + n_state].reshape(state) if cells else None
+    return flat[:n_gates].reshape(gates), kept_cells, flat[n - n_state :].reshape(state)
 
 
 @functools.lru_cache(maxsize=64)

@@ -477,37 +477,131 @@ def test_a_backward_from_its_forwards_tape_is_the_one_that_recomputes_it(
     assert kept == []
 
 
+def _tape_bytes(kind: str, steps: int, batch: int, hidden: int) -> int:
+    """A float64 tape's bytes (``layer.Tape``): gates, an LSTM's cell states, the states."""
+    return 8 * batch * hidden * (4 * steps + (steps + 1) * (2 if kind == "LSTM" else 1))
+
+
+@pytest.fixture
+def tape_memory(monkeypatch):
+    """A ``TapeMemory`` of the test's own in place of the process's."""
+    from bppsa_core import numba_forward
+
+    memory = numba_forward.TapeMemory()
+    monkeypatch.setattr(numba_forward, "TAPES", memory)
+    return memory
+
+
+@pytest.mark.parametrize("steps", [20, 300])  # a tape under SCRATCH_MIN_BYTES (new arrays), and a kept one
 @pytest.mark.parametrize("retain", [False, True])
 @pytest.mark.parametrize("kind", ["GRU", "LSTM"])
 def test_a_tape_is_freed_once_its_backward_has_run_unless_the_graph_is_retained(
-    monkeypatch, kind, retain
+    monkeypatch, tape_memory, kind, retain, steps
 ) -> None:
     """A tape, the most a GRU or LSTM step keeps, goes when its backward has run, as what autograd
     saves goes, though the outputs live on (a training loop's names hold them into the next step's
-    forward, which would then hold two tapes); a retained graph keeps it for its next backward."""
+    forward, which would then hold two tapes); a retained graph keeps it for its next backward. A
+    long one's memory is kept, free (``numba_forward.TapeMemory``), and the next step's tapes take it."""
     import gc
     import weakref
 
-    alive, real_tape = [], layer_mod.new_tape
+    alive, pointers, real_tape = [], [], layer_mod.new_tape
 
     def taped(*args):
         tape = real_tape(*args)
         alive.extend(weakref.ref(a) for a in (tape.gates, tape.cells, tape.states) if a is not None)
+        pointers.append(tape.gates.ctypes.data)
         return tape
 
     monkeypatch.setattr(layer_mod, "new_tape", taped)
     torch.manual_seed(0)
     model = getattr(bnn, kind)(3, 5, num_layers=2, strategy="numba", dtype=F64)
-    out, state = model(torch.randn(20, 4, 3, dtype=F64))
+    x = torch.randn(steps, 4, 3, dtype=F64)
+    out, state = model(x)
     h_n = state[0] if kind == "LSTM" else state
     loss = out.sin().sum() + h_n.pow(2).sum()
     assert len(alive) == 2 * (3 if kind == "LSTM" else 2) and all(r() is not None for r in alive)
+    kept = 2 * _tape_bytes(kind, steps, 4, 5) if steps == 300 else 0
+    assert tape_memory.kept_bytes() == (kept, 0)
     first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=retain)
     gc.collect()
     assert [r() is not None for r in alive] == [retain] * len(alive), "the tapes after the backward"
+    assert tape_memory.kept_bytes() == ((kept, 0) if retain else (0, kept))
     if retain:  # the retained graph's second backward reads them again: the same gradients
         for a, b in zip(first, torch.autograd.grad(loss, list(model.parameters())), strict=True):
             assert torch.equal(a, b)
+        return
+    if kept:  # the next step's tapes in the kept memory
+        model(x)[0].sum().backward()
+        assert sorted(pointers[2:]) == sorted(pointers[:2])
+
+
+@pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+def test_a_tape_written_over_the_last_ones_memory_gives_autograds_gradients(
+    monkeypatch, tape_memory, kind
+) -> None:
+    """A kept tape's memory holds what the last tape left: every element a backward reads is written
+    by its forward. With that memory poisoned (NaN), a step of a stacked bidirectional layer over
+    packed sequences, from given states, gives autograd's gradients (float64, 1e-10)."""
+    taken, real_tape = [], layer_mod.new_tape
+    monkeypatch.setattr(layer_mod, "new_tape", lambda *a: taken.append(real_tape(*a)) or taken[-1])
+    torch.manual_seed(0)
+    ref = getattr(torch.nn, kind)(3, 6, num_layers=2, bidirectional=True, dtype=F64)
+    ours = getattr(bnn, kind)(3, 6, num_layers=2, bidirectional=True, strategy="numba", dtype=F64)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(300, 5, 3, dtype=F64)
+    lengths = [300, 251, 251, 40, 1]
+    h0 = torch.randn(4, 5, 6, dtype=F64)
+    state = (h0, torch.randn_like(h0)) if kind == "LSTM" else h0
+
+    def grads(m: torch.nn.Module) -> list[torch.Tensor]:
+        xx = x.clone().requires_grad_()
+        hh = (
+            tuple(s.clone().requires_grad_() for s in state)
+            if kind == "LSTM"
+            else state.clone().requires_grad_()
+        )
+        out, last = m(pack_padded_sequence(xx, lengths), hh)
+        ends = torch.cat(last) if kind == "LSTM" else last
+        loss = pad_packed_sequence(out)[0].sin().sum() + ends.pow(2).sum()
+        inputs = [xx, *(hh if kind == "LSTM" else (hh,)), *m.parameters()]
+        return list(torch.autograd.grad(loss, inputs))
+
+    expected = grads(ref)
+    grads(ours)
+    poisoned = [tape.gates.ctypes.data for tape in taken]
+    for a in (a for tape in taken for a in (tape.gates, tape.cells, tape.states) if a is not None):
+        a.fill(np.nan)
+    del a
+    taken.clear()
+    assert tape_memory.kept_bytes() == (0, 4 * _tape_bytes(kind, 300, 5, 6))
+    got = grads(ours)
+    assert sorted(t.gates.ctypes.data for t in taken) == sorted(poisoned)
+    for e, g in zip(expected, got, strict=True):
+        assert rel_err(e, g) < 1e-10
+
+
+def test_the_kept_tape_memory_follows_the_longest_step_and_is_let_go_on_request(tape_memory) -> None:
+    """Steps of changing lengths: a step's tapes take the free buffers that hold them, a longer step
+    lets the shorter buffers go for its own, so what is kept is what the longest step held at once
+    (two layers' tapes); ``bppsa_core.release_tapes`` and the memory benchmark's ``reset_peak`` let
+    it go."""
+    import bppsa_core
+    from benchmarks.memory import reset_peak
+
+    torch.manual_seed(0)
+    model = bnn.GRU(3, 5, num_layers=2, strategy="numba", dtype=F64)
+    longest = 0
+    for steps in (200, 400, 100, 400, 300):
+        model(torch.randn(steps, 4, 3, dtype=F64))[0].sum().backward()
+        longest = max(longest, steps)
+        assert tape_memory.kept_bytes() == (0, 2 * _tape_bytes("GRU", longest, 4, 5)), steps
+    bppsa_core.release_tapes()
+    assert tape_memory.kept_bytes() == (0, 0)
+    model(torch.randn(200, 4, 3, dtype=F64))[0].sum().backward()
+    assert tape_memory.kept_bytes() == (0, 2 * _tape_bytes("GRU", 200, 4, 5))
+    reset_peak()
+    assert tape_memory.kept_bytes() == (0, 0)
 
 
 @pytest.mark.parametrize("dtype", extended_except([F64, F32], first=1))  # a build per dtype to compile
