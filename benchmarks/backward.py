@@ -17,8 +17,9 @@ medians of ``--repeats`` runs after ``--warmup``, so every ratio compares like w
 * ``scan``: the scan alone on the identical chain, BPPSA per strategy against the peers
   ``torch._higher_order_ops.associative_scan`` and ``jax.lax.associative_scan``
   (``benchmarks.scan``), each checked against the sequential twin.
-* ``epoch``: a training epoch of the paper's RNN task (bitstream, 10 classes, loss on h_T, Adam)
-  with BPTT and with BPPSA, the median of ``--repeats`` epochs each, every one from the same weights.
+* ``epoch``: a training epoch of the paper's bitstream task (10 classes, loss on h_T, Adam; the
+  paper's RNN, or ``--model``'s GRU or LSTM) with BPTT and with BPPSA, the median of ``--repeats``
+  epochs each, every one from the same weights.
 
 Both timing tables carry the floors of ``benchmarks.floors``: the bytes a backward must move
 over the measured copy bandwidth, and the Blelloch scan's 2·ceil(log2 T) levels times the measured
@@ -108,6 +109,7 @@ class ConfigSet:
 
 @dataclass
 class EpochRow:
+    model: str
     steps: int
     batch: int
     hidden: int
@@ -370,6 +372,7 @@ def _captured_epoch(
 
 
 def epoch_comparison(
+    model: str,
     steps: int,
     batch: int,
     hidden: int,
@@ -382,8 +385,8 @@ def epoch_comparison(
     progress: Progress | None = None,
     repeats: int = 1,
 ) -> EpochRow:
-    """BPTT's and BPPSA's median epoch over ``repeats`` rounds, the two taking turns, every epoch from
-    the same weights over the same batches, same clock.
+    """BPTT's and BPPSA's median epoch of ``model`` (rnn, gru or lstm) over ``repeats`` rounds, the two
+    taking turns, every epoch from the same weights over the same batches, same clock.
 
     The batches are generated beforehand and kept on the device, so the epoch times forward, loss,
     backward and Adam step of every batch, with one synchronization at its end. ``warmup``
@@ -399,38 +402,40 @@ def epoch_comparison(
     torch.manual_seed(seed)
     models = {}
     for mode in ("bptt", "bppsa"):
-        layer = bnn.RNN(1, hidden, batch_first=True, backward=mode, strategy=strategy)
+        layer = getattr(bnn, MODULES[model].__name__)(
+            1, hidden, batch_first=True, backward=mode, strategy=strategy
+        )
         models[mode] = Classifier(layer, CLASSES).to(device)
     models["bppsa"].load_state_dict(models["bptt"].state_dict())
     fresh = {}  # the captured epochs' models: copies before any training, cuDNN's weights flattened
     if device.type == "cuda":
-        for name, model in models.items():
-            fresh[name] = copy.deepcopy(model)
+        for name, classifier in models.items():
+            fresh[name] = copy.deepcopy(classifier)
             for m in fresh[name].modules():
                 if isinstance(m, torch.nn.RNNBase):
                     m.flatten_parameters()
-    for name, model in models.items():
+    for name, classifier in models.items():
         say(f"warm-up of {name} ...")
-        _train(copy.deepcopy(model), batches[:1] * max(1, warmup), lr)
+        _train(copy.deepcopy(classifier), batches[:1] * max(1, warmup), lr)
     times: dict[str, list[float]] = {name: [] for name in models}
     totals = {name: torch.zeros(()) for name in models}
     for r in range(repeats):
         say(f"epochs, round {r + 1} of {repeats} ...")
-        for name, model in models.items():
-            trained = copy.deepcopy(model)  # every epoch from the same weights
+        for name, classifier in models.items():
+            trained = copy.deepcopy(classifier)  # every epoch from the same weights
             epoch = lambda m=trained, total=totals[name]: total.copy_(_train(m, batches, lr))  # noqa: E731
             times[name].append(time_ms(epoch, device))
     seconds = [statistics.median(times[name]) / 1e3 for name in models]
     losses = [totals[name].item() / len(batches) for name in models]
     taken = sum(len(y) for _, y in batches)
-    row = EpochRow(steps, batch, hidden, taken, len(batches), strategy, *seconds, *losses)
+    row = EpochRow(model, steps, batch, hidden, taken, len(batches), strategy, *seconds, *losses)
     row.spread = max((max(t) - min(t)) / statistics.median(t) for t in times.values())
     if fresh:
         cells, captured_losses = [], []
-        for name, model in fresh.items():
+        for name, classifier in fresh.items():
             say(f"captured epoch with {name} ...")
             try:
-                s, loss = _captured_epoch(model, batches, lr, warmup, repeats)
+                s, loss = _captured_epoch(classifier, batches, lr, warmup, repeats)
             except (ValueError, RuntimeError) as exc:
                 cell, row.notes[f"{name.upper()} captured"] = failure(exc)
                 s, loss = cell, math.nan
@@ -452,7 +457,7 @@ def format_epoch_table(rows: Sequence[EpochRow]) -> str:
         head += ["BPTT captured mean loss", "BPPSA captured mean loss"]
     body = []
     for r in rows:
-        cells = ["rnn", str(r.steps), str(r.batch), str(r.hidden), str(r.samples), str(r.iterations)]
+        cells = [r.model, str(r.steps), str(r.batch), str(r.hidden), str(r.samples), str(r.iterations)]
         cells += [
             f"{r.bptt_s:.4g}",
             f"{r.bppsa_s:.4g}",
@@ -646,23 +651,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 f"--{flag} times the backward table only, not {' '.join(args.tables)}; "
                 "accepted: --tables backward"
             )
-    if not args.suite and "epoch" in args.tables and args.model != "rnn":
-        p.error("the epoch comparison is the paper's RNN bitstream task; accepted: --model rnn")
     return args
 
 
-def plan(args: argparse.Namespace) -> tuple[list[ConfigSet], list[tuple[int, int, int, int]]]:
-    """The configuration sets and the epoch comparisons (T, B, H, samples) the arguments ask for."""
+def plan(args: argparse.Namespace) -> tuple[list[ConfigSet], list[tuple[str, int, int, int, int]]]:
+    """The configuration sets and the epoch comparisons (model, T, B, H, samples) the arguments ask
+    for; a suite's epoch is the paper's RNN."""
     if args.suite:
         sets, epoch = suite_sets(args.suite, args.quick)
         if epoch is None:
             return sets, []
         t, b, h, n = epoch
-        return sets, [(t, b, h, args.epoch_samples or n)]
+        return sets, [("rnn", t, b, h, args.epoch_samples or n)]
     b, h, f = args.B or 16, args.H or 20, args.F or 1
     lengths = args.T or [100, 1000, 10000]
     sets = [ConfigSet(args.model.upper(), args.model, tuple((t, b, h, f) for t in lengths))]
-    return sets, [(t, b, h, args.epoch_samples or TRAIN_SAMPLES) for t in lengths]
+    return sets, [(args.model, t, b, h, args.epoch_samples or TRAIN_SAMPLES) for t in lengths]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -710,10 +714,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             table(f"Full backward: {cs.title}", format_table(rows, columns), rows)
     if "epoch" in args.tables and epochs:
         rows, failed = [], []
-        for t, b, h, n in epochs:
+        for model, t, b, h, n in epochs:
             try:
                 rows.append(
                     epoch_comparison(
+                        model,
                         t,
                         b,
                         h,
@@ -728,7 +733,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Exception as exc:  # reported, so that the tables after it still run
                 failed.append(f"- T={t}: {type(exc).__name__}: {exc}".splitlines()[0])
         text = format_epoch_table(rows) + ("\n\nFailed:\n" + "\n".join(failed) if failed else "")
-        table("End-to-end training epoch: bitstream RNN, BPTT vs BPPSA", f"{text}\n\n{EPOCH_NOTE}", rows)
+        table("End-to-end training epoch: the bitstream task, BPTT vs BPPSA", f"{text}\n\n{EPOCH_NOTE}", rows)
     if "scan" in args.tables:
         if dtype != torch.float32:
             progress("the scan table runs in float32 (the peers and Triton take float32)")

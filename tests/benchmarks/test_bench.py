@@ -145,9 +145,10 @@ def test_the_chunk_option_reaches_every_chunked_scan(monkeypatch, no_jax) -> Non
 
 
 @pytest.mark.extended  # the epoch's one-thread builds of the compiled kernels: seconds to compile cold
-def test_the_epoch_comparison_trains_both_models_alike() -> None:
-    row = epoch_comparison(20, 4, 5, 12, CPU, warmup=0)
-    assert (row.samples, row.iterations, row.strategy) == (12, 3, "auto")
+@pytest.mark.parametrize("model", ["rnn", "gru", "lstm"])
+def test_the_epoch_comparison_trains_both_models_alike(model) -> None:
+    row = epoch_comparison(model, 20, 4, 5, 12, CPU, warmup=0)
+    assert (row.model, row.samples, row.iterations, row.strategy) == (model, 12, 3, "auto")
     assert row.bptt_s > 0 and row.bppsa_s > 0
     # same weights, same batches, same gradients: the two epochs train alike
     assert row.bppsa_loss == pytest.approx(row.bptt_loss, rel=1e-4)
@@ -157,7 +158,7 @@ def test_the_epoch_comparison_trains_both_models_alike() -> None:
 def test_repeated_epochs_each_start_from_the_given_weights() -> None:
     """At a learning rate whose updates show in the loss, the last of three epochs has the first's
     mean loss on both sides: no round trains on from the one before."""
-    one, three = (epoch_comparison(20, 4, 5, 12, CPU, warmup=0, lr=0.1, repeats=n) for n in (1, 3))
+    one, three = (epoch_comparison("rnn", 20, 4, 5, 12, CPU, warmup=0, lr=0.1, repeats=n) for n in (1, 3))
     assert (three.bptt_loss, three.bppsa_loss) == (one.bptt_loss, one.bppsa_loss)
 
 
@@ -177,7 +178,7 @@ def test_the_epochs_take_turns_and_the_row_gives_their_medians_and_spread(monkey
 
     monkeypatch.setattr(backward, "_train", train)
     monkeypatch.setattr(backward, "time_ms", time_ms)
-    row = epoch_comparison(20, 4, 5, 8, CPU, warmup=1, repeats=3)
+    row = epoch_comparison("rnn", 20, 4, 5, 8, CPU, warmup=1, repeats=3)
     timed = trained[2:]  # after each side's warm-up
     kinds = [m.rnn.backward_mode for m in timed]
     assert len(timed) == 6 and len({id(m) for m in timed}) == 6  # a fresh copy each epoch
@@ -188,7 +189,7 @@ def test_the_epochs_take_turns_and_the_row_gives_their_medians_and_spread(monkey
 
 
 def _epoch_row(captured_s=None, captured_loss=None) -> backward.EpochRow:
-    return backward.EpochRow(20, 4, 5, 16, 4, "auto", 2.0, 1.0, 0.5, 0.5, captured_s, captured_loss)
+    return backward.EpochRow("rnn", 20, 4, 5, 16, 4, "auto", 2.0, 1.0, 0.5, 0.5, captured_s, captured_loss)
 
 
 def test_the_epoch_table_shows_captured_epochs_only_where_they_ran() -> None:
@@ -246,7 +247,7 @@ def test_the_captured_epoch_trains_as_the_eager_one_does() -> None:
     each side's captured epoch gets its eager epoch's mean loss."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
-    row = epoch_comparison(20, 4, 5, 16, torch.device("cuda"), warmup=1)
+    row = epoch_comparison("rnn", 20, 4, 5, 16, torch.device("cuda"), warmup=1)
     assert row.captured_s is not None and row.captured_loss is not None, row.notes
     assert all(isinstance(s, float) and s > 0 for s in row.captured_s), row.notes
     for eager, captured in zip((row.bptt_loss, row.bppsa_loss), row.captured_loss, strict=True):
@@ -347,7 +348,6 @@ def test_default_strategies_are_those_that_exist(monkeypatch) -> None:
         (["--suite", "nightly"], "argument --suite: invalid choice: 'nightly'"),
         (["--suite", "paper", "--T", "10"], "--suite runs fixed configurations; --T apply without --suite"),
         (["--quick"], "--quick shrinks a suite; accepted: --suite paper --quick"),
-        (["--model", "gru", "--tables", "epoch"], "the epoch comparison is the paper's RNN bitstream task"),
         (["--peers", "numpy"], "argument --peers: invalid choice: 'numpy'"),
         (
             ["--packed", "--tables", "scan"],
@@ -375,6 +375,15 @@ def test_a_named_strategy_that_cannot_run_on_the_device_is_refused_before_any_ti
     assert line.startswith("python -m benchmarks.backward: error: --strategies: strategy='triton' needs")
     assert "and this device is cpu; accepted here: auto, sequential, blelloch, chunked" in line
     assert parse_args(["--strategies", "chunked"]).strategies == ["chunked"]
+
+
+def test_the_epoch_trains_the_model_asked_for_and_a_suites_the_papers_rnn() -> None:
+    """``--model`` names the epoch's model as it names the backward table's; a suite's epoch is the
+    paper's RNN."""
+    _, epochs = backward.plan(parse_args(["--model", "lstm", "--tables", "epoch", "--T", "20", "30"]))
+    assert epochs == [("lstm", 20, 16, 20, 32000), ("lstm", 30, 16, 20, 32000)]
+    _, epochs = backward.plan(parse_args(["--suite", "paper", "--epoch-samples", "64"]))
+    assert [e[0] for e in epochs] == ["rnn"] and epochs[0][-1] == 64
 
 
 @pytest.mark.parametrize("strategy", ["graph", "triton"])
