@@ -142,7 +142,8 @@ class Tape(NamedTuple):
         """The gates, the cells (or None) and the states as tensors of the same memory, for
         ``ctx.save_for_backward``: autograd then frees the tape once the backward has run, unless the
         graph is retained, as it frees what it saved itself (held by the context instead, a tape
-        lived as long as the outputs, into the next step's forward). ``of`` is the inverse."""
+        lived as long as the outputs, into the next step's forward), and its memory is free for the
+        next tape (``numba_forward.TapeMemory``). ``of`` is the inverse."""
         cells = None if self.cells is None else torch.from_numpy(self.cells)
         return torch.from_numpy(self.gates), cells, self.hidden
 
@@ -186,8 +187,8 @@ def new_tape(
 
 def release_tapes() -> None:
     """Hand back the memory kept for the CPU tapes of GRU and LSTM layers (``Tape``): after its
-    backward a tape's memory is kept for the next forward's (``numba_forward.TapeMemory``: a long
-    sequence's would otherwise be faulted in again every step), up to what the steps held at once.
+    backward a long tape's memory is kept for the next forward's (``numba_forward.TapeMemory``: it
+    would otherwise be faulted in again every step), up to what the steps held at once.
     Tapes still in use go when their backward has run. As ``torch.cuda.empty_cache`` for a GPU."""
     forward = sys.modules.get("bppsa_core.numba_forward")  # none made where it was never imported
     if forward is not None:

@@ -34,7 +34,6 @@ import torch
 from numba import njit, prange
 from torch import Tensor
 
-from bppsa_core.jacobians import SCRATCH_MIN_BYTES
 from bppsa_core.numba_math import (
     ACTIVATIONS,
     GATE_SIGMOID,
@@ -288,7 +287,7 @@ class TapeMemory:
     ``release`` lets every free buffer go (``bppsa_core.release_tapes``). A buffer is in use while
     any array or tensor of its memory lives: each holds its lease, a ctypes view of the buffer
     (NumPy's views keep the object their memory came from), and the buffer keeps a weak reference
-    to it. Tapes under ``jacobians.SCRATCH_MIN_BYTES`` are new arrays: malloc reuses such blocks."""
+    to it. Tapes under ``KEEP_MIN_BYTES`` are new arrays: glibc reuses their blocks itself."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -298,7 +297,8 @@ class TapeMemory:
         """``nbytes`` of memory, whatever the last tape left there, alive while anything holds it."""
         with self._lock:
             best = None
-            for i, (memory, lease) in enumerate(self._buffers):
+            for i in reversed(range(len(self._buffers))):  # the last leased first: warmest in cache
+                memory, lease = self._buffers[i]
                 smaller = best is None or memory.nbytes < self._buffers[best][0].nbytes
                 if memory.nbytes >= nbytes and smaller and lease() is None:
                     best = i
@@ -324,6 +324,11 @@ class TapeMemory:
 
 
 TAPES = TapeMemory()
+# Bytes from which a tape's memory is kept (``TapeMemory``): glibc maps a block this large fresh
+# every time (its largest mmap threshold); a smaller freed block raises the threshold, and later
+# ones of its size come from the heap, paged in already. Kept, smaller tapes would keep it low for
+# everything else (re-measured by ``python -m benchmarks.host --models gru lstm --T 1000 10000``).
+KEEP_MIN_BYTES = 32 << 20
 ITEM_BYTES = {d: np.dtype(t).itemsize for d, t in NUMPY_DTYPES.items()}
 
 
@@ -336,7 +341,7 @@ def tape_arrays(
     gates, state = (steps, batch, 4 * hidden), (steps + 1, batch, hidden)
     n_gates, n_state = steps * batch * 4 * hidden, (steps + 1) * batch * hidden
     n = n_gates + n_state * (2 if cells else 1)
-    if n * ITEM_BYTES[dtype] < SCRATCH_MIN_BYTES:
+    if n * ITEM_BYTES[dtype] < KEEP_MIN_BYTES:
         return np.empty(gates, kind), np.empty(state, kind) if cells else None, np.empty(state, kind)
     flat = np.frombuffer(TAPES.lease(n * ITEM_BYTES[dtype]), kind)
     kept_cells = flat[n_gates : n_gates + n_state].reshape(state) if cells else None

@@ -484,15 +484,17 @@ def _tape_bytes(kind: str, steps: int, batch: int, hidden: int) -> int:
 
 @pytest.fixture
 def tape_memory(monkeypatch):
-    """A ``TapeMemory`` of the test's own in place of the process's."""
+    """A ``TapeMemory`` of the test's own in place of the process's, keeping tapes from 64 KiB
+    (``KEEP_MIN_BYTES``) so that short ones show it."""
     from bppsa_core import numba_forward
 
     memory = numba_forward.TapeMemory()
     monkeypatch.setattr(numba_forward, "TAPES", memory)
+    monkeypatch.setattr(numba_forward, "KEEP_MIN_BYTES", 64 << 10)
     return memory
 
 
-@pytest.mark.parametrize("steps", [20, 300])  # a tape under SCRATCH_MIN_BYTES (new arrays), and a kept one
+@pytest.mark.parametrize("steps", [20, 300])  # a tape under KEEP_MIN_BYTES (new arrays), and a kept one
 @pytest.mark.parametrize("retain", [False, True])
 @pytest.mark.parametrize("kind", ["GRU", "LSTM"])
 def test_a_tape_is_freed_once_its_backward_has_run_unless_the_graph_is_retained(
