@@ -310,7 +310,7 @@ def test_the_quick_suite_prints_every_table_in_order(capsys, no_jax) -> None:
     sets = ["RNN, T sweep (B = 4, H = 5)", "RNN, B sweep (T = 30, H = 5)", "GRU, IRMAS shapes s/m/l (H = 5)"]
     assert titles == [
         *(f"Full backward: {s}" for s in sets),
-        "End-to-end training epoch: bitstream RNN, BPTT vs BPPSA",
+        "End-to-end training epoch: the bitstream task, BPTT vs BPPSA",
         *(f"Scan only, identical chain: {s}" for s in sets),
     ]
     found = markdown_tables(out)
