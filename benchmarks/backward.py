@@ -59,10 +59,9 @@ from benchmarks.common import (
     threads_arg,
 )
 from benchmarks.floors import Floors, measure_floors
-from benchmarks.scan import MODULES, TERMS, bench_scan, format_scan_table
+from benchmarks.scan import MODULES, OURS, TERMS, bench_scan, format_scan_table
 from bppsa_core import jacobians
 from bppsa_core import layer as bppsa_layer
-from bppsa_core import nn as bnn
 from bppsa_core.dispatch import STRATEGIES, check_device
 from experiments.graphs import Snapshot, capture_step
 from experiments.timing import time_ms
@@ -215,7 +214,7 @@ def bench(
     and the other columns go on.
     """
     torch.manual_seed(seed)
-    ref_cls, our_cls = MODULES[model], getattr(bnn, MODULES[model].__name__)
+    ref_cls, our_cls = MODULES[model], OURS[model]
     ref = ref_cls(features, hidden, batch_first=True).to(device, dtype)
     x = torch.bernoulli(torch.full((batch, steps, features), 0.5, device=device, dtype=dtype))
     x = packed_input(x) if packed else x
@@ -402,9 +401,7 @@ def epoch_comparison(
     torch.manual_seed(seed)
     models = {}
     for mode in ("bptt", "bppsa"):
-        layer = getattr(bnn, MODULES[model].__name__)(
-            1, hidden, batch_first=True, backward=mode, strategy=strategy
-        )
+        layer = OURS[model](1, hidden, batch_first=True, backward=mode, strategy=strategy)
         models[mode] = Classifier(layer, CLASSES).to(device)
     models["bppsa"].load_state_dict(models["bptt"].state_dict())
     fresh = {}  # the captured epochs' models: copies before any training, cuDNN's weights flattened

@@ -72,6 +72,7 @@ def layer_chain(
 
 # The benchmarks' models: torch.nn's modules by name (the weight terms of their chains: ``TERMS``).
 MODULES = {"rnn": torch.nn.RNN, "gru": torch.nn.GRU, "lstm": torch.nn.LSTM}
+OURS = {name: getattr(bnn, cls.__name__) for name, cls in MODULES.items()}  # bppsa_core's of each
 TERMS = {"rnn": 1, "gru": 3, "lstm": 4}
 
 
@@ -86,7 +87,7 @@ def module_pair(
     """torch.nn's one-layer module of ``model`` and ``bppsa_core``'s with the same weights (from the
     seed set now); ``options``: the BPPSA module's (``strategy``, say)."""
     ref = MODULES[model](features, hidden).to(device, dtype)
-    ours = getattr(bnn, MODULES[model].__name__)(features, hidden, **options).to(device, dtype)
+    ours = OURS[model](features, hidden, **options).to(device, dtype)
     ours.load_state_dict(ref.state_dict())
     return ref, ours
 

@@ -290,7 +290,7 @@ class TapeMemory:
     to it. Tapes under ``KEEP_MIN_BYTES`` are new arrays: glibc reuses their blocks itself."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # ``lease`` lets the free buffers go by ``release``
         self._buffers: list[tuple[np.ndarray, weakref.ref]] = []  # (memory, its lease)
 
     def lease(self, nbytes: int) -> ctypes.Array:
@@ -303,7 +303,7 @@ class TapeMemory:
                 if memory.nbytes >= nbytes and smaller and lease() is None:
                     best = i
             if best is None:  # the free ones are all too small: let them go
-                self._buffers = [b for b in self._buffers if b[1]() is not None]
+                self.release()
                 memory = np.empty(nbytes, np.uint8)
             else:
                 memory = self._buffers.pop(best)[0]
@@ -329,7 +329,6 @@ TAPES = TapeMemory()
 # ones of its size come from the heap, paged in already. Kept, smaller tapes would keep it low for
 # everything else (re-measured by ``python -m benchmarks.host --models gru lstm --T 1000 10000``).
 KEEP_MIN_BYTES = 32 << 20
-ITEM_BYTES = {d: np.dtype(t).itemsize for d, t in NUMPY_DTYPES.items()}
 
 
 def tape_arrays(
@@ -341,9 +340,9 @@ def tape_arrays(
     gates, state = (steps, batch, 4 * hidden), (steps + 1, batch, hidden)
     n_gates, n_state = steps * batch * 4 * hidden, (steps + 1) * batch * hidden
     n = n_gates + n_state * (2 if cells else 1)
-    if n * ITEM_BYTES[dtype] < KEEP_MIN_BYTES:
+    if n * dtype.itemsize < KEEP_MIN_BYTES:
         return np.empty(gates, kind), np.empty(state, kind) if cells else None, np.empty(state, kind)
-    flat = np.frombuffer(TAPES.lease(n * ITEM_BYTES[dtype]), kind)
+    flat = np.frombuffer(TAPES.lease(n * dtype.itemsize), kind)
     kept_cells = flat[n_gates : n_gates + n_state].reshape(state) if cells else None
     return flat[:n_gates].reshape(gates), kept_cells, flat[n - n_state :].reshape(state)
 
