@@ -61,7 +61,8 @@ _GPU_BLELLOCH_BYTES = 1 << 30
 # them, only a GRU's scan is ahead (1.1-1.2 times; an LSTM's 0.7-0.8), and wider the H^3 work against
 # cuDNN's H^2 halves a lead with each doubling of H. A CPU: from where the compiled walk's small
 # products lose to the batched GEMMs of PyTorch's kernel (an LSTM above H = 192: 1.03-1.35 times
-# slower at H = 256, T = 100 to 10,000), or where no tape is kept (a GRU's above H = 512, where its
+# slower at H = 256, T = 100 to 10,000; with AVX-512's wider vectors above _WIDE_TAPED_LSTM_MAX_HIDDEN,
+# ``torch_nn_widths``), or where no tape is kept (a GRU's above H = 512, where its
 # compiled forward stops: its walk over the tape still wins at 512). Re-measured by
 # ``python -m benchmarks.gpu_check --steps capture``, and on a CPU by
 # ``python -m benchmarks.backward --threads 1 --strategies numba --model lstm --H 256 --F 256`` and
@@ -222,6 +223,23 @@ def numba_takes(terms: int, *dtypes: torch.dtype, lstm: bool = False) -> bool:
 _COMPILED_FORWARD_MAX_HIDDEN = {"RNN_TANH": 1024, "RNN_RELU": 1024, "GRU": 512, "LSTM": 31}
 _PARALLEL_LSTM_MAX_HIDDEN = 112
 _TAPED_LSTM_MAX_HIDDEN = 128
+# With AVX-512 (``numba_math.WIDE``: twice the lanes in the products) the taped LSTM's forward and
+# walk together beat torch.nn's at one thread to H = 384, T = 100 (re-measured by
+# ``python -m benchmarks.backward --model lstm --threads 1 --strategies numba --H 384 --F 384``).
+_WIDE_TAPED_LSTM_MAX_HIDDEN = 384
+
+
+@cache
+def wide_vectors() -> bool:
+    """Whether the compiled CPU kernels run in AVX-512's vectors (``numba_math.WIDE``), which moves
+    where their LSTM wins; False without numba."""
+    if not numba_installed():
+        return False
+    from bppsa_core import numba_math
+
+    return numba_math.WIDE
+
+
 # The scan strategies whose layers may run the compiled forward; the others keep PyTorch's.
 COMPILED_FORWARD_STRATEGIES = ("auto", "numba")
 
@@ -265,7 +283,7 @@ def _compiled_forward_takes(
     if strategy not in COMPILED_FORWARD_STRATEGIES or device_type != "cpu":
         return False
     if mode == "LSTM" and taped:
-        widest = _TAPED_LSTM_MAX_HIDDEN
+        widest = _WIDE_TAPED_LSTM_MAX_HIDDEN if wide_vectors() else _TAPED_LSTM_MAX_HIDDEN
     elif mode == "LSTM" and threads:
         widest = _PARALLEL_LSTM_MAX_HIDDEN
     else:
@@ -373,6 +391,14 @@ def resolve(
     return choose(n, batch, hidden, device, kernels_fit and kernels_usable(device), numba_fit)
 
 
+def torch_nn_widths(device_type: str, mode: str) -> tuple[tuple[int, float], ...]:
+    """The widths (lo, hi] at which "auto" leaves a module of this ``mode`` on this device type to
+    torch.nn (``_TORCH_NN_HIDDEN``); a CPU's LSTM from past its taped path's widest with AVX-512."""
+    if device_type == "cpu" and mode == "LSTM" and wide_vectors():
+        return ((_WIDE_TAPED_LSTM_MAX_HIDDEN, math.inf),)
+    return _TORCH_NN_HIDDEN.get(device_type, {}).get(mode, ())
+
+
 def torch_nn_instead(
     strategy: str, mode: str, hidden: int, device: torch.device, dtype: torch.dtype, inference: bool = False
 ) -> bool:
@@ -382,7 +408,7 @@ def torch_nn_instead(
     BPPSA path is faster; but not an ``inference`` call (no backward follows) that the compiled
     forward takes (``compiled_forward_takes``: it beats PyTorch's forward there). Any other
     strategy runs BPPSA as asked."""
-    widths = _TORCH_NN_HIDDEN.get(device.type, {}).get(mode, ())
+    widths = torch_nn_widths(device.type, mode)
     return (
         strategy == "auto"
         and dtype == torch.float32

@@ -46,17 +46,20 @@ def _bits(typingctx, value):
     return kinds[value](value), codegen
 
 
+def _target_has(feature: str) -> bool:
+    """Whether the CPU numba compiles for has this x86 feature (LLVM's name: "fma", "avx512f")."""
+    if numba.config.CPU_FEATURES is not None:  # numba's rule: the features named (none for "generic")
+        return f"+{feature}" in numba.config.CPU_FEATURES.split(",")
+    try:  # else the host's, whatever NUMBA_CPU_NAME says
+        return bool(binding.get_host_cpu_features().get(feature, False))
+    except RuntimeError:  # LLVM cannot read this host's features: assume none
+        return False
+
+
 def _target_fuses_multiply_add() -> bool:
     """Whether the CPU numba compiles for has a fused multiply-add instruction (x86 since 2013, every
     64-bit ARM): only then is an FMA one instruction; elsewhere LLVM makes it a library call."""
-    if platform.machine().lower() in ("aarch64", "arm64"):
-        return True
-    if numba.config.CPU_FEATURES is not None:  # numba's rule: the features named (none for "generic")
-        return "+fma" in numba.config.CPU_FEATURES.split(",")
-    try:  # else the host's, whatever NUMBA_CPU_NAME says
-        return bool(binding.get_host_cpu_features().get("fma", False))
-    except RuntimeError:  # LLVM cannot read this host's features: assume none
-        return False
+    return platform.machine().lower() in ("aarch64", "arm64") or _target_has("fma")
 
 
 # Each product of ``add_hidden`` and its plain twin is one fused multiply-add where the target has
@@ -182,9 +185,11 @@ GATE_SIGMOID = (-1.0, 1.0, 0.0)
 GATE_TANH = (-2.0, 0.0, -1.0)
 
 
-# Lanes of the hidden product's vectors: 256 bits, which AVX2 holds in a register and AVX-512
-# machines run at their width, by dtype.
-LANES = {nbtypes.float32: 8, nbtypes.float64: 4}
+# Whether the CPU numba compiles for has AVX-512: 32 registers of 512 bits, against AVX2's 16 of 256.
+WIDE = _target_has("avx512f")
+# Lanes of the kernels' vectors, by dtype: a register's width (the hidden product at twice the lanes
+# is 1.4-1.8 times faster on AVX-512; on AVX2 LLVM would split each vector in two and spill).
+LANES = {nbtypes.float32: 16, nbtypes.float64: 8} if WIDE else {nbtypes.float32: 8, nbtypes.float64: 4}
 LANES_MIN = max(LANES.values())  # rows narrower than this take the plain loops (either dtype)
 
 
@@ -372,10 +377,14 @@ def _product_tile(rows: int, pers: tuple[int, ...]) -> Callable:
     return tile
 
 
-# Four rows hold 3 x 4 sums in registers at most, blocks two at a time; one row's blocks go eight
-# at a time, chains enough for the vector units, then two (re-measured by
+# The tiles' rows and blocks a pass, so that their sums stay in registers (at most rows x (blocks + 1)
+# with a ragged block): AVX-512's 32 hold eight rows' of two blocks, then four rows' of four; AVX2's
+# 16 four rows' of two. One row's blocks go eight at a time, chains enough for the vector units,
+# then two (re-measured by ``python -m benchmarks.forward --tables compiled`` and
 # ``python -m benchmarks.backward``).
-_tile4, _tile1 = _product_tile(4, (2,)), _product_tile(1, (8, 2))
+TILE_ROWS = 8 if WIDE else 4
+_tile_many = _product_tile(8, (2,)) if WIDE else _product_tile(4, (2,))
+_tile4, _tile1 = _product_tile(4, (4, 2)), _product_tile(1, (8, 2))
 
 
 @njit(inline="always", error_model="numpy")
@@ -399,8 +408,9 @@ def padded(w):
 @njit(inline="always", error_model="numpy")
 def add_hidden(acc, h, w_t):
     """acc (N, R) += h (N, K) @ w_t[:, :R], all C-contiguous, w_t (K, R') with R' >= R (its rows
-    may be ``padded``; the columns past R are never read): four rows at a time in vector
-    registers (``_product_tile``), each element's products added one at a time, k ascending (fused
+    may be ``padded``; the columns past R are never read): rows in tiles of ``TILE_ROWS``, then of
+    four, then one by one, in vector registers (``_product_tile``), each element's products added
+    one at a time, k ascending (fused
     where ``FMA``), so that the rows' grouping (the threads' groups of samples) changes no bit.
     Rows narrower than a vector take the same order in plain loops. The compiled forward's
     recurrence and the walks (``numba_scan``); its plain twin is ``add_hidden_reference``."""
@@ -408,11 +418,16 @@ def add_hidden(acc, h, w_t):
     if cols < LANES_MIN:
         add_hidden_reference(acc, h, w_t)
         return
-    n4 = n - n % 4
-    for b0 in range(0, n4, 4):
-        _tile4(acc, h, w_t, b0)
-    for b in range(n4, n):
+    b = 0
+    while n - b >= TILE_ROWS:
+        _tile_many(acc, h, w_t, b)
+        b += TILE_ROWS
+    if WIDE and n - b >= 4:  # a compile-time constant: AVX2's tiles are of four rows already
+        _tile4(acc, h, w_t, b)
+        b += 4
+    while b < n:
         _tile1(acc, h, w_t, b)
+        b += 1
 
 
 @njit(inline="always", error_model="numpy")
@@ -457,7 +472,7 @@ def put(dst, src):
 # file, not by its options or by the code it inlines from this module, so a build made with other
 # options or an older ``add_hidden`` is not loaded from an older cache (the tag changes with them).
 _OPTIONS = dict(cache=True, error_model="numpy", nogil=True)
-_OPTIONS_TAG = "ng10"
+_OPTIONS_TAG = "ng11"
 
 
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:

@@ -63,8 +63,6 @@ def test_the_default_chunk_takes_the_fewest_dependent_steps() -> None:
         ("auto", "RNN_RELU", 65, GPU, F32, True),
         ("auto", "RNN_RELU", 64, GPU, F32, False),
         ("auto", "RNN_TANH", 512, GPU, F32, True),  # wider still: the scan's H^3 work loses more
-        ("auto", "LSTM", 192, CPU, F32, False),  # the CPU's compiled walk is faster up to there
-        ("auto", "LSTM", 256, CPU, F32, True),
         ("auto", "GRU", 512, CPU, F32, False),  # its walk over the tape wins up to there
         ("auto", "GRU", 513, CPU, F32, True),  # past the compiled forward: no tape
         ("auto", "RNN_TANH", 1024, CPU, F32, False),  # the RNN's walk is never slower there
@@ -79,6 +77,23 @@ def test_auto_leaves_a_module_to_torch_nn_only_where_its_kernels_win(
     assert dispatch.torch_nn_instead(strategy, mode, hidden, device, dtype) is instead
 
 
+@pytest.mark.parametrize("wide, widest", [(False, 192), (True, 384)])
+def test_a_cpu_lstm_is_left_to_torch_nn_past_where_its_vectors_win(monkeypatch, wide, widest) -> None:
+    """The CPU's compiled LSTM is faster up to H = 192, or 384 in AVX-512's vectors
+    (``dispatch.wide_vectors``), under which its taped forward runs to there."""
+    monkeypatch.setattr(dispatch, "wide_vectors", lambda: wide)
+    dispatch._compiled_forward_takes.cache_clear()
+    try:
+        assert [dispatch.torch_nn_instead("auto", "LSTM", h, CPU, F32) for h in (20, widest, widest + 1)] == [
+            False, False, True,
+        ]  # fmt: skip
+        taped = 384 if wide else 128
+        takes = dispatch.compiled_forward_takes
+        assert [takes("auto", "LSTM", h, "cpu", (F32,), True) for h in (taped, taped + 1)] == [True, False]
+    finally:
+        dispatch._compiled_forward_takes.cache_clear()
+
+
 def test_inference_that_the_compiled_forward_takes_is_not_left_to_torch_nn(monkeypatch) -> None:
     """A CPU GRU left to torch.nn for training above some H (128 here) still runs the compiled
     forward in inference up to H = 512, where that beats PyTorch's
@@ -88,7 +103,7 @@ def test_inference_that_the_compiled_forward_takes_is_not_left_to_torch_nn(monke
     assert not dispatch.torch_nn_instead("auto", "GRU", 192, CPU, F32, inference=True)
     assert not dispatch.torch_nn_instead("auto", "GRU", 512, CPU, F32, inference=True)
     assert dispatch.torch_nn_instead("auto", "GRU", 513, CPU, F32, inference=True)
-    assert dispatch.torch_nn_instead("auto", "LSTM", 256, CPU, F32, inference=True)
+    assert dispatch.torch_nn_instead("auto", "LSTM", 512, CPU, F32, inference=True)
     assert dispatch.torch_nn_instead("auto", "GRU", 1024, GPU, F32, inference=True)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import subprocess
 import sys
 
@@ -137,9 +138,10 @@ def test_two_threads_give_the_one_thread_result_bit_for_bit(mode) -> None:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype) -> None:
-    """``numba_math.add_hidden`` (rows in tiles of four, blocks of columns two at a time, and of one,
-    eight at a time; a ragged last block) against ``add_hidden_reference``: the same bits for rows
-    of every count, columns narrower than a vector, and every count of blocks up to 17 with and
+    """``numba_math.add_hidden`` (rows in tiles of eight, four and one, blocks of columns two or four
+    at a time, and of one row eight at a time; a ragged last block) against
+    ``add_hidden_reference``: the same bits for rows of every count, columns narrower than a
+    vector, and every count of blocks up to 17 with and
     without a ragged one (so every count left over after the pairs and the eights, and the window
     joining a whole group), so that the threads' groups of samples change nothing; and with w_t's
     rows longer than acc's (``numba_math.padded``), whose columns past acc's are never read."""
@@ -157,7 +159,8 @@ def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype)
     rng = np.random.default_rng(0)
     shapes = [
         (16, 20, 80), (16, 80, 20), (5, 7, 9), (3, 3, 3), (1, 1, 8), (7, 4, 17), (6, 33, 64), (9, 5, 24),
-        (4, 6, 28), (5, 3, 13), (4, 2, 60), *((rows, 3, cols) for rows in (1, 6) for cols in range(8, 141)),
+        (4, 6, 28), (5, 3, 13), (4, 2, 60),
+        *((rows, 3, cols) for rows in (1, 6, 13) for cols in range(8, 17 * numba_math.LANES_MIN + 13)),
     ]  # fmt: skip
     differs = []
     draw = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
@@ -203,13 +206,28 @@ def test_padded_rows_are_the_weights_with_a_cache_line_after_rows_of_a_power_of_
         np.testing.assert_array_equal(got[:, :cols], w)
 
 
+# x86 targets numba may compile for, by their LLVM features: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES,
+# what numba_math must make of them)
+_AVX2 = "+avx,+avx2,+fma,+sse4.2,+popcnt,+f16c,+bmi,+bmi2,+lzcnt,+movbe,+cx16"
+_TARGETS = {
+    "generic": ("generic", None, "not numba_math.FMA and not numba_math.WIDE"),
+    "avx2": ("haswell", _AVX2, "numba_math.FMA and not numba_math.WIDE and numba_math.LANES_MIN == 8"),
+}
+
+
 @pytest.mark.extended  # a fresh interpreter compiles the kernels for another target: seconds
-def test_a_target_without_fma_multiplies_and_adds_apart() -> None:
-    """Where the CPU numba compiles for has no fused multiply-add (here numba's "generic" target)
-    the products are a multiply and an add, the tiles still their plain twin's bits."""
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 targets")
+@pytest.mark.parametrize("target", sorted(_TARGETS))
+def test_other_targets_keep_the_plain_loops_bits(target) -> None:
+    """Where the CPU numba compiles for has no fused multiply-add (numba's "generic" target) the
+    products are a multiply and an add; where it has AVX2 but not AVX-512, the vectors are of 256
+    bits and the tiles of four rows: either way the tiles still give their plain twin's bits."""
     test = f"{__file__}::test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit"
-    check = "from bppsa_core import numba_math; assert not numba_math.FMA"
-    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "PYTHONPATH": str(ROOT)}
+    name, features, expected = _TARGETS[target]
+    env = {**os.environ, "NUMBA_CPU_NAME": name, "PYTHONPATH": str(ROOT)}
+    if features:
+        env["NUMBA_CPU_FEATURES"] = features
+    check = f"from bppsa_core import numba_math; assert {expected}"
     assert subprocess.run([sys.executable, "-c", check], env=env, timeout=120).returncode == 0
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
@@ -304,7 +322,7 @@ def _recording(monkeypatch) -> list[str]:
         ("gru", "auto", 8, True),
         ("tanh", "auto", 1025, False),  # wider than it was measured to win at: PyTorch's GEMMs
         ("lstm", "auto", 8, True),  # a gradient is wanted: the taped forward (layer.Tape)
-        ("lstm", "auto", 136, False),  # wider than the taped forward wins at
+        ("lstm", "auto", 392, False),  # wider than the taped forward wins at (128; 384 with AVX-512)
         ("lstm", "numba", 8, True),
         ("tanh", "sequential", 8, False),  # the plain-PyTorch strategies keep PyTorch's forward
     ],
