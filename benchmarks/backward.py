@@ -34,6 +34,7 @@ and numpy are imported where used), so it runs on a bare GPU machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import statistics
@@ -62,6 +63,7 @@ from benchmarks.floors import Floors, measure_floors
 from benchmarks.scan import MODULES, OURS, TERMS, bench_scan, format_scan_table
 from bppsa_core import jacobians
 from bppsa_core import layer as bppsa_layer
+from bppsa_core.denormals import flush_denormals
 from bppsa_core.dispatch import STRATEGIES, check_device
 from experiments.graphs import Snapshot, capture_step
 from experiments.timing import time_ms
@@ -95,6 +97,7 @@ class Row:
     floor_bytes_ms: float | None = None
     floor_levels_ms: float | None = None
     notes: dict[str, str] = field(default_factory=dict)
+    bptt_flushed_ms: float | None = None  # BPTT with subnormals flushed (``--flush-bptt``)
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ class EpochRow:
     captured_loss: tuple[float, float] | None = None
     notes: dict[str, str] = field(default_factory=dict)
     spread: float = 0.0  # the largest (max - min) / median of a side's timed eager epochs
+    bptt_flushed_s: float | None = None  # BPTT's epoch with subnormals flushed (``--flush-bptt``)
 
 
 def default_strategies(device: torch.device) -> list[str]:
@@ -145,6 +149,7 @@ def packed_input(x: torch.Tensor) -> PackedSequence:
 
 
 UNTAPED = "numba untaped"  # the column of ``--untaped``
+FLUSHED = "BPTT flushed"  # the baseline of ``--flush-bptt``
 
 
 class Untaped(torch.nn.Module):
@@ -196,11 +201,15 @@ def bench(
     chunk: int | None = None,
     packed: bool = False,
     untaped: bool = False,
+    flush_bptt: bool = False,
 ) -> Row:
     """Time one configuration: BPTT and BPPSA with every scan strategy that runs here (``chunk``:
     the chunked, numba and triton strategies' chunk size; default: the modules'; ``packed``: the
     input a ``PackedSequence``, ``packed_input``; ``untaped``: also "numba" keeping no tape,
-    ``Untaped``, in the column ``UNTAPED``).
+    ``Untaped``, in the column ``UNTAPED``; ``flush_bptt``: also BPTT with subnormal numbers
+    flushed to zero, as BPPSA's CPU backward runs (``bppsa_core.denormals``), in ``FLUSHED``:
+    autograd's own backward in PyTorch's default mode takes a microcode assist per subnormal
+    operation on many x86 CPUs, a gradient on h_T reaching that range after a few hundred steps).
 
     A cell is the backward's median plus what the method's forward takes beyond ``torch.nn``'s
     (median against median, never less than 0): BPPSA is charged for any work it adds to the
@@ -230,6 +239,8 @@ def bench(
         ours = our_cls(features, hidden, batch_first=True, strategy="numba", chunk=chunk).to(device, dtype)
         ours.load_state_dict(ref.state_dict())
         modules[UNTAPED] = Untaped(ours)
+    if flush_bptt:
+        modules[FLUSHED] = ref
     times: dict[str, list[float]] = {name: [] for name in modules}
     forward: dict[str, list[float]] = {name: [] for name in modules}
     grads: dict[str, list[torch.Tensor]] = {}
@@ -238,9 +249,10 @@ def bench(
             if name in cells:  # it failed
                 continue
             try:
-                forward_ms, ms, grads[name] = backward_once(module, x, head, loss)
+                with flush_denormals(device) if name == FLUSHED else contextlib.nullcontext():
+                    forward_ms, ms, grads[name] = backward_once(module, x, head, loss)
             except Exception as exc:  # a strategy that cannot run is reported, not raised
-                if name == "BPTT":
+                if name in ("BPTT", FLUSHED):
                     raise
                 cells[name], notes[name] = failure(exc)
                 continue
@@ -255,10 +267,13 @@ def bench(
         spread = max(spread, (max(measured) - min(measured)) / cells[name])
         extra = statistics.median(forward[name]) - statistics.median(forward["BPTT"])
         cells[name] += max(0.0, extra)
+        if name == FLUSHED:  # a baseline: the column of differences is BPPSA's
+            continue
         for a, b in zip(grads["BPTT"], grads[name], strict=True):
             err = max(err, ((a - b).norm() / a.norm().clamp_min(1e-30)).item())
-    bptt_ms = cells.pop("BPTT")
+    bptt_ms, flushed_ms = cells.pop("BPTT"), cells.pop(FLUSHED, None)
     row = Row(model, steps, batch, hidden, bptt_ms, cells, err, spread=spread, notes=notes)
+    row.bptt_flushed_ms = flushed_ms
     if floors is not None:
         row.floor_bytes_ms = floors.bytes_ms(steps, batch, hidden, TERMS[model])
         row.floor_levels_ms = floors.levels_ms(steps)
@@ -266,12 +281,16 @@ def bench(
 
 
 def format_table(rows: Sequence[Row], strategies: Sequence[str]) -> str:
-    """Markdown table: times in ms, BPPSA / BPTT ratios, the best speedup and the floors."""
+    """Markdown table: times in ms, BPPSA / BPTT ratios, the best speedup (and against BPTT with
+    subnormals flushed, where measured) and the floors."""
     with_floors = all(r.floor_bytes_ms is not None for r in rows)
+    flushed = any(r.bptt_flushed_ms is not None for r in rows)
     head = ["model", "T", "B", "H", "BPTT ms"]
     for s in strategies:
         head += [f"{s} ms", f"{s} / BPTT"]
     head += ["best BPPSA", "BPTT / best"]
+    if flushed:
+        head += [f"{FLUSHED} ms", f"{FLUSHED} / best"]
     if with_floors:
         head += ["floor bytes ms", "floor levels ms", "best / floor"]
     head += ["spread", "max rel grad diff"]
@@ -286,6 +305,9 @@ def format_table(rows: Sequence[Row], strategies: Sequence[str]) -> str:
                 timed[s] = v
         best = min(timed.items(), key=lambda sv: sv[1]) if timed else None
         cells += [f"{best[0]} {fmt_ms(best[1])}", f"{r.bptt_ms / best[1]:.3g}"] if best else ["n/a", "n/a"]
+        if flushed:
+            ftz = r.bptt_flushed_ms
+            cells += [fmt_ms(ftz) if ftz else "n/a", f"{ftz / best[1]:.3g}" if ftz and best else "n/a"]
         if with_floors:
             floor = max(r.floor_bytes_ms, r.floor_levels_ms)
             cells += [f"{r.floor_bytes_ms:.3g}", f"{r.floor_levels_ms:.3g}"]
@@ -383,9 +405,11 @@ def epoch_comparison(
     lr: float = PAPER_LR,
     progress: Progress | None = None,
     repeats: int = 1,
+    flush_bptt: bool = False,
 ) -> EpochRow:
     """BPTT's and BPPSA's median epoch of ``model`` (rnn, gru or lstm) over ``repeats`` rounds, the two
-    taking turns, every epoch from the same weights over the same batches, same clock.
+    taking turns, every epoch from the same weights over the same batches, same clock;
+    ``flush_bptt``: BPTT's also with subnormals flushed (``bench``), taking turns with them.
 
     The batches are generated beforehand and kept on the device, so the epoch times forward, loss,
     backward and Adam step of every batch, with one synchronization at its end. ``warmup``
@@ -414,19 +438,23 @@ def epoch_comparison(
     for name, classifier in models.items():
         say(f"warm-up of {name} ...")
         _train(copy.deepcopy(classifier), batches[:1] * max(1, warmup), lr)
-    times: dict[str, list[float]] = {name: [] for name in models}
-    totals = {name: torch.zeros(()) for name in models}
+    sides = {**models, FLUSHED: models["bptt"]} if flush_bptt else models
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    totals = {name: torch.zeros(()) for name in sides}
     for r in range(repeats):
         say(f"epochs, round {r + 1} of {repeats} ...")
-        for name, classifier in models.items():
+        for name, classifier in sides.items():
             trained = copy.deepcopy(classifier)  # every epoch from the same weights
             epoch = lambda m=trained, total=totals[name]: total.copy_(_train(m, batches, lr))  # noqa: E731
-            times[name].append(time_ms(epoch, device))
+            with flush_denormals(device) if name == FLUSHED else contextlib.nullcontext():
+                times[name].append(time_ms(epoch, device))
     seconds = [statistics.median(times[name]) / 1e3 for name in models]
     losses = [totals[name].item() / len(batches) for name in models]
     taken = sum(len(y) for _, y in batches)
     row = EpochRow(model, steps, batch, hidden, taken, len(batches), strategy, *seconds, *losses)
     row.spread = max((max(t) - min(t)) / statistics.median(t) for t in times.values())
+    if flush_bptt:
+        row.bptt_flushed_s = statistics.median(times[FLUSHED]) / 1e3
     if fresh:
         cells, captured_losses = [], []
         for name, classifier in fresh.items():
@@ -447,20 +475,23 @@ def format_epoch_table(rows: Sequence[EpochRow]) -> str:
     same for the captured epochs where any row ran them (a GPU's)."""
     strategy = rows[0].strategy if rows else "auto"
     captured = any(r.captured_s is not None for r in rows)
+    flushed = any(r.bptt_flushed_s is not None for r in rows)
     head = ["model", "T", "B", "H", "samples", "iterations", "BPTT epoch s", f"BPPSA ({strategy}) epoch s"]
-    head += ["BPTT / BPPSA", "spread", "BPTT mean loss", "BPPSA mean loss"]
+    head += ["BPTT / BPPSA"]
+    if flushed:
+        head += [f"{FLUSHED} epoch s", f"{FLUSHED} / BPPSA"]
+    head += ["spread", "BPTT mean loss", "BPPSA mean loss"]
     if captured:
         head += ["BPTT captured s", "BPPSA captured s", "captured BPTT / BPPSA"]
         head += ["BPTT captured mean loss", "BPPSA captured mean loss"]
     body = []
     for r in rows:
         cells = [r.model, str(r.steps), str(r.batch), str(r.hidden), str(r.samples), str(r.iterations)]
-        cells += [
-            f"{r.bptt_s:.4g}",
-            f"{r.bppsa_s:.4g}",
-            f"{r.bptt_s / r.bppsa_s:.3g}",
-            f"{100 * r.spread:.0f} %",
-        ]
+        cells += [f"{r.bptt_s:.4g}", f"{r.bppsa_s:.4g}", f"{r.bptt_s / r.bppsa_s:.3g}"]
+        if flushed:
+            ftz = r.bptt_flushed_s
+            cells += [f"{ftz:.4g}", f"{ftz / r.bppsa_s:.3g}"] if ftz else ["n/a", "n/a"]
+        cells.append(f"{100 * r.spread:.0f} %")
         cells += [f"{r.bptt_loss:.6f}", f"{r.bppsa_loss:.6f}"]
         if captured:
             s, loss = r.captured_s or ("n/a", "n/a"), r.captured_loss or (math.nan, math.nan)
@@ -605,6 +636,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help=f"backward table: also numba with its forward keeping no tape, the column '{UNTAPED}'",
     )
+    p.add_argument(
+        "--flush-bptt",
+        action="store_true",
+        help=f"backward and epoch tables: also BPTT with subnormals flushed to zero, as BPPSA's CPU "
+        f"backward runs, the column '{FLUSHED}'",
+    )
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--threads", type=threads_arg, default=None, help="CPU threads (default: torch's)")
@@ -648,6 +685,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 f"--{flag} times the backward table only, not {' '.join(args.tables)}; "
                 "accepted: --tables backward"
             )
+    if args.flush_bptt and not {"backward", "epoch"} & set(args.tables):
+        p.error(
+            f"--flush-bptt times BPTT in the backward and epoch tables, not {' '.join(args.tables)}; "
+            "accepted: --tables backward, epoch"
+        )
     return args
 
 
@@ -706,7 +748,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for t, b, h, f in cs.configs:
                 progress(f"backward {cs.model} T={t} B={b} H={h} F={f} ...")
                 config = (cs.model, t, b, h, f, strategies, device, dtype, args.loss)
-                rows.append(bench(*config, packed=args.packed, untaped=args.untaped, **timing))
+                variants = {"packed": args.packed, "untaped": args.untaped, "flush_bptt": args.flush_bptt}
+                rows.append(bench(*config, **variants, **timing))
             columns = [*strategies, UNTAPED] if args.untaped else strategies
             table(f"Full backward: {cs.title}", format_table(rows, columns), rows)
     if "epoch" in args.tables and epochs:
@@ -725,6 +768,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         args.warmup,
                         progress=progress,
                         repeats=args.repeats,
+                        flush_bptt=args.flush_bptt,
                     )
                 )
             except Exception as exc:  # reported, so that the tables after it still run

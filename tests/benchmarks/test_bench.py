@@ -75,6 +75,26 @@ def test_an_untaped_column_times_numba_keeping_no_tape(monkeypatch, model) -> No
     assert "| numba untaped ms | numba untaped / BPTT |" in head
 
 
+def test_a_flushed_bptt_column_times_autograd_with_subnormals_flushed(monkeypatch) -> None:
+    """--flush-bptt: BPTT timed again inside ``flush_denormals`` (the mode BPPSA's CPU backward runs
+    in), in two columns of its own after the best BPPSA's; the gradient column stays BPPSA's."""
+    entered = []
+    real = backward.flush_denormals
+    monkeypatch.setattr(backward, "flush_denormals", lambda device: entered.append(device) or real(device))
+    row = bench("rnn", 9, 3, 3, 1, ["chunked"], CPU, flush_bptt=True, **ONCE)
+    assert entered == [CPU] and row.bptt_flushed_ms > 0 and set(row.bppsa_ms) == {"chunked"}
+    ((head, (cells,)),) = markdown_tables(backward.format_table([row], ["chunked"]))
+    at = dict(zip(head, cells, strict=True))
+    assert head.index("BPTT flushed ms") == head.index("BPTT / best") + 1
+    assert float(at["BPTT flushed / best"]) == pytest.approx(
+        row.bptt_flushed_ms / row.bppsa_ms["chunked"], rel=1e-2
+    )
+    ((head, _),) = markdown_tables(
+        backward.format_table([bench("rnn", 9, 3, 3, 1, ["chunked"], CPU, **ONCE)], [])
+    )
+    assert "BPTT flushed ms" not in head
+
+
 def test_a_packed_input_runs_from_t_down_to_half_of_it() -> None:
     x = torch.arange(4 * 9 * 2, dtype=torch.float32).reshape(4, 9, 2)
     packed = backward.packed_input(x)
@@ -162,11 +182,10 @@ def test_repeated_epochs_each_start_from_the_given_weights() -> None:
     assert (three.bptt_loss, three.bppsa_loss) == (one.bptt_loss, one.bppsa_loss)
 
 
-def test_the_epochs_take_turns_and_the_row_gives_their_medians_and_spread(monkeypatch) -> None:
-    """BPTT's and BPPSA's epochs alternate round by round, each on a fresh copy of its model; a cell
-    is its side's median and the spread the larger (max - min) / median, here BPPSA's (3 - 1) / 2.
-    The epochs' times are set and their training stood in for."""
-    trained, seconds = [], iter([4.0, 1.0, 5.0, 2.0, 6.0, 3.0])  # ms: BPTT, BPPSA, BPTT, ...
+def _stood_in_epochs(monkeypatch, ms: list[float]) -> list[torch.nn.Module]:
+    """Epochs whose training is stood in for and whose times are ``ms`` in turn: the models trained,
+    in order."""
+    trained, times = [], iter(ms)
 
     def train(model, batches, lr):
         trained.append(model)
@@ -174,10 +193,18 @@ def test_the_epochs_take_turns_and_the_row_gives_their_medians_and_spread(monkey
 
     def time_ms(fn, device):
         fn()
-        return next(seconds)
+        return next(times)
 
     monkeypatch.setattr(backward, "_train", train)
     monkeypatch.setattr(backward, "time_ms", time_ms)
+    return trained
+
+
+def test_the_epochs_take_turns_and_the_row_gives_their_medians_and_spread(monkeypatch) -> None:
+    """BPTT's and BPPSA's epochs alternate round by round, each on a fresh copy of its model; a cell
+    is its side's median and the spread the larger (max - min) / median, here BPPSA's (3 - 1) / 2.
+    The epochs' times are set and their training stood in for."""
+    trained = _stood_in_epochs(monkeypatch, [4.0, 1.0, 5.0, 2.0, 6.0, 3.0])  # ms: BPTT, BPPSA, BPTT, ...
     row = epoch_comparison("rnn", 20, 4, 5, 8, CPU, warmup=1, repeats=3)
     timed = trained[2:]  # after each side's warm-up
     kinds = [m.rnn.backward_mode for m in timed]
@@ -186,6 +213,28 @@ def test_the_epochs_take_turns_and_the_row_gives_their_medians_and_spread(monkey
     assert kinds == ["bptt", "bppsa"] * 3
     ((head, (cells,)),) = markdown_tables(backward.format_epoch_table([row]))
     assert dict(zip(head, cells, strict=True))["spread"] == "100 %"
+
+
+def test_a_flushed_bptt_epoch_takes_its_turn_after_bppsa_inside_the_flush(monkeypatch) -> None:
+    """--flush-bptt: BPTT's epoch again, from the same weights, with subnormals flushed, third in
+    each round; its median and its ratio to BPPSA's in two columns after BPTT / BPPSA."""
+    trained = _stood_in_epochs(monkeypatch, [4.0, 1.0, 3.0, 6.0, 2.0, 5.0])  # BPTT, BPPSA, flushed, ...
+    flushed_at = []  # how many models were trained when each flushed block began
+
+    @contextlib.contextmanager
+    def flush(device):
+        flushed_at.append(len(trained))
+        yield
+
+    monkeypatch.setattr(backward, "flush_denormals", flush)
+    row = epoch_comparison("rnn", 20, 4, 5, 8, CPU, warmup=0, repeats=2, flush_bptt=True)
+    assert [m.rnn.backward_mode for m in trained[2:]] == ["bptt", "bppsa", "bptt"] * 2  # after warm-ups
+    assert flushed_at == [4, 7]  # the third epoch of each round
+    assert (row.bptt_s, row.bppsa_s, row.bptt_flushed_s) == (5e-3, 1.5e-3, 4e-3)
+    ((head, (cells,)),) = markdown_tables(backward.format_epoch_table([row]))
+    at = dict(zip(head, cells, strict=True))
+    assert head.index("BPTT flushed epoch s") == head.index("BPTT / BPPSA") + 1
+    assert (at["BPTT flushed epoch s"], at["BPTT flushed / BPPSA"]) == ("0.004", "2.67")
 
 
 def _epoch_row(captured_s=None, captured_loss=None) -> backward.EpochRow:
@@ -355,6 +404,10 @@ def test_default_strategies_are_those_that_exist(monkeypatch) -> None:
         ),
         (["--packed", "--suite", "paper"], "--packed times the backward table only, not backward scan epoch"),
         (["--untaped", "--tables", "epoch"], "--untaped times the backward table only, not epoch; accepted"),
+        (
+            ["--flush-bptt", "--tables", "scan"],
+            "--flush-bptt times BPTT in the backward and epoch tables, not",
+        ),
     ],
 )
 def test_bad_input_exits_with_one_clear_line(argv, message, capsys) -> None:
