@@ -73,7 +73,7 @@ def test_an_lstm_walks_rows_in_vectors_as_its_scalar_loop(dtype) -> None:
     written over its gates as the untaped backward does; and walked in blocks of steps from the
     end, as the taped backward is; one sample ends early (packed sequences)."""
     scalar = numba_math.build(numba_scan._lstm_layer, False, scalar_rows=True)
-    for steps, batch, hidden in [(7, 3, 16), (6, 5, 9), (5, 2, 20)]:
+    for steps, batch, hidden in [(7, 3, 16), (6, 5, 9), (5, 2, 20), (4, 3, 40), (4, 2, 35)]:  # 8 or 16 lanes
         gates = torch.rand(steps, batch, 4, hidden, dtype=dtype)
         gates[2, 1, 3, 4] = 0  # o = 0: tanh(c) taken as 0
         h, c = (

@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -221,8 +222,12 @@ _TARGETS = {
 def test_other_targets_keep_the_plain_loops_bits(target) -> None:
     """Where the CPU numba compiles for has no fused multiply-add (numba's "generic" target) the
     products are a multiply and an add; where it has AVX2 but not AVX-512, the vectors are of 256
-    bits and the tiles of four rows: either way the tiles still give their plain twin's bits."""
-    test = f"{__file__}::test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit"
+    bits and the tiles of four rows: either way the tiles, and the LSTM walk's rows, still give their
+    plain twins' bits."""
+    tests = [
+        f"{__file__}::test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit",
+        f"{Path(__file__).parent / 'test_numba.py'}::test_an_lstm_walks_rows_in_vectors_as_its_scalar_loop",
+    ]
     name, features, expected = _TARGETS[target]
     env = {**os.environ, "NUMBA_CPU_NAME": name, "PYTHONPATH": str(ROOT)}
     if features:
@@ -230,7 +235,7 @@ def test_other_targets_keep_the_plain_loops_bits(target) -> None:
     check = f"from bppsa_core import numba_math; assert {expected}"
     assert subprocess.run([sys.executable, "-c", check], env=env, timeout=120).returncode == 0
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:]
