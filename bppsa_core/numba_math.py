@@ -378,13 +378,11 @@ def _product_tile(rows: int, pers: tuple[int, ...]) -> Callable:
 
 
 # The tiles' rows and blocks a pass, so that their sums stay in registers (at most rows x (blocks + 1)
-# with a ragged block): AVX-512's 32 hold eight rows' of two blocks, then four rows' of four; AVX2's
-# 16 four rows' of two. One row's blocks go eight at a time, chains enough for the vector units,
-# then two (re-measured by ``python -m benchmarks.forward --tables compiled`` and
-# ``python -m benchmarks.backward``).
+# with a ragged block): AVX-512's 32 hold eight rows' of two blocks, then four rows'; AVX2's 16 four
+# rows' of two. One row's blocks go eight at a time, chains enough for the vector units, then two
+# (re-measured by ``python -m benchmarks.forward --tables compiled`` and ``python -m benchmarks.backward``).
 TILE_ROWS = 8 if WIDE else 4
-_tile_many = _product_tile(8, (2,)) if WIDE else _product_tile(4, (2,))
-_tile4, _tile1 = _product_tile(4, (4, 2)), _product_tile(1, (8, 2))
+_tile_many, _tile4, _tile1 = _product_tile(TILE_ROWS, (2,)), _product_tile(4, (2,)), _product_tile(1, (8, 2))
 
 
 @njit(inline="always", error_model="numpy")
@@ -472,7 +470,7 @@ def put(dst, src):
 # file, not by its options or by the code it inlines from this module, so a build made with other
 # options or an older ``add_hidden`` is not loaded from an older cache (the tag changes with them).
 _OPTIONS = dict(cache=True, error_model="numpy", nogil=True)
-_OPTIONS_TAG = "ng11"
+_OPTIONS_TAG = "ng12"
 
 
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:

@@ -139,7 +139,7 @@ def test_two_threads_give_the_one_thread_result_bit_for_bit(mode) -> None:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit(dtype) -> None:
-    """``numba_math.add_hidden`` (rows in tiles of eight, four and one, blocks of columns two or four
+    """``numba_math.add_hidden`` (rows in tiles of eight, four and one, blocks of columns two
     at a time, and of one row eight at a time; a ragged last block) against
     ``add_hidden_reference``: the same bits for rows of every count, columns narrower than a
     vector, and every count of blocks up to 17 with and
