@@ -408,8 +408,8 @@ def add_hidden(acc, h, w_t):
     """acc (N, R) += h (N, K) @ w_t[:, :R], all C-contiguous, w_t (K, R') with R' >= R (its rows
     may be ``padded``; the columns past R are never read): rows in tiles of ``TILE_ROWS``, then of
     four, then one by one, in vector registers (``_product_tile``), each element's products added
-    one at a time, k ascending (fused
-    where ``FMA``), so that the rows' grouping (the threads' groups of samples) changes no bit.
+    one at a time, k ascending (fused where ``FMA``), so that the rows' grouping (the threads'
+    groups of samples) changes no bit.
     Rows narrower than a vector take the same order in plain loops. The compiled forward's
     recurrence and the walks (``numba_scan``); its plain twin is ``add_hidden_reference``."""
     n, cols = acc.shape
