@@ -95,6 +95,29 @@ def test_a_flushed_bptt_column_times_autograd_with_subnormals_flushed(monkeypatc
     assert "BPTT flushed ms" not in head
 
 
+def test_the_flushed_bptt_cell_is_its_backward_alone_as_bptts(monkeypatch) -> None:
+    """BPPSA's cells are charged what their forward takes beyond BPTT's; the flushed BPTT, a
+    baseline, is not: a forward 2 ms slower leaves its 4 ms backward 4 ms."""
+    flushing = []
+
+    @contextlib.contextmanager
+    def flush(device):
+        flushing.append(True)
+        yield
+        flushing.pop()
+
+    real = backward.backward_once
+
+    def once(module, x, head, loss):
+        grads = real(module, x, head, loss)[2]
+        return (3.0, 4.0, grads) if flushing else (1.0, 5.0, grads)
+
+    monkeypatch.setattr(backward, "flush_denormals", flush)
+    monkeypatch.setattr(backward, "backward_once", once)
+    row = bench("rnn", 9, 3, 3, 1, ["chunked"], CPU, flush_bptt=True, **ONCE)
+    assert (row.bptt_ms, row.bptt_flushed_ms, row.bppsa_ms["chunked"]) == (5.0, 4.0, 5.0)
+
+
 def test_a_packed_input_runs_from_t_down_to_half_of_it() -> None:
     x = torch.arange(4 * 9 * 2, dtype=torch.float32).reshape(4, 9, 2)
     packed = backward.packed_input(x)
