@@ -225,9 +225,8 @@ _PARALLEL_LSTM_MAX_HIDDEN = 112
 _TAPED_LSTM_MAX_HIDDEN = 128
 # With AVX-512 (``numba_math.WIDE``: twice the lanes in the products) the taped LSTM's forward and
 # walk together, one thread, up to H = 384: within 15 % of torch.nn's at T = 100, 1.1-2 times faster at
-# T = 1000 against autograd with subnormals flushed (6-10 times in PyTorch's default mode)
-# (re-measured by ``python -m benchmarks.backward --model lstm --threads 1 --strategies numba --H 384
-# --F 384 --flush-bptt``).
+# T = 1000 against autograd with subnormals flushed (6-10 times in PyTorch's default mode); re-measured by
+# ``python -m benchmarks.backward --model lstm --threads 1 --strategies numba --H 384 --F 384 --flush-bptt``.
 _WIDE_TAPED_LSTM_MAX_HIDDEN = 384
 
 
