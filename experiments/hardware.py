@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-from bppsa_core import dispatch
+from bppsa_core import denormals, dispatch
 from toolbox.cli import cpu_cores
 from toolbox.errors import SuiteError
 
@@ -136,6 +136,18 @@ def check_capture(capture: bool, device: torch.device, asked: str) -> None:
             f"trainer.capture=true needs a CUDA device, and this run's is {device} "
             f"(hardware.device={asked}); accepted: hardware.device=cuda (or auto) on a machine with a GPU, "
             "or trainer.capture=false"
+        )
+
+
+def check_flush(flush: bool, device: torch.device) -> None:
+    """Refuse ``hardware.flush_denormals=true`` on a CPU whose threads' floating-point mode this
+    process cannot set (``bppsa_core.denormals.available``): its records would say flushed for a
+    run that was not. A GPU computes on subnormals at full speed, so there it changes nothing."""
+    if flush and device.type == "cpu" and not denormals.available():
+        raise HardwareError(
+            "hardware.flush_denormals=true needs flush-to-zero set in every thread, which this machine "
+            f"does not offer ({platform.system()} {platform.machine()}: Linux on x86-64 or AArch64 with "
+            "PyTorch's OpenMP runtime); accepted here: hardware.flush_denormals=false"
         )
 
 

@@ -59,7 +59,7 @@ IDENTITY_FREE = ("trainer.epochs",)
 # Result keys added after runs were recorded, with the value that computes what those runs did: at
 # that value a key is left out, so a run recorded before the key keeps its identity (a sweep rerun
 # skips it, a resume takes it).
-ADDED_KEYS = {"trainer.capture": False, "backward.exchange": "allgather"}
+ADDED_KEYS = {"trainer.capture": False, "backward.exchange": "allgather", "hardware.flush_denormals": False}
 # Result keys that change nothing in one process: left out where the run had one (its resolved
 # ``hardware.ranks`` null), so a single-process run's identity does not depend on them.
 RANKS_ONLY_KEYS = ("backward.exchange",)

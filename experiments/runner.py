@@ -34,6 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from bppsa_core.denormals import flush_denormals
 from experiments import records
 from experiments.config import ConfigError, build, check
 from experiments.hardware import (
@@ -41,6 +42,7 @@ from experiments.hardware import (
     LoadMeter,
     check_capture,
     check_data_workers,
+    check_flush,
     check_sample_count,
     check_strategy,
     contended,
@@ -127,6 +129,7 @@ def identity_columns(
         "workers": cfg.hardware.workers,
         "ranks": ranks,
         "capture": cfg.trainer.capture,
+        "flush_denormals": cfg.hardware.flush_denormals,
         **{
             k: device.get(k)
             for k in ("device_name", "device_type", "sm_total", "sm_used", "cpu_cores", "threads_used")
@@ -355,6 +358,7 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
         device = resolve_device(cfg.hardware.device, local_rank=ranks.local_rank if ranks.size > 1 else None)
         check_strategy(cfg.backward.mode, cfg.backward.get("strategy", "auto"), device)
         check_capture(cfg.trainer.capture, device, cfg.hardware.device)
+        check_flush(cfg.hardware.flush_denormals, device)
         check_data_workers(cfg.hardware.data_workers)
         check_sample_count(cfg.dataset.get("num_samples"), cfg.dataset.get("train_fraction", 1.0))
         torch.manual_seed(cfg.trainer.seed)
@@ -401,7 +405,8 @@ def _work(cfg: DictConfig, config: dict, plan: str | None, run_dir: Path | None,
             job = Job(
                 model, optimizer, train, test, device, cfg.trainer, run_dir, logger, columns, progress, ranks
             )
-            _train(job, state, rows)
+            with flush_denormals(device) if cfg.hardware.flush_denormals else contextlib.nullcontext():
+                _train(job, state, rows)
         summary.update(status="completed", totals=_totals(rows))
         outcome = Outcome("completed")
     except BAD_INPUT as exc:

@@ -213,6 +213,7 @@ class Hardware:
     ranks: int | None = checked(or_null(POSITIVE_INT))
     data_workers: int = checked(NON_NEGATIVE_INT)
     progress: Any = checked(one_of("auto", True, False))
+    flush_denormals: bool = checked(BOOL)
     silent_rank_s: float = checked(POSITIVE_NUMBER)
 
 

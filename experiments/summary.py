@@ -42,6 +42,7 @@ def print_summary(run_dir: Path, skipped: bool = False) -> None:
         f"T={first['seq_len']}, B={first['batch_size']}, backward={first['backward']}, "
         f"forward={first.get('forward_solver', 'native')}, device={first['device_name']}"
         + (f", ranks={first['ranks']}" if first.get("ranks", 1) > 1 else "")
+        + (", subnormals flushed" if str(first.get("flush_denormals")) == "True" else "")
     )
     print(summary_table(records))
     print(f"results: {run_dir / RECORDS}, {run_dir / SUMMARY} (status {summary.get('status')})")

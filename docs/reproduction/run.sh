@@ -13,6 +13,10 @@
 #   bash docs/reproduction/run.sh --device cuda --capture   # every step captured in CUDA graphs
 #                                                  # (trainer.capture=true), into docs/reproduction/cuda-captured/
 #                                                  # (no ranks sweep: a captured step runs on one rank)
+#   bash docs/reproduction/run.sh --flush          # every step with subnormals flushed to zero on the CPU
+#                                                  # (hardware.flush_denormals=true: BPTT's autograd too,
+#                                                  # the fair baseline where subnormals are slow), into
+#                                                  # docs/reproduction/flushed/ (no fig. 10 or Table 1)
 #
 # Runs go to results/reproduction[-<device>]/<table>/; a sweep re-run skips its completed jobs, so
 # an interrupted script continues where it stopped (delete that folder to measure anew).
@@ -24,6 +28,7 @@ device=cpu
 draw_only=0
 only=""
 capture=0
+flush=0
 # the sweeps' tables, in the order the report lists them
 TABLES=(rnn_batch rnn_curve rnn_seq_len workers ranks gru_curves gru_irmas)
 while [[ $# -gt 0 ]]; do
@@ -32,13 +37,18 @@ while [[ $# -gt 0 ]]; do
         --device) device="${2:-}"; shift ;;
         --only) only="${2:-}"; shift ;;
         --capture) capture=1 ;;
-        *) echo "run.sh: unknown argument $1; accepted: --draw, --device cpu|cuda, --only TABLE[,TABLE...], --capture" >&2
+        --flush) flush=1 ;;
+        *) echo "run.sh: unknown argument $1; accepted: --draw, --device cpu|cuda, --only TABLE[,TABLE...], --capture, --flush" >&2
            exit 2 ;;
     esac
     shift
 done
 if [[ $capture == 1 && "$device" == cpu ]]; then
     echo "run.sh: --capture needs --device cuda (CUDA graphs); accepted: --device cuda --capture, or no --capture" >&2
+    exit 2
+fi
+if [[ $flush == 1 && "$device" != cpu ]]; then
+    echo "run.sh: --flush sets a CPU's floating-point mode, and a GPU takes subnormals at full speed; accepted: --flush with --device cpu (the default)" >&2
     exit 2
 fi
 for table in ${only//,/ }; do
@@ -61,9 +71,13 @@ if [[ "$device" != cpu ]]; then
     suffix=$device$([[ $capture == 1 ]] && echo -captured || true)
     tables=$here/$suffix
     work=results/reproduction-$suffix
+elif [[ $flush == 1 ]]; then
+    tables=$here/flushed
+    work=results/reproduction-flushed
 fi
-captured=()
-if [[ $capture == 1 ]]; then captured=(trainer.capture=true); fi
+mode=()  # the overrides of --capture and --flush
+if [[ $capture == 1 ]]; then mode=(trainer.capture=true); fi
+if [[ $flush == 1 ]]; then mode=(hardware.flush_denormals=true); fi
 mkdir -p "$tables"
 
 swept=()
@@ -72,7 +86,7 @@ sweep() {  # sweep <table> <preset> <overrides...>: run the preset shrunk, if it
     wanted "$table" || return 0
     mkdir -p "$work"
     echo "== $table (log: $work/$table.log)"
-    if ! "$py" run.py -m "experiment=$preset" "$@" "${captured[@]}" logger=csv "hardware.device=$device" \
+    if ! "$py" run.py -m "experiment=$preset" "$@" "${mode[@]}" logger=csv "hardware.device=$device" \
         "hydra.sweep.dir=$work/$table" > "$work/$table.log" 2>&1; then
         tail -n 5 "$work/$table.log" >&2
         echo "run.sh: $table did not complete; see $work/$table.log" >&2
@@ -113,7 +127,7 @@ if [[ $draw_only == 0 ]]; then
     # the merged tables are copied only now: a table copied into the checkout earlier would mark
     # every later run's records as made from a modified tree (their `dirty` column)
     for table in "${swept[@]}"; do cp "$work/$table/records.csv" "$tables/$table.csv"; done
-    if [[ "$device" == cpu && -z $only ]]; then
+    if [[ "$device" == cpu && $flush == 0 && -z $only ]]; then
         # fig. 10: the pruned VGG-11 study at a quarter of the width; Table 1: CSR against autograd
         "$py" -m benchmarks.pruned_vgg --out "$work/pruned_vgg" --width 0.25 --steps 50 > /dev/null
         cp "$work/pruned_vgg/products.csv" "$here/fig10_products.csv"
@@ -131,7 +145,7 @@ if [[ ${#drawn[@]} == 0 ]]; then
     exit 1
 fi
 "$py" -m analysis.report "${drawn[@]}" --out "$tables" > /dev/null
-if [[ "$device" == cpu ]]; then
+if [[ "$device" == cpu && $flush == 0 ]]; then
     "$py" -m analysis.fig10 "$here/fig10_products.csv" --out "$here" > /dev/null
 fi
 echo "drawn into $tables from ${drawn[*]##*/}"

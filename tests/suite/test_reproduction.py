@@ -78,7 +78,12 @@ def test_every_file_the_report_shows_or_names_exists() -> None:
         (
             ["--fast"],
             "run.sh: unknown argument --fast; accepted: --draw, --device cpu|cuda, --only TABLE[,TABLE...], "
-            "--capture",
+            "--capture, --flush",
+        ),
+        (
+            ["--device", "cuda", "--flush"],
+            "run.sh: --flush sets a CPU's floating-point mode, and a GPU takes subnormals at full speed; "
+            "accepted: --flush with --device cpu (the default)",
         ),
         (
             ["--capture"],
@@ -96,7 +101,7 @@ def test_every_file_the_report_shows_or_names_exists() -> None:
             "workers ranks gru_curves gru_irmas",
         ),
     ],
-    ids=["argument", "capture on a CPU", "ranks captured", "table"],
+    ids=["argument", "flush on a GPU", "capture on a CPU", "ranks captured", "table"],
 )
 def test_the_script_refuses_bad_input_in_one_line_before_any_work(args: list[str], said: str) -> None:
     done = subprocess.run(

@@ -137,6 +137,10 @@ def test_a_key_added_later_keeps_the_identity_of_runs_recorded_before_it_at_its_
     assert records.comparison_key(off) == records.comparison_key(before) != records.comparison_key(on)
     assert records.differing_keys(before, off) == {}
     assert records.differing_keys(before, on) == {"trainer.capture": (None, True)}
+    # hardware.flush_denormals: false is PyTorch's default mode, which every run before the key ran in
+    plain, flushed = ({**before, "hardware": {"flush_denormals": f}} for f in (False, True))
+    assert records.config_hash(plain) == records.config_hash(before) != records.config_hash(flushed)
+    assert records.comparison_key(plain) == records.comparison_key(before) != records.comparison_key(flushed)
     # backward.exchange: the all-gather is what sequence-parallel runs did before the key
     bppsa = {**before, "backward": {"mode": "bppsa", "strategy": "auto"}, "hardware": {"ranks": 2}}
     gather, chain, auto = (

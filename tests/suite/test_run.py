@@ -21,10 +21,11 @@ from helpers import CONF, ROOT, TINY, composed, extended_except, run_py
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from bppsa_core import GRU
+from bppsa_core import GRU, denormals
 from experiments import runner, schema, train
 from experiments.config import build, check
 from experiments.loggers import LocalLogger
+from experiments.summary import print_summary
 
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
@@ -430,6 +431,51 @@ def test_a_captured_run_records_what_the_eager_run_of_its_configuration_does(
     assert b["test_loss"].tolist() == pytest.approx(a["test_loss"].tolist(), rel=1e-6)
 
 
+@pytest.mark.skipif(not denormals.available(), reason="flush-to-zero cannot be set here")
+def test_a_flushed_run_takes_every_step_flushed_and_says_so(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``hardware.flush_denormals=true`` with BPTT: autograd's backward and the forward run with
+    flush-to-zero set (a float32 subnormal doubled reads zero there), the mode is the default again
+    after the run, and the records and the run's line say so; false leaves the default mode."""
+    seen: list[tuple[str, float]] = []
+    plain = train._forward
+
+    def subnormal() -> float:
+        return (torch.tensor([1e-39]) * 2).item()  # 2e-39 in the default mode, 0 flushed
+
+    def forward(model, x, y):
+        logits, loss = plain(model, x, y)
+        seen.append(("forward", subnormal()))
+        logits.register_hook(lambda grad: seen.append(("backward", subnormal())))
+        return logits, loss
+
+    monkeypatch.setattr(train, "_forward", forward)
+    base = (*TINY, "logger=none", "backward=bptt")
+    flushed = runner.run_job(composed(*base, "hardware.flush_denormals=true"), tmp_path / "flushed")
+    assert flushed.status == "completed" and subnormal() > 0
+    assert {phase for phase, _ in seen} == {"forward", "backward"} and {value for _, value in seen} == {0.0}
+    seen.clear()
+    default = runner.run_job(composed(*base), tmp_path / "default")
+    assert default.status == "completed" and seen and all(value > 0 for _, value in seen)
+    a, b = (pd.read_csv(tmp_path / run / "records.csv") for run in ("default", "flushed"))
+    assert a["flush_denormals"].tolist() == [False, False] and b["flush_denormals"].tolist() == [True, True]
+    assert (a["config_hash"] != b["config_hash"]).all() and (a["comparison_key"] != b["comparison_key"]).all()
+    capsys.readouterr()
+    for run in ("flushed", "default"):
+        print_summary(tmp_path / run)
+    heads = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rnn on bitstream")]
+    assert heads[0].endswith(", subnormals flushed") and not heads[1].endswith("flushed")
+
+
+def test_flushing_is_refused_where_a_cpus_threads_cannot_be_set(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(denormals, "available", lambda: False)
+    asked = composed(*TINY, "logger=none", "hardware.flush_denormals=true")
+    outcome = runner.run_job(asked, tmp_path / "run")
+    assert outcome.status == "failed" and outcome.bad_input
+    assert outcome.error.startswith("hardware.flush_denormals=true needs flush-to-zero set in every thread")
+    assert outcome.error.endswith("; accepted here: hardware.flush_denormals=false")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.extended
 def test_a_newton_forward_runs_and_records_its_iterations(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -698,6 +744,7 @@ BAD_INPUT = [
         "hardware.device=cuda (or auto) on a machine with a GPU, or trainer.capture=false",
     ),
     (["trainer.capture=maybe"], "trainer.capture must be true or false, got 'maybe'"),
+    (["hardware.flush_denormals=on2"], "hardware.flush_denormals must be true or false, got 'on2'"),
     (["backward.exchange=ring"], "backward.exchange must be one of auto, allgather, chain, got 'ring'"),
     (
         ["trainer.capture=true", "model=lstm", "model.forward_solver=newton"],
