@@ -77,6 +77,25 @@ def _contention_note(data: pd.DataFrame) -> list[str]:
     ]
 
 
+# Settings of how a run ran (not what): said once where every run shares them, since a column that
+# does not vary is left out of the table.
+SHARED_SETTINGS = {
+    "flush_denormals": "Every run trained with subnormal numbers flushed to zero, BPTT's autograd included "
+    "(`hardware.flush_denormals=true`).",
+    "capture": "Every run's training steps were captured in CUDA graphs and replayed "
+    "(`trainer.capture=true`).",
+}
+
+
+def _shared_settings_note(data: pd.DataFrame) -> list[str]:
+    """A line for each of ``SHARED_SETTINGS`` that every run of ``data`` had on."""
+    return [
+        line
+        for column, line in SHARED_SETTINGS.items()
+        if column in data.columns and len(data) and data[column].astype(str).eq("True").all()
+    ]
+
+
 def _speedup_cell(row, label: str) -> str:
     """A speedup with its interval; or the speedup and why there is no interval; or why there is none."""
     speedup, note = getattr(row, f"{label}_speedup"), getattr(row, f"{label}_note", None)
@@ -120,6 +139,7 @@ def write_report(
         "Median over epochs, 95 % bootstrap interval in brackets; overall = epoch time, backward = "
         "backward time per iteration (BPPSA's Jacobian building included); epochs = BPTT / BPPSA.",
         speedup_markdown(table),
+        *_shared_settings_note(data),
         *_contention_note(data),
         "## Figures",
         *[f"![{name}]({name}.png) ([PDF]({name}.pdf))" for name in FIGURES],

@@ -591,6 +591,17 @@ def test_contended_epochs_are_left_out_and_counted(tmp_path: Path) -> None:
     assert "6 epoch(s) measured while other work kept the machine busy are left out" in path.read_text()
 
 
+def test_a_setting_every_run_shares_is_said_once(tmp_path: Path) -> None:
+    """``hardware.flush_denormals`` and ``trainer.capture``, left out of the table where no row
+    differs in them, are said under it where every run had them on; not where one did not."""
+    flushed = [{**r, "flush_denormals": True, "capture": r["backward"] == "bppsa"} for r in t_sweep()]
+    text = report.write_report([write_sweep(tmp_path / "a", flushed)], tmp_path / "ra").read_text()
+    assert report.SHARED_SETTINGS["flush_denormals"] in text and report.SHARED_SETTINGS["capture"] not in text
+    mixed = [{**r, "flush_denormals": r["epoch"] == 1} for r in t_sweep()]
+    text = report.write_report([write_sweep(tmp_path / "b", mixed)], tmp_path / "rb").read_text()
+    assert report.SHARED_SETTINGS["flush_denormals"] not in text
+
+
 def test_provenance_is_read_beside_a_records_file(tmp_path: Path) -> None:
     from analysis.data import provenance
 
