@@ -109,3 +109,58 @@ def test_the_script_refuses_bad_input_in_one_line_before_any_work(args: list[str
     )
     assert done.returncode == 2
     assert done.stderr.strip() == said and not done.stdout
+
+
+# Stands in for the interpreter run.sh calls ($PYTHON): logs each call's arguments, and for a sweep
+# prints its summary line and writes its merged table, as run.py -m does; for the report, its file;
+# for the GPU count, one.
+STAND_IN = """#!/usr/bin/env bash
+echo "$*" >> calls.log
+if [[ $1 == run.py ]]; then
+    for arg in "$@"; do [[ $arg == hydra.sweep.dir=* ]] && dir=${arg#hydra.sweep.dir=}; done
+    mkdir -p "$dir" && echo "model,backward" > "$dir/records.csv" && echo "sweep $dir: done"
+elif [[ $1 == -c ]]; then
+    echo 1  # the GPUs (the ranks sweep's count on a GPU)
+elif [[ $2 == analysis.report ]]; then
+    printf '## Speedups\n## Figures\n' > "${@: -1}/report.md"
+fi
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "overrides", "folder"),
+    [
+        (["--flush"], ["hardware.flush_denormals=true", "hardware.device=cpu"], "flushed"),
+        (["--device", "cuda", "--capture"], ["trainer.capture=true", "hardware.device=cuda"], "cuda-captured"),  # noqa: E501
+        ([], ["hardware.device=cpu"], ""),
+    ],
+    ids=["flush", "capture", "plain"],
+)  # fmt: skip
+def test_the_script_runs_each_sweep_in_its_mode_into_its_folder(
+    tmp_path: Path, args: list[str], overrides: list[str], folder: str
+) -> None:
+    """run.sh's options reach every sweep as overrides, and its tables, copied from the sweeps, and
+    the report drawn from them go to the mode's folder (a copy of the script in an empty tree)."""
+    script = tmp_path / "docs" / "reproduction" / "run.sh"
+    script.parent.mkdir(parents=True)
+    script.write_text((HERE / "run.sh").read_text())
+    python = tmp_path / "python"
+    python.write_text(STAND_IN)
+    python.chmod(0o755)
+    done = subprocess.run(
+        ["bash", str(script), *args, "--only", "rnn_seq_len,rnn_curve"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": str(python)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    sweeps = [c.split() for c in calls if c.startswith("run.py")]
+    assert [s[2] for s in sweeps] == ["experiment=rnn_seq_len", "experiment=rnn_curve"]
+    for sweep in sweeps:
+        assert set(overrides) <= set(sweep)
+        assert ("hardware.flush_denormals=true" in sweep) == ("--flush" in args)
+        assert ("trainer.capture=true" in sweep) == ("--capture" in args)
+    tables = f"docs/reproduction/{folder}".rstrip("/")
+    assert sorted(p.name for p in (tmp_path / tables).glob("*.csv")) == ["rnn_curve.csv", "rnn_seq_len.csv"]
+    drawn = [c for c in calls if c.startswith("-m analysis.report")]
+    assert drawn == [f"-m analysis.report {tables}/rnn_curve.csv {tables}/rnn_seq_len.csv --out {tables}"]
