@@ -94,7 +94,9 @@ def _terms(w):
     return w0, w1, w2
 
 
-@njit(cache=True, inline="always")  # into the builds: their names say which add_hidden
+# Not inlined: the build's two calls share one compiled copy, a first compile seconds shorter at the
+# same speed (``python -m benchmarks.backward --strategies numba``); each build's cache holds it.
+@njit
 def _walk(n_terms, has_diag, has_b, tiny, lo, hi, b0, ys, scales, diag, w0, w1, w2, offsets, out):
     """Walk elements hi - 1 down to lo of samples b0 .. b0 + len(ys) - 1 from ys (one x_hi a row),
     side by side, storing every x_k into ``out``."""
