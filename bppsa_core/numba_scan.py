@@ -94,9 +94,7 @@ def _terms(w):
     return w0, w1, w2
 
 
-# Not inlined: the build's two calls share one compiled copy, a first compile seconds shorter at the
-# same speed (``python -m benchmarks.backward --strategies numba``); each build's cache holds it.
-@njit
+@njit(cache=True, inline="always")  # into the builds: their names say which add_hidden
 def _walk(n_terms, has_diag, has_b, tiny, lo, hi, b0, ys, scales, diag, w0, w1, w2, offsets, out):
     """Walk elements hi - 1 down to lo of samples b0 .. b0 + len(ys) - 1 from ys (one x_hi a row),
     side by side, storing every x_k into ``out``."""
@@ -129,19 +127,23 @@ def _scan(n_terms, has_diag, has_b, tiny, chunk, groups, scales, diag, w, offset
     w0, w1, w2 = _terms(w)
     for task in prange(nagg * batch):  # reduce: chunk q = 1..P-2, last element applied first
         q, b = np.int64(task) // batch + 1, np.int64(task) % batch  # a prange index is unsigned
-        a = np.eye(hid, dtype=x_last.dtype)
+        # the aggregate's rows and, with offsets, the offset's row after them: one product a step
+        # for both, so one inlined copy of ``_apply`` (each row's bits are its own)
+        a = np.zeros((hid + 1 if has_b else hid, hid), x_last.dtype)
+        for i in range(hid):
+            a[i, i] = 1
         u, nxt = np.empty_like(a), np.empty_like(a)
-        c = np.zeros((1, hid), x_last.dtype)
-        cu, c_nxt = np.empty_like(c), np.empty_like(c)
         for k in range(q * chunk + chunk - 1, q * chunk - 1, -1):
             _apply(k, b, 0, n_terms, has_diag, tiny, scales, diag, w0, w1, w2, a, u, nxt)
             a, nxt = nxt, a
             if has_b:
-                _apply(k, b, 0, n_terms, has_diag, tiny, scales, diag, w0, w1, w2, c, cu, c_nxt)
                 for j in range(hid):
-                    c[0, j] = c_nxt[0, j] + offsets[k, b, j]
-        put(agg[q - 1, b], a)
-        put(agg_off[q - 1, b], c[0])
+                    a[hid, j] += offsets[k, b, j]
+        for i in range(hid):
+            for j in range(hid):
+                agg[q - 1, b, i, j] = a[i, j]
+        if has_b:
+            put(agg_off[q - 1, b], a[hid])
     for g in prange(groups):  # spine: the remainder chunk from x_n, a group of samples a task
         b0, b1 = g * batch // groups, (g + 1) * batch // groups
         ys = x_last[b0:b1].copy()
