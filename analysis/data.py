@@ -96,6 +96,9 @@ MEASUREMENTS = (
 )
 # Columns that name the code a run came from: provenance (``provenance``), not its configuration.
 PROVENANCE = ("commit", "dirty", "torch", "python")
+# Columns added after runs were recorded, with what those runs did (experiments.records.ADDED_KEYS):
+# a row without one reads that value, so it compares and pairs with the rows that have it.
+ADDED_COLUMNS = {"capture": False, "flush_denormals": False}
 # The columns ``speedups`` adds: results, not what was compared.
 SPEEDUP_COLUMNS = (
     *(f"{label}_{part}" for label in ("overall", "backward") for part in ("speedup", "lo", "hi", "note")),
@@ -432,6 +435,9 @@ def load_results(paths: Sequence[str | Path], keep_contended: bool = False) -> p
     data.attrs["notes"] = notes
     data["workers_used"] = _workers_used(data)
     data["ranks"] = data["ranks"].fillna(1) if "ranks" in data.columns else 1  # older records: one process
+    for col, value in ADDED_COLUMNS.items():
+        if col in data.columns:
+            data[col] = data[col].where(data[col].notna(), value)
     for col in CONFIG_KEYS:
         if col not in data.columns:
             data[col] = np.nan

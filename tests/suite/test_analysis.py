@@ -591,6 +591,19 @@ def test_contended_epochs_are_left_out_and_counted(tmp_path: Path) -> None:
     assert "6 epoch(s) measured while other work kept the machine busy are left out" in path.read_text()
 
 
+def test_rows_recorded_before_a_column_was_added_read_its_value_then() -> None:
+    """``flush_denormals`` and ``capture`` absent from older rows read False, what those runs did:
+    a BPTT run recorded before them pairs with a BPPSA run recorded after, where the rows have no
+    comparison key (every describing column must agree) as where they have one."""
+    newer = {"flush_denormals": False, "capture": False}
+    table = [{**r, **(newer if r["backward"] == "bppsa" else {})} for r in t_sweep()]
+    data = load_results_from(table)
+    assert data["flush_denormals"].tolist() == [False] * len(data) == data["capture"].tolist()
+    assert len(speedups(data)) == 3
+    keyed = [{**r, "comparison_key": f"key-{r['seq_len']}"} for r in table]
+    assert len(speedups(load_results_from(keyed))) == 3
+
+
 def test_a_setting_every_run_shares_is_said_once(tmp_path: Path) -> None:
     """``hardware.flush_denormals`` and ``trainer.capture``, left out of the table where no row
     differs in them, are said under it where every run had them on; not where one did not."""
