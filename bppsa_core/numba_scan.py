@@ -128,7 +128,9 @@ def _scan(n_terms, has_diag, has_b, tiny, chunk, groups, scales, diag, w, offset
     for task in prange(nagg * batch):  # reduce: chunk q = 1..P-2, last element applied first
         q, b = np.int64(task) // batch + 1, np.int64(task) % batch  # a prange index is unsigned
         # the aggregate's rows and, with offsets, the offset's row after them: one product a step
-        # for both, so one inlined copy of ``_apply`` (each row's bits are its own)
+        # for both, so one inlined copy of ``_apply`` (each row's bits are its own); the identity and
+        # the copy out as loops: np.eye(N, M) and a sliced ``put`` ran the reduce slower (re-measured
+        # by ``python -m benchmarks.backward --model rnn --B 1 --threads 2 --strategies numba --chunk 100``)
         a = np.zeros((hid + 1 if has_b else hid, hid), x_last.dtype)
         for i in range(hid):
             a[i, i] = 1
