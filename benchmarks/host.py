@@ -193,9 +193,9 @@ def profiled(
             profile.disable()
             stats.append(pstats.Stats(profile))
     work: dict[str, Callable[[], object]] = {}
-    for name, m in (("nn", ref), ("bppsa", ours)):
-        work[f"{name} on"] = functools.partial(_step, m, x)
-        work[f"{name} off"] = functools.partial(_on_calling_thread, m, x)
+    for mode, run in (("on", _step), ("off", _on_calling_thread)):  # each call after the other module's
+        for name, m in (("nn", ref), ("bppsa", ours)):
+            work[f"{name} {mode}"] = functools.partial(run, m, x)
     return stats[0], stats[1], _medians(work, (ref, ours), device, 3, calls)
 
 

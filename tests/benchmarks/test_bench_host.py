@@ -71,9 +71,10 @@ def test_the_profile_shows_where_a_bppsa_step_spends_its_host_time(monkeypatch, 
     ((_, rows),) = markdown_tables(head)
     assert len(rows) == 2  # the timing table as without the profile
     # the profiled steps (3 warm-up and 3 profiled a module) keep the backward on the profiled thread,
-    # then the timed rounds (3 warm-up and 3) take turns: each module with device threads, then without
+    # then the timed rounds (3 warm-up and 3) take turns: both modules with device threads, then both
+    # without, so that each step follows the other module's, not its own (whose caches it would find warm)
     profile_steps, timed_steps = threads[-36:-24], threads[-24:]
-    assert not any(profile_steps) and timed_steps == [True, False] * 12
+    assert not any(profile_steps) and timed_steps == [True, True, False, False] * 6
     line, timed = profile.split("\n\n")[1:3]
     assert line.startswith("gru: a step under the profiler, 3 steps, the backward on the calling thread: ")
     assert re.fullmatch(r".*: torch\.nn \d+ µs, BPPSA \d+ µs", line), line
