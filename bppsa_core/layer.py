@@ -62,7 +62,7 @@ from bppsa_core.scan import forward_scan, scan
 if TYPE_CHECKING:  # numba (and the NumPy it needs) is an optional extra: imported where it runs
     import numpy as np
 
-    from bppsa_core.numba_scan import GRUWalk, LSTMWalk
+    from bppsa_core.numba_scan import GRUWalk, LSTMWalk, RNNWalk
 
 log = logging.getLogger(__name__)
 MODES: tuple[str, ...] = ("RNN_TANH", "RNN_RELU", "GRU", "LSTM")
@@ -614,8 +614,9 @@ def _fused_layer(
     ``lstm_layer_backward``, the LSTM's from its gates and cell states recomputed). Where it
     resolves to "numba" ("auto" on the CPU): an LSTM's fused compiled backward in one call from its gates
     recomputed (``numba_scan.lstm_layer_backward``; a layer whose forward kept them takes
-    ``_taped_backward`` instead), and an RNN or GRU walked block by block
-    (``_walked``) where the compiled scan is one chunk. Everything else
+    ``_taped_backward`` instead), and, where the compiled scan is one chunk, an RNN's walked block
+    by block from its outputs (``numba_scan.RNNWalk``, ``_walked_tape``) and a GRU's from its factors
+    (``_walked``). Everything else
     goes through ``scan``, which also gives the strategies' errors.
     """
     steps, batch, hidden = h.shape
@@ -632,6 +633,11 @@ def _fused_layer(
             return (lambda t: (delta[t],) * 2), (lambda: g0)  # one object: the biases summed once
         if _chunk(config, steps, batch, hidden, cell.gates) < steps:  # the stored chain's chunked scan
             return None
+        if isinstance(cell, RNNCell):  # its factors read off the outputs inside the walk
+            from bppsa_core.numba_scan import RNNWalk
+
+            walk = RNNWalk(h, w.w_hh, cell.nonlinearity == "relu", u, lengths)
+            return _walked_tape(walk, steps, g_last, (1,))
         return _walked(cell, x, h_prev, w, u, g_last, keep)
     if chosen != "triton" or not fits or keep is not None or not dispatch.kernels_run_on(h.device):
         return None
@@ -731,17 +737,17 @@ def _walked(
 
 
 def _walked_tape(
-    walk: GRUWalk | LSTMWalk, steps: int, g_start: Tensor, widths: tuple[int, ...]
+    walk: RNNWalk | GRUWalk | LSTMWalk, steps: int, g_start: Tensor, widths: tuple[int, ...]
 ) -> tuple[Deltas, Callable[[], Tensor]]:
-    """A GRU or LSTM layer's compiled backward over its tape (``numba_scan.GRUWalk`` /
-    ``LSTMWalk``), made block by block from the end as ``layer_grads`` asks for the deltas, a
-    block's in buffers reused block after block (``jacobians.reusing_buffers``): the deltas of T
-    steps never exist at once, and a block's are still in the cache when ``layer_grads`` takes them
-    (re-measured by ``python -m benchmarks.backward --model lstm --threads 1 --strategies numba``).
-    ``g_start``: dL/dh_T (B, H), an LSTM's stacked with dL/dc_T (2, B, H); ``widths``: the delta
-    buffers' widths in H, an LSTM's one (4H, both sides: the biases summed once), a GRU's input
-    and hidden sides (3H each). ``first()`` is g_0 shaped as ``g_start``, a tensor of the walk's
-    own."""
+    """A layer's compiled backward over its tape (``numba_scan.GRUWalk`` / ``LSTMWalk``; an RNN's
+    over its outputs, ``RNNWalk``), made block by block from the end as ``layer_grads`` asks for
+    the deltas, a block's in buffers reused block after block (``jacobians.reusing_buffers``): the
+    deltas of T steps never exist at once, and a block's are still in the cache when
+    ``layer_grads`` takes them (re-measured by
+    ``python -m benchmarks.backward --model lstm --threads 1 --strategies numba``). ``g_start``:
+    dL/dh_T (B, H), an LSTM's stacked with dL/dc_T (2, B, H); ``widths``: the delta buffers' widths
+    in H, an RNN's or LSTM's one (H or 4H, both sides: the biases summed once), a GRU's input and
+    hidden sides (3H each). ``first()`` is g_0 shaped as ``g_start``, a tensor of the walk's own."""
 
     def block(lo: int, hi: int, g_end: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
         batch, hidden = g_end.shape[-2:]

@@ -446,6 +446,54 @@ def _gru_layer(has_u, one, tiny, groups, first, last, gates, h, w_hh, u, ends, g
         put(g_out[lo:hi], dh)
 
 
+def _rnn_layer(has_u, relu, one, tiny, groups, first, last, h, w_hh, u, ends, g_in, g_out, delta):
+    """An RNN layer's backward over steps ``first`` .. ``last`` - 1, each group of samples a task,
+    from its outputs h_1..h_T ``h`` (T, B, H) and hidden weights ``w_hh`` (H, H): the walk from
+    dL/dh after step ``last`` - 1, ``g_in`` (B, H), back to dL/dh before step ``first``, ``g_out``
+    (B, H; may be ``g_in``), the group's samples side by side. At step t, from g = dL/dh_{t+1}, the
+    pre-activation gradient d = g f'(z_t) goes into ``delta[t - first]`` ((last - first, B, H)),
+    f' read off the output (tanh: 1 - h^2; relu: 1 where not h <= 0, so that a NaN output passes
+    its gradient, as autograd's ``threshold_backward``), then dL/dh_t = d @ W_hh flushed below
+    ``tiny``, plus u[t-1] (the outputs' gradient, when ``has_u``). Steps from ``ends[b]`` on are
+    past sample b's end: the identity, their d 0 (``_lstm_layer``'s). The operations and their
+    order are those of the path it replaces (``RNNCell.factors``, the chain's walk in ``_scan`` and
+    ``RNNCell.preactivation_grads``), so the bits are too, with no factors made and no second pass
+    over the walked gradients (re-measured by
+    ``python -m benchmarks.backward --model rnn --threads 1 --strategies numba``)."""
+    batch, hid = h.shape[1], h.shape[2]
+    zero = one - one
+    w_rows = padded(w_hh)
+    for grp in prange(groups):
+        lo, hi = grp * batch // groups, (grp + 1) * batch // groups
+        nb = hi - lo
+        g = g_in[lo:hi].copy()
+        acc = np.empty((nb, hid), g.dtype)
+        for t in range(last - 1, first - 1, -1):
+            k = t - first  # the deltas' row
+            for i in range(nb):
+                b = lo + i
+                if t >= ends[b]:  # past the sample's end
+                    for j in range(hid):
+                        delta[k, b, j] = zero
+                        acc[i, j] = g[i, j]
+                    continue
+                if t > first:  # the next step's rows, while this one's are worked on
+                    prefetch_row(h, t - 1, b)
+                    prefetch_row(delta, k - 1, b)
+                for j in range(hid):
+                    y = h[t, b, j]
+                    fp = (zero if y <= zero else one) if relu else -(y * y) + one  # as RNNCell.factors
+                    delta[k, b, j] = g[i, j] * fp
+                    acc[i, j] = zero
+            add_hidden(acc, delta[k, lo:hi], w_rows)
+            inject = has_u and t > 0
+            for i in range(nb):
+                for j in range(hid):
+                    v = zero if abs(acc[i, j]) < tiny else acc[i, j]
+                    g[i, j] = v + u[t - 1, lo + i, j] if inject else v
+        put(g_out[lo:hi], g)
+
+
 # One thread runs the serial build in the calling thread (no pool to wake, no worker spinning
 # beside other work, each prange a plain loop); more threads run the parallel one.
 _scan_serial = build(_scan, False)
@@ -456,6 +504,8 @@ _lstm_layer_serial = build(_lstm_layer, False)
 _lstm_layer_parallel = build(_lstm_layer, True)
 _gru_layer_serial = build(_gru_layer, False)
 _gru_layer_parallel = build(_gru_layer, True)
+_rnn_layer_serial = build(_rnn_layer, False)
+_rnn_layer_parallel = build(_rnn_layer, True)
 
 
 def _arrays(*tensors: Tensor | np.ndarray) -> list[np.ndarray]:
@@ -613,6 +663,36 @@ def _outside_and_ends(
 # per dtype, the scalars ``_lstm_layer`` and ``_gru_layer`` take: one and the flush threshold in that
 # dtype (no step widens)
 _SCALARS = {d: (t(1.0), t(torch.finfo(d).tiny)) for d, t in NUMPY_DTYPES.items()}
+
+
+class RNNWalk:
+    """An RNN layer's compiled backward (``_rnn_layer``) over its outputs ``h`` (T, B, H), with the
+    hidden weights ``w_hh`` (H, H), ``relu`` (else tanh), the outputs' gradients ``u`` (T, B, H; 0
+    past each end) or None and the samples' ``lengths`` (B,) or None, walked over any block of
+    steps, the latest first, as ``LSTMWalk``: an RNN needs no tape, its outputs give the factors."""
+
+    def __init__(
+        self,
+        h: Tensor,
+        w_hh: Tensor,
+        relu: bool,
+        u: Tensor | None,
+        lengths: Tensor | None = None,
+        *,
+        flush: bool = True,
+    ) -> None:
+        one, tiny = _SCALARS[w_hh.dtype]
+        n_threads = threads()
+        self._kernel = _rnn_layer_parallel if n_threads > 1 else _rnn_layer_serial
+        head = (u is not None, relu, one, tiny if flush else one - one, min(n_threads, h.shape[1]))
+        self._head = head
+        self._arrays = (*_arrays(h, w_hh), *_outside_and_ends(u, lengths, h, w_hh.dtype))
+
+    def __call__(self, first: int, last: int, g_in: Tensor, g_out: Tensor, delta: Tensor) -> None:
+        """Steps ``last`` - 1 down to ``first``: from dL/dh after them, ``g_in`` (B, H), to dL/dh
+        before them into ``g_out`` (B, H; may be ``g_in``), the steps' pre-activation gradients
+        (both sides') into ``delta`` (last - first, B, H), all contiguous."""
+        self._kernel(*self._head, first, last, *self._arrays, g_in.numpy(), g_out.numpy(), delta.numpy())
 
 
 class GRUWalk:

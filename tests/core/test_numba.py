@@ -127,9 +127,10 @@ def test_a_net_on_the_cpu_runs_the_kernels_and_gives_autograds_gradients(
 ) -> None:
     """float64, two layers, loss on every output and on h_n: exact to 1e-10. One chunk (the default
     here, "auto" too): each layer walked block by block (blocks of 4 steps: the walk carries the
-    gradient across them, its blocks' scratch reused); chunk 5: the stored chain's chunked scan in the
-    kernels. A GRU's forward keeps no tape here (as a Newton solver's or PyTorch's forward), so its
-    backward makes its factors: the tape's walk is ``test_a_gru_or_an_lstm_walks_its_tape...``."""
+    gradient across them, its blocks' scratch reused), an RNN's from its outputs in one kernel
+    (``numba_scan.RNNWalk``); chunk 5: the stored chain's chunked scan in the kernels. A GRU's
+    forward keeps no tape here (as a Newton solver's or PyTorch's forward), so its backward makes its
+    factors and scans them: the tape's walk is ``test_a_gru_or_an_lstm_walks_its_tape...``."""
     torch.manual_seed(0)
     monkeypatch.setattr(layer_mod, "new_tape", lambda *a: None)
     kwargs = {"nonlinearity": "relu"} if kind == "RNN" else {}
@@ -137,8 +138,9 @@ def test_a_net_on_the_cpu_runs_the_kernels_and_gives_autograds_gradients(
     ours = getattr(bnn, kind)(2, 6, num_layers=2, batch_first=True, strategy=strategy, chunk=chunk, **kwargs)
     ours.double().load_state_dict(ref.state_dict())
     walks, scans = [], []
-    real_walked, real_scan = layer_mod._walked, numba_scan.chunked_scan
+    real_walked, real_scan, real_rnn = layer_mod._walked, numba_scan.chunked_scan, numba_scan.RNNWalk
     monkeypatch.setattr(layer_mod, "_walked", lambda *a: walks.append(1) or real_walked(*a))
+    monkeypatch.setattr(numba_scan, "RNNWalk", lambda *a, **k: walks.append(1) or real_rnn(*a, **k))
     # each scan's output held, so that a freed buffer's address cannot come back as a new one
     monkeypatch.setattr(
         numba_scan, "chunked_scan", lambda *a, **k: scans.append(k.get("out")) or real_scan(*a, **k)
@@ -149,6 +151,9 @@ def test_a_net_on_the_cpu_runs_the_kernels_and_gives_autograds_gradients(
     x = torch.randn(3, 23, 2, dtype=F64, requires_grad=True)
     assert_same(ref, ours, x, None, [x])
     assert len(walks) == (ours.num_layers if walked else 0)
+    if walked and kind == "RNN":  # no factors, no chain: the walk reads the outputs
+        assert not scans
+        return
     assert len(scans) == ours.num_layers * (-(-23 // block) if block else 1)
     if walked and block:  # a walk's blocks share its scratch: the short last block's, then one grown
         assert len({s.untyped_storage().data_ptr() for s in scans}) <= 2 * ours.num_layers
@@ -239,16 +244,21 @@ def test_a_group_of_samples_viewed_out_of_the_batch_walks_as_its_copy(mode, monk
 
 @pytest.mark.parametrize("kind", ["RNN", "GRU"])
 def test_packed_sequences_walk_in_the_kernels(monkeypatch, kind) -> None:
-    """Variable lengths take the compiled walk block by block (``layer._walked``, blocks of 3 steps
-    here), the identity past each end, and give autograd's gradients (float64, 1e-10); a GRU's
-    forward keeping no tape (its taped packed backward: ``test_an_lstm_or_a_gru_backward_from...``)."""
+    """Variable lengths take the compiled walk block by block (an RNN's ``numba_scan.RNNWalk``, a
+    GRU's ``layer._walked``, blocks of 3 steps here), the identity past each end, and give autograd's
+    gradients (float64, 1e-10); a GRU's forward keeping no tape (its taped packed backward:
+    ``test_an_lstm_or_a_gru_backward_from...``)."""
     torch.manual_seed(1)
     monkeypatch.setattr(layer_mod, "new_tape", lambda *a: None)
     ref = getattr(torch.nn, kind)(3, 5).double()
     ours = getattr(bnn, kind)(3, 5, strategy="numba").double()
     ours.load_state_dict(ref.state_dict())
-    walks, real_walked = [], layer_mod._walked
+    walks, real_walked, real_rnn = [], layer_mod._walked, numba_scan.RNNWalk
+    # whether the walk knows the ends: the GRU's from ``keep``, the RNN's from the lengths
     monkeypatch.setattr(layer_mod, "_walked", lambda *a: walks.append(a[-1] is not None) or real_walked(*a))
+    monkeypatch.setattr(
+        numba_scan, "RNNWalk", lambda *a, **k: walks.append(a[4] is not None) or real_rnn(*a, **k)
+    )
     monkeypatch.setattr(jacobians, "_block_steps", lambda *a: 3)
     seqs = [torch.randn(t, 3, dtype=F64) for t in (10, 4, 4, 1)]
     grads = []
@@ -642,6 +652,56 @@ def test_the_gru_walk_over_a_tape_matches_the_generic_path(dtype) -> None:
         walk(lo, hi, g0, g0, d_in[lo:hi], d_hid[lo:hi])
     for a, b in zip((*twin, g[0]), (d_in, d_hid, g0), strict=True):
         assert rel_err(a, b) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", extended_except([F64, F32], first=1))  # a build per dtype to compile
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+def test_the_rnn_walk_over_its_outputs_is_the_factored_walk_bit_for_bit(dtype, nonlinearity) -> None:
+    """``numba_scan.RNNWalk`` (f' read off the outputs inside the kernel) against the path it
+    replaced, ``layer._walked`` (the cell's factors, their chain walked by ``chunked_scan``, then
+    ``preactivation_grads``): the same deltas and g_0 bit for bit, with the outputs' gradients, a
+    sample ending early (the identity past its end) and relu's zero outputs, in blocks from the end."""
+    torch.manual_seed(5)
+    steps, batch, hidden = 13, 4, 20
+    cell = RNNCell(nonlinearity)
+    w = LayerWeights(
+        torch.randn(hidden, 3, dtype=dtype), torch.randn(hidden, hidden, dtype=dtype) * 0.3, None, None
+    )
+    lengths = torch.tensor([steps, steps, 5, steps])
+    h = torch.rand(steps, batch, hidden, dtype=dtype) * 2 - 1
+    keep = layer_mod._keep(lengths, steps, h)
+    h = (h.relu() if nonlinearity == "relu" else h) * keep  # outputs are 0 past each end
+    u = torch.randn(steps, batch, hidden, dtype=dtype) * keep
+    g_last = torch.randn(batch, hidden, dtype=dtype)
+    h_prev = jacobians.PreviousStates(torch.randn(batch, hidden, dtype=dtype), h)
+    x = torch.randn(steps, batch, 3, dtype=dtype)
+    walk = numba_scan.RNNWalk(h, w.w_hh, nonlinearity == "relu", u, lengths)
+    results = []
+    for deltas, first in (
+        layer_mod._walked(cell, x, h_prev, w, u, g_last, keep),
+        layer_mod._walked_tape(walk, steps, g_last, (1,)),
+    ):
+        blocks = [deltas(slice(lo, hi)) for lo, hi in ((8, steps), (3, 8), (0, 3))]
+        assert all(d_in is d_hid for d_in, d_hid in blocks)  # one pre-activation: the biases summed once
+        results.append([*(d.clone() for d, _ in blocks), first().clone()])
+    for new, old in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(new, old, rtol=0, atol=0)
+    assert (results[1][0] != 0).any() and (results[1][-1] != 0).all()
+
+
+@pytest.mark.extended  # a parallel float64 build of its own to compile
+def test_threads_change_nothing_in_an_rnn_walk(monkeypatch) -> None:
+    """The RNN walk's samples are independent tasks: its serial and parallel builds agree bit for bit."""
+    h, w_hh = torch.rand(9, 3, 5, dtype=F64), torch.randn(5, 5, dtype=F64)
+    u, g_h = torch.randn(9, 3, 5, dtype=F64), torch.randn(3, 5, dtype=F64)
+
+    def run() -> list[torch.Tensor]:
+        g, delta = g_h.clone(), torch.empty(9, 3, 5, dtype=F64)
+        numba_scan.RNNWalk(h, w_hh, False, u)(0, 9, g, g, delta)
+        return [g, delta]
+
+    results = _at_one_and_two_threads(monkeypatch, ("_rnn_layer_serial", "_rnn_layer_parallel"), run)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 @pytest.mark.extended  # a parallel float64 build of its own to compile
