@@ -339,17 +339,18 @@ def _one_scratch(rank: int, size: int) -> None:
     torch.manual_seed(0)
     parallel = SequenceParallel(RNN(F, H, dtype=torch.float64), micro_batches=2)  # groups of 2 and 1
     out, h_n = parallel(torch.randn(T, B, F, dtype=torch.float64)[_mine(rank, size)])
-    walks, real = [], numba_scan.chunked_scan
+    walks = []
 
-    def scan(*args, out=None, **kwargs):
-        walks.append(out)  # held: no freed buffer's address can come back as a "new" one
-        return real(*args, out=out, **kwargs)
+    class Walk(numba_scan.RNNWalk):
+        def __call__(self, first, last, g_in, g_out, delta):
+            walks.append(delta)  # held: no freed buffer's address can come back as a "new" one
+            return super().__call__(first, last, g_in, g_out, delta)
 
     from bppsa_core import jacobians
 
     # these small groups' scratch named too (``jacobians.SCRATCH_MIN_BYTES``)
     with (
-        mock.patch.object(numba_scan, "chunked_scan", scan),
+        mock.patch.object(numba_scan, "RNNWalk", Walk),
         mock.patch.object(jacobians, "SCRATCH_MIN_BYTES", 0),
     ):
         (h_n.sum() + out.sum()).backward()
