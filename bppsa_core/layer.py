@@ -636,7 +636,7 @@ def _fused_layer(
         if isinstance(cell, RNNCell):  # its factors read off the outputs inside the walk
             from bppsa_core.numba_scan import RNNWalk
 
-            walk = RNNWalk(h, w.w_hh, cell.nonlinearity == "relu", u, lengths)
+            walk = RNNWalk(h, w.w_hh, cell.nonlinearity == "relu", u, lengths, outputs=h_prev.outputs)
             return _walked_tape(walk, steps, g_last, (1,))
         return _walked(cell, x, h_prev, w, u, g_last, keep)
     if chosen != "triton" or not fits or keep is not None or not dispatch.kernels_run_on(h.device):

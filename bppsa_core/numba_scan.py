@@ -30,6 +30,8 @@ does to them (docs/DESIGN.md, "Subnormal numbers"), for H compares a step agains
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from llvmlite import ir
@@ -446,7 +448,7 @@ def _gru_layer(has_u, one, tiny, groups, first, last, gates, h, w_hh, u, ends, g
         put(g_out[lo:hi], dh)
 
 
-def _rnn_layer(has_u, relu, one, tiny, groups, first, last, h, w_hh, u, ends, g_in, g_out, delta):
+def _rnn_layer(has_u, relu, one, tiny, groups, first, last, h_at, u_at, h, w_hh, u, ends, g_in, g_out, delta):
     """An RNN layer's backward over steps ``first`` .. ``last`` - 1, each group of samples a task,
     from its outputs h_1..h_T ``h`` (T, B, H) and hidden weights ``w_hh`` (H, H): the walk from
     dL/dh after step ``last`` - 1, ``g_in`` (B, H), back to dL/dh before step ``first``, ``g_out``
@@ -459,7 +461,8 @@ def _rnn_layer(has_u, relu, one, tiny, groups, first, last, h, w_hh, u, ends, g_
     order are those of the path it replaces (``RNNCell.factors``, the chain's walk in ``_scan`` and
     ``RNNCell.preactivation_grads``), so the bits are too, with no factors made and no second pass
     over the walked gradients (re-measured by
-    ``python -m benchmarks.backward --model rnn --threads 1 --strategies numba``)."""
+    ``python -m benchmarks.backward --model rnn --threads 1 --strategies numba``). ``h`` and ``u``
+    may be windows of the sequence: their first rows are steps ``h_at`` and ``u_at``."""
     batch, hid = h.shape[1], h.shape[2]
     zero = one - one
     w_rows = padded(w_hh)
@@ -478,10 +481,10 @@ def _rnn_layer(has_u, relu, one, tiny, groups, first, last, h, w_hh, u, ends, g_
                         acc[i, j] = g[i, j]
                     continue
                 if t > first:  # the next step's rows, while this one's are worked on
-                    prefetch_row(h, t - 1, b)
+                    prefetch_row(h, t - 1 - h_at, b)
                     prefetch_row(delta, k - 1, b)
                 for j in range(hid):
-                    y = h[t, b, j]
+                    y = h[t - h_at, b, j]
                     fp = (zero if y <= zero else one) if relu else -(y * y) + one  # as RNNCell.factors
                     delta[k, b, j] = g[i, j] * fp
                     acc[i, j] = zero
@@ -490,7 +493,7 @@ def _rnn_layer(has_u, relu, one, tiny, groups, first, last, h, w_hh, u, ends, g_
             for i in range(nb):
                 for j in range(hid):
                     v = zero if abs(acc[i, j]) < tiny else acc[i, j]
-                    g[i, j] = v + u[t - 1, lo + i, j] if inject else v
+                    g[i, j] = v + u[t - 1 - u_at, lo + i, j] if inject else v
         put(g_out[lo:hi], g)
 
 
@@ -669,7 +672,13 @@ class RNNWalk:
     """An RNN layer's compiled backward (``_rnn_layer``) over its outputs ``h`` (T, B, H), with the
     hidden weights ``w_hh`` (H, H), ``relu`` (else tanh), the outputs' gradients ``u`` (T, B, H; 0
     past each end) or None and the samples' ``lengths`` (B,) or None, walked over any block of
-    steps, the latest first, as ``LSTMWalk``: an RNN needs no tape, its outputs give the factors."""
+    steps, the latest first, as ``LSTMWalk``: an RNN needs no tape, its outputs give the factors.
+    Outputs whose samples are strided (a group viewed out of the batch, as a sequence-parallel
+    rank walks it) are taken a block at a time, side by side: ``outputs(lo, hi)``, the rows
+    h_lo .. h_{hi-1} contiguous (``jacobians.PreviousStates.outputs``, whose copy the block's weight
+    gradients then read too), else copied into a buffer every block reuses (``jacobians.buffer``),
+    and their gradients so: a copy of them all would cost as much as the walk (re-measured by
+    ``python -m benchmarks.distributed --ranks 1 2``)."""
 
     def __init__(
         self,
@@ -680,19 +689,45 @@ class RNNWalk:
         lengths: Tensor | None = None,
         *,
         flush: bool = True,
+        outputs: Callable[[int, int], Tensor] | None = None,
     ) -> None:
         one, tiny = _SCALARS[w_hh.dtype]
         n_threads = threads()
+        self._outputs = outputs
         self._kernel = _rnn_layer_parallel if n_threads > 1 else _rnn_layer_serial
         head = (u is not None, relu, one, tiny if flush else one - one, min(n_threads, h.shape[1]))
         self._head = head
-        self._arrays = (*_arrays(h, w_hh), *_outside_and_ends(u, lengths, h, w_hh.dtype))
+        self._strided = not (h.is_contiguous() and (u is None or u.is_contiguous()))
+        if self._strided:  # copied by blocks as they are walked
+            self._h, self._u = h, u
+            ends = running(*h.shape[1::-1]) if lengths is None else lengths.to("cpu", torch.int64).numpy()
+            self._w_ends = (*_arrays(w_hh), ends)
+        else:
+            self._arrays = (*_arrays(h, w_hh), *_outside_and_ends(u, lengths, h, w_hh.dtype))
 
     def __call__(self, first: int, last: int, g_in: Tensor, g_out: Tensor, delta: Tensor) -> None:
         """Steps ``last`` - 1 down to ``first``: from dL/dh after them, ``g_in`` (B, H), to dL/dh
         before them into ``g_out`` (B, H; may be ``g_in``), the steps' pre-activation gradients
         (both sides') into ``delta`` (last - first, B, H), all contiguous."""
-        self._kernel(*self._head, first, last, *self._arrays, g_in.numpy(), g_out.numpy(), delta.numpy())
+        windows = (0, 0, *self._arrays) if not self._strided else self._block(first, last)
+        self._kernel(*self._head, first, last, *windows, g_in.numpy(), g_out.numpy(), delta.numpy())
+
+    def _block(self, first: int, last: int) -> tuple:
+        """The kernel's windows of strided outputs and gradients for steps ``first`` .. ``last`` - 1:
+        their rows h_first .. and u_{first-1} .. side by side, and the steps they start at."""
+        from bppsa_core.jacobians import buffer
+
+        if self._outputs is not None:
+            h = self._outputs(first, last)
+        else:
+            h = buffer("walk outputs", (last - first, *self._h.shape[1:]), self._h).copy_(self._h[first:last])
+        w_hh, ends = self._w_ends
+        if self._u is None:
+            return first, 0, h.numpy(), w_hh, UNUSED[self._h.dtype], ends
+        u_at = max(first - 1, 0)
+        window = self._u[u_at : last - 1]
+        u = buffer("walk outputs' gradients", window.shape, self._u).copy_(window)
+        return first, u_at, h.numpy(), w_hh, u.numpy(), ends
 
 
 class GRUWalk:

@@ -208,8 +208,9 @@ def test_a_walk_takes_its_blocks_from_the_end() -> None:
 @pytest.mark.parametrize("mode", ["RNN_TANH", "GRU"])
 def test_a_group_of_samples_viewed_out_of_the_batch_walks_as_its_copy(mode, monkeypatch) -> None:
     """A sequence-parallel rank walks its sample groups as strided views (each block copied side by
-    side as the walk goes, the inputs' products made from a contiguous copy): the gradients of the
-    group copied whole first, bit for bit, in blocks small enough that there are several."""
+    side as the walk goes, an RNN's outputs and their gradients for its walk too, the inputs'
+    products made from a contiguous copy): the gradients of the group copied whole first, bit for
+    bit, in blocks small enough that there are several."""
     monkeypatch.setitem(jacobians.BLOCK_BYTES, "cpu", 4096)
     torch.manual_seed(0)
     module = (torch.nn.GRU if mode == "GRU" else torch.nn.RNN)(3, 4, dtype=F64)
@@ -220,12 +221,15 @@ def test_a_group_of_samples_viewed_out_of_the_batch_walks_as_its_copy(mode, monk
     grad_out, grad_hn = torch.randn_like(out), torch.randn(6, 4, dtype=F64)
     # one chunk: the layer walked block by block (the path a one-thread rank takes)
     config = layer_mod.LayerConfig(mode, options=dispatch.ScanOptions(strategy="numba", chunk=50))
-    copied = []
-    real = jacobians.PreviousStates._side_by_side
+    copied, walked = [], []
+    real, real_block = jacobians.PreviousStates._side_by_side, numba_scan.RNNWalk._block
     monkeypatch.setattr(
         jacobians.PreviousStates,
         "_side_by_side",
         lambda self, lo, hi: copied.append(lo) or real(self, lo, hi),
+    )
+    monkeypatch.setattr(
+        numba_scan.RNNWalk, "_block", lambda self, lo, hi: walked.append(lo) or real_block(self, lo, hi)
     )
     s = slice(2, 5)
     views = (x[:, s], h0[s], out[:, s], grad_out[:, s])
@@ -240,6 +244,7 @@ def test_a_group_of_samples_viewed_out_of_the_batch_walks_as_its_copy(mode, monk
         for g, e in zip(got[0][:2] + tuple(got[0][3]), got[1][:2] + tuple(got[1][3]), strict=True):
             torch.testing.assert_close(g, e, rtol=0, atol=0)
     assert len(set(copied)) > 2 and 0 in copied  # several blocks, each copied, the views' only
+    assert len(set(walked)) > 2 if mode == "RNN_TANH" else not walked
 
 
 @pytest.mark.parametrize("kind", ["RNN", "GRU"])
