@@ -658,9 +658,14 @@ def _outside_and_ends(
     """What a layer walk's kernel takes of the outputs' gradients ``u`` (an unused array without
     them) and of the samples' ``lengths`` (B,): each sample's ends, all T where None (``running``);
     T and B from the ``gates``."""
+    return UNUSED[dtype] if u is None else _arrays(u)[0], _ends(lengths, gates)
+
+
+def _ends(lengths: Tensor | None, gates: Tensor | np.ndarray) -> np.ndarray:
+    """Each sample's ends for a layer walk's kernel: the samples' ``lengths`` (B,), all T where None
+    (``running``); T and B from the ``gates`` (or the outputs)."""
     steps, batch = gates.shape[:2]
-    outside = UNUSED[dtype] if u is None else _arrays(u)[0]
-    return outside, running(batch, steps) if lengths is None else lengths.to("cpu", torch.int64).numpy()
+    return running(batch, steps) if lengths is None else lengths.to("cpu", torch.int64).numpy()
 
 
 # per dtype, the scalars ``_lstm_layer`` and ``_gru_layer`` take: one and the flush threshold in that
@@ -675,10 +680,10 @@ class RNNWalk:
     steps, the latest first, as ``LSTMWalk``: an RNN needs no tape, its outputs give the factors.
     Outputs whose samples are strided (a group viewed out of the batch, as a sequence-parallel
     rank walks it) are taken a block at a time, side by side: ``outputs(lo, hi)``, the rows
-    h_lo .. h_{hi-1} contiguous (``jacobians.PreviousStates.outputs``, whose copy the block's weight
-    gradients then read too), else copied into a buffer every block reuses (``jacobians.buffer``),
-    and their gradients so: a copy of them all would cost as much as the walk (re-measured by
-    ``python -m benchmarks.distributed --ranks 1 2``)."""
+    h_lo .. h_{hi-1} contiguous (a layer's: ``jacobians.PreviousStates.outputs``, whose copy the
+    block's weight gradients then read too; by default a copy of those rows), and their gradients
+    copied by blocks into a buffer every block reuses (``jacobians.buffer``): a copy of them all
+    would cost as much as the walk (re-measured by ``python -m benchmarks.distributed --ranks 1 2``)."""
 
     def __init__(
         self,
@@ -693,23 +698,20 @@ class RNNWalk:
     ) -> None:
         one, tiny = _SCALARS[w_hh.dtype]
         n_threads = threads()
-        self._outputs = outputs
         self._kernel = _rnn_layer_parallel if n_threads > 1 else _rnn_layer_serial
-        head = (u is not None, relu, one, tiny if flush else one - one, min(n_threads, h.shape[1]))
-        self._head = head
-        self._strided = not (h.is_contiguous() and (u is None or u.is_contiguous()))
-        if self._strided:  # copied by blocks as they are walked
-            self._h, self._u = h, u
-            ends = running(*h.shape[1::-1]) if lengths is None else lengths.to("cpu", torch.int64).numpy()
-            self._w_ends = (*_arrays(w_hh), ends)
-        else:
-            self._arrays = (*_arrays(h, w_hh), *_outside_and_ends(u, lengths, h, w_hh.dtype))
+        self._head = (u is not None, relu, one, tiny if flush else one - one, min(n_threads, h.shape[1]))
+        self._h, self._u, self._w_hh, self._ends = h, u, _arrays(w_hh)[0], _ends(lengths, h)
+        self._outputs = outputs or (lambda lo, hi: h[lo:hi].contiguous())
+        self._whole = None  # the kernel's arrays where nothing is strided: the tensors' own memory
+        if h.is_contiguous() and (u is None or u.is_contiguous()):
+            outside = UNUSED[w_hh.dtype] if u is None else u.numpy(force=True)
+            self._whole = (0, 0, h.numpy(force=True), self._w_hh, outside, self._ends)
 
     def __call__(self, first: int, last: int, g_in: Tensor, g_out: Tensor, delta: Tensor) -> None:
         """Steps ``last`` - 1 down to ``first``: from dL/dh after them, ``g_in`` (B, H), to dL/dh
         before them into ``g_out`` (B, H; may be ``g_in``), the steps' pre-activation gradients
         (both sides') into ``delta`` (last - first, B, H), all contiguous."""
-        windows = (0, 0, *self._arrays) if not self._strided else self._block(first, last)
+        windows = self._whole or self._block(first, last)
         self._kernel(*self._head, first, last, *windows, g_in.numpy(), g_out.numpy(), delta.numpy())
 
     def _block(self, first: int, last: int) -> tuple:
@@ -717,17 +719,13 @@ class RNNWalk:
         their rows h_first .. and u_{first-1} .. side by side, and the steps they start at."""
         from bppsa_core.jacobians import buffer
 
-        if self._outputs is not None:
-            h = self._outputs(first, last)
-        else:
-            h = buffer("walk outputs", (last - first, *self._h.shape[1:]), self._h).copy_(self._h[first:last])
-        w_hh, ends = self._w_ends
+        h = self._outputs(first, last).numpy()
         if self._u is None:
-            return first, 0, h.numpy(), w_hh, UNUSED[self._h.dtype], ends
+            return first, 0, h, self._w_hh, UNUSED[self._h.dtype], self._ends
         u_at = max(first - 1, 0)
         window = self._u[u_at : last - 1]
         u = buffer("walk outputs' gradients", window.shape, self._u).copy_(window)
-        return first, u_at, h.numpy(), w_hh, u.numpy(), ends
+        return first, u_at, h, self._w_hh, u.numpy(), self._ends
 
 
 class GRUWalk:
