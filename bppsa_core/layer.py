@@ -583,9 +583,10 @@ def injected(grad_out: Tensor | None) -> Tensor | None:
 
 
 def _last_grad(u: Tensor | None, u_last: Tensor | None, h: Tensor) -> Tensor:
-    """dL/dh_T: what reaches the last state from the outputs and from h_n."""
+    """dL/dh_T: what reaches the last state from the outputs and from h_n, contiguous: a gradient
+    autograd expanded (a sum's) would have the compiled walks compile a second build for its strides."""
     parts = [t for t in (None if u is None else u[-1], u_last) if t is not None]
-    return sum(parts[1:], parts[0]) if parts else torch.zeros_like(h[-1])
+    return sum(parts[1:], parts[0]).contiguous() if parts else torch.zeros_like(h[-1])
 
 
 def _fused_layer(

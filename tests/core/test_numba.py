@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import extended_except, rel_err, torch_threads
 from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case
-from recurrent import assert_same
+from recurrent import assert_same, pair
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 pytest.importorskip("numba")
@@ -692,6 +692,26 @@ def test_the_rnn_walk_over_its_outputs_is_the_factored_walk_bit_for_bit(dtype, n
     for new, old in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(new, old, rtol=0, atol=0)
     assert (results[1][0] != 0).any() and (results[1][-1] != 0).all()
+
+
+@pytest.mark.parametrize("kind", ["tanh", "gru", "lstm"])
+def test_gradients_autograd_expanded_compile_no_second_walk(kind) -> None:
+    """A loss summing h_n gives the backward its gradient expanded (strides 0); the walks' kernels
+    still see C-contiguous arrays only, so such a loss compiles no second build (each costs
+    seconds), and the gradients are torch.nn's."""
+    kernels = {"tanh": "_rnn_layer_serial", "gru": "_gru_layer_serial", "lstm": "_lstm_layer_serial"}
+    ref, ours = pair(kind, 3, 20)
+    x = torch.randn(7, 2, 3, dtype=F64, requires_grad=True)
+    grads = []
+    for module in (ref, ours):
+        _, h_n = module(x)
+        h_n = h_n[0] if kind == "lstm" else h_n
+        grads.append(torch.autograd.grad(h_n.sum(), [x, *module.parameters()]))
+    for got, expected in zip(grads[1], grads[0], strict=True):
+        assert rel_err(got, expected) < 1e-10
+    signatures = getattr(numba_scan, kernels[kind]).signatures
+    layouts = {t.layout for sig in signatures for t in sig if hasattr(t, "layout")}
+    assert signatures and layouts == {"C"}, signatures
 
 
 @pytest.mark.extended  # a parallel float64 build of its own to compile
