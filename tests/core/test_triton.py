@@ -537,7 +537,8 @@ def test_a_layer_backward_launches_no_more_than_documented(monkeypatch, kind) ->
 
 
 @pytest.mark.parametrize(
-    ("precision", "dot"), [("highest", "ieee"), ("high", "tf32x3"), ("medium", "tf32x3")]
+    ("precision", "dot"),
+    [("highest", "ieee"), ("high", "tf32x3"), pytest.param("medium", "tf32x3", marks=pytest.mark.extended)],
 )
 def test_the_reduce_products_follow_pytorchs_float32_matmul_precision(monkeypatch, precision, dot) -> None:
     """``torch.set_float32_matmul_precision`` sets the ``tl.dot`` precision of an RNN's and an LSTM's
