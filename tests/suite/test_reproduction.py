@@ -30,14 +30,17 @@ TEXT = ("report.md", "speedups.csv")
 FIGURES = ("fig7", "fig8", "fig9", "fig10", "fig13", "scaling", "ranks")
 
 
+@pytest.mark.parametrize("flushed", [False, True])
 @pytest.mark.parametrize(("table", "preset"), TABLES.items())
-def test_each_committed_table_holds_completed_runs_of_both_methods(table: str, preset: str) -> None:
-    frame = pd.read_csv(HERE / f"{table}.csv")
+def test_each_committed_table_holds_completed_runs_of_both_methods(table: str, preset: str, flushed) -> None:
+    """The default mode's tables, and run.sh --flush's (every step flushed, in ``flushed/``)."""
+    frame = pd.read_csv((HERE / "flushed" if flushed else HERE) / f"{table}.csv")
     assert set(frame["name"]) == {preset}
     assert set(frame["backward"]) == {"bppsa", "bptt"}
     runs = frame.groupby("run")["epoch"].max()
     assert (runs >= 3).all() and len(runs) % 2 == 0
     assert not frame["contended"].any()
+    assert set(frame["flush_denormals"]) == {flushed}
 
 
 @pytest.mark.extended
@@ -62,6 +65,10 @@ def test_the_committed_report_and_figures_are_drawn_from_the_committed_tables(
         assert (HERE / name).is_file(), f"{name} is drawn but not committed"
     for name in TEXT:
         assert (tmp_path / "a" / name).read_text() == (HERE / name).read_text(), f"{name} is stale"
+    flushed = [t.replace(str(here), str(here / "flushed"), 1) for t in tables]
+    assert report.main([*flushed, "--out", str(tmp_path / "flushed")]) == 0
+    for name in TEXT:
+        assert (tmp_path / "flushed" / name).read_text() == (HERE / "flushed" / name).read_text(), name
 
 
 def test_every_file_the_report_shows_or_names_exists() -> None:
