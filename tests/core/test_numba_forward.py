@@ -116,7 +116,8 @@ def test_a_wide_grus_inference_runs_compiled_where_its_training_is_torch_nns(mon
     torch.testing.assert_close(out[1], expected[1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", extended_except(MODES, "RNN_TANH"))  # each mode a parallel build to compile
+@pytest.mark.extended  # each mode a parallel build to compile, as every threads test of the kernels
+@pytest.mark.parametrize("mode", MODES)
 def test_two_threads_give_the_one_thread_result_bit_for_bit(mode) -> None:
     """Samples run in groups, one a thread; each sample's arithmetic is the same in any group."""
     import numba
