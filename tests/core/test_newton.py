@@ -290,7 +290,11 @@ def test_bad_options_are_refused_in_one_line(kwargs: dict, message: str) -> None
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("cell", [RNNCell("tanh"), RNNCell("relu"), GRUCell(), LSTMCell()], ids=repr)
+@pytest.mark.parametrize(
+    "cell",
+    [RNNCell("tanh"), RNNCell("relu"), GRUCell(), LSTMCell()],
+    ids=["rnn_tanh", "rnn_relu", "gru", "lstm"],
+)
 def test_step_is_the_cell_and_its_jacobian_diagonal(cell) -> None:
     """``Cell.step`` from given previous states is torch's cell function at every step, and its
     chain's ``diagonals`` are the diagonals of the dense Jacobians."""

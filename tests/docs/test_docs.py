@@ -22,7 +22,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMAND = re.compile(r"^\s*(?:\.venv/bin/)?python3? (run\.py|-m (?!venv\b|pip\b|pytest\b)[\w.]+)(.*)$", re.M)
 # What a newcomer types first: the README's first two code blocks, exactly (.ci/run runs the second).
 INSTALL = "python3 -m venv .venv && .venv/bin/python -m pip install -r requirements.txt && "
-SET_UP = (INSTALL + ".venv/bin/python run.py", INSTALL + ".venv/bin/python -m pytest")
+SET_UP = (INSTALL + ".venv/bin/python run.py", INSTALL + ".venv/bin/python -m pytest -n auto")
 
 
 def joined(path) -> str:
@@ -78,7 +78,7 @@ def test_ci_runs_the_readme_test_command_then_the_extended_tests() -> None:
     ran = [line for line in ran if line.startswith(("python3 ", ".venv/bin/"))]
     steps = SET_UP[1].split(" && ")
     assert ran[: len(steps)] == steps, ran
-    assert ".venv/bin/python -m pytest -m extended" in ran[len(steps) :], ran
+    assert ".venv/bin/python -m pytest -n auto -m extended" in ran[len(steps) :], ran
 
 
 def fenced_commands(path) -> list[str]:
