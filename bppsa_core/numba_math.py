@@ -16,11 +16,13 @@ parallel, rounds alike and the threads change no bit of the results.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
 import platform
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 
 import numba
@@ -31,6 +33,15 @@ from numba import njit
 from numba.core import cgutils
 from numba.core import types as nbtypes
 from numba.extending import intrinsic
+
+try:  # POSIX: the on-disk cache's writes are serialized (``_SerializedCacheFile``); elsewhere numba's own
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+try:
+    from numba.core.caching import IndexDataCacheFile
+except ImportError:  # pragma: no cover - a numba whose cache is laid out otherwise keeps its own
+    IndexDataCacheFile = None
 
 
 @intrinsic
@@ -480,7 +491,7 @@ def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: 
     ``constants``: globals it reads set for this build (compile-time constants, each a build of its
     own). Every build releases the interpreter while it runs (nogil): a long call (an LSTM layer's
     backward over a million steps) leaves it to other threads, a sequence-parallel run's heartbeat
-    among them."""
+    among them. Its on-disk cache is written by one process at a time (``_SerializedCacheFile``)."""
     variant = "".join(f"{k}_" for k, v in sorted(constants.items()) if v)
     name = (
         f"{fn.__name__}_{np.dtype(dtype).name + '_' if dtype else ''}{variant}"
@@ -492,7 +503,38 @@ def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: 
     scope.update({f"_{k.upper()}": v for k, v in constants.items()})
     renamed = types.FunctionType(fn.__code__, scope, name, fn.__defaults__, fn.__closure__)
     renamed.__qualname__ = name
-    return njit(parallel=parallel, **_OPTIONS)(renamed)
+    dispatcher = njit(parallel=parallel, **_OPTIONS)(renamed)
+    cache_file = getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
+    if fcntl is not None and IndexDataCacheFile is not None and type(cache_file) is IndexDataCacheFile:
+        cache_file.__class__ = _SerializedCacheFile
+    return dispatcher
+
+
+if IndexDataCacheFile is not None:
+
+    class _SerializedCacheFile(IndexDataCacheFile):
+        """A build's on-disk cache (its index and data files), written by one process at a time.
+        numba writes each file atomically, but numbers a new specialization's data file from the
+        index it read: two processes compiling two specializations of one build at once (a float32
+        and a float64 walk, in sequence-parallel ranks, parallel test workers or a sweep's jobs) may
+        both take number 1, and the index left may name one's types with the other's code, which
+        every later process then loads and calls with arrays it was not compiled for. Under an
+        exclusive lock on the cache folder, the index read is the last one written."""
+
+        def save(self, key: object, data: object) -> None:
+            with _locked(self._cache_path):
+                super().save(key, data)
+
+
+@contextlib.contextmanager
+def _locked(folder: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``folder`` (released when the block ends or the process dies)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def threads() -> int:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 import torch
-from helpers import extended_except, rel_err, torch_threads
+from helpers import ROOT, extended_except, rel_err, torch_threads
 from kernel_cases import CHAIN_ARGS, CHAIN_CASES, chain_case
 from recurrent import assert_same, pair
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
@@ -857,3 +862,61 @@ def test_the_runtime_is_torchs_libgomp_where_two_are_loaded() -> None:
     assert denormals._loaded("libgomp", prefer="/env/torch", maps=maps) == "/env/torch/lib/libgomp.so.1"
     assert denormals._loaded("libgomp", prefer="/opt/torch", maps=maps) == "/usr/lib/libgomp.so.1.0.0"
     assert denormals._loaded("libiomp", maps=maps) is None
+
+
+# Two processes compile two specializations (float32, float64) of one build at once; numba's index
+# and data writes are slowed so that both read the index before either writes it, and the first to
+# write it writes its code last: the interleaving that, unserialized, leaves float64's entry naming
+# float32's code.
+_RACER = """
+import sys, time
+import numpy as np
+import numba.core.caching as caching
+from bppsa_core import numba_math
+from kernel_of_two import total
+
+dtype, start = np.dtype(sys.argv[1]).type, float(sys.argv[2])
+first = dtype is np.float32
+save_index, save_data = caching.IndexDataCacheFile._save_index, caching.IndexDataCacheFile._save_data
+
+def slow_index(self, overloads):
+    time.sleep(1.0 if first else 1.5)
+    save_index(self, overloads)
+
+def slow_data(self, name, data):
+    time.sleep(2.0 if first else 0.0)
+    save_data(self, name, data)
+
+caching.IndexDataCacheFile._save_index, caching.IndexDataCacheFile._save_data = slow_index, slow_data
+kernel = numba_math.build(total, False)
+while time.time() < start:
+    time.sleep(0.01)
+print(kernel(np.array([0.5, 1.5, 2.5, 3.5], dtype)))
+"""
+_READER = """
+import numpy as np
+from bppsa_core import numba_math
+from kernel_of_two import total
+
+kernel = numba_math.build(total, False)
+print(*(kernel(np.array([0.5, 1.5, 2.5, 3.5], d)) for d in (np.float64, np.float32)))
+"""
+
+
+def test_two_processes_compiling_one_build_leave_its_cache_whole(tmp_path) -> None:
+    """A float32 and a float64 build compiled at once by two processes (ranks, test workers, a
+    sweep's jobs) leave an on-disk cache from which a third process loads each, correct: numba
+    numbers a new entry's data file from the index it read, so unserialized the index could name
+    float64 with float32's code, and every later float64 call would fail."""
+    (tmp_path / "kernel_of_two.py").write_text("def total(x):\n    return x.sum()\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    run = functools.partial(subprocess.Popen, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    start = str(time.time() + 6)  # both started, numba imported, before either compiles
+    racers = [run([sys.executable, "-c", _RACER, d, start], env=env) for d in ("float32", "float64")]
+    outs = [r.communicate(timeout=120) for r in racers]
+    assert [r.returncode for r in racers] == [0, 0], outs
+    read = subprocess.run(
+        [sys.executable, "-c", _READER], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert read.returncode == 0, read.stderr[-2000:]
+    assert read.stdout.split() == ["8.0", "8.0"]
