@@ -528,13 +528,20 @@ if IndexDataCacheFile is not None:
 
 @contextlib.contextmanager
 def _locked(folder: str) -> Iterator[None]:
-    """An exclusive ``flock`` on ``folder`` (released when the block ends or the process dies)."""
-    fd = os.open(folder, os.O_RDONLY)
+    """An exclusive ``flock`` on ``folder`` (released when the block ends or the process dies); on a
+    filesystem that has no locks (some network ones), numba's unserialized writes, as before."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def threads() -> int:

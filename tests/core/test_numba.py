@@ -920,3 +920,18 @@ def test_two_processes_compiling_one_build_leave_its_cache_whole(tmp_path) -> No
     )
     assert read.returncode == 0, read.stderr[-2000:]
     assert read.stdout.split() == ["8.0", "8.0"]
+
+
+def test_a_cache_folder_without_locks_is_written_as_numba_writes_it(tmp_path, monkeypatch) -> None:
+    """Where the filesystem refuses locks (some network ones) or the folder cannot be opened, the
+    cache is written unserialized, as numba's own, rather than the compile failing."""
+
+    def refused(fd: int, operation: int) -> None:
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(numba_math.fcntl, "flock", refused)
+    ran = []
+    for folder in (tmp_path, tmp_path / "missing"):
+        with numba_math._locked(str(folder)):
+            ran.append(folder)
+    assert ran == [tmp_path, tmp_path / "missing"]
