@@ -505,7 +505,7 @@ def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: 
     renamed.__qualname__ = name
     dispatcher = njit(parallel=parallel, **_OPTIONS)(renamed)
     cache_file = getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
-    if fcntl is not None and IndexDataCacheFile is not None and type(cache_file) is IndexDataCacheFile:
+    if fcntl is not None and type(cache_file) is IndexDataCacheFile:  # else numba's own writes
         cache_file.__class__ = _SerializedCacheFile
     return dispatcher
 

@@ -909,7 +909,11 @@ def test_two_processes_compiling_one_build_leave_its_cache_whole(tmp_path) -> No
     numbers a new entry's data file from the index it read, so unserialized the index could name
     float64 with float32's code, and every later float64 call would fail."""
     (tmp_path / "kernel_of_two.py").write_text("def total(x):\n    return x.sum()\n")
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    env = {
+        **os.environ,
+        "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
+        "PYTHONPATH": os.pathsep.join(map(str, (tmp_path, ROOT))),
+    }
     run = functools.partial(subprocess.Popen, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     start = str(time.time() + 6)  # both started, numba imported, before either compiles
     racers = [run([sys.executable, "-c", _RACER, d, start], env=env) for d in ("float32", "float64")]
