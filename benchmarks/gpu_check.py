@@ -17,7 +17,8 @@ and its output (or why it failed, or was skipped):
    100,000, and at T = 10,000 with ``--capture-error-mode thread_local`` (``LONG_CAPTURE``);
 3. ``host``: short layers (T = 10, 100, 1,000) against ``torch.nn``'s, the host path
    (``benchmarks.host``), a profile of where BPPSA's step at T = 10 spends its host time, and what
-   handing the backward to autograd's device thread costs;
+   handing the backward to autograd's device thread costs; then a layer backward's launches through
+   Triton's path against the direct one (``benchmarks.launch``);
 4. ``backward``: the paper's backward tables, cuDNN's BPTT against every BPPSA strategy (PyTorch
    picks cuDNN's persistent small-hidden algorithm for these shapes: the baseline to beat);
 5. ``epoch``: one training epoch of the bitstream RNN, BPTT against BPPSA, eager and with the
@@ -214,7 +215,19 @@ def plan(
             else [capture, *([*capture, "--models", "rnn", *shape] for shape in LONG_CAPTURE)]
         ),
         "host": [
-            [sys.executable, "-m", "benchmarks.host", *device, "--T", "10", "100", "1000", "--profile", "300"]
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.host",
+                *device,
+                "--T",
+                "10",
+                "100",
+                "1000",
+                "--profile",
+                "300",
+            ],
+            *([] if dry else [[sys.executable, "-m", "benchmarks.launch", "--device", "cuda"]]),
         ],
         "backward": [_bench(*suite, "--tables", "backward", *device)],
         "epoch": [_bench(*suite, "--tables", "epoch", "--epoch-samples", "64" if dry else "3200", *device)],

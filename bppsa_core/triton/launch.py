@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.compiler import CompiledKernel
+from triton.runtime.driver import driver
 
 from bppsa_core.dispatch import WALK_WARPS
 
@@ -98,12 +100,90 @@ class Launch(NamedTuple):
         return {"num_warps": self.num_warps, **{k: v for k, v in settings.items() if v is not None}}
 
     def run(self, grid: tuple[int, ...], **args: Any) -> None:
-        """The kernel on ``grid`` with the run-time ``args`` (by name) and these settings."""
+        """The kernel on ``grid`` with the run-time ``args`` (by name) and these settings: the first
+        launch of a specialization through Triton's ``kernel[grid](...)``, which compiles it, the
+        later ones straight to its compiled kernel where they can be (``_direct``)."""
         if "src_ptrs" in args and len(args["src_ptrs"]) != self.sources:  # another binary: refuse it
             raise ValueError(f"{len(args['src_ptrs'])} source tensors for a launch of {self.sources}")
         if not isinstance(self.kernel, triton.JITFunction):  # Triton's interpreter: see ``BOUNDS``
             args = {k: tl.constexpr(v) if k in BOUNDS else v for k, v in args.items()}
-        self.kernel[grid](**args, **self.constexprs, **self.options())
+            self.kernel[grid](**args, **self.constexprs, **self.options())
+            return
+        args.update(self.constexprs)
+        plan = _direct(self, args)
+        if plan is not None and plan.compiled is not None:
+            plan.launch(grid)
+            return
+        compiled = self.kernel[grid](**args, **self.options())
+        if plan is None:  # a kernel's first launch on this device: Triton has made its binder now
+            plan = _direct(self, args)
+        if plan is not None and isinstance(compiled, CompiledKernel):
+            _COMPILED[plan.key] = compiled
+
+
+class _Plan(NamedTuple):
+    """A launch's arguments as Triton binds them, its key among the compiled kernels (``_COMPILED``),
+    the kernel compiled for that key (None before Triton's first launch of it) and the device."""
+
+    bound: dict[str, Any]
+    key: tuple
+    compiled: Any
+    device: int
+
+    def launch(self, grid: tuple[int, ...]) -> None:
+        """What Triton's ``JITFunction.run`` calls last, with no launch hooks (``_direct``)."""
+        k, stream = self.compiled, driver.active.get_current_stream(self.device)
+        g1, g2 = (grid[1] if len(grid) > 1 else 1), (grid[2] if len(grid) > 2 else 1)
+        k.run(grid[0], g1, g2, stream, k.function, k.packed_metadata, None, None, None, *self.bound.values())
+
+
+# The kernels Triton compiled, by ``_direct``'s key: the launch's kernel, device and compile options
+# and Triton's own specialization of the arguments (dtypes, 16-byte alignment, specialized integers).
+_COMPILED: dict[tuple, Any] = {}
+_direct_launches = True  # ``direct_launches`` sets it
+# The Triton whose ``JITFunction.run`` ``_direct`` follows (the ``triton`` extra's pin); any other
+# launches through its own path.
+DIRECT_TRITON = "3.6.0"
+
+
+def _direct(launch: Launch, args: dict[str, Any]) -> _Plan | None:
+    """The plan of a launch straight to its compiled kernel, or None where Triton's own path must run:
+    where a launch hook, a pre-run hook, debug mode or instrumentation is set (each needs what
+    ``JITFunction.run`` does around the launch), or the installed Triton keeps its kernels otherwise.
+
+    Why: after a kernel's first launch Triton's ``kernel[grid](...)`` still binds and specializes
+    the arguments, looks the kernel up, checks the globals it read and builds the launch metadata on
+    every call, the larger part of a short layer's launch cost on the host
+    (re-measured by ``python -m benchmarks.launch``). The plan keeps Triton's binding, so a
+    specialization (an unaligned pointer, another dtype) still gets its own binary, and drops the
+    rest; a global a kernel reads is a module constant, never changed after its compile."""
+    if not _direct_launches or triton.__version__ != DIRECT_TRITON:
+        return None
+    kernel, runtime = launch.kernel, triton.knobs.runtime
+    hooks = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if any(getattr(h, "calls", True) for h in hooks) or kernel.pre_run_hooks:
+        return None
+    if runtime.debug or kernel.debug or triton.knobs.compilation.instrumentation_mode:
+        return None
+    device = driver.active.get_current_device()
+    caches = kernel.device_caches.get(device)
+    if caches is None:  # no launch on this device yet: Triton's makes its binder
+        return None
+    bound, specialization, _ = caches[-1](**args)
+    key = (id(kernel), device, launch.num_warps, launch.num_stages, launch.maxnreg, *specialization)
+    return _Plan(bound, key, _COMPILED.get(key), device)
+
+
+@contextlib.contextmanager
+def direct_launches(enabled: bool) -> Iterator[None]:
+    """Inside, launches go straight to their compiled kernels (``_direct``) where ``enabled``, else
+    every one through Triton's ``kernel[grid](...)``; the setting before restored after."""
+    global _direct_launches
+    before, _direct_launches = _direct_launches, bool(enabled)
+    try:
+        yield
+    finally:
+        _direct_launches = before
 
 
 def chain_args(

@@ -33,8 +33,9 @@ def test_the_plan_on_a_gpu_runs_every_step_on_cuda() -> None:
     assert "--T" not in capture and "--H" not in capture  # the tool's defaults: T = 1,000 and 10,000, four H
     assert [a[a.index("--T") + 1 : a.index("--H")] for a in long] == [["10000", "100000"], ["10000"]]
     assert [a[-1] for a in long] == ["20", "thread_local"]
-    (host,) = steps["host"]
+    host, launch = steps["host"]
     assert host[1:3] == ["-m", "benchmarks.host"] and host[host.index("--device") + 1] == "cuda"
+    assert launch[1:] == ["-m", "benchmarks.launch", "--device", "cuda"]
     for forward in steps["forward"]:
         assert forward[1:3] == ["-m", "benchmarks.forward"] and "--quick" not in forward
         assert forward[forward.index("--device") + 1] == "cuda"

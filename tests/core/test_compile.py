@@ -513,6 +513,87 @@ def test_a_launch_hands_its_compile_settings_to_the_kernel() -> None:
         gru["spine"].run((1,), src_ptrs=(None,))  # another tuple length would be another binary
 
 
+# A child process (Triton compiling for sm_90, no GPU, launches recorded by benchmarks.launch's
+# RecordingDriver): a layer backward's launches through Triton's kernel[grid](...) and through the
+# direct path, compared launch by launch; then an unaligned input, then a launch hook.
+DIRECT_CHECK = r"""
+import json, sys, torch, triton
+from benchmarks.launch import layer_backward, recording
+from bppsa_core.triton.launch import direct_launches
+
+def plain(value):
+    if isinstance(value, torch.Tensor):  # scratch is new each call: its layout, not its address
+        return ["tensor", list(value.shape), list(value.stride()), str(value.dtype), value.data_ptr() % 16]
+    if isinstance(value, tuple):
+        return [plain(v) for v in value]
+    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(type(value))
+
+def launches(driver, call, direct):
+    driver.launches.clear()
+    with direct_launches(direct):
+        call()
+    return [[r.name, r.function, list(r.grid), plain(r.args), r.hooked] for r in driver.launches]
+
+model = sys.argv[1]
+report = {}
+with recording() as driver:
+    call = layer_backward(model, 50, 3, 20, torch.device("cpu"))
+    launches(driver, call, False)  # compiles
+    report["triton"] = launches(driver, call, False)
+    report["first direct"] = launches(driver, call, True)  # Triton's path once more, the binaries kept
+    report["direct"] = launches(driver, call, True)
+    if model == "rnn":  # h moved off 16-byte alignment: Triton's specialization gives it other binaries
+        from bppsa_core import triton as ts
+        h = torch.rand(50 * 3 * 20 + 1)[1:].view(50, 3, 20)
+        unaligned = lambda: ts.rnn_layer_backward(h, torch.rand(20, 20), torch.rand(3, 20), None, "tanh", 8)
+        report["unaligned triton"] = launches(driver, unaligned, False)
+        report["unaligned first direct"] = launches(driver, unaligned, True)
+        report["unaligned direct"] = launches(driver, unaligned, True)
+        report["aligned again"] = launches(driver, call, True)
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    report["hooked"] = launches(driver, call, True)
+    triton.knobs.runtime.launch_enter_hook.remove(hook)
+    report["hook saw"] = seen
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("model", ["rnn", pytest.param("gru", marks=pytest.mark.extended), "lstm"])
+def test_direct_launches_hand_the_launcher_what_tritons_path_hands_it(model, tmp_path) -> None:
+    """``launch._direct``: from a binary's second launch a layer backward's launches go straight to
+    its compiled kernel, with the same binary, grid and arguments, in the same order, as Triton's
+    ``kernel[grid](...)`` gives the launcher (on a CPU: compiled for sm_90, launches recorded), and
+    no launch hooks where none are set. An input that is not 16-byte aligned gets the binaries
+    Triton's path picks for it, not the aligned ones; with a launch hook set, every launch goes
+    through Triton's path and the hook sees it."""
+    env = {**compiled_env(), "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", DIRECT_CHECK, model],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.splitlines()[-1])
+    count = {"rnn": 3, "gru": 3, "lstm": 5}[model]  # the LSTM's gates and cell states: two more
+    assert len(r["triton"]) == count and all(launch[-1] for launch in r["triton"])  # Triton's: with hooks
+    assert r["first direct"] == r["triton"]
+    assert [launch[:-1] for launch in r["direct"]] == [launch[:-1] for launch in r["triton"]]
+    assert not any(launch[-1] for launch in r["direct"])
+    assert r["hooked"] == r["triton"] and r["hook saw"] == [launch[0] for launch in r["triton"]]
+    if model == "rnn":
+        binaries = {launch[1] for launch in r["triton"]}
+        unaligned = [launch[1] for launch in r["unaligned triton"]]
+        assert not binaries & set(unaligned)  # h is read by all three: each another binary
+        assert [launch[1] for launch in r["unaligned direct"]] == unaligned
+        assert not any(launch[-1] for launch in r["unaligned direct"])
+        assert r["aligned again"] == r["direct"]
+
+
 def test_the_tool_fails_in_one_line_without_ptxas(monkeypatch, capsys) -> None:
     import triton
 

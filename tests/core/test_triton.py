@@ -183,6 +183,29 @@ def test_the_walks_on_fewer_warps_keep_a_layer_backwards_float32_accuracy_on_a_g
     assert set_ < max(1e-5, 4 * own), (set_, own)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["tanh", "gru", "lstm"])
+def test_direct_launches_give_what_tritons_own_launches_give_on_a_gpu(kind) -> None:
+    """``launch.direct_launches``: a fused layer backward launched straight to its compiled kernels
+    returns, bit for bit, what it returns with every launch through Triton's ``kernel[grid](...)``,
+    also with an input whose pointer is not 16-byte aligned (a binary of its own)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here")
+    from bppsa_core.triton.launch import direct_launches
+
+    case, backward = fused_layer(kind, 22)
+    args, _ = case(300, 16, 20, 22, True, torch.float32)
+    aligned = [a.cuda() for a in args]
+    unaligned = [aligned[0].new_empty(aligned[0].numel() + 1)[1:].view_as(aligned[0]).copy_(aligned[0])]
+    for inputs in (aligned, unaligned + aligned[1:]):
+        with direct_launches(False):
+            own = backward(*inputs)
+        for _ in range(3):  # the first launch of a binary is Triton's; the later ones are direct
+            direct = backward(*inputs)
+        for a, b in zip(own, direct, strict=True):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize(ARGS, extended_except(TRANSPOSED_CASES, *TRANSPOSED_CASES[::9]))
 def test_kernels_match_the_chunked_twin_on_transposed_chains(n, batch, hidden, chunk, affine, terms) -> None:
     run("cpu", n, batch, hidden, chunk, affine, terms, transposed=True)
