@@ -9,6 +9,7 @@ compiles each configuration once, whatever the sequence length (docs/DESIGN.md, 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator
 from functools import cache
@@ -22,6 +23,8 @@ from triton.compiler import CompiledKernel
 from triton.runtime.driver import driver
 
 from bppsa_core.dispatch import WALK_WARPS
+
+log = logging.getLogger(__name__)
 
 # The loops' bounds (chunk size C, remainder REM, aggregate count NAGG, an LSTM's steps T for its
 # cell states, a Newton iteration's partial count P): run-time arguments. Triton's interpreter (the
@@ -112,8 +115,12 @@ class Launch(NamedTuple):
         args.update(self.constexprs)
         plan = _direct(self, args)
         if plan is not None and plan.compiled is not None:
-            plan.launch(grid)
-            return
+            try:
+                plan.launch(grid)
+            except TypeError as exc:  # the launcher parses its arguments before it launches anything
+                _give_up(exc)
+            else:
+                return
         compiled = self.kernel[grid](**args, **self.options())
         if plan is None:  # a kernel's first launch on this device: Triton has made its binder now
             plan = _direct(self, args)
@@ -141,6 +148,7 @@ class _Plan(NamedTuple):
 # and Triton's own specialization of the arguments (dtypes, 16-byte alignment, specialized integers).
 _COMPILED: dict[tuple, Any] = {}
 _direct_launches = True  # ``direct_launches`` sets it
+_refused: TypeError | None = None  # why the launcher refused a direct launch (``_give_up``), if it did
 # The Triton whose ``JITFunction.run`` ``_direct`` follows (the ``triton`` extra's pin); any other
 # launches through its own path.
 DIRECT_TRITON = "3.6.0"
@@ -149,7 +157,8 @@ DIRECT_TRITON = "3.6.0"
 def _direct(launch: Launch, args: dict[str, Any]) -> _Plan | None:
     """The plan of a launch straight to its compiled kernel, or None where Triton's own path must run:
     where a launch hook, a pre-run hook, debug mode or instrumentation is set (each needs what
-    ``JITFunction.run`` does around the launch), or the installed Triton keeps its kernels otherwise.
+    ``JITFunction.run`` does around the launch), where the installed Triton is not the one it follows
+    (``DIRECT_TRITON``) or its launcher has refused a direct launch's arguments (``_give_up``).
 
     Why: after a kernel's first launch Triton's ``kernel[grid](...)`` still binds and specializes
     the arguments, looks the kernel up, checks the globals it read and builds the launch metadata on
@@ -157,7 +166,7 @@ def _direct(launch: Launch, args: dict[str, Any]) -> _Plan | None:
     (re-measured by ``python -m benchmarks.launch``). The plan keeps Triton's binding, so a
     specialization (an unaligned pointer, another dtype) still gets its own binary, and drops the
     rest; a global a kernel reads is a module constant, never changed after its compile."""
-    if not _direct_launches or triton.__version__ != DIRECT_TRITON:
+    if not _direct_launches or _refused is not None or triton.__version__ != DIRECT_TRITON:
         return None
     kernel, runtime = launch.kernel, triton.knobs.runtime
     hooks = runtime.launch_enter_hook, runtime.launch_exit_hook
@@ -172,6 +181,14 @@ def _direct(launch: Launch, args: dict[str, Any]) -> _Plan | None:
     bound, specialization, _ = caches[-1](**args)
     key = (id(kernel), device, launch.num_warps, launch.num_stages, launch.maxnreg, *specialization)
     return _Plan(bound, key, _COMPILED.get(key), device)
+
+
+def _give_up(exc: TypeError) -> None:
+    """The launcher refused a direct launch's arguments (a Triton that lays them out otherwise than
+    ``_Plan.launch`` does): every launch of this process then takes Triton's path, said once."""
+    global _refused
+    _refused = exc
+    log.warning("Triton's launcher refused a direct launch (%s); launching through Triton from now on", exc)
 
 
 @contextlib.contextmanager

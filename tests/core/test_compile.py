@@ -550,6 +550,14 @@ with recording() as driver:
         report["unaligned first direct"] = launches(driver, unaligned, True)
         report["unaligned direct"] = launches(driver, unaligned, True)
         report["aligned again"] = launches(driver, call, True)
+        from bppsa_core.triton import launch
+        plan_launch = launch._Plan.launch
+        launch._Plan.launch = lambda self, grid: (_ for _ in ()).throw(TypeError("laid out otherwise"))
+        report["refused"] = launches(driver, call, True)  # Triton's path, from then on
+        launch._Plan.launch = plan_launch
+        report["after refusal"] = launches(driver, call, True)
+        report["why"] = str(launch._refused)
+        launch._refused = None
     seen = []
     hook = lambda metadata: seen.append(metadata.get()["name"])
     triton.knobs.runtime.launch_enter_hook.add(hook)
@@ -567,7 +575,8 @@ def test_direct_launches_hand_the_launcher_what_tritons_path_hands_it(model, tmp
     ``kernel[grid](...)`` gives the launcher (on a CPU: compiled for sm_90, launches recorded), and
     no launch hooks where none are set. An input that is not 16-byte aligned gets the binaries
     Triton's path picks for it, not the aligned ones; with a launch hook set, every launch goes
-    through Triton's path and the hook sees it."""
+    through Triton's path and the hook sees it; so does every launch once the launcher has refused
+    a direct one's arguments (``launch._give_up``)."""
     env = {**compiled_env(), "TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-c", DIRECT_CHECK, model],
@@ -592,6 +601,9 @@ def test_direct_launches_hand_the_launcher_what_tritons_path_hands_it(model, tmp
         assert [launch[1] for launch in r["unaligned direct"]] == unaligned
         assert not any(launch[-1] for launch in r["unaligned direct"])
         assert r["aligned again"] == r["direct"]
+        # a launcher that refuses the direct arguments: this launch and every later one go Triton's way
+        assert r["refused"] == r["after refusal"] == r["triton"] and r["why"] == "laid out otherwise"
+        assert done.stderr.count("Triton's launcher refused a direct launch (laid out otherwise)") == 1
 
 
 def test_the_tool_fails_in_one_line_without_ptxas(monkeypatch, capsys) -> None:

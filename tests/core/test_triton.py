@@ -185,13 +185,21 @@ def test_the_walks_on_fewer_warps_keep_a_layer_backwards_float32_accuracy_on_a_g
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["tanh", "gru", "lstm"])
-def test_direct_launches_give_what_tritons_own_launches_give_on_a_gpu(kind) -> None:
+def test_direct_launches_give_what_tritons_own_launches_give_on_a_gpu(kind, monkeypatch) -> None:
     """``launch.direct_launches``: a fused layer backward launched straight to its compiled kernels
-    returns, bit for bit, what it returns with every launch through Triton's ``kernel[grid](...)``,
-    also with an input whose pointer is not 16-byte aligned (a binary of its own)."""
+    (CUDA's launcher takes them: none refused) returns, bit for bit, what it returns with every
+    launch through Triton's ``kernel[grid](...)``, also with an input whose pointer is not 16-byte
+    aligned (a binary of its own)."""
     if not torch.cuda.is_available():
         pytest.skip("no GPU here")
+    from bppsa_core.triton import launch
     from bppsa_core.triton.launch import direct_launches
+
+    direct_calls = []
+    plan_launch = launch._Plan.launch
+    monkeypatch.setattr(
+        launch._Plan, "launch", lambda self, grid: direct_calls.append(1) or plan_launch(self, grid)
+    )
 
     case, backward = fused_layer(kind, 22)
     args, _ = case(300, 16, 20, 22, True, torch.float32)
@@ -204,6 +212,7 @@ def test_direct_launches_give_what_tritons_own_launches_give_on_a_gpu(kind) -> N
             direct = backward(*inputs)
         for a, b in zip(own, direct, strict=True):
             assert torch.equal(a, b)
+    assert direct_calls and launch._refused is None
 
 
 @pytest.mark.parametrize(ARGS, extended_except(TRANSPOSED_CASES, *TRANSPOSED_CASES[::9]))
