@@ -5,8 +5,9 @@ launch to the compiled kernel (``bppsa_core.triton.launch``), on any machine.
     python -m benchmarks.launch --device cuda         # on a GPU: the real launches
 
 For each model, the fused Triton layer backward (``rnn_layer_backward``, ``gru_layer_backward``,
-``lstm_layer_backward``; the LSTM's with its gates' and cell states' kernels) at T, B = 16, H = 20
-is called three ways, taking turns: every launch through Triton's path (``direct_launches(False)``),
+``lstm_layer_backward``; the LSTM's with its gates' and cell states' kernels), and one iteration of
+a tanh RNN's Newton forward ("newton", ``bppsa_core.triton.newton.FusedIteration``), at T, B = 16,
+H = 20, is called three ways, taking turns: every launch through Triton's path (``direct_launches(False)``),
 through the direct one, and with the launches skipped, the host work around them. Each cell is the
 median host time of one call (``--repeats`` rounds after ``--warmup``, the device synchronized
 between calls, never inside one). What separates the first two columns is Python on the host alone,
@@ -42,7 +43,7 @@ from benchmarks.common import (
     run_tool,
 )
 
-MODELS = ("rnn", "gru", "lstm")
+MODELS = ("rnn", "gru", "lstm", "newton")  # newton: one Newton iteration of an RNN's forward
 ARCH = 90  # what a CPU run compiles for: the H100's and H200's compute capability x 10
 BLOCK_SHARED = 232448  # the most shared memory a block may use on sm_90 (bytes)
 
@@ -134,7 +135,9 @@ def layer_backward(
     model: str, steps: int, batch: int, hidden: int, device: torch.device
 ) -> Callable[[], object]:
     """One call of ``model``'s fused Triton layer backward at these shapes (inputs made once), as a
-    layer's backward calls it: the LSTM's gates and cell states first."""
+    layer's backward calls it: the LSTM's gates and cell states first; "newton": one iteration of a
+    tanh RNN's Newton forward (``FusedIteration``: its residual, the scan and the update on the
+    device)."""
     from bppsa_core import triton as ts
     from bppsa_core.dispatch import default_chunk
 
@@ -144,6 +147,17 @@ def layer_backward(
         return torch.rand(*shape, generator=g).to(device)
 
     n, b, h, chunk = steps, batch, hidden, default_chunk(steps)
+    if model == "newton":
+        from bppsa_core.jacobians import LayerWeights, RNNCell
+        from bppsa_core.newton import TOL
+        from bppsa_core.triton.newton import FusedIteration
+
+        cell, states = RNNCell("tanh"), r(n + 1, b, h)
+        weights = LayerWeights(r(h, 1), r(h, h) / h, r(h), r(h))
+        record = torch.zeros(
+            TOL + 1, dtype=torch.float64, device=device
+        )  # a stopping rule's, read on the device
+        return FusedIteration(cell, r(n, b, 1), weights, states, *cell.bounds(states[0], n), record, chunk)
     if model == "rnn":
         states, w, last = r(n, b, h), r(h, h), r(b, h)
         return lambda: ts.rnn_layer_backward(states, w, last, None, "tanh", chunk)

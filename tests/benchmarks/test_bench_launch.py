@@ -16,10 +16,11 @@ from benchmarks import launch
 
 def test_a_run_without_a_gpu_records_each_models_launches_and_prints_a_row(tmp_path) -> None:
     """Kernels compiled for sm_90 in a child process (no ``TRITON_INTERPRET``), every launch recorded:
-    a row per model and length, with the launches a layer backward makes and a time in each column."""
+    a row per model and length, with the launches a layer backward (or a Newton iteration) makes and a
+    time in each column."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(tmp_path)}
-    argv = ["--models", "rnn", "lstm", "--T", "50", "--repeats", "3", "--warmup", "1"]
+    argv = ["--models", "rnn", "newton", "--T", "50", "--repeats", "3", "--warmup", "1"]
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.launch", *argv], cwd=ROOT, env=env, capture_output=True, text=True
     )
@@ -27,7 +28,7 @@ def test_a_run_without_a_gpu_records_each_models_launches_and_prints_a_row(tmp_p
     assert done.stdout.startswith("device: cpu") and "compiled for sm_90, each launch recorded" in done.stdout
     ((head, rows),) = markdown_tables(done.stdout)
     assert head[:6] == ["model", "T", "launches", "Triton path µs", "direct µs", "no launches µs"]
-    assert [(r[0], r[1], r[2]) for r in rows] == [("rnn", "50", "3"), ("lstm", "50", "5")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("rnn", "50", "3"), ("newton", "50", "6")]
     assert all(float(cell) > 0 for r in rows for cell in r[3:6])
 
 
