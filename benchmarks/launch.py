@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -246,19 +248,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", type=device_arg, default="cpu", help="cpu (launches recorded) or cuda")
     p.add_argument("--repeats", type=positive_int, default=2000, help="timed rounds (the median is shown)")
     p.add_argument("--warmup", type=non_negative_int, default=200, help="untimed rounds before them")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def _missing() -> str | None:
+    """Why the launches cannot be compiled and timed here, or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed; accepted: the triton extra installed (pip install '.[triton]')"
     if os.environ.get("TRITON_INTERPRET") == "1":
-        p.error("TRITON_INTERPRET=1 is set: the launches need Triton's compiler; unset it")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        p.error("triton is not installed; accepted: the triton extra installed (pip install '.[triton]')")
-    return args
+        return "TRITON_INTERPRET=1 is set: the launches need Triton's compiler; unset it"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the table once every model is measured."""
     args = parse_args(argv)
+    missing = _missing()
+    if missing:
+        print(f"python -m benchmarks.launch: error: {missing}", file=sys.stderr)
+        return 2
     progress = Progress("launch")
     torch.set_num_threads(1)
     device = args.device
