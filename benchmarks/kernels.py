@@ -29,6 +29,7 @@ bar): no GPU, no CUDA install, no Hydra; fails with one line if triton's ptxas o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import re
 import subprocess
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -90,7 +91,9 @@ def tools() -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-def _check_compilable() -> None:
+def check_compilable() -> None:
+    """Raise ToolchainError (one line) where the kernels cannot be compiled here: triton's ptxas or
+    cuobjdump missing, or the kernels loaded for Triton's interpreter."""
     import triton
 
     tools()
@@ -315,16 +318,24 @@ def compile_inputs(config: KernelConfig, arch: int) -> Inputs:
     return signature, constexprs, attrs
 
 
-def recorded_launches(call: Callable[[], object]) -> list[tuple[Launch, dict[str, Any]]]:
-    """The kernel launches ``call()`` makes through ``bppsa_core.triton`` (each ``Launch`` with its run-time
-    arguments), recorded instead of run: what a module's call would compile, on any machine."""
+@contextlib.contextmanager
+def launches_recorded() -> Iterator[list[tuple[Launch, dict[str, Any]]]]:
+    """Inside, the kernel launches made through ``bppsa_core.triton`` are recorded instead of run, each
+    ``Launch`` with its run-time arguments, in the list yielded."""
     launches: list[tuple[Launch, dict[str, Any]]] = []
     run = Launch.run
     Launch.run = lambda self, grid, **args: launches.append((self, args))  # type: ignore[method-assign]
     try:
-        call()
+        yield launches
     finally:
         Launch.run = run  # type: ignore[method-assign]
+
+
+def recorded_launches(call: Callable[[], object]) -> list[tuple[Launch, dict[str, Any]]]:
+    """The kernel launches ``call()`` makes through ``bppsa_core.triton`` (``launches_recorded``): what a
+    module's call would compile, on any machine."""
+    with launches_recorded() as launches:
+        call()
     return launches
 
 
@@ -569,7 +580,7 @@ def compile_all(
     Kernels compile one after the other in this process; cuobjdump reads each cubin in a process of
     its own (its SASS takes about half a second a kernel, most of the time once Triton's cache holds
     the compiles), as many at once as this process may use cores, while the next kernels compile."""
-    _check_compilable()
+    check_compilable()
     configs = launch_configs() if configs is None else configs
     jobs = [(c, a) for a in archs for c in configs]
     bar = _progress(len(jobs), progress)

@@ -14,7 +14,7 @@ between calls, never inside one). What separates the first two columns is Python
 so it is measured the same with or without a GPU: on a CPU (``--device cpu``) the kernels compile
 for sm_90 through the ptxas in the triton wheel and each launch is handed to ``RecordingDriver``,
 which keeps its arguments instead of launching; only the launcher's own C call to the GPU is not
-there. Triton must run its compiler (no ``TRITON_INTERPRET``).
+there. Triton must run its compiler (no ``TRITON_INTERPRET``; the wheel's ptxas and cuobjdump found).
 
 Prints Markdown; progress goes to stderr. Imports nothing beyond torch and triton.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import os
 import statistics
 import sys
 import time
@@ -117,13 +116,13 @@ class RecordingDriver:
 @contextlib.contextmanager
 def recording(driver: RecordingDriver | None = None) -> Iterator[RecordingDriver]:
     """Inside, Triton's launches go to ``driver`` (a new ``RecordingDriver`` by default); Triton's
-    own driver is active again after. Refuses to run under ``TRITON_INTERPRET``, whose kernels
-    never reach a driver."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError(
-            "TRITON_INTERPRET=1 runs the kernels in its interpreter: unset it to record launches"
-        )
+    own driver is active again after. Refuses (``kernels.ToolchainError``) where the kernels cannot be
+    compiled: under ``TRITON_INTERPRET``, whose kernels never reach a driver, or without ptxas."""
     from triton.runtime.driver import driver as triton_driver
+
+    from benchmarks.kernels import check_compilable
+
+    check_compilable()
 
     recorder, before = driver or RecordingDriver(), triton_driver._active  # None: Triton's, made on first use
     triton_driver.set_active(recorder)
@@ -156,9 +155,8 @@ def layer_backward(
 
         cell, states = RNNCell("tanh"), r(n + 1, b, h)
         weights = LayerWeights(r(h, 1), r(h, h) / h, r(h), r(h))
-        record = torch.zeros(
-            TOL + 1, dtype=torch.float64, device=device
-        )  # a stopping rule's, read on the device
+        # a stopping rule's record, read on the device only
+        record = torch.zeros(TOL + 1, dtype=torch.float64, device=device)
         return FusedIteration(cell, r(n, b, 1), weights, states, *cell.bounds(states[0], n), record, chunk)
     if model == "rnn":
         states, w, last = r(n, b, h), r(h, h), r(b, h)
@@ -185,16 +183,9 @@ class Row:
     skipped_us: float  # the launches skipped: the host work around them
 
 
-def _skipped() -> contextlib.AbstractContextManager:
-    """Inside, ``Launch.run`` returns at once: a call's host work without its launches."""
-    from unittest import mock
-
-    return mock.patch("bppsa_core.triton.launch.Launch.run", lambda self, grid, **args: None)
-
-
 def bench(model: str, steps: int, device: torch.device, warmup: int, repeats: int, batch: int = 16) -> Row:
     """One row: the three ways of one call taking turns, each cell the median host microseconds."""
-    from benchmarks.kernels import recorded_launches
+    from benchmarks.kernels import launches_recorded, recorded_launches
     from bppsa_core.triton.launch import direct_launches
 
     call = layer_backward(model, steps, batch, 20, device)
@@ -202,7 +193,7 @@ def bench(model: str, steps: int, device: torch.device, warmup: int, repeats: in
     ways: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
         "triton": lambda: direct_launches(False),
         "direct": lambda: direct_launches(True),
-        "skipped": _skipped,
+        "skipped": launches_recorded,  # recorded instead of run: the host work around the launches
     }
     times: dict[str, list[float]] = {name: [] for name in ways}
     for round_ in range(warmup + repeats):
@@ -252,11 +243,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _missing() -> str | None:
-    """Why the launches cannot be compiled and timed here, or None."""
+    """Why the launches cannot be compiled and timed here (``kernels.check_compilable``), or None."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed; accepted: the triton extra installed (pip install '.[triton]')"
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "TRITON_INTERPRET=1 is set: the launches need Triton's compiler; unset it"
+    from benchmarks.kernels import ToolchainError, check_compilable
+
+    try:
+        check_compilable()
+    except ToolchainError as exc:
+        return str(exc)
     return None
 
 
