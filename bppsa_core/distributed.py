@@ -30,11 +30,12 @@ the same for 2 samples as for 16, so a layer left to it goes whole.
 
 A CPU rank of several writes each layer's outputs batch-major (a (T_r, B, H) view of (B, T_r, H)
 memory, as ``layer.native_forward`` can), since its backward walks groups of samples: a group's
-steps are then read in order, and a group of one sample is one contiguous run that the walk takes
-as it is, with no copy. What the rank returns is that view, as torch.nn returns a view for
-``batch_first``. The compiled forward's are in NumPy's memory (``numba_forward.new_outputs``), which
-takes huge pages where a tensor's fresh memory faults a page every 4 KB: written a step at a time
-across B rows, those faults had doubled the forward.
+steps are then read in order, each sample's side by side, where they lie
+(``jacobians.batch_major``): the walk and its weight gradients make no copy of them. What the
+rank returns is that view, as torch.nn returns a view for ``batch_first``. The compiled
+forward's are in NumPy's memory (``numba_forward.new_outputs``), which takes huge pages where a
+tensor's fresh memory faults a page every 4 KB: written a step at a time across B rows, those
+faults had doubled the forward.
 
 A GRU's or an LSTM's rank keeps what a module's layer keeps for its compiled walk (``layer.Tape``:
 the gates and states, read instead of recomputed), one tape per group of samples its backward walks,
@@ -632,8 +633,8 @@ def _bppsa(ctx, grad_out, grad_hn, grad_cn, rank, size):
     x, h_in, c_in, out, weights, tapes = _saved(ctx)
     spans = _backward_spans(h_in.shape[0], ctx.micro_batches, size, x.device)
     folded = ctx.folded  # a middle rank's A, folded in the forward (kept for a retained graph)
-    # views of the group's samples: the walk copies each block's steps side by side as it goes
-    # (jacobians.PreviousStates), so no copy of the group's whole slice is made
+    # views of the group's samples: the walk reads batch-major outputs where they lie and copies
+    # time-major ones a block at a time (jacobians.PreviousStates), never the group's whole slice
     groups = [
         [None if t is None else t[:, s] for t in (x, out, grad_out)]
         + [None if t is None else t[s] for t in (h_in, c_in, grad_hn, grad_cn, folded)]

@@ -555,14 +555,22 @@ Cell = RNNCell | GRUCell | LSTMCell
 Deltas = Callable[[slice], tuple[Tensor, Tensor]]
 
 
+def batch_major(t: Tensor) -> bool:
+    """Whether ``t`` (T, B, F) is strided with each sample's steps side by side: a view of batch-major
+    (B, T, F) memory, as a sequence-parallel rank holds its outputs to walk its samples in groups
+    (``bppsa_core.distributed``). A product reads such steps sample by sample, where it lies."""
+    return t.dim() == 3 and not t.is_contiguous() and t.stride(2) == 1 and t.stride(0) == t.shape[2]
+
+
 class PreviousStates:
     """The states h_{t-1} of steps t = 0 .. T-1 (h0, then the outputs but the last), taken by blocks
     of steps without a copy of the whole sequence: a block that starts after step 0 is a view of the
     outputs, only the first is joined to h0. The copy it avoids is T·B·H numbers, freshly paged in
     on every backward (about a quarter of a long one-thread layer's backward on the CPU).
 
-    Outputs whose samples are strided (a group of samples viewed out of the whole batch, as a
-    sequence-parallel rank walks them) are instead copied a block at a time: h_{lo-1} .. h_{hi-1},
+    Outputs in batch-major memory (``batch_major``: a sequence-parallel rank's group of samples)
+    are taken as views too, each sample's steps side by side. Outputs otherwise strided (a group
+    viewed out of time-major memory) are instead copied a block at a time: h_{lo-1} .. h_{hi-1},
     the block's steps side by side in one buffer that every block reuses (inside
     ``reusing_buffers``, the scope's: the next group's walk takes it over), of which the block's
     previous states (``self[lo:hi]``) and outputs (``outputs(lo, hi)``) are both views, valid until
@@ -574,7 +582,7 @@ class PreviousStates:
     def __init__(self, h0: Tensor, h: Tensor, whole: Tensor | None = None) -> None:
         self.h0, self.h = h0, h
         self.shape = h.shape
-        self._strided = not h.is_contiguous()  # blocks copied side by side (class docstring)
+        self._strided = not h.is_contiguous() and not batch_major(h)  # blocks copied side by side
         self._block: tuple[int, int] | None = None  # the steps lo, hi the buffer holds
         self._buffer: Tensor | None = None
         # ``whole()``'s copy, once made, or the caller's (``whole``): every block is a view of it
@@ -665,8 +673,8 @@ def layer_grads(
         shared = gh is gi  # an RNN or an LSTM: both sides share one pre-activation
         gi2 = gi.flatten(0, -2)
         gh2 = gi2 if shared else gh.flatten(0, -2)
-        d_w_ih = _add_product(d_w_ih, gi2, x[t].flatten(0, -2))
-        d_w_hh = _add_product(d_w_hh, gh2, h_prev[t].flatten(0, -2))
+        d_w_ih = _add_product(d_w_ih, gi, x[t])
+        d_w_hh = _add_product(d_w_hh, gh, h_prev[t])
         if w.b_ih is not None:
             d_b_ih = gi2.sum(0) if d_b_ih is None else d_b_ih.add_(gi2.sum(0))
         if w.b_hh is not None and not shared:
@@ -683,13 +691,21 @@ def layer_grads(
 
 
 def _add_product(total: Tensor | None, d: Tensor, b: Tensor) -> Tensor:
-    """``total += d^T @ b`` in place, or ``d^T @ b`` itself for the first block (no zero fill); d
-    (N, rows) a block's pre-activation gradients, b (N, columns) its inputs or previous states.
+    """``total += d^T @ b`` over a block's steps and samples in place, or ``d^T @ b`` itself for the
+    first block (no zero fill); d (K, B, rows) a block's pre-activation gradients, b (K, B, columns)
+    its inputs or previous states. Where b is in batch-major memory (``batch_major``) and at least
+    ``_SAMPLE_WISE`` wide, one product per sample, summed, where flattening it would copy it; a
+    narrower one (a single input feature) is copied, faster than such thin products (both
+    re-measured by ``python -m benchmarks.distributed --ranks 1 2``).
 
     A product of a few columns (``_NARROW``) and more rows, such as a GRU's or an LSTM's dW_hh at
     H = 20 (60 or 80 x 20), is kept column-major, so that every block's GEMM is the transposed one
     with the wide side as its columns: 15-30 % faster on one CPU thread, and slower from 64 columns
     (re-measured by ``python -m benchmarks.backward --model lstm --threads 1``)."""
+    if b.shape[-1] >= _SAMPLE_WISE and batch_major(b):
+        part = torch.bmm(d.permute(1, 2, 0), b.transpose(0, 1)).sum(0)
+        return part if total is None else total.add_(part)
+    d, b = d.flatten(0, -2), b.flatten(0, -2)
     if total is not None:
         return total.addmm_(d.t(), b)  # a column-major total stays so: the same transposed GEMM
     if d.device.type == "cpu" and b.shape[1] <= _NARROW < d.shape[1]:
@@ -699,6 +715,8 @@ def _add_product(total: Tensor | None, d: Tensor, b: Tensor) -> Tensor:
 
 # Columns up to which a CPU weight gradient with more rows is accumulated column-major (``_add_product``).
 _NARROW = 32
+# Columns from which a product reads batch-major inputs sample by sample (``_add_product``).
+_SAMPLE_WISE = 16
 
 
 def _sum_shared(deltas: Deltas, steps: int, block: int) -> Tensor:

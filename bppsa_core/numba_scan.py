@@ -308,6 +308,7 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
 
 
 _SCALAR_ROWS = False  # a build with it set keeps the scalar loop at every H (the tests' twin)
+_MAJOR = False  # a build with it set walks batch-major outputs (``_rnn_layer``)
 
 
 def _lstm_layer(has_u, has_c, one, tiny, groups, first, last, gates, h, c, w_hh, u, ends, g_in, g_out, delta):
@@ -462,8 +463,10 @@ def _rnn_layer(has_u, relu, one, tiny, groups, first, last, h_at, u_at, h, w_hh,
     ``RNNCell.preactivation_grads``), so the bits are too, with no factors made and no second pass
     over the walked gradients (re-measured by
     ``python -m benchmarks.backward --model rnn --threads 1 --strategies numba``). ``h`` and ``u``
-    may be windows of the sequence: their first rows are steps ``h_at`` and ``u_at``."""
-    batch, hid = h.shape[1], h.shape[2]
+    may be windows of the sequence: their first rows are steps ``h_at`` and ``u_at``. In the builds
+    with ``_MAJOR`` set, ``h`` is batch-major, (B, T, H), each sample's steps side by side (a
+    sequence-parallel rank's group of samples, read where it lies)."""
+    batch, hid = g_in.shape[0], h.shape[2]
     zero = one - one
     w_rows = padded(w_hh)
     for grp in prange(groups):
@@ -481,10 +484,13 @@ def _rnn_layer(has_u, relu, one, tiny, groups, first, last, h_at, u_at, h, w_hh,
                         acc[i, j] = g[i, j]
                     continue
                 if t > first:  # the next step's rows, while this one's are worked on
-                    prefetch_row(h, t - 1 - h_at, b)
+                    if _MAJOR:
+                        prefetch_row(h, b, t - 1 - h_at)
+                    else:
+                        prefetch_row(h, t - 1 - h_at, b)
                     prefetch_row(delta, k - 1, b)
                 for j in range(hid):
-                    y = h[t - h_at, b, j]
+                    y = h[b, t - h_at, j] if _MAJOR else h[t - h_at, b, j]
                     fp = (zero if y <= zero else one) if relu else -(y * y) + one  # as RNNCell.factors
                     delta[k, b, j] = g[i, j] * fp
                     acc[i, j] = zero
@@ -509,6 +515,8 @@ _gru_layer_serial = build(_gru_layer, False)
 _gru_layer_parallel = build(_gru_layer, True)
 _rnn_layer_serial = build(_rnn_layer, False)
 _rnn_layer_parallel = build(_rnn_layer, True)
+_rnn_layer_major_serial = build(_rnn_layer, False, major=True)
+_rnn_layer_major_parallel = build(_rnn_layer, True, major=True)
 
 
 def _arrays(*tensors: Tensor | np.ndarray) -> list[np.ndarray]:
@@ -678,12 +686,14 @@ class RNNWalk:
     hidden weights ``w_hh`` (H, H), ``relu`` (else tanh), the outputs' gradients ``u`` (T, B, H; 0
     past each end) or None and the samples' ``lengths`` (B,) or None, walked over any block of
     steps, the latest first, as ``LSTMWalk``: an RNN needs no tape, its outputs give the factors.
-    Outputs whose samples are strided (a group viewed out of the batch, as a sequence-parallel
-    rank walks it) are taken a block at a time, side by side: ``outputs(lo, hi)``, the rows
-    h_lo .. h_{hi-1} contiguous (a layer's: ``jacobians.PreviousStates.outputs``, whose copy the
-    block's weight gradients then read too; by default a copy of those rows), and their gradients
-    copied by blocks into a buffer every block reuses (``jacobians.buffer``): a copy of them all
-    would cost as much as the walk (re-measured by ``python -m benchmarks.distributed --ranks 1 2``)."""
+    Outputs in batch-major memory, a (T, B, H) view of (B, T, H) (a sequence-parallel rank's group
+    of samples, ``jacobians.batch_major``), are read where they lie, by the kernel's batch-major
+    build. Other strided outputs are taken a block at a time, side by side: ``outputs(lo, hi)``, the
+    rows h_lo .. h_{hi-1} contiguous (a layer's: ``jacobians.PreviousStates.outputs``, whose copy
+    the block's weight gradients then read too; by default a copy of those rows); strided gradients
+    are copied by blocks into a buffer every block reuses (``jacobians.buffer``): a copy of them all
+    would cost as much as the walk (both re-measured by
+    ``python -m benchmarks.distributed --ranks 1 2``)."""
 
     def __init__(
         self,
@@ -698,34 +708,43 @@ class RNNWalk:
     ) -> None:
         one, tiny = _SCALARS[w_hh.dtype]
         n_threads = threads()
-        self._kernel = _rnn_layer_parallel if n_threads > 1 else _rnn_layer_serial
+        major = not h.is_contiguous() and h.transpose(0, 1).is_contiguous()  # the kernel's (B, T, H)
+        if major:
+            self._kernel = _rnn_layer_major_parallel if n_threads > 1 else _rnn_layer_major_serial
+        else:
+            self._kernel = _rnn_layer_parallel if n_threads > 1 else _rnn_layer_serial
         self._head = (u is not None, relu, one, tiny if flush else one - one, min(n_threads, h.shape[1]))
         self._h, self._u, self._w_hh, self._ends = h, u, _arrays(w_hh)[0], _ends(lengths, h)
         self._outputs = outputs or (lambda lo, hi: h[lo:hi].contiguous())
-        self._whole = None  # the kernel's arrays where nothing is strided: the tensors' own memory
-        if h.is_contiguous() and (u is None or u.is_contiguous()):
-            outside = UNUSED[w_hh.dtype] if u is None else u.numpy(force=True)
-            self._whole = (0, 0, h.numpy(force=True), self._w_hh, outside, self._ends)
+        # the kernel's arrays where they are the tensors' own memory (else None: copied by blocks)
+        self._h_whole = None
+        if h.is_contiguous() or major:
+            self._h_whole = (h.transpose(0, 1) if major else h).numpy(force=True)
+        self._u_whole = None
+        if u is None or u.is_contiguous():
+            self._u_whole = UNUSED[w_hh.dtype] if u is None else u.numpy(force=True)
 
     def __call__(self, first: int, last: int, g_in: Tensor, g_out: Tensor, delta: Tensor) -> None:
         """Steps ``last`` - 1 down to ``first``: from dL/dh after them, ``g_in`` (B, H), to dL/dh
         before them into ``g_out`` (B, H; may be ``g_in``), the steps' pre-activation gradients
         (both sides') into ``delta`` (last - first, B, H), all contiguous."""
-        windows = self._whole or self._block(first, last)
+        h_at, h = (0, self._h_whole) if self._h_whole is not None else self._h_block(first, last)
+        u_at, u = (0, self._u_whole) if self._u_whole is not None else self._u_block(first, last)
+        windows = (h_at, u_at, h, self._w_hh, u, self._ends)
         self._kernel(*self._head, first, last, *windows, g_in.numpy(), g_out.numpy(), delta.numpy())
 
-    def _block(self, first: int, last: int) -> tuple:
-        """The kernel's windows of strided outputs and gradients for steps ``first`` .. ``last`` - 1:
-        their rows h_first .. and u_{first-1} .. side by side, and the steps they start at."""
+    def _h_block(self, first: int, last: int) -> tuple[int, np.ndarray]:
+        """The strided outputs h_first .. h_{last-1} side by side, and the step they start at."""
+        return first, self._outputs(first, last).contiguous().numpy()
+
+    def _u_block(self, first: int, last: int) -> tuple[int, np.ndarray]:
+        """The strided outputs' gradients u_{first-1} .. u_{last-2} side by side, and the step they
+        start at."""
         from bppsa_core.jacobians import buffer
 
-        h = self._outputs(first, last).numpy()
-        if self._u is None:
-            return first, 0, h, self._w_hh, UNUSED[self._h.dtype], self._ends
         u_at = max(first - 1, 0)
         window = self._u[u_at : last - 1]
-        u = buffer("walk outputs' gradients", window.shape, self._u).copy_(window)
-        return first, u_at, h, self._w_hh, u.numpy(), self._ends
+        return u_at, buffer("walk outputs' gradients", window.shape, self._u).copy_(window).numpy()
 
 
 class GRUWalk:

@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import rel_err
 
+from bppsa_core import jacobians
 from bppsa_core.jacobians import (
     BLOCK_BYTES,
     GRUCell,
@@ -13,6 +14,7 @@ from bppsa_core.jacobians import (
     LSTMCell,
     PreviousStates,
     RNNCell,
+    batch_major,
     block_budget,
     buffer,
     layer_grads,
@@ -213,6 +215,26 @@ def test_a_strided_group_of_samples_is_copied_a_block_at_a_time_into_one_buffer(
     assert whole.untyped_storage().data_ptr() not in buffers
     torch.testing.assert_close(whole, joined, rtol=0, atol=0)
     assert prev[3:3].numel() == 0 and prev.outputs(3, 3).numel() == 0
+
+
+def test_a_group_of_samples_in_batch_major_memory_is_taken_in_views() -> None:
+    """Samples 1..3 of 5 in batch-major memory (a CPU rank's outputs): every block after the first is
+    a view of the outputs, the first joined to h0, and the products read them sample by sample: the
+    same weight gradient as the contiguous copy's."""
+    h0, h = torch.randn(5, 4, dtype=F64), torch.randn(5, 20, 4, dtype=F64).transpose(0, 1)
+    group, h0g = h[:, 1:4], h0[1:4]
+    assert batch_major(group) and not batch_major(group.contiguous()) and not batch_major(h0g)
+    prev = PreviousStates(h0g, group)
+    joined = torch.cat((h0g.unsqueeze(0), group[:-1]))
+    for lo, hi in ((12, 20), (4, 12), (0, 4)):
+        states, outputs = prev[lo:hi], prev.outputs(lo, hi)
+        torch.testing.assert_close(states, joined[lo:hi], rtol=0, atol=0)
+        torch.testing.assert_close(outputs, group[lo:hi], rtol=0, atol=0)
+        assert _storage(outputs) == _storage(h) and (lo == 0) != (_storage(states) == _storage(h))
+    d = torch.randn(8, 3, 16, dtype=F64)
+    wide = torch.randn(3, 20, 16, dtype=F64).transpose(0, 1)[4:12]  # as wide as _SAMPLE_WISE
+    got = jacobians._add_product(None, d, wide)
+    torch.testing.assert_close(got, d.flatten(0, 1).t() @ wide.flatten(0, 1), rtol=1e-12, atol=1e-12)
 
 
 def _storage(t: torch.Tensor) -> int:

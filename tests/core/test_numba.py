@@ -210,6 +210,22 @@ def test_a_walk_takes_its_blocks_from_the_end() -> None:
     assert first().untyped_storage().nbytes() == 4 * first().element_size()
 
 
+def _walks_as_its_copy(config, weights, views, grad_hn, tol: float) -> None:
+    """A group's layer backward from ``views`` (x, h0, its outputs and their gradients, viewed out of
+    the batch) gives its contiguous copy's gradients within ``tol``, with the outputs' gradients and
+    without."""
+    copies = [t.contiguous() for t in views]
+    for every in (None, True):
+        got = [
+            layer_mod.bppsa_backward(
+                config, a, b, None, weights, None, c, d if every else None, grad_hn, None
+            )
+            for a, b, c, d in (views, copies)
+        ]
+        for g, e in zip(got[0][:2] + tuple(got[0][3]), got[1][:2] + tuple(got[1][3]), strict=True):
+            torch.testing.assert_close(g, e, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("mode", ["RNN_TANH", "GRU"])
 def test_a_group_of_samples_viewed_out_of_the_batch_walks_as_its_copy(mode, monkeypatch) -> None:
     """A sequence-parallel rank walks its sample groups as strided views (each block copied side by
@@ -227,29 +243,61 @@ def test_a_group_of_samples_viewed_out_of_the_batch_walks_as_its_copy(mode, monk
     # one chunk: the layer walked block by block (the path a one-thread rank takes)
     config = layer_mod.LayerConfig(mode, options=dispatch.ScanOptions(strategy="numba", chunk=50))
     copied, walked = [], []
-    real, real_block = jacobians.PreviousStates._side_by_side, numba_scan.RNNWalk._block
+    real, real_block = jacobians.PreviousStates._side_by_side, numba_scan.RNNWalk._h_block
     monkeypatch.setattr(
         jacobians.PreviousStates,
         "_side_by_side",
         lambda self, lo, hi: copied.append(lo) or real(self, lo, hi),
     )
     monkeypatch.setattr(
-        numba_scan.RNNWalk, "_block", lambda self, lo, hi: walked.append(lo) or real_block(self, lo, hi)
+        numba_scan.RNNWalk, "_h_block", lambda self, lo, hi: walked.append(lo) or real_block(self, lo, hi)
     )
     s = slice(2, 5)
     views = (x[:, s], h0[s], out[:, s], grad_out[:, s])
-    copies = [t.contiguous() for t in views]
-    for every in (None, True):
-        got = [
-            layer_mod.bppsa_backward(
-                config, a, b, None, weights, None, c, d if every else None, grad_hn[s], None
-            )
-            for a, b, c, d in (views, copies)
-        ]
-        for g, e in zip(got[0][:2] + tuple(got[0][3]), got[1][:2] + tuple(got[1][3]), strict=True):
-            torch.testing.assert_close(g, e, rtol=0, atol=0)
+    _walks_as_its_copy(config, weights, views, grad_hn[s], tol=0)
     assert len(set(copied)) > 2 and 0 in copied  # several blocks, each copied, the views' only
     assert len(set(walked)) > 2 if mode == "RNN_TANH" else not walked
+
+
+@pytest.mark.parametrize("mode", ["RNN_TANH", "RNN_RELU", "GRU"])
+def test_a_group_of_samples_in_batch_major_memory_is_walked_where_it_lies(mode, monkeypatch) -> None:
+    """A CPU rank of several keeps its outputs batch-major (``bppsa_core.distributed``): a group of
+    its samples is walked with no block of them copied (an RNN's by the kernel's batch-major build),
+    its weight products made sample by sample, and gives the gradients of its contiguous copy, in
+    blocks small enough that there are several."""
+    monkeypatch.setitem(jacobians.BLOCK_BYTES, "cpu", 16384)
+    torch.manual_seed(0)
+    features, hidden = 16, 16  # as wide as products read sample by sample (jacobians._SAMPLE_WISE)
+    module = (
+        torch.nn.GRU(features, hidden, dtype=F64)
+        if mode == "GRU"
+        else torch.nn.RNN(features, hidden, nonlinearity=mode[4:].lower(), dtype=F64)
+    )
+    weights = [p.detach() for p in module._flat_weights]
+    x, h0 = torch.randn(6, 50, features, dtype=F64).transpose(0, 1), torch.randn(6, hidden, dtype=F64)
+    with torch.no_grad():
+        out = module(x, h0.unsqueeze(0))[0].transpose(0, 1).contiguous().transpose(0, 1)  # batch-major
+    grad_out, grad_hn = torch.randn_like(out), torch.randn(6, hidden, dtype=F64)
+    config = layer_mod.LayerConfig(mode, options=dispatch.ScanOptions(strategy="numba", chunk=50))
+    copied, majors, sample_wise = [], [], []
+    real_copy, real_major = jacobians.PreviousStates._side_by_side, numba_scan._rnn_layer_major_serial
+    monkeypatch.setattr(
+        jacobians.PreviousStates,
+        "_side_by_side",
+        lambda self, lo, hi: copied.append(lo) or real_copy(self, lo, hi),
+    )
+    monkeypatch.setattr(
+        numba_scan, "_rnn_layer_major_serial", lambda *a: majors.append(a[5]) or real_major(*a)
+    )
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: sample_wise.append(1) or real_bmm(*a))
+    s = slice(2, 5)
+    views = (x[:, s], h0[s], out[:, s], grad_out[:, s])
+    assert jacobians.batch_major(views[0]) and jacobians.batch_major(views[2])
+    _walks_as_its_copy(config, weights, views, grad_hn[s], tol=1e-12)
+    assert not copied
+    assert len(set(majors)) > 2 if mode != "GRU" else not majors  # several blocks, each read in place
+    assert sample_wise
 
 
 @pytest.mark.parametrize("kind", ["RNN", "GRU"])
