@@ -693,22 +693,25 @@ def layer_grads(
 def _add_product(total: Tensor | None, d: Tensor, b: Tensor) -> Tensor:
     """``total += d^T @ b`` over a block's steps and samples in place, or ``d^T @ b`` itself for the
     first block (no zero fill); d (K, B, rows) a block's pre-activation gradients, b (K, B, columns)
-    its inputs or previous states. Where b is in batch-major memory (``batch_major``) and at least
-    ``_SAMPLE_WISE`` wide, one product per sample, summed, where flattening it would copy it; a
-    narrower one (a single input feature) is copied, faster than such thin products (both
-    re-measured by ``python -m benchmarks.distributed --ranks 1 2``).
+    its inputs or previous states.
 
     A product of a few columns (``_NARROW``) and more rows, such as a GRU's or an LSTM's dW_hh at
     H = 20 (60 or 80 x 20), is kept column-major, so that every block's GEMM is the transposed one
     with the wide side as its columns: 15-30 % faster on one CPU thread, and slower from 64 columns
-    (re-measured by ``python -m benchmarks.backward --model lstm --threads 1``)."""
-    if b.shape[-1] >= _SAMPLE_WISE and batch_major(b):
+    (re-measured by ``python -m benchmarks.backward --model lstm --threads 1``). Any other product of
+    a b in batch-major memory (``batch_major``) at least ``_SAMPLE_WISE`` wide is one product per
+    sample, summed, where flattening b would copy it; a narrower b (a single input feature) is
+    copied, faster than such thin products (re-measured by
+    ``python -m benchmarks.distributed --ranks 1 2``)."""
+    cpu = d.device.type == "cpu"
+    column_major = cpu and b.shape[-1] <= _NARROW < d.shape[-1]
+    if cpu and not column_major and b.shape[-1] >= _SAMPLE_WISE and batch_major(b):
         part = torch.bmm(d.permute(1, 2, 0), b.transpose(0, 1)).sum(0)
         return part if total is None else total.add_(part)
     d, b = d.flatten(0, -2), b.flatten(0, -2)
     if total is not None:
         return total.addmm_(d.t(), b)  # a column-major total stays so: the same transposed GEMM
-    if d.device.type == "cpu" and b.shape[1] <= _NARROW < d.shape[1]:
+    if column_major:
         return torch.mm(b.t(), d).t()
     return torch.mm(d.t(), b)
 
