@@ -714,8 +714,8 @@ class RNNWalk:
         else:
             self._kernel = _rnn_layer_parallel if n_threads > 1 else _rnn_layer_serial
         self._head = (u is not None, relu, one, tiny if flush else one - one, min(n_threads, h.shape[1]))
-        self._h, self._u, self._w_hh, self._ends = h, u, _arrays(w_hh)[0], _ends(lengths, h)
-        self._outputs = outputs or (lambda lo, hi: h[lo:hi].contiguous())
+        self._u, self._w_hh, self._ends = u, _arrays(w_hh)[0], _ends(lengths, h)
+        self._outputs = outputs or (lambda lo, hi: h[lo:hi])  # made contiguous by ``_h_block``
         # the kernel's arrays where they are the tensors' own memory (else None: copied by blocks)
         self._h_whole = None
         if h.is_contiguous() or major:
