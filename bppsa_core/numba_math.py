@@ -205,12 +205,12 @@ LANES_MIN = max(LANES.values())  # rows narrower than this take the plain loops 
 
 
 class Vectors:
-    """LLVM vectors of ``LANES[dtype]`` elements in an intrinsic's code: the vector type, a
+    """LLVM vectors of ``LANES[dtype]`` elements (or ``lanes``) in an intrinsic's code: the vector type, a
     pointer to the vector at element j of a row (``at``), its load and store (element-aligned),
     and a scalar broadcast to every lane (``splat``)."""
 
-    def __init__(self, context, builder, dtype) -> None:
-        self.builder, self.lanes = builder, LANES[dtype]
+    def __init__(self, context, builder, dtype, lanes: int | None = None) -> None:
+        self.builder, self.lanes = builder, lanes or LANES[dtype]
         element = context.get_value_type(dtype)
         self.type = ir.VectorType(element, self.lanes)
         self.align = context.get_abi_alignment(element)
@@ -285,9 +285,10 @@ def _product_tile(rows: int, pers: tuple[int, ...]) -> Callable:
     is a chain of K dependent additions, so a tile of few rows needs more blocks in flight to keep
     the vector units busy, and a few passes for the leftovers keep the code (and its compile)
     short. The last block, where R is not a multiple of the lanes, is the window of the last
-    ``LANES`` columns, summed in the last pass (at H = 20 one pass of k, not two) from the values
-    before this update and stored last (the columns it shares with the block before are the same
-    operations, so the same bits)."""
+    ``LANES`` columns, or of the last ``LANES / 2`` where the ragged columns fit in them (at H = 20 in
+    float32 on AVX-512, four); summed in the last pass (at H = 20 one pass of k, not two) from the
+    values before this update and stored last (the columns it shares with the block before are the
+    same operations, so the same bits)."""
 
     @intrinsic
     def tile(typingctx, acc, h, w_t, b0):
@@ -304,13 +305,21 @@ def _product_tile(rows: int, pers: tuple[int, ...]) -> Callable:
             cols, inner = builder.extract_value(a.shape, 1), builder.extract_value(x.shape, 1)
             w_cols = builder.extract_value(w.shape, 1)  # its row stride: ``padded``'s rows
             v = Vectors(context, builder, acc.dtype)
-            suffix = f"v{v.lanes}{'f32' if acc.dtype == nbtypes.float32 else 'f64'}"
-            fma_type = ir.FunctionType(v.type, [v.type] * 3)
-            fused = cgutils.get_or_insert_function(builder.module, fma_type, f"llvm.fma.{suffix}")
+            half = Vectors(context, builder, acc.dtype, v.lanes // 2)
+            element = "f32" if acc.dtype == nbtypes.float32 else "f64"
 
-            def multiply_add(x, y, z):
+            def fused(vec):
+                fma_type = ir.FunctionType(vec.type, [vec.type] * 3)
+                name = f"llvm.fma.v{vec.lanes}{element}"
+                return cgutils.get_or_insert_function(builder.module, fma_type, name)
+
+            fuse = {vec.lanes: fused(vec) for vec in (v, half)}
+
+            def multiply_add(x, y, z, vec):
                 """x * y + z: fused where the target has FMA (``FMA``), as the plain twin does."""
-                return builder.call(fused, [x, y, z]) if FMA else builder.fadd(z, builder.fmul(x, y))
+                if FMA:
+                    return builder.call(fuse[vec.lanes], [x, y, z])
+                return builder.fadd(z, builder.fmul(x, y))
 
             first = context.cast(builder, args[3], signature.args[3], nbtypes.int64)
 
@@ -319,37 +328,56 @@ def _product_tile(rows: int, pers: tuple[int, ...]) -> Callable:
 
             acc_rows = [row(a.data, i, cols) for i in range(rows)]
             h_rows = [row(x.data, i, inner) for i in range(rows)]
-            # the sums of up to max(pers) + 1 blocks of columns at once: independent chains per row
+            # the sums of up to max(pers) blocks of columns and a window at once: independent chains
             sums = [[cgutils.alloca_once(builder, v.type) for _ in range(max(pers) + 1)] for _ in range(rows)]
+            half_sums = [cgutils.alloca_once(builder, half.type) for _ in range(rows)]
+
+            def slot(i, c, vec):
+                return sums[i][c] if vec is v else half_sums[i]
 
             def blocks(starts):
-                """sums[i][c] = row i's columns starts[c] .. + lanes, every k's product added in order."""
+                """Row i's columns j .. j + lanes for each (j, vectors) of ``starts`` summed in its
+                slot, every k's product added in order."""
                 for i in range(rows):
-                    for c, j in enumerate(starts):
-                        builder.store(v.load(acc_rows[i], j), sums[i][c])
+                    for c, (j, vec) in enumerate(starts):
+                        builder.store(vec.load(acc_rows[i], j), slot(i, c, vec))
                 with cgutils.for_range(builder, inner) as loop:
                     k = loop.index
                     w_row = builder.gep(w.data, [builder.mul(k, w_cols)])
-                    wk = [v.load(w_row, j) for j in starts]
+                    wk = [vec.load(w_row, j) for j, vec in starts]
                     for i in range(rows):
-                        hk = v.splat(builder.load(builder.gep(h_rows[i], [k])))
-                        for c in range(len(starts)):
-                            total = multiply_add(hk, wk[c], builder.load(sums[i][c]))
-                            builder.store(total, sums[i][c])
+                        hk = builder.load(builder.gep(h_rows[i], [k]))
+                        splats = {vec.lanes: vec.splat(hk) for _, vec in starts}
+                        for c, (_, vec) in enumerate(starts):
+                            total = multiply_add(splats[vec.lanes], wk[c], builder.load(slot(i, c, vec)), vec)
+                            builder.store(total, slot(i, c, vec))
 
             def update(starts):
                 """The blocks at ``starts`` summed, then stored in that order."""
                 blocks(starts)
                 for i in range(rows):
-                    for c, j in enumerate(starts):
-                        v.store(builder.load(sums[i][c]), acc_rows[i], j)
+                    for c, (j, vec) in enumerate(starts):
+                        vec.store(builder.load(slot(i, c, vec)), acc_rows[i], j)
 
             def const(n):
                 return ir.Constant(i64, n)
 
             width = const(v.lanes)
-            last = builder.sub(cols, width)
-            ragged = builder.icmp_unsigned("!=", builder.urem(cols, width), const(0))
+            left_over = builder.urem(cols, width)
+            ragged = builder.icmp_unsigned("!=", left_over, const(0))
+            # the ragged columns' window: half a vector where they fit in one (a CPU that splits its
+            # widest vectors does half the work; re-measured by ``python -m benchmarks.backward``)
+            narrow = builder.and_(ragged, builder.icmp_unsigned("<=", left_over, const(half.lanes)))
+            windows = (
+                (narrow, (builder.sub(cols, const(half.lanes)), half)),
+                (builder.and_(ragged, builder.not_(narrow)), (builder.sub(cols, width), v)),
+            )
+
+            def with_window(when, starts):
+                """``update(starts)`` and the ragged window, where ``when``."""
+                for fits, window in windows:
+                    with builder.if_then(builder.and_(when, fits)):
+                        update([*starts, window])
 
             def sweep(j0, count, pers):
                 """``count`` blocks from column ``j0``, ``pers[0]`` at a time, those left over by
@@ -364,19 +392,17 @@ def _product_tile(rows: int, pers: tuple[int, ...]) -> Callable:
                 joins = builder.and_(ragged, builder.and_(none_left, some))
                 with cgutils.for_range(builder, builder.sub(groups, builder.zext(joins, i64))) as loop:
                     j = builder.add(j0, builder.mul(loop.index, const(per * v.lanes)))
-                    update([builder.add(j, const(c * v.lanes)) for c in range(per)])
-                with builder.if_then(joins):
-                    j = builder.add(j0, builder.mul(builder.sub(groups, const(1)), const(per * v.lanes)))
-                    update([*(builder.add(j, const(c * v.lanes)) for c in range(per)), last])
+                    update([(builder.add(j, const(c * v.lanes)), v) for c in range(per)])
+                j = builder.add(j0, builder.mul(builder.sub(groups, const(1)), const(per * v.lanes)))
+                with_window(joins, [(builder.add(j, const(c * v.lanes)), v) for c in range(per)])
                 j = builder.add(j0, builder.mul(groups, const(per * v.lanes)))  # the blocks left over
                 if len(pers) > 1:
                     sweep(j, left, pers[1:])
                     return
                 for n in range(1, per):
-                    starts = [builder.add(j, const(c * v.lanes)) for c in range(n)]
+                    starts = [(builder.add(j, const(c * v.lanes)), v) for c in range(n)]
                     is_n = builder.icmp_unsigned("==", left, const(n))
-                    with builder.if_then(builder.and_(is_n, ragged)):
-                        update([*starts, last])
+                    with_window(is_n, starts)
                     with builder.if_then(builder.and_(is_n, builder.not_(ragged))):
                         update(starts)
 
@@ -481,7 +507,7 @@ def put(dst, src):
 # file, not by its options or by the code it inlines from this module, so a build made with other
 # options or an older ``add_hidden`` is not loaded from an older cache (the tag changes with them).
 _OPTIONS = dict(cache=True, error_model="numpy", nogil=True)
-_OPTIONS_TAG = "ng12"
+_OPTIONS_TAG = "ng13"
 
 
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:
