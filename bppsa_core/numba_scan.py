@@ -234,7 +234,8 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
     group's next dc at step t, sample b, from row i of dh and dc (nb, H): ``_lstm_layer``'s loop
     over a gate's H units in vectors of ``LANES`` (H at least that), the same operations in the
     same order on every lane, so the same bits. A ragged last block is the window of the last
-    lanes, made from the values before the row and stored last (as ``numba_math.add_hidden``'s)."""
+    lanes (half a vector's where they fit), made from the values before the row and stored last
+    (as ``numba_math.add_hidden``'s)."""
     arrays = (gates, h, c, delta, dh, dc)
     if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == dh.dtype for a in arrays):
         return None
@@ -250,11 +251,10 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
             for v, t in zip(args[6:10], signature.args[6:10], strict=True)
         )
         v = Vectors(context, builder, dh.dtype)
-        one_v, tiny_v = (
-            v.splat(context.cast(builder, a, t, dh.dtype))
-            for a, t in zip(args[10:], signature.args[10:], strict=True)
+        half = Vectors(context, builder, dh.dtype, v.lanes // 2)
+        one_s, tiny_s = (
+            context.cast(builder, a, t, dh.dtype) for a, t in zip(args[10:], signature.args[10:], strict=True)
         )
-        zero = ir.Constant(v.type, None)
         hid = builder.extract_value(dhs.shape, 1)
         batch = builder.extract_value(hs.shape, 1)
         at_step, at_d = (builder.add(builder.mul(s, batch), sample) for s in (step, d_step))  # (t, b), (k, b)
@@ -268,10 +268,12 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
         def gate(k, j):
             return builder.add(builder.mul(hid, ir.Constant(i64, k)), j)
 
-        def grads(j):
-            """The lanes j .. j + lanes: (d_i, d_f, d_g, d_o) and the next dc, as the scalar loop."""
-            ig, f, g, o = (v.load(gate_row, gate(k, j)) for k in range(4))
-            hv, cv, dh, dc = v.load(h_row, j), v.load(c_row, j), v.load(dh_row, j), v.load(dc_row, j)
+        def grads(j, vec):
+            """The lanes j .. j + lanes of ``vec``: (d_i, d_f, d_g, d_o) and the next dc, as the
+            scalar loop."""
+            one_v, tiny_v, zero = vec.splat(one_s), vec.splat(tiny_s), ir.Constant(vec.type, None)
+            ig, f, g, o = (vec.load(gate_row, gate(k, j)) for k in range(4))
+            hv, cv, dh, dc = (vec.load(row, j) for row in (h_row, c_row, dh_row, dc_row))
             fmul, fsub = builder.fmul, builder.fsub
             tj = builder.select(builder.fcmp_unordered("!=", o, zero), builder.fdiv(hv, o), zero)
             dcj = builder.fadd(dc, fmul(fmul(dh, o), fsub(one_v, fmul(tj, tj))))
@@ -285,23 +287,30 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
             )
             return [d_i, d_f, d_g, d_o, builder.select(big, nc, zero)]
 
-        def put_row(j, values):
+        def put_row(j, values, vec):
             for k in range(4):
-                v.store(values[k], d_row, gate(k, j))
-            v.store(values[4], dc_row, j)
+                vec.store(values[k], d_row, gate(k, j))
+            vec.store(values[4], dc_row, j)
 
-        width = ir.Constant(i64, v.lanes)
-        last = builder.sub(hid, width)
-        ragged = builder.icmp_unsigned("!=", builder.urem(hid, width), ir.Constant(i64, 0))
-        held = [cgutils.alloca_once(builder, v.type) for _ in range(5)]
-        with builder.if_then(ragged):
-            for slot, value in zip(held, grads(last), strict=True):
-                builder.store(value, slot)
-        with cgutils.for_range(builder, builder.udiv(hid, width)) as loop:
-            j = builder.mul(loop.index, width)
-            put_row(j, grads(j))
-        with builder.if_then(ragged):
-            put_row(last, [builder.load(slot) for slot in held])
+        lanes = ir.Constant(i64, v.lanes)
+        left_over = builder.urem(hid, lanes)
+        ragged = builder.icmp_unsigned("!=", left_over, ir.Constant(i64, 0))
+        # the ragged window in half a vector where the lanes left over fit (``add_hidden``'s)
+        narrow = builder.and_(ragged, builder.icmp_unsigned("<=", left_over, ir.Constant(i64, half.lanes)))
+        windows = []  # where, the window's first lane, its vectors, its values held until stored
+        for fits, vec in ((narrow, half), (builder.and_(ragged, builder.not_(narrow)), v)):
+            held = [cgutils.alloca_once(builder, vec.type) for _ in range(5)]
+            windows.append((fits, builder.sub(hid, ir.Constant(i64, vec.lanes)), vec, held))
+        for fits, last, vec, held in windows:
+            with builder.if_then(fits):
+                for slot, value in zip(held, grads(last, vec), strict=True):
+                    builder.store(value, slot)
+        with cgutils.for_range(builder, builder.udiv(hid, lanes)) as loop:
+            j = builder.mul(loop.index, lanes)
+            put_row(j, grads(j, v), v)
+        for fits, last, vec, held in windows:
+            with builder.if_then(fits):
+                put_row(last, [builder.load(slot) for slot in held], vec)
         return context.get_dummy_value()
 
     return types.void(gates, h, c, delta, dh, dc, t, k, b, i, one, tiny), codegen

@@ -74,11 +74,12 @@ def test_threads_change_nothing(monkeypatch) -> None:
 def test_an_lstm_walks_rows_in_vectors_as_its_scalar_loop(dtype) -> None:
     """The fused LSTM backward's gate gradients in vectors (``numba_scan._lstm_row``) against the
     same kernel built with its scalar loop at every H: the same bits, for H a multiple of the
-    vector, ragged, and wider than two vectors, with an output gate of 0 and flushed dc; each
-    written over its gates as the untaped backward does; and walked in blocks of steps from the
-    end, as the taped backward is; one sample ends early (packed sequences)."""
+    vector (8 or 16 lanes), ragged (its window half a vector or whole), and wider than two
+    vectors, with an output gate of 0 and flushed dc; each written over its gates as the untaped
+    backward does; and walked in blocks of steps from the end, as the taped backward is; one
+    sample ends early (packed sequences)."""
     scalar = numba_math.build(numba_scan._lstm_layer, False, scalar_rows=True)
-    for steps, batch, hidden in [(7, 3, 16), (6, 5, 9), (5, 2, 20), (4, 3, 40), (4, 2, 35)]:  # 8 or 16 lanes
+    for steps, batch, hidden in [(7, 3, 16), (6, 5, 9), (5, 2, 20), (4, 3, 40), (4, 2, 35), (3, 2, 29)]:
         gates = torch.rand(steps, batch, 4, hidden, dtype=dtype)
         gates[2, 1, 3, 4] = 0  # o = 0: tanh(c) taken as 0
         h, c = (
