@@ -59,6 +59,43 @@ def _at_one_and_two_threads(monkeypatch, builds: tuple[str, str], run) -> list:
     return results
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_a_gru_walks_rows_in_vectors_as_its_scalar_loop(dtype) -> None:
+    """The fused GRU backward's gate gradients in vectors (``numba_scan._gru_row``) against the same
+    kernel built with its scalar loop at every H: the same bits, for H a multiple of the vector,
+    ragged (its window half a vector or whole) and below a vector, with the outputs' gradients
+    injected and without (an unused placeholder then), and walked in blocks of steps from the end;
+    one sample ends early (packed sequences)."""
+    scalar = numba_math.build(numba_scan._gru_layer, False, scalar_rows=True)
+    one, tiny = numba_scan._SCALARS[dtype]
+    for steps, batch, hidden in [(7, 3, 16), (6, 5, 9), (5, 2, 20), (4, 3, 40), (4, 2, 35), (3, 2, 29)]:
+        gates = torch.rand(steps, batch, 4 * hidden, dtype=dtype)
+        h = torch.randn(steps + 1, batch, hidden, dtype=dtype)
+        w_hh, u = torch.randn(3 * hidden, hidden, dtype=dtype), torch.randn(steps, batch, hidden, dtype=dtype)
+        g_h = torch.randn(batch, hidden, dtype=dtype)
+        ends = torch.full((batch,), steps)
+        ends[-1] = 2
+        for has_u in (True, False):
+            outside = u if has_u else torch.from_numpy(numba_math.UNUSED[dtype])
+            results = []
+            for kernel in (numba_scan._gru_layer_serial, scalar):
+                g, d_in, d_hid = (
+                    g_h.clone(),
+                    *(torch.empty(steps, batch, 3 * hidden, dtype=dtype) for _ in "ih"),
+                )
+                arrays = [t.numpy() for t in (gates, h, w_hh, outside, ends, g, g, d_in, d_hid)]
+                kernel(has_u, one, tiny, 1, 0, steps, *arrays)
+                results.append(torch.cat((g.flatten(), d_in.flatten(), d_hid.flatten())))
+            g, blocks = g_h.clone(), []
+            for first, last in ((3, steps), (1, 3), (0, 1)):
+                blocks.insert(0, [torch.empty(last - first, batch, 3 * hidden, dtype=dtype) for _ in "ih"])
+                arrays = [t.numpy() for t in (gates, h, w_hh, outside, ends, g, g, *blocks[0])]
+                numba_scan._gru_layer_serial(has_u, one, tiny, 1, first, last, *arrays)
+            sides = [torch.cat([b[n] for b in blocks]).flatten() for n in (0, 1)]
+            results.append(torch.cat((g.flatten(), *sides)))
+            assert all(torch.equal(results[0], r) for r in results[1:]), (hidden, has_u)
+
+
 @pytest.mark.extended  # the parallel scan's build to compile, a dozen seconds
 def test_threads_change_nothing(monkeypatch) -> None:
     """Every task of a phase is independent, so 2 threads give the 1-thread result bit for bit, with
