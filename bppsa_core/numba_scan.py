@@ -380,14 +380,16 @@ def _gru_row(typingctx, gates, h, u, dh, acc, d_in, d_hid, t, k, b, i, inject, o
             vec.store(builder.fadd(builder.load(slot), fmul(g, z)), acc_row, j)
 
         lanes = ir.Constant(i64, v.lanes)
-        with cgutils.for_range(builder, builder.udiv(hid, lanes)) as loop:
-            put_row(builder.mul(loop.index, lanes), v)
-        left_over = builder.urem(hid, lanes)
+        whole, left_over = builder.udiv(hid, lanes), builder.urem(hid, lanes)
         ragged = builder.icmp_unsigned("!=", left_over, ir.Constant(i64, 0))
         narrow = builder.and_(ragged, builder.icmp_unsigned("<=", left_over, ir.Constant(i64, half.lanes)))
-        for fits, vec in ((narrow, half), (builder.and_(ragged, builder.not_(narrow)), v)):
-            with builder.if_then(fits):
-                put_row(builder.sub(hid, ir.Constant(i64, vec.lanes)), vec)
+        # a whole vector's window is one more pass of the loop (one copy of the code: compile time)
+        wide = builder.zext(builder.and_(ragged, builder.not_(narrow)), i64)
+        with cgutils.for_range(builder, builder.add(whole, wide)) as loop:
+            inside = builder.icmp_unsigned("<", loop.index, whole)
+            put_row(builder.select(inside, builder.mul(loop.index, lanes), builder.sub(hid, lanes)), v)
+        with builder.if_then(narrow):
+            put_row(builder.sub(hid, ir.Constant(i64, half.lanes)), half)
         return context.get_dummy_value()
 
     sig = types.void(gates, h, u, dh, acc, d_in, d_hid, t, k, b, i, inject, one)
