@@ -223,11 +223,12 @@ _TARGETS = {
 def test_other_targets_keep_the_plain_loops_bits(target) -> None:
     """Where the CPU numba compiles for has no fused multiply-add (numba's "generic" target) the
     products are a multiply and an add; where it has AVX2 but not AVX-512, the vectors are of 256
-    bits and the tiles of four rows: either way the tiles, and the LSTM walk's rows, still give their
-    plain twins' bits."""
+    bits and the tiles of four rows: either way the tiles, and the LSTM's and GRU's walk rows, still
+    give their plain twins' bits."""
     tests = [
         f"{__file__}::test_the_hidden_product_in_vector_tiles_is_its_plain_loop_bit_for_bit",
         f"{Path(__file__).parent / 'test_numba.py'}::test_an_lstm_walks_rows_in_vectors_as_its_scalar_loop",
+        f"{Path(__file__).parent / 'test_numba.py'}::test_a_gru_walks_rows_in_vectors_as_its_scalar_loop",
     ]
     name, features, expected = _TARGETS[target]
     from llvmlite import binding
