@@ -204,6 +204,14 @@ LANES = {nbtypes.float32: 16, nbtypes.float64: 8} if WIDE else {nbtypes.float32:
 LANES_MIN = max(LANES.values())  # rows narrower than this take the plain loops (either dtype)
 
 
+def vector_arrays(arrays: tuple, dtype: object) -> bool:
+    """Whether an intrinsic can take these numba array types in ``Vectors`` of ``dtype``: every one
+    C-contiguous and of that dtype, one the vectors have lanes for (else its typing declines)."""
+    return dtype in LANES and all(
+        isinstance(a, nbtypes.Array) and a.layout == "C" and a.dtype == dtype for a in arrays
+    )
+
+
 class Vectors:
     """LLVM vectors of ``LANES[dtype]`` elements (or ``lanes``) in an intrinsic's code: the vector type, a
     pointer to the vector at element j of a row (``at``), its load and store (element-aligned),
@@ -293,9 +301,7 @@ def _product_tile(rows: int, pers: tuple[int, ...]) -> Callable:
     @intrinsic
     def tile(typingctx, acc, h, w_t, b0):
         arrays = (acc, h, w_t)
-        if not all(isinstance(a, nbtypes.Array) and a.ndim == 2 and a.layout == "C" for a in arrays):
-            return None
-        if acc.dtype not in LANES or h.dtype != acc.dtype or w_t.dtype != acc.dtype:
+        if not vector_arrays(arrays, acc.dtype) or any(a.ndim != 2 for a in arrays):
             return None
 
         def codegen(context, builder, signature, args):

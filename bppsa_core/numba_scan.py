@@ -43,7 +43,6 @@ from torch import Tensor
 from bppsa_core import dispatch
 from bppsa_core.chain import LSTMChain
 from bppsa_core.numba_math import (
-    LANES,
     LANES_MIN,
     NUMPY_DTYPES,
     UNUSED,
@@ -55,6 +54,7 @@ from bppsa_core.numba_math import (
     put,
     running,
     threads,
+    vector_arrays,
 )
 
 
@@ -236,10 +236,7 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
     same order on every lane, so the same bits. A ragged last block is the window of the last
     lanes (half a vector's where they fit), made from the values before the row and stored last
     (as ``numba_math.add_hidden``'s)."""
-    arrays = (gates, h, c, delta, dh, dc)
-    if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == dh.dtype for a in arrays):
-        return None
-    if dh.dtype not in LANES:
+    if not vector_arrays((gates, h, c, delta, dh, dc), dh.dtype):
         return None
 
     def codegen(context, builder, signature, args):
@@ -324,10 +321,7 @@ def _gru_row(typingctx, gates, h, u, dh, acc, d_in, d_hid, t, k, b, i, inject, o
     (dr, dz, dn r) into row (k, b) of ``d_in`` and ``d_hid``, and u[t - 1, b] (where ``inject``,
     else 0) + g z into acc's row. A ragged last block is the window of the last lanes (half a
     vector's where they fit, as ``numba_math.add_hidden``'s): nothing it reads is written here."""
-    arrays = (gates, h, u, dh, acc, d_in, d_hid)
-    if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == dh.dtype for a in arrays):
-        return None
-    if dh.dtype not in LANES:
+    if not vector_arrays((gates, h, u, dh, acc, d_in, d_hid), dh.dtype):
         return None
 
     def codegen(context, builder, signature, args):
