@@ -338,15 +338,15 @@ def _gru_row(typingctx, gates, h, u, dh, acc, d_in, d_hid, t, k, b, i, inject, o
         half = Vectors(context, builder, dh.dtype, v.lanes // 2)
         hid = builder.extract_value(dhs.shape, 1)
 
-        def at(a, first, second, width):
-            """Row (first, second) of a 3-D array whose rows are ``width`` elements."""
+        def at(a, first, width):
+            """Row (first, sample) of a 3-D array whose rows are ``width`` elements."""
             batch = builder.extract_value(a.shape, 1)
             return builder.gep(a.data, [builder.mul(builder.add(builder.mul(first, batch), sample), width)])
 
         three = builder.mul(hid, ir.Constant(i64, 3))
-        gate_row = at(gs, step, sample, builder.mul(hid, ir.Constant(i64, 4)))
-        h_row = at(hs, step, sample, hid)
-        in_row, hid_row = at(ins, d_step, sample, three), at(hids, d_step, sample, three)
+        gate_row = at(gs, step, builder.mul(hid, ir.Constant(i64, 4)))
+        h_row = at(hs, step, hid)
+        in_row, hid_row = at(ins, d_step, three), at(hids, d_step, three)
         dh_row, acc_row = (builder.gep(a.data, [builder.mul(row, hid)]) for a in (dhs, accs))
         slots = {vec.lanes: cgutils.alloca_once(builder, vec.type) for vec in (v, half)}
 
@@ -369,7 +369,7 @@ def _gru_row(typingctx, gates, h, u, dh, acc, d_in, d_hid, t, k, b, i, inject, o
             slot = slots[vec.lanes]
             builder.store(zero, slot)
             with builder.if_then(inject):  # u is read only where it is injected (else a placeholder)
-                u_row = at(us, builder.sub(step, ir.Constant(i64, 1)), sample, hid)
+                u_row = at(us, builder.sub(step, ir.Constant(i64, 1)), hid)
                 builder.store(vec.load(u_row, j), slot)
             vec.store(builder.fadd(builder.load(slot), fmul(g, z)), acc_row, j)
 
