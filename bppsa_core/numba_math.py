@@ -215,14 +215,35 @@ def vector_arrays(arrays: tuple, dtype: object) -> bool:
 class Vectors:
     """LLVM vectors of ``LANES[dtype]`` elements (or ``lanes``) in an intrinsic's code: the vector type, a
     pointer to the vector at element j of a row (``at``), its load and store (element-aligned),
-    and a scalar broadcast to every lane (``splat``)."""
+    and a scalar broadcast to every lane (``splat``); vectors of half the lanes (``halved``) and
+    the windows that cover a row's last lanes (``windows``)."""
 
     def __init__(self, context, builder, dtype, lanes: int | None = None) -> None:
         self.builder, self.lanes = builder, lanes or LANES[dtype]
+        self._context, self._dtype = context, dtype
         element = context.get_value_type(dtype)
         self.type = ir.VectorType(element, self.lanes)
         self.align = context.get_abi_alignment(element)
         self._zeros = ir.Constant(ir.VectorType(ir.IntType(32), self.lanes), [0] * self.lanes)
+
+    def halved(self) -> Vectors:
+        """Vectors of half as many lanes, for a row's last lanes (``windows``)."""
+        return Vectors(self._context, self.builder, self._dtype, self.lanes // 2)
+
+    def windows(self, count, half: Vectors) -> tuple:
+        """Whether a row of ``count`` elements has lanes past its whole vectors (``ragged``, an i1),
+        and the two windows that may cover them, each (where, its first element, its vectors): the
+        last ``half.lanes`` elements where those lanes fit in them, else the last ``lanes``. Half
+        a vector is half the work on a CPU that splits its widest vectors (re-measured by
+        ``python -m benchmarks.backward``)."""
+        b, i64 = self.builder, ir.IntType(64)
+        left_over = b.urem(count, ir.Constant(i64, self.lanes))
+        ragged = b.icmp_unsigned("!=", left_over, ir.Constant(i64, 0))
+        narrow = b.and_(ragged, b.icmp_unsigned("<=", left_over, ir.Constant(i64, half.lanes)))
+        return ragged, (
+            (narrow, b.sub(count, ir.Constant(i64, half.lanes)), half),
+            (b.and_(ragged, b.not_(narrow)), b.sub(count, ir.Constant(i64, self.lanes)), self),
+        )
 
     def at(self, base, j):
         return self.builder.bitcast(self.builder.gep(base, [j]), self.type.as_pointer())
@@ -311,7 +332,7 @@ def _product_tile(rows: int, pers: tuple[int, ...]) -> Callable:
             cols, inner = builder.extract_value(a.shape, 1), builder.extract_value(x.shape, 1)
             w_cols = builder.extract_value(w.shape, 1)  # its row stride: ``padded``'s rows
             v = Vectors(context, builder, acc.dtype)
-            half = Vectors(context, builder, acc.dtype, v.lanes // 2)
+            half = v.halved()
             element = "f32" if acc.dtype == nbtypes.float32 else "f64"
 
             def fused(vec):
@@ -369,21 +390,13 @@ def _product_tile(rows: int, pers: tuple[int, ...]) -> Callable:
                 return ir.Constant(i64, n)
 
             width = const(v.lanes)
-            left_over = builder.urem(cols, width)
-            ragged = builder.icmp_unsigned("!=", left_over, const(0))
-            # the ragged columns' window: half a vector where they fit in one (a CPU that splits its
-            # widest vectors does half the work; re-measured by ``python -m benchmarks.backward``)
-            narrow = builder.and_(ragged, builder.icmp_unsigned("<=", left_over, const(half.lanes)))
-            windows = (
-                (narrow, (builder.sub(cols, const(half.lanes)), half)),
-                (builder.and_(ragged, builder.not_(narrow)), (builder.sub(cols, width), v)),
-            )
+            ragged, windows = v.windows(cols, half)  # the ragged columns' window: half a vector or whole
 
             def with_window(when, starts):
                 """``update(starts)`` and the ragged window, where ``when``."""
-                for fits, window in windows:
+                for fits, start, vec in windows:
                     with builder.if_then(builder.and_(when, fits)):
-                        update([*starts, window])
+                        update([*starts, (start, vec)])
 
             def sweep(j0, count, pers):
                 """``count`` blocks from column ``j0``, ``pers[0]`` at a time, those left over by
@@ -513,7 +526,7 @@ def put(dst, src):
 # file, not by its options or by the code it inlines from this module, so a build made with other
 # options or an older ``add_hidden`` is not loaded from an older cache (the tag changes with them).
 _OPTIONS = dict(cache=True, error_model="numpy", nogil=True)
-_OPTIONS_TAG = "ng13"
+_OPTIONS_TAG = "ng14"
 
 
 def build(fn: Callable, parallel: bool, dtype: type | None = None, **constants: bool) -> Callable:

@@ -248,7 +248,7 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
             for v, t in zip(args[6:10], signature.args[6:10], strict=True)
         )
         v = Vectors(context, builder, dh.dtype)
-        half = Vectors(context, builder, dh.dtype, v.lanes // 2)
+        half = v.halved()
         one_s, tiny_s = (
             context.cast(builder, a, t, dh.dtype) for a, t in zip(args[10:], signature.args[10:], strict=True)
         )
@@ -290,14 +290,10 @@ def _lstm_row(typingctx, gates, h, c, delta, dh, dc, t, k, b, i, one, tiny):
             vec.store(values[4], dc_row, j)
 
         lanes = ir.Constant(i64, v.lanes)
-        left_over = builder.urem(hid, lanes)
-        ragged = builder.icmp_unsigned("!=", left_over, ir.Constant(i64, 0))
-        # the ragged window in half a vector where the lanes left over fit (``add_hidden``'s)
-        narrow = builder.and_(ragged, builder.icmp_unsigned("<=", left_over, ir.Constant(i64, half.lanes)))
-        windows = []  # where, the window's first lane, its vectors, its values held until stored
-        for fits, vec in ((narrow, half), (builder.and_(ragged, builder.not_(narrow)), v)):
-            held = [cgutils.alloca_once(builder, vec.type) for _ in range(5)]
-            windows.append((fits, builder.sub(hid, ir.Constant(i64, vec.lanes)), vec, held))
+        windows = [  # where, the window's first lane, its vectors, its values held until stored
+            (fits, last, vec, [cgutils.alloca_once(builder, vec.type) for _ in range(5)])
+            for fits, last, vec in v.windows(hid, half)[1]
+        ]
         for fits, last, vec, held in windows:
             with builder.if_then(fits):
                 for slot, value in zip(held, grads(last, vec), strict=True):
@@ -335,7 +331,7 @@ def _gru_row(typingctx, gates, h, u, dh, acc, d_in, d_hid, t, k, b, i, inject, o
         inject = context.cast(builder, args[11], signature.args[11], types.boolean)
         one_s = context.cast(builder, args[12], signature.args[12], dh.dtype)
         v = Vectors(context, builder, dh.dtype)
-        half = Vectors(context, builder, dh.dtype, v.lanes // 2)
+        half = v.halved()
         hid = builder.extract_value(dhs.shape, 1)
 
         def at(a, first, width):
@@ -374,16 +370,14 @@ def _gru_row(typingctx, gates, h, u, dh, acc, d_in, d_hid, t, k, b, i, inject, o
             vec.store(builder.fadd(builder.load(slot), fmul(g, z)), acc_row, j)
 
         lanes = ir.Constant(i64, v.lanes)
-        whole, left_over = builder.udiv(hid, lanes), builder.urem(hid, lanes)
-        ragged = builder.icmp_unsigned("!=", left_over, ir.Constant(i64, 0))
-        narrow = builder.and_(ragged, builder.icmp_unsigned("<=", left_over, ir.Constant(i64, half.lanes)))
+        whole = builder.udiv(hid, lanes)
+        (narrow, half_start, _), (wide, wide_start, _) = v.windows(hid, half)[1]
         # a whole vector's window is one more pass of the loop (one copy of the code: compile time)
-        wide = builder.zext(builder.and_(ragged, builder.not_(narrow)), i64)
-        with cgutils.for_range(builder, builder.add(whole, wide)) as loop:
+        with cgutils.for_range(builder, builder.add(whole, builder.zext(wide, i64))) as loop:
             inside = builder.icmp_unsigned("<", loop.index, whole)
-            put_row(builder.select(inside, builder.mul(loop.index, lanes), builder.sub(hid, lanes)), v)
+            put_row(builder.select(inside, builder.mul(loop.index, lanes), wide_start), v)
         with builder.if_then(narrow):
-            put_row(builder.sub(hid, ir.Constant(i64, half.lanes)), half)
+            put_row(half_start, half)
         return context.get_dummy_value()
 
     sig = types.void(gates, h, u, dh, acc, d_in, d_hid, t, k, b, i, inject, one)
