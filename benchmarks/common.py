@@ -160,6 +160,23 @@ def markdown(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def markdown_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
+    """Every Markdown table in ``text``, in order: its header cells and its rows of cells
+    (``markdown``'s tables read back, from a report among other lines)."""
+    tables, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+            head = [c.strip() for c in lines[i].strip("|").split("|")]
+            rows, i = [], i + 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append([c.strip() for c in lines[i].strip("|").split("|")])
+                i += 1
+            tables.append((head, rows))
+        else:
+            i += 1
+    return tables
+
+
 def fmt_ms(value: float | str) -> str:
     """A time in ms with four significant digits, or a cell's text."""
     if isinstance(value, str):

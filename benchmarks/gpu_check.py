@@ -61,6 +61,12 @@ and its output (or why it failed, or was skipped):
     (``--capture``, into docs/reproduction/cuda-captured/). It needs Hydra (``run.py``); where
     Hydra is missing it is skipped, saying so.
 
+The report opens with its headline ratios, "At a glance": BPPSA against cuDNN at the paper's shapes
+(the RNN's backward eager and captured, the GRU's and LSTM's, the RNN over T, the GRU at the IRMAS
+shapes, the training epoch, the peak memory), read from the tables of the ``capture``, ``backward``
+and ``epoch`` steps; ``--glance REPORT`` prints that table of a report written before, so that two
+GPUs' reports compare at a look.
+
 ``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
 GPU: what needs CUDA (the tests, the graph and Triton strategies, green contexts) is reported as
 skipped, everything else runs. ``--steps`` sets which run, in its order. The report so far is
@@ -79,6 +85,7 @@ import datetime as dt
 import importlib.util
 import os
 import platform
+import re
 import shlex
 import signal
 import statistics
@@ -94,6 +101,7 @@ import torch
 from benchmarks.common import (
     Progress,
     markdown,
+    markdown_tables,
     non_negative_int,
     positive_float,
     positive_int,
@@ -452,9 +460,108 @@ def environment(dry: bool, argv: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def _rows(body: str) -> list[dict[str, str]]:
+    """Every row of every table in a step's output, by its header's cells."""
+    return [dict(zip(head, row, strict=False)) for head, rows in markdown_tables(body) for row in rows]
+
+
+def _find(rows: Sequence[dict[str, str]], **cells: str) -> dict[str, str]:
+    """The first row with these cells ({} if none): the capture step repeats some shapes in
+    processes of their own, after its grid."""
+    return next((r for r in rows if all(r.get(k) == v for k, v in cells.items())), {})
+
+
+def _times(value: str) -> str:
+    """A ratio cell as "n×", or "–" where the table has none."""
+    return f"{value}×" if value not in ("", "–") else "–"
+
+
+def _span(values: Sequence[str]) -> str:
+    """The range of ratio cells, "lo–hi×", or "–" where none is a number."""
+    numbers = []
+    for v in values:
+        with contextlib.suppress(ValueError):
+            numbers.append(float(v))
+    if not numbers:
+        return "–"
+    lo, hi = min(numbers), max(numbers)
+    return f"{lo:.3g}×" if lo == hi else f"{lo:.3g}–{hi:.3g}×"
+
+
+def glance(bodies: dict[str, str]) -> str:
+    """The report's headline ratios, read from its steps' tables (``bodies``: a step's name to its
+    output): BPPSA against cuDNN at the paper's shapes (H = 20, B = 16 unless a row's range says),
+    above 1 where BPPSA is faster, "–" where the step did not run or has no such row; "" where none
+    of those steps has a table. The same figures as the sections below, in one place, so that GPUs'
+    reports compare at a look (``--glance``)."""
+    capture = _rows(bodies.get("capture", ""))
+    backward = _rows(bodies.get("backward", ""))
+    epoch = _rows(bodies.get("epoch", ""))
+    if not (capture or backward or epoch):
+        return ""
+
+    def ratios(column: str, model: str, *steps: int) -> str:
+        cells = []
+        for t in steps:
+            row = _find(capture, model=model, T=str(t), B="16", H="20")
+            if row.get("cuDNN eager ms") == "error" and "eager" in column:
+                cells.append(f"cuDNN refuses, BPPSA {row['BPPSA eager ms']} ms")
+            else:
+                cells.append(_times(row.get(column, "")))
+        return " / ".join(cells)
+
+    def best(model: str, batch: str | None) -> tuple[str, str]:
+        """The shapes a model's rows of the backward step span, and BPPSA's best against BPTT there."""
+        rows = [r for r in backward if r.get("model") == model and r.get("H") == "20"]
+        rows = [r for r in rows if batch is None or r.get("B") == batch]
+        if not rows:
+            return "–", "–"
+        steps, batches = sorted({int(r["T"]) for r in rows}), sorted({int(r["B"]) for r in rows})
+        where = f"T = {steps[0]:,}–{steps[-1]:,}"
+        if batch is None:
+            where += f", B = {batches[0]}–{batches[-1]}"
+        return where, _span([r.get("BPTT / best", "") for r in rows])
+
+    (rnn_shapes, rnn_best), (gru_shapes, gru_best) = best("rnn", "16"), best("gru", None)
+    memory = _find(capture, model="rnn", T="1000", B="16", H="20")
+    trained = epoch[0] if epoch else {}
+    lines = [
+        ("RNN backward, eager, T = 1,000 / 10,000 / 100,000", "capture",
+         ratios("cuDNN / BPPSA eager", "rnn", 1000, 10_000, 100_000)),
+        ("RNN backward captured in a CUDA graph, GPU time, T = 1,000 / 10,000", "capture",
+         ratios("cuDNN / BPPSA captured bwd", "rnn", 1000, 10_000)),
+        ("RNN training step captured, GPU time, T = 1,000 / 10,000", "capture",
+         ratios("cuDNN / BPPSA captured", "rnn", 1000, 10_000)),
+        ("GRU / LSTM backward, eager, T = 1,000", "capture",
+         f"{ratios('cuDNN / BPPSA eager', 'gru', 1000)} / {ratios('cuDNN / BPPSA eager', 'lstm', 1000)}"),
+        ("GRU / LSTM backward captured, GPU time, T = 1,000", "capture",
+         f"{ratios('cuDNN / BPPSA captured bwd', 'gru', 1000)} / "
+         f"{ratios('cuDNN / BPPSA captured bwd', 'lstm', 1000)}"),
+        (f"RNN backward over {rnn_shapes}, BPPSA's best strategy", "backward", rnn_best),
+        (f"GRU backward at the paper's IRMAS shapes ({gru_shapes}), best strategy", "backward", gru_best),
+        ("Training epoch, bitstream RNN, T = 1,000: eager / steps captured", "epoch",
+         f"{_times(trained.get('BPTT / BPPSA', ''))} / {_times(trained.get('captured BPTT / BPPSA', ''))}"),
+        ("RNN backward's peak memory, T = 1,000: cuDNN / BPPSA", "capture",
+         f"{memory['cuDNN peak MiB']} / {memory['BPPSA peak MiB']} MiB" if memory else "–"),
+    ]  # fmt: skip
+    head = ["measure (H = 20, B = 16; above 1: BPPSA faster)", "step", "BPPSA against cuDNN"]
+    return markdown(head, [list(line) for line in lines])
+
+
+def report_steps(text: str) -> dict[str, str]:
+    """A written report's steps: each step's name to what follows its ``Step `name`:`` line (its
+    commands and output), as ``render`` lays them out."""
+    parts = re.split(r"^Step `(\w+)`:", text, flags=re.MULTILINE)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
+
+
 def render(sections: dict[str, Section], dry: bool, argv: Sequence[str]) -> str:
-    """The whole report."""
+    """The whole report: the environment, the headline ratios against cuDNN (``glance``; not in a
+    dry run, whose baseline is PyTorch's CPU kernel), then each step."""
     parts = [f"# GPU check{' (dry run)' if dry else ''}", "", environment(dry, argv), ""]
+    headline = "" if dry else glance({name: s.body for name, s in sections.items()})
+    if headline:
+        parts += ["## At a glance", "", headline, ""]
     for name, s in sections.items():
         took = f", {s.seconds:.0f} s" if s.seconds else ""
         parts += [f"## {s.title}", "", f"Step `{name}`: {s.status}{took}"]
@@ -469,6 +576,12 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         "--out", type=output_file, default=Path("gpu_report.md"), help="where the report is written"
     )
     p.add_argument("--dry", action="store_true", help="run on the CPU at small shapes; CUDA steps skipped")
+    p.add_argument(
+        "--glance",
+        type=Path,
+        metavar="REPORT",
+        help="print a written report's headline ratios (its 'At a glance' table) and run nothing",
+    )
     p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="the steps to run")
     p.add_argument("--repeats", type=positive_int, default=10, help="timed repeats of every measurement")
     p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed warm-up runs before them")
@@ -476,6 +589,10 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         "--step-timeout", type=positive_float, default=300.0, help="seconds before a step is stopped"
     )
     args = p.parse_args(argv)
+    if args.glance is not None:
+        if not args.glance.is_file():
+            p.error(f"--glance {args.glance}: no such file; accepted: a report this command wrote")
+        return args
     if not args.dry and not torch.cuda.is_available():
         p.error("no CUDA device here; accepted: a machine with a GPU, or --dry to check the command on a CPU")
     if not args.out.parent.is_dir():
@@ -522,6 +639,14 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     (SIGTERM) stopped it."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv, prog)
+    if args.glance is not None:
+        headline = glance(report_steps(args.glance.read_text(encoding="utf-8", errors="replace")))
+        if not headline:
+            no_table = "no capture, backward or epoch table in it; accepted: a report this command wrote"
+            print(f"{prog}: error: --glance {args.glance}: {no_table}", file=sys.stderr)
+            return 2
+        print(headline)
+        return 0
     progress = Progress("gpu_check")
     steps = plan(args.dry, args.repeats, args.warmup, args.out)
     sections: dict[str, Section] = {}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import memory
+from benchmarks.common import markdown_tables  # noqa: F401  (the tests read the tools' tables with it)
 from datasets.irmas import SAMPLE_RATE
 from datasets.synthetic_irmas import stereo_clip, write_synthetic
 
@@ -123,22 +124,6 @@ def walk_warps_seen(monkeypatch: pytest.MonkeyPatch, tool: object) -> list[int |
 
     monkeypatch.setattr(tool, "bench", bench)
     return seen
-
-
-def markdown_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
-    """Every Markdown table in ``text``, in order: its header cells and its rows of cells."""
-    tables, lines, i = [], text.splitlines(), 0
-    while i < len(lines):
-        if lines[i].startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
-            head = [c.strip() for c in lines[i].strip("|").split("|")]
-            rows, i = [], i + 2
-            while i < len(lines) and lines[i].startswith("|"):
-                rows.append([c.strip() for c in lines[i].strip("|").split("|")])
-                i += 1
-            tables.append((head, rows))
-        else:
-            i += 1
-    return tables
 
 
 def extended_except(values: Iterable, *keep, first: int = 0) -> list:

@@ -287,3 +287,69 @@ def test_the_old_command_name_runs_the_same_tool() -> None:
     from experiments import gpu_check as alias
 
     assert alias.main is gpu_check.main
+
+
+GLANCE_H200 = {  # measure's start -> BPPSA against cuDNN, from docs/gpu/H200.md's own tables
+    "RNN backward, eager": "0.98× / 4.09× / cuDNN refuses, BPPSA 6.142 ms",
+    "RNN backward captured": "3.76× / 7.51×",
+    "RNN training step captured": "1.85× / 2.29×",
+    "GRU / LSTM backward, eager": "0.849× / 0.917×",
+    "GRU / LSTM backward captured": "3.09× / 0.871×",
+    "RNN backward over T = 10–30,000": "0.668–9.67×",
+    "GRU backward at the paper's IRMAS shapes (T = 259–1,034, B = 16–64)": "0.753–1.8×",
+    "Training epoch": "0.785× / 1.76×",
+    "RNN backward's peak memory": "25.3 / 4.12 MiB",
+}
+
+
+def _glance_rows(text: str) -> dict[str, str]:
+    (head, rows), *_ = markdown_tables(text)
+    assert head[1:] == ["step", "BPPSA against cuDNN"]
+    return {measure: value for measure, _step, value in rows}
+
+
+def test_the_glance_gathers_a_reports_headline_ratios_from_its_steps_tables() -> None:
+    """Each row of the committed H200 report's glance is the number its step's table shows: the first
+    row of a shape (the capture step repeats T = 10,000 in a process of its own), cuDNN's refusal at
+    T = 100,000 as such, the ranges over the backward step's RNN T sweep at B = 16 and its GRU rows."""
+    rows = _glance_rows(gpu_check.glance(gpu_check.report_steps((ROOT / "docs/gpu/H200.md").read_text())))
+    assert len(rows) == len(GLANCE_H200)
+    for start, value in GLANCE_H200.items():
+        (measure,) = [m for m in rows if m.startswith(start)]
+        assert rows[measure] == value, measure
+
+
+def test_a_report_opens_with_its_glance_where_a_step_has_a_table_this_reads(monkeypatch) -> None:
+    capture = gpu_check.report_steps((ROOT / "docs/gpu/H200.md").read_text())["capture"]
+    sections = {
+        "tests": gpu_check.Section(gpu_check.TITLES["tests"], body="221 passed"),
+        "capture": gpu_check.Section(gpu_check.TITLES["capture"], body=capture),
+    }
+    monkeypatch.setattr(gpu_check, "environment", lambda dry, argv: "- GPU: a stand-in")  # no GPU here
+    text = gpu_check.render(sections, False, [])
+    assert text.index("## At a glance") < text.index("## " + gpu_check.TITLES["capture"])
+    rows = _glance_rows(text.split("## At a glance")[1])
+    assert rows["RNN backward captured in a CUDA graph, GPU time, T = 1,000 / 10,000"] == "3.76× / 7.51×"
+    assert rows["Training epoch, bitstream RNN, T = 1,000: eager / steps captured"] == "– / –"  # not run
+    assert "At a glance" not in gpu_check.render({"tests": sections["tests"]}, False, [])  # no table
+    assert "At a glance" not in gpu_check.render(sections, True, [])  # a dry run's baseline is not cuDNN
+
+
+def test_the_glance_of_a_written_report_is_printed_and_bad_files_refused(tmp_path, capsys) -> None:
+    assert gpu_check.main(["--glance", str(ROOT / "docs/gpu/H200.md")]) == 0
+    assert _glance_rows(capsys.readouterr().out)[
+        "Training epoch, bitstream RNN, T = 1,000: eager / steps captured"
+    ]
+    with pytest.raises(SystemExit) as missing:
+        gpu_check.main(["--glance", str(tmp_path / "none.md")])
+    assert missing.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"python -m benchmarks.gpu_check: error: --glance {tmp_path / 'none.md'}: no such file; accepted: a "
+        "report this command wrote"
+    ]
+    (tmp_path / "notes.md").write_text("# notes\n\nno tables\n")
+    assert gpu_check.main(["--glance", str(tmp_path / "notes.md")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"python -m benchmarks.gpu_check: error: --glance {tmp_path / 'notes.md'}: no capture, backward or "
+        "epoch table in it; accepted: a report this command wrote"
+    ]
