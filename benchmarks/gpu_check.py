@@ -63,9 +63,9 @@ and its output (or why it failed, or was skipped):
 
 The report opens with its headline ratios, "At a glance": BPPSA against cuDNN at the paper's shapes
 (the RNN's backward eager and captured, the GRU's and LSTM's, the RNN over T, the GRU at the IRMAS
-shapes, the training epoch, the peak memory), read from the tables of the ``capture``, ``backward``
-and ``epoch`` steps; ``--glance REPORT`` prints that table of a report written before, so that two
-GPUs' reports compare at a look.
+shapes, the training epoch, a short layer's forward and step, the peak memory), read from the
+tables of the ``capture``, ``backward``, ``epoch`` and ``host`` steps; ``--glance REPORT`` prints
+that table of a report written before, so that two GPUs' reports compare at a look.
 
 ``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
 GPU: what needs CUDA (the tests, the graph and Triton strategies, green contexts) is reported as
@@ -476,12 +476,17 @@ def _times(value: str) -> str:
     return f"{value}×" if value not in ("", "–") else "–"
 
 
+def _number(cell: str) -> float | None:
+    """A table cell's number, or None (a "–", an "error")."""
+    try:
+        return float(cell)
+    except ValueError:
+        return None
+
+
 def _span(values: Sequence[str]) -> str:
     """The range of ratio cells, "lo–hi×", or "–" where none is a number."""
-    numbers = []
-    for v in values:
-        with contextlib.suppress(ValueError):
-            numbers.append(float(v))
+    numbers = [n for n in map(_number, values) if n is not None]
     if not numbers:
         return "–"
     lo, hi = min(numbers), max(numbers)
@@ -491,13 +496,15 @@ def _span(values: Sequence[str]) -> str:
 def glance(bodies: dict[str, str]) -> str:
     """The report's headline ratios, read from its steps' tables (``bodies``: a step's name to its
     output): BPPSA against cuDNN at the paper's shapes (H = 20, B = 16 unless a row's range says),
-    above 1 where BPPSA is faster, "–" where the step did not run or has no such row; "" where none
-    of those steps has a table. The same figures as the sections below, in one place, so that GPUs'
+    above 1 where BPPSA is faster (the host step's BPPSA / torch.nn turned over), "–" where the step
+    did not run or has no such row; "" where none of the capture, backward, epoch and host steps has
+    a table. The same figures as the sections below, in one place, so that GPUs'
     reports compare at a look (``--glance``)."""
     capture = _rows(bodies.get("capture", ""))
     backward = _rows(bodies.get("backward", ""))
     epoch = _rows(bodies.get("epoch", ""))
-    if not (capture or backward or epoch):
+    host = _rows(bodies.get("host", ""))
+    if not (capture or backward or epoch or host):
         return ""
 
     def ratios(column: str, model: str, *steps: int) -> str:
@@ -522,6 +529,11 @@ def glance(bodies: dict[str, str]) -> str:
             where += f", B = {batches[0]}–{batches[-1]}"
         return where, _span([r.get("BPTT / best", "") for r in rows])
 
+    def inverse(column: str) -> str:
+        """The host step's BPPSA / torch.nn at T = 10, the RNN's, GRU's and LSTM's, turned over."""
+        ratios = [_number(_find(host, model=m, T="10").get(column, "")) for m in ("rnn", "gru", "lstm")]
+        return " / ".join(f"{1 / r:.3g}×" if r else "–" for r in ratios)
+
     (rnn_shapes, rnn_best), (gru_shapes, gru_best) = best("rnn", "16"), best("gru", None)
     memory = _find(capture, model="rnn", T="1000", B="16", H="20")
     trained = epoch[0] if epoch else {}
@@ -541,6 +553,8 @@ def glance(bodies: dict[str, str]) -> str:
         (f"GRU backward at the paper's IRMAS shapes ({gru_shapes}), best strategy", "backward", gru_best),
         ("Training epoch, bitstream RNN, T = 1,000: eager / steps captured", "epoch",
          f"{_times(trained.get('BPTT / BPPSA', ''))} / {_times(trained.get('captured BPTT / BPPSA', ''))}"),
+        ("Layer forward, eager, T = 10: RNN / GRU / LSTM", "host", inverse("forward ratio")),
+        ("Training step of a layer, eager, T = 10: RNN / GRU / LSTM", "host", inverse("step ratio")),
         ("RNN backward's peak memory, T = 1,000: cuDNN / BPPSA", "capture",
          f"{memory['cuDNN peak MiB']} / {memory['BPPSA peak MiB']} MiB" if memory else "–"),
     ]  # fmt: skip
@@ -642,7 +656,9 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     if args.glance is not None:
         headline = glance(report_steps(args.glance.read_text(encoding="utf-8", errors="replace")))
         if not headline:
-            no_table = "no capture, backward or epoch table in it; accepted: a report this command wrote"
+            no_table = (
+                "no capture, backward, epoch or host table in it; accepted: a report this command wrote"
+            )
             print(f"{prog}: error: --glance {args.glance}: {no_table}", file=sys.stderr)
             return 2
         print(headline)

@@ -298,6 +298,8 @@ GLANCE_H200 = {  # measure's start -> BPPSA against cuDNN, from docs/gpu/H200.md
     "RNN backward over T = 10–30,000": "0.668–9.67×",
     "GRU backward at the paper's IRMAS shapes (T = 259–1,034, B = 16–64)": "0.753–1.8×",
     "Training epoch": "0.785× / 1.76×",
+    "Layer forward, eager, T = 10": "0.725× / 0.68× / 0.833×",  # the host step's 1.38, 1.47, 1.20 turned over
+    "Training step of a layer": "0.613× / 0.719× / 0.595×",
     "RNN backward's peak memory": "25.3 / 4.12 MiB",
 }
 
@@ -311,7 +313,8 @@ def _glance_rows(text: str) -> dict[str, str]:
 def test_the_glance_gathers_a_reports_headline_ratios_from_its_steps_tables() -> None:
     """Each row of the committed H200 report's glance is the number its step's table shows: the first
     row of a shape (the capture step repeats T = 10,000 in a process of its own), cuDNN's refusal at
-    T = 100,000 as such, the ranges over the backward step's RNN T sweep at B = 16 and its GRU rows."""
+    T = 100,000 as such, the ranges over the backward step's RNN T sweep at B = 16 and its GRU rows,
+    the host step's ratios turned over (above 1: BPPSA faster, as every row)."""
     rows = _glance_rows(gpu_check.glance(gpu_check.report_steps((ROOT / "docs/gpu/H200.md").read_text())))
     assert len(rows) == len(GLANCE_H200)
     for start, value in GLANCE_H200.items():
@@ -350,6 +353,6 @@ def test_the_glance_of_a_written_report_is_printed_and_bad_files_refused(tmp_pat
     (tmp_path / "notes.md").write_text("# notes\n\nno tables\n")
     assert gpu_check.main(["--glance", str(tmp_path / "notes.md")]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"python -m benchmarks.gpu_check: error: --glance {tmp_path / 'notes.md'}: no capture, backward or "
-        "epoch table in it; accepted: a report this command wrote"
+        f"python -m benchmarks.gpu_check: error: --glance {tmp_path / 'notes.md'}: no capture, backward, "
+        "epoch or host table in it; accepted: a report this command wrote"
     ]
