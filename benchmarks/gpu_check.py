@@ -64,8 +64,8 @@ and its output (or why it failed, or was skipped):
 The report opens with its headline ratios, "At a glance": BPPSA against cuDNN at the paper's shapes
 (the RNN's backward eager and captured, the GRU's and LSTM's, the RNN over T, the GRU at the IRMAS
 shapes, the training epoch, a short layer's forward and step, the peak memory), read from the
-tables of the ``capture``, ``backward``, ``epoch`` and ``host`` steps; ``--glance REPORT`` prints
-that table of a report written before, so that two GPUs' reports compare at a look.
+tables of the ``capture``, ``backward``, ``epoch`` and ``host`` steps; ``--glance REPORT ...``
+prints that table of reports written before, a column each, so that GPUs compare at a look.
 
 ``--dry`` runs the same steps on the CPU at small shapes, to check the command where there is no
 GPU: what needs CUDA (the tests, the graph and Triton strategies, green contexts) is reported as
@@ -493,19 +493,21 @@ def _span(values: Sequence[str]) -> str:
     return f"{lo:.3g}×" if lo == hi else f"{lo:.3g}–{hi:.3g}×"
 
 
-def glance(bodies: dict[str, str]) -> str:
-    """The report's headline ratios, read from its steps' tables (``bodies``: a step's name to its
-    output): BPPSA against cuDNN at the paper's shapes (H = 20, B = 16 unless a row's range says),
-    above 1 where BPPSA is faster (the host step's BPPSA / torch.nn turned over), "–" where the step
-    did not run or has no such row; "" where none of the capture, backward, epoch and host steps has
-    a table. The same figures as the sections below, in one place, so that GPUs'
-    reports compare at a look (``--glance``)."""
+GLANCE_HEAD = "measure (H = 20, B = 16; above 1: BPPSA faster)"
+
+
+def glance_lines(bodies: dict[str, str]) -> list[tuple[str, str, str]]:
+    """A report's headline ratios, read from its steps' tables (``bodies``: a step's name to its
+    output), as (measure, step, value): BPPSA against cuDNN at the paper's shapes (H = 20, B = 16
+    unless a value's range says), above 1 where BPPSA is faster (the host step's BPPSA / torch.nn
+    turned over), "–" where the step did not run or has no such row; none where none of the
+    capture, backward, epoch and host steps has a table. The measures are the same for every report."""
     capture = _rows(bodies.get("capture", ""))
     backward = _rows(bodies.get("backward", ""))
     epoch = _rows(bodies.get("epoch", ""))
     host = _rows(bodies.get("host", ""))
     if not (capture or backward or epoch or host):
-        return ""
+        return []
 
     def ratios(column: str, model: str, *steps: int) -> str:
         cells = []
@@ -517,24 +519,23 @@ def glance(bodies: dict[str, str]) -> str:
                 cells.append(_times(row.get(column, "")))
         return " / ".join(cells)
 
-    def best(model: str, batch: str | None) -> tuple[str, str]:
-        """The shapes a model's rows of the backward step span, and BPPSA's best against BPTT there."""
+    def best(model: str, batch: str | None) -> str:
+        """BPPSA's best against BPTT over a model's rows of the backward step, and the shapes they span."""
         rows = [r for r in backward if r.get("model") == model and r.get("H") == "20"]
         rows = [r for r in rows if batch is None or r.get("B") == batch]
         if not rows:
-            return "–", "–"
+            return "–"
         steps, batches = sorted({int(r["T"]) for r in rows}), sorted({int(r["B"]) for r in rows})
         where = f"T = {steps[0]:,}–{steps[-1]:,}"
         if batch is None:
             where += f", B = {batches[0]}–{batches[-1]}"
-        return where, _span([r.get("BPTT / best", "") for r in rows])
+        return f"{_span([r.get('BPTT / best', '') for r in rows])} ({where})"
 
     def inverse(column: str) -> str:
         """The host step's BPPSA / torch.nn at T = 10, the RNN's, GRU's and LSTM's, turned over."""
         ratios = [_number(_find(host, model=m, T="10").get(column, "")) for m in ("rnn", "gru", "lstm")]
         return " / ".join(f"{1 / r:.3g}×" if r else "–" for r in ratios)
 
-    (rnn_shapes, rnn_best), (gru_shapes, gru_best) = best("rnn", "16"), best("gru", None)
     memory = _find(capture, model="rnn", T="1000", B="16", H="20")
     trained = epoch[0] if epoch else {}
     lines = [
@@ -549,8 +550,8 @@ def glance(bodies: dict[str, str]) -> str:
         ("GRU / LSTM backward captured, GPU time, T = 1,000", "capture",
          f"{ratios('cuDNN / BPPSA captured bwd', 'gru', 1000)} / "
          f"{ratios('cuDNN / BPPSA captured bwd', 'lstm', 1000)}"),
-        (f"RNN backward over {rnn_shapes}, BPPSA's best strategy", "backward", rnn_best),
-        (f"GRU backward at the paper's IRMAS shapes ({gru_shapes}), best strategy", "backward", gru_best),
+        ("RNN backward over T, BPPSA's best strategy", "backward", best("rnn", "16")),
+        ("GRU backward at the paper's IRMAS shapes, best strategy", "backward", best("gru", None)),
         ("Training epoch, bitstream RNN, T = 1,000: eager / steps captured", "epoch",
          f"{_times(trained.get('BPTT / BPPSA', ''))} / {_times(trained.get('captured BPTT / BPPSA', ''))}"),
         ("Layer forward, eager, T = 10: RNN / GRU / LSTM", "host", inverse("forward ratio")),
@@ -558,8 +559,39 @@ def glance(bodies: dict[str, str]) -> str:
         ("RNN backward's peak memory, T = 1,000: cuDNN / BPPSA", "capture",
          f"{memory['cuDNN peak MiB']} / {memory['BPPSA peak MiB']} MiB" if memory else "–"),
     ]  # fmt: skip
-    head = ["measure (H = 20, B = 16; above 1: BPPSA faster)", "step", "BPPSA against cuDNN"]
-    return markdown(head, [list(line) for line in lines])
+    return lines
+
+
+def glance(bodies: dict[str, str]) -> str:
+    """``glance_lines`` as a Markdown table, "" where there are none: the figures of the report's
+    sections in one place."""
+    lines = glance_lines(bodies)
+    return (
+        markdown([GLANCE_HEAD, "step", "BPPSA against cuDNN"], [list(line) for line in lines])
+        if lines
+        else ""
+    )
+
+
+def compare(reports: Sequence[tuple[str, dict[str, str]]]) -> str:
+    """Several reports' ``glance_lines`` side by side, a column each (``reports``: a name and its
+    steps), "" where none has a table this reads: GPUs compared at a look (``--glance``)."""
+    columns = [(name, glance_lines(bodies)) for name, bodies in reports]
+    if not any(lines for _, lines in columns):
+        return ""
+    measures = next(lines for _, lines in columns if lines)
+    rows = [
+        [measure, step, *((lines[i][2] if lines else "–") for _, lines in columns)]
+        for i, (measure, step, _) in enumerate(measures)
+    ]
+    return markdown([GLANCE_HEAD, "step", *(name for name, _ in columns)], rows)
+
+
+def report_name(text: str, path: Path) -> str:
+    """What a written report measured on, for its column: its GPU's name (``environment``'s line),
+    else the file's name."""
+    found = re.search(r"^- GPU: ([^,\n]+)", text, flags=re.MULTILINE)
+    return found.group(1) if found else path.name
 
 
 def report_steps(text: str) -> dict[str, str]:
@@ -593,8 +625,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     p.add_argument(
         "--glance",
         type=Path,
+        nargs="+",
         metavar="REPORT",
-        help="print a written report's headline ratios (its 'At a glance' table) and run nothing",
+        help="print written reports' headline ratios ('At a glance'), a column each, and run nothing",
     )
     p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="the steps to run")
     p.add_argument("--repeats", type=positive_int, default=10, help="timed repeats of every measurement")
@@ -604,8 +637,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     )
     args = p.parse_args(argv)
     if args.glance is not None:
-        if not args.glance.is_file():
-            p.error(f"--glance {args.glance}: no such file; accepted: a report this command wrote")
+        for report in args.glance:
+            if not report.is_file():
+                p.error(f"--glance {report}: no such file; accepted: a report this command wrote")
         return args
     if not args.dry and not torch.cuda.is_available():
         p.error("no CUDA device here; accepted: a machine with a GPU, or --dry to check the command on a CPU")
@@ -654,14 +688,15 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv, prog)
     if args.glance is not None:
-        headline = glance(report_steps(args.glance.read_text(encoding="utf-8", errors="replace")))
-        if not headline:
+        texts = [(path, path.read_text(encoding="utf-8", errors="replace")) for path in args.glance]
+        table = compare([(report_name(text, path), report_steps(text)) for path, text in texts])
+        if not table:
             no_table = (
-                "no capture, backward, epoch or host table in it; accepted: a report this command wrote"
+                "no capture, backward, epoch or host table in them; accepted: reports this command wrote"
             )
-            print(f"{prog}: error: --glance {args.glance}: {no_table}", file=sys.stderr)
+            print(f"{prog}: error: --glance {' '.join(map(str, args.glance))}: {no_table}", file=sys.stderr)
             return 2
-        print(headline)
+        print(table)
         return 0
     progress = Progress("gpu_check")
     steps = plan(args.dry, args.repeats, args.warmup, args.out)

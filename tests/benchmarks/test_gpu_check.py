@@ -295,8 +295,8 @@ GLANCE_H200 = {  # measure's start -> BPPSA against cuDNN, from docs/gpu/H200.md
     "RNN training step captured": "1.85× / 2.29×",
     "GRU / LSTM backward, eager": "0.849× / 0.917×",
     "GRU / LSTM backward captured": "3.09× / 0.871×",
-    "RNN backward over T = 10–30,000": "0.668–9.67×",
-    "GRU backward at the paper's IRMAS shapes (T = 259–1,034, B = 16–64)": "0.753–1.8×",
+    "RNN backward over T": "0.668–9.67× (T = 10–30,000)",
+    "GRU backward at the paper's IRMAS shapes": "0.753–1.8× (T = 259–1,034, B = 16–64)",
     "Training epoch": "0.785× / 1.76×",
     "Layer forward, eager, T = 10": "0.725× / 0.68× / 0.833×",  # the host step's 1.38, 1.47, 1.20 turned over
     "Training step of a layer": "0.613× / 0.719× / 0.595×",
@@ -338,13 +338,25 @@ def test_a_report_opens_with_its_glance_where_a_step_has_a_table_this_reads(monk
     assert "At a glance" not in gpu_check.render(sections, True, [])  # a dry run's baseline is not cuDNN
 
 
-def test_the_glance_of_a_written_report_is_printed_and_bad_files_refused(tmp_path, capsys) -> None:
-    assert gpu_check.main(["--glance", str(ROOT / "docs/gpu/H200.md")]) == 0
-    assert _glance_rows(capsys.readouterr().out)[
-        "Training epoch, bitstream RNN, T = 1,000: eager / steps captured"
-    ]
+def test_written_reports_glances_are_printed_side_by_side_and_bad_files_refused(tmp_path, capsys) -> None:
+    """A column per report, named by its GPU (the file's name where the report names none), "–"
+    where a report lacks a step; a missing file, or files with no table it reads, refused."""
+    h200 = (ROOT / "docs/gpu/H200.md").read_text()
+    other = h200.replace("- GPU: NVIDIA H200,", "- GPU: NVIDIA H100 80GB HBM3,")
+    other = other.replace("| 0.98 | 90 | 1.85 | 3.76 |", "| 1.5 | 90 | 1.85 | 3.76 |")  # its own T = 1,000
+    (tmp_path / "h100.md").write_text(other)
+    (tmp_path / "capture-only.md").write_text(h200.split("Step `backward`:")[0].replace("- GPU:", "- no:"))
+    reports = [str(ROOT / "docs/gpu/H200.md"), str(tmp_path / "h100.md"), str(tmp_path / "capture-only.md")]
+    assert gpu_check.main(["--glance", *reports]) == 0
+    (head, rows), *_ = markdown_tables(capsys.readouterr().out)
+    assert head[2:] == ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "capture-only.md"]
+    by_measure = {row[0]: row[2:] for row in rows}
+    eager = by_measure["RNN backward, eager, T = 1,000 / 10,000 / 100,000"]
+    assert [e.split(" / ")[0] for e in eager] == ["0.98×", "1.5×", "0.98×"]
+    epoch = by_measure["Training epoch, bitstream RNN, T = 1,000: eager / steps captured"]
+    assert epoch == ["0.785× / 1.76×", "0.785× / 1.76×", "– / –"]
     with pytest.raises(SystemExit) as missing:
-        gpu_check.main(["--glance", str(tmp_path / "none.md")])
+        gpu_check.main(["--glance", reports[0], str(tmp_path / "none.md")])
     assert missing.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"python -m benchmarks.gpu_check: error: --glance {tmp_path / 'none.md'}: no such file; accepted: a "
@@ -354,5 +366,5 @@ def test_the_glance_of_a_written_report_is_printed_and_bad_files_refused(tmp_pat
     assert gpu_check.main(["--glance", str(tmp_path / "notes.md")]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"python -m benchmarks.gpu_check: error: --glance {tmp_path / 'notes.md'}: no capture, backward, "
-        "epoch or host table in it; accepted: a report this command wrote"
+        "epoch or host table in them; accepted: reports this command wrote"
     ]
