@@ -493,6 +493,12 @@ def _span(values: Sequence[str]) -> str:
     return f"{lo:.3g}×" if lo == hi else f"{lo:.3g}–{hi:.3g}×"
 
 
+def _extent(name: str, cells: Sequence[str]) -> str:
+    """The values a column of whole numbers spans: "T = 10–30,000", or "T = 10" for one."""
+    values = sorted({int(float(c)) for c in cells})
+    return f"{name} = {values[0]:,}" + (f"–{values[-1]:,}" if len(values) > 1 else "")
+
+
 GLANCE_HEAD = "measure (H = 20, B = 16; above 1: BPPSA faster)"
 
 
@@ -501,7 +507,9 @@ def glance_lines(bodies: dict[str, str]) -> list[tuple[str, str, str]]:
     output), as (measure, step, value): BPPSA against cuDNN at the paper's shapes (H = 20, B = 16
     unless a value's range says), above 1 where BPPSA is faster (the host step's BPPSA / torch.nn
     turned over), "–" where the step did not run or has no such row; none where none of the
-    capture, backward, epoch and host steps has a table. The measures are the same for every report."""
+    capture, backward, epoch and host steps has a table. The measures are the same for every report,
+    and no table, however cut short (a step stopped part-way), makes it fail: the report is drawn
+    after every step."""
     capture = _rows(bodies.get("capture", ""))
     backward = _rows(bodies.get("backward", ""))
     epoch = _rows(bodies.get("epoch", ""))
@@ -514,7 +522,7 @@ def glance_lines(bodies: dict[str, str]) -> list[tuple[str, str, str]]:
         for t in steps:
             row = _find(capture, model=model, T=str(t), B="16", H="20")
             if row.get("cuDNN eager ms") == "error" and "eager" in column:
-                cells.append(f"cuDNN refuses, BPPSA {row['BPPSA eager ms']} ms")
+                cells.append(f"cuDNN refuses, BPPSA {row.get('BPPSA eager ms', '–')} ms")
             else:
                 cells.append(_times(row.get(column, "")))
         return " / ".join(cells)
@@ -523,12 +531,12 @@ def glance_lines(bodies: dict[str, str]) -> list[tuple[str, str, str]]:
         """BPPSA's best against BPTT over a model's rows of the backward step, and the shapes they span."""
         rows = [r for r in backward if r.get("model") == model and r.get("H") == "20"]
         rows = [r for r in rows if batch is None or r.get("B") == batch]
+        rows = [r for r in rows if _number(r.get("T", "")) and _number(r.get("B", ""))]  # whole rows
         if not rows:
             return "–"
-        steps, batches = sorted({int(r["T"]) for r in rows}), sorted({int(r["B"]) for r in rows})
-        where = f"T = {steps[0]:,}–{steps[-1]:,}"
-        if batch is None:
-            where += f", B = {batches[0]}–{batches[-1]}"
+        where = _extent("T", [r["T"] for r in rows]) + (
+            "" if batch else ", " + _extent("B", [r["B"] for r in rows])
+        )
         return f"{_span([r.get('BPTT / best', '') for r in rows])} ({where})"
 
     def inverse(column: str) -> str:
@@ -538,7 +546,7 @@ def glance_lines(bodies: dict[str, str]) -> list[tuple[str, str, str]]:
 
     memory = _find(capture, model="rnn", T="1000", B="16", H="20")
     trained = epoch[0] if epoch else {}
-    lines = [
+    return [
         ("RNN backward, eager, T = 1,000 / 10,000 / 100,000", "capture",
          ratios("cuDNN / BPPSA eager", "rnn", 1000, 10_000, 100_000)),
         ("RNN backward captured in a CUDA graph, GPU time, T = 1,000 / 10,000", "capture",
@@ -557,20 +565,14 @@ def glance_lines(bodies: dict[str, str]) -> list[tuple[str, str, str]]:
         ("Layer forward, eager, T = 10: RNN / GRU / LSTM", "host", inverse("forward ratio")),
         ("Training step of a layer, eager, T = 10: RNN / GRU / LSTM", "host", inverse("step ratio")),
         ("RNN backward's peak memory, T = 1,000: cuDNN / BPPSA", "capture",
-         f"{memory['cuDNN peak MiB']} / {memory['BPPSA peak MiB']} MiB" if memory else "–"),
+         f"{memory.get('cuDNN peak MiB', '–')} / {memory.get('BPPSA peak MiB', '–')} MiB" if memory else "–"),
     ]  # fmt: skip
-    return lines
 
 
 def glance(bodies: dict[str, str]) -> str:
     """``glance_lines`` as a Markdown table, "" where there are none: the figures of the report's
     sections in one place."""
-    lines = glance_lines(bodies)
-    return (
-        markdown([GLANCE_HEAD, "step", "BPPSA against cuDNN"], [list(line) for line in lines])
-        if lines
-        else ""
-    )
+    return compare([("BPPSA against cuDNN", bodies)])
 
 
 def compare(reports: Sequence[tuple[str, dict[str, str]]]) -> str:

@@ -368,3 +368,20 @@ def test_written_reports_glances_are_printed_side_by_side_and_bad_files_refused(
         f"python -m benchmarks.gpu_check: error: --glance {tmp_path / 'notes.md'}: no capture, backward, "
         "epoch or host table in them; accepted: reports this command wrote"
     ]
+
+
+def test_a_step_cut_short_leaves_dashes_in_the_glance_not_a_failure() -> None:
+    """The report is drawn after every step, so tables cut short (a step stopped part-way, a cell
+    that is no number, a missing column) give "–" where they lack a figure, and whole rows count."""
+    rule = "|---|---|---|---|---|"
+    bodies = {
+        "capture": f"| model | T | B | H | cuDNN eager ms |\n{rule}\n| rnn | 1000 | 16 | 20 | error |\n| rnn",
+        "backward": f"| model | T | B | H | BPTT / best |\n{rule}\n| rnn | 10 | 16 | 20 | 0.5 |\n| rnn | x |",
+        "host": "| model | T | forward ratio |\n|---|---|---|\n| rnn | 10 | 0 |\n| gru | 10 | 2 |",
+    }
+    rows = _glance_rows(gpu_check.glance(bodies))
+    assert rows["RNN backward, eager, T = 1,000 / 10,000 / 100,000"] == "cuDNN refuses, BPPSA – ms / – / –"
+    assert rows["RNN backward over T, BPPSA's best strategy"] == "0.5× (T = 10)"  # the cut row left out
+    assert rows["GRU backward at the paper's IRMAS shapes, best strategy"] == "–"
+    assert rows["Layer forward, eager, T = 10: RNN / GRU / LSTM"] == "– / 0.5× / –"
+    assert rows["RNN backward's peak memory, T = 1,000: cuDNN / BPPSA"] == "– / – MiB"
