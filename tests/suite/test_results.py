@@ -81,7 +81,8 @@ def test_an_irmas_sweep_with_a_path_merges_every_job(tmp_path: Path) -> None:
     assert len(folders) == 2 and all((p / "records.csv").is_file() for p in folders)
     merged = pd.read_csv(sweep / "records.csv")
     assert sorted(merged["backward"]) == ["bppsa", "bptt"] and set(merged["frames"]) == {"l"}
-    table = speedups(load_results([sweep]))
+    # Both runs' epochs whether or not another test kept the machine busy (then 'contended', left out).
+    table = speedups(load_results([sweep], keep_contended=True))
     assert len(table) == 1 and table["frames"].tolist() == ["l"]
 
 
