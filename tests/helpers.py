@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from benchmarks import memory
-from benchmarks.common import markdown_tables  # noqa: F401  (the tests read the tools' tables with it)
 from datasets.irmas import SAMPLE_RATE
 from datasets.synthetic_irmas import stereo_clip, write_synthetic
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import markdown_tables
 
 from benchmarks import backward
 from benchmarks.backward import bench, epoch_comparison, format_table, parse_args, suite_sets
+from benchmarks.common import markdown_tables
 from benchmarks.floors import Floors
 from benchmarks.scan import bench_scan
 

@@ -8,9 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import extended_except, markdown_tables, walk_warps_seen
+from helpers import extended_except, walk_warps_seen
 
 from benchmarks import capture
+from benchmarks.common import markdown_tables
 from benchmarks.scan import MODULES
 
 CPU = torch.device("cpu")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import markdown_tables, walk_warps_seen
+from helpers import walk_warps_seen
 
 from benchmarks import forward
+from benchmarks.common import markdown_tables
 from benchmarks.forward import bench, parse_args, trained_state
 
 CPU = torch.device("cpu")

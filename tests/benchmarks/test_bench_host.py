@@ -6,9 +6,10 @@ import re
 
 import pytest
 import torch
-from helpers import extended_except, markdown_tables
+from helpers import extended_except
 
 from benchmarks import host
+from benchmarks.common import markdown_tables
 from benchmarks.scan import MODULES
 from bppsa_core import layer as layer_mod
 

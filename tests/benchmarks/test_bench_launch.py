@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, markdown_tables
+from helpers import ROOT
 
 pytest.importorskip("triton")
 
 from benchmarks import launch
+from benchmarks.common import markdown_tables
 
 
 def test_a_run_without_a_gpu_records_each_models_launches_and_prints_a_row(tmp_path) -> None:

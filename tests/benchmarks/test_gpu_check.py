@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, extended_except, markdown_tables, run_module
+from helpers import ROOT, extended_except, run_module
 
 from benchmarks import gpu_check
+from benchmarks.common import markdown_tables
 from bppsa_core import dispatch
 
 
