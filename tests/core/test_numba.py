@@ -989,6 +989,7 @@ print(*(kernel(np.array([0.5, 1.5, 2.5, 3.5], d)) for d in (np.float64, np.float
 """
 
 
+@pytest.mark.extended  # three fresh processes, two of them slowed while they write
 def test_two_processes_compiling_one_build_leave_its_cache_whole(tmp_path) -> None:
     """A float32 and a float64 build compiled at once by two processes (ranks, test workers, a
     sweep's jobs) leave an on-disk cache from which a third process loads each, correct: numba
