@@ -26,7 +26,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import lru_cache
 from typing import TypeVar
 
 import torch
@@ -137,14 +137,17 @@ def _fewest_steps_chunk(n: int) -> int:
 # ------------------------------------------------------------------------------------ where it runs
 
 
-@cache
+# found once, plain values: torch.compile reads them, where it would trace a cached function and warn
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+_NUMBA_INSTALLED = importlib.util.find_spec("numba") is not None
+
+
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
-@cache
 def numba_installed() -> bool:
-    return importlib.util.find_spec("numba") is not None
+    return _NUMBA_INSTALLED
 
 
 def kernels_run_on(device: torch.device) -> bool:
@@ -230,10 +233,10 @@ _TAPED_LSTM_MAX_HIDDEN = 128
 _WIDE_TAPED_LSTM_MAX_HIDDEN = 384
 
 
-@cache
 def wide_vectors() -> bool:
     """Whether the compiled CPU kernels run in AVX-512's vectors (``numba_math.WIDE``), which moves
-    where their LSTM wins; False without numba."""
+    where their LSTM wins; False without numba. Not cached: torch.compile traces into a cached
+    function and warns that it does; after the first call the import is a lookup."""
     if not numba_installed():
         return False
     from bppsa_core import numba_math

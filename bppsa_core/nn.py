@@ -103,7 +103,9 @@ class _BPPSAMixin:
     def _config(self) -> LayerConfig:
         """The layer calls' config from the options as they are now (they may be set at any time)."""
         sweeps = MAX_SWEEPS if self.newton_guess == "sweeps" else 0
-        return _layer_config(
+        # traced by Dynamo uncached: it traces into a cache anyway, and warns that it does
+        make = _layer_config.__wrapped__ if torch.compiler.is_compiling() else _layer_config
+        return make(
             self.mode, self.segment, self.strategy, self.chunk, self.levels,
             self.forward_solver, self.newton_tol, self.newton_iters, sweeps,
         )  # fmt: skip
