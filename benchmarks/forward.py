@@ -8,16 +8,17 @@
     python -m benchmarks.forward --tables newton --sweeps   # and each solver from Picard sweeps
     python -m benchmarks.forward --device cuda --tables newton --T 10000 --walk-warps auto 1
 
-Two tables per model and width. ``compiled`` (CPU): torch.nn's training forward against the
-module's with ``strategy="numba"`` (the recurrence compiled, ``bppsa_core.numba_forward``), their
-ratio, what ``strategy="auto"`` picks there, and the largest difference of the outputs. ``newton``:
-for each weights and sequence length, the native forward's time (the module's sequential forward:
-compiled on a CPU where "auto" picks it, else PyTorch's fused kernel, cuDNN on a GPU) and, per
-solver (``forward_solver="newton"`` and ``"quasi-newton"``, ``bppsa_core.newton``), the iterations
-it took, its time, its ratio to the native time, and the largest difference of its outputs from
-the native ones. Every method runs the training forward (``--no-grad``: the inference forward)
-of the same module weights on the same batch, the methods take turns (one call each per round),
-and each cell is the median of ``--repeats`` rounds after ``--warmup``, all in one process.
+Two tables per model and width. ``compiled`` (CPU, where numba is installed): torch.nn's training
+forward against the module's with ``strategy="numba"`` (the recurrence compiled,
+``bppsa_core.numba_forward``), their ratio, what ``strategy="auto"`` picks there, and the largest
+difference of the outputs. ``newton``: for each weights and sequence length, the native forward's
+time (the module's sequential forward: compiled on a CPU where "auto" picks it, else PyTorch's fused
+kernel, cuDNN on a GPU) and, per solver (``forward_solver="newton"`` and ``"quasi-newton"``,
+``bppsa_core.newton``), the iterations it took, its time, its ratio to the native time, and the
+largest difference of its outputs from the native ones. Every method runs the training forward
+(``--no-grad``: the inference forward) of the same module weights on the same batch, the methods
+take turns (one call each per round), and each cell is the median of ``--repeats`` rounds after
+``--warmup``, all in one process.
 
 Models: the paper's RNN (bitstream, one input feature, H = 20), the GRU at the IRMAS setting m's
 width (24 features, H = 20) and the LSTM at the GRU's (``--models lstm``). Weights: ``init``
@@ -372,10 +373,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.methods = [*args.solvers, *(s + SWEEPS for s in args.solvers if args.sweeps)]
     cpu = args.device.type == "cpu"
+    compiled = cpu and dispatch.numba_installed()  # the compiled table's forward is numba's
+    need_numba = "the numba package (pip install numba)"
+    args.left_out = None
     if args.tables is None:
-        args.tables = list(TABLES) if cpu else ["newton"]
+        args.tables = list(TABLES) if compiled else ["newton"]
+        if cpu and not compiled:
+            args.left_out = f"the compiled table, which needs {need_numba}"
     elif "compiled" in args.tables and not cpu:
         p.error(f"--tables compiled runs on the CPU, not on {args.device}; accepted there: newton")
+    elif "compiled" in args.tables and not compiled:
+        p.error(f"--tables compiled needs {need_numba}, which is not installed; accepted here: newton")
     size = QUICK if args.quick else {"T": DEFAULT_T, "B": 16, "H": 20, "train_steps": 300}
     args.T = args.T or list(size["T"])
     args.B, args.H = args.B or size["B"], args.H or [size["H"]]
@@ -430,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.dtype}, median of {args.repeats} after {args.warmup} warm-up rounds; newton_iters "
         f"{args.max_iters}; trained: {args.train_steps} Adam steps (lr {TRAIN_LR:g}) at T = {TRAIN_T}"
     )
+    if args.left_out:
+        print(f"left out: {args.left_out}")
     if "compiled" in args.tables:
         print(f"\n{COMPILED_LEGEND}")
         for model in args.models:

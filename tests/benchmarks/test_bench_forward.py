@@ -150,6 +150,26 @@ def test_bad_input_exits_with_one_clear_line(argv, message, capsys) -> None:
     assert last.startswith("python -m benchmarks.forward: error: ") and message in last
 
 
+def test_without_numba_a_cpu_run_leaves_the_compiled_table_out_and_refuses_it_by_name(
+    monkeypatch, capsys
+) -> None:
+    monkeypatch.setattr(forward.dispatch, "numba_installed", lambda: False)
+    args = parse_args([])
+    assert (
+        args.tables == ["newton"]
+        and args.left_out == "the compiled table, which needs the numba package (pip install numba)"
+    )
+    assert parse_args(["--tables", "newton"]).left_out is None
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--tables", "compiled"])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (
+        "python -m benchmarks.forward: error: --tables compiled needs the numba package (pip install numba), "
+        "which is not installed; accepted here: newton"
+    )
+
+
 def test_the_other_projection_moves_the_inputs_projection_across_its_bound(monkeypatch) -> None:
     """Inputs projected in the steps go to the host (one GEMM a call here) and the reverse."""
     gemms, addmm = [], torch.addmm
