@@ -149,16 +149,16 @@ class _Plan(NamedTuple):
 _COMPILED: dict[tuple, Any] = {}
 _direct_launches = True  # ``direct_launches`` sets it
 _refused: TypeError | None = None  # why the launcher refused a direct launch (``_give_up``), if it did
-# The Triton whose ``JITFunction.run`` ``_direct`` follows (the ``triton`` extra's pin); any other
-# launches through its own path.
-DIRECT_TRITON = "3.6.0"
+# The Triton releases whose ``JITFunction.run`` ``_direct`` follows, each checked against Triton's own
+# path (tests/core/test_compile.py, the direct launches); under any other, launches take that path.
+DIRECT_TRITONS = ("3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0")
 
 
 def _direct(launch: Launch, args: dict[str, Any]) -> _Plan | None:
     """The plan of a launch straight to its compiled kernel, or None where Triton's own path must run:
     where a launch hook, a pre-run hook, debug mode or instrumentation is set (each needs what
-    ``JITFunction.run`` does around the launch), where the installed Triton is not the one it follows
-    (``DIRECT_TRITON``) or its launcher has refused a direct launch's arguments (``_give_up``).
+    ``JITFunction.run`` does around the launch), where the installed Triton is not one it follows
+    (``DIRECT_TRITONS``) or its launcher has refused a direct launch's arguments (``_give_up``).
 
     Why: after a kernel's first launch Triton's ``kernel[grid](...)`` still binds and specializes
     the arguments, looks the kernel up, checks the globals it read and builds the launch metadata on
@@ -166,7 +166,7 @@ def _direct(launch: Launch, args: dict[str, Any]) -> _Plan | None:
     (re-measured by ``python -m benchmarks.launch``). The plan keeps Triton's binding, so a
     specialization (an unaligned pointer, another dtype) still gets its own binary, and drops the
     rest; a global a kernel reads is a module constant, never changed after its compile."""
-    if not _direct_launches or _refused is not None or triton.__version__ != DIRECT_TRITON:
+    if not _direct_launches or _refused is not None or triton.__version__ not in DIRECT_TRITONS:
         return None
     kernel, runtime = launch.kernel, triton.knobs.runtime
     hooks = runtime.launch_enter_hook, runtime.launch_exit_hook

@@ -558,6 +558,9 @@ with recording() as driver:
         report["after refusal"] = launches(driver, call, True)
         report["why"] = str(launch._refused)
         launch._refused = None
+    release, triton.__version__ = triton.__version__, "3.5.0"  # a Triton whose launch path is not followed
+    report["other triton"] = launches(driver, call, True)
+    triton.__version__ = release
     seen = []
     hook = lambda metadata: seen.append(metadata.get()["name"])
     triton.knobs.runtime.launch_enter_hook.add(hook)
@@ -575,8 +578,9 @@ def test_direct_launches_hand_the_launcher_what_tritons_path_hands_it(model, tmp
     ``kernel[grid](...)`` gives the launcher (on a CPU: compiled for sm_90, launches recorded), and
     no launch hooks where none are set. An input that is not 16-byte aligned gets the binaries
     Triton's path picks for it, not the aligned ones; with a launch hook set, every launch goes
-    through Triton's path and the hook sees it; so does every launch once the launcher has refused
-    a direct one's arguments (``launch._give_up``)."""
+    through Triton's path and the hook sees it; so does every launch under a Triton release the
+    direct path does not follow, and once the launcher has refused a direct one's arguments
+    (``launch._give_up``)."""
     env = {**compiled_env(), "TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-c", DIRECT_CHECK, model],
@@ -594,6 +598,7 @@ def test_direct_launches_hand_the_launcher_what_tritons_path_hands_it(model, tmp
     assert [launch[:-1] for launch in r["direct"]] == [launch[:-1] for launch in r["triton"]]
     assert not any(launch[-1] for launch in r["direct"])
     assert r["hooked"] == r["triton"] and r["hook saw"] == [launch[0] for launch in r["triton"]]
+    assert r["other triton"] == r["triton"]  # a release not in launch.DIRECT_TRITONS: Triton's path
     if model == "rnn":
         binaries = {launch[1] for launch in r["triton"]}
         unaligned = [launch[1] for launch in r["unaligned triton"]]
