@@ -227,7 +227,8 @@ def profiled_events(fn: Callable[[], object], device: torch.device) -> list:
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    with profile(activities=activities) as prof:
+    # One cycle, so accumulating changes nothing; torch 2.11 warns at every profile without it.
+    with profile(activities=activities, acc_events=True) as prof:
         fn()
         if cuda:
             torch.cuda.synchronize(device)

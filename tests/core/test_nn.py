@@ -636,7 +636,7 @@ def test_an_initial_state_that_needs_no_gradient_gets_none_computed(kind: str) -
         _, cls, options = KINDS[kind]
         model = cls(3, 5, num_layers=2, strategy="sequential", **options)
         out, _ = model(torch.randn(6, 2, 3), hx)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:  # no torch 2.11 warning
             out.sum().backward()
         return sum(e.count for e in prof.key_averages() if e.key == "aten::clone")
 
@@ -662,7 +662,7 @@ def test_a_one_layer_forward_on_pytorchs_kernel_makes_no_view_or_copy_of_its_sta
 
     def top_level_ops(module: torch.nn.Module) -> tuple[list[str], object]:
         module(x)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:  # no torch 2.11 warning
             _, h_n = module(x)
         top = [e for e in prof.events() if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
         return [e.name for e in top if e.name.startswith("aten::")], h_n
