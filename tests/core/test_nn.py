@@ -12,6 +12,7 @@ from recurrent import F64, KINDS, assert_same, pair, run, state, state_leaves
 from torch.autograd import forward_ad
 from torch.nn.utils.rnn import pack_sequence
 
+from benchmarks.common import profiled_events
 from bppsa_core import nn as bnn
 from bppsa_core import ops as bppsa_ops
 
@@ -630,15 +631,13 @@ def test_an_initial_state_that_needs_no_gradient_gets_none_computed(kind: str) -
     """The backward copies out dL/dh_0 (and an LSTM's dL/dc_0) only for a state that asks for it:
     with the default zero state one copy fewer per layer; with a state that requires grad it gets
     torch.nn's gradient."""
-    from torch.profiler import ProfilerActivity, profile
 
     def clones(hx) -> int:
         _, cls, options = KINDS[kind]
         model = cls(3, 5, num_layers=2, strategy="sequential", **options)
         out, _ = model(torch.randn(6, 2, 3), hx)
-        with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:  # no torch 2.11 warning
-            out.sum().backward()
-        return sum(e.count for e in prof.key_averages() if e.key == "aten::clone")
+        events = profiled_events(out.sum().backward, torch.device("cpu"))
+        return sum(e.name == "aten::clone" for e in events)
 
     lstm = kind == "lstm"
     zeros = torch.zeros(2, 2, 5)
@@ -658,14 +657,13 @@ def test_a_one_layer_forward_on_pytorchs_kernel_makes_no_view_or_copy_of_its_sta
     torch.nn's module keeps its outputs (``kept``: cuDNN's, stood in for): no select, unsqueeze or
     stack of the states (the host path of a short forward). Its last states are the layer's own
     tensors, not views."""
-    from torch.profiler import ProfilerActivity, profile
 
     def top_level_ops(module: torch.nn.Module) -> tuple[list[str], object]:
         module(x)
-        with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:  # no torch 2.11 warning
-            _, h_n = module(x)
-        top = [e for e in prof.events() if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
-        return [e.name for e in top if e.name.startswith("aten::")], h_n
+        states = []
+        events = profiled_events(lambda: states.append(module(x)[1]), torch.device("cpu"))
+        top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+        return [e.name for e in top if e.name.startswith("aten::")], states[0]
 
     monkeypatch.setattr(bnn, "_outputs_kept_by_torch_nn", lambda x: kept)
     ref_cls, cls, options = KINDS[kind]
