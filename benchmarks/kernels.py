@@ -651,8 +651,12 @@ def hidden_text(hidden: Sequence[int]) -> str:
 
 
 def _caption(rows: Sequence[dict[str, Any]]) -> str:
+    import triton
+
     t, chunk = (rows[0]["T"], rows[0]["chunk"]) if rows else (DEFAULT_T, DEFAULT_CHUNK)
+    spilled = sum(1 for r in rows if r["stack"] or r["local"])
     return (
+        f"Triton {triton.__version__}: {spilled} of {len(rows)} compiles spill (stack or local memory). "
         f"Estimate: a static lower bound in cycles at T = {t}, chunk = {chunk}: loop SASS instructions "
         "(shortest path) x iterations x ceil(warps / 4), one instruction issued per cycle per warp "
         "scheduler (4 per SM); not a measurement. Loop instructions: one count per loop (the spine's "

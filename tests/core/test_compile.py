@@ -81,7 +81,10 @@ def compile_rows(tmp: Path, configs: str, *options: str) -> list[dict]:
     done = subprocess.run(cmd, cwd=ROOT, env=compiled_env(), capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("| kernel | mode |")
-    return json.loads(out.read_text())
+    rows = json.loads(out.read_text())
+    spilled = sum(1 for r in rows if r["stack"] or r["local"])
+    assert f": {spilled} of {len(rows)} compiles spill" in done.stdout
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -439,6 +442,14 @@ SASS = """
         /*0090*/                   EXIT ;
         /*00a0*/                   BRA 0xa0;
 """
+
+
+def test_the_tables_name_the_triton_release_and_count_the_compiles_that_spill() -> None:
+    import triton
+
+    spills = ((0, 0), (8, 0), (0, 16))  # stack and local bytes
+    rows = [{"T": 1000, "chunk": 32, "stack": stack, "local": local} for stack, local in spills]
+    assert kernels._caption(rows).startswith(f"Triton {triton.__version__}: 2 of 3 compiles spill")
 
 
 def test_sass_loops_counts_a_loop_body_and_its_shortest_path() -> None:
