@@ -44,6 +44,7 @@ from bppsa_core.scan import chunked_scan
 from bppsa_core.triton.launch import (
     BY_DATA,
     DOT_PRECISION,
+    TRITON_RELEASE,
     Launch,
     chain_args,
     dot_precision,
@@ -448,6 +449,18 @@ def num_warps(terms: int, hp: int) -> int:
     return 8 if terms * hp * hp > 4096 else 4
 
 
+def reduce_warps(mode: int, terms: int, hp: int, release: tuple[int, ...] | None = None) -> int:
+    """The reduce kernel's warps under Triton ``release`` (None: the installed one): ``num_warps``; but at
+    HP = 64 from Triton 3.7, whose HP x HP products ptxas spills on those warps (to 4.7 KB of stack on
+    sm_80 under 3.8), 8 for a chain of one term (from 3.8 a transposed one only) and 16 for the others:
+    so ``python -m benchmarks.kernels`` finds every reduce but a few chains of several terms with
+    offsets compiled without spills. Chosen by compiling, not timed on a GPU (3.6's were)."""
+    release = TRITON_RELEASE if release is None else release
+    if hp < 64 or release < (3, 7):
+        return num_warps(terms, hp)
+    return 8 if terms == 1 and (mode == SCALES_T.value or release < (3, 8)) else 16
+
+
 def source_count(mode: int, has_diag: bool) -> int:
     """How many source tensors a mode's kernels read (``_element``)."""
     if mode == GRU.value:
@@ -501,14 +514,15 @@ def launch_config(
     # element a step ahead themselves), except the GRU's below HP = 64 or with offsets, where the
     # unpipelined compile spills; the GRU's expand at HP = 16 without offsets gets a register cap that
     # keeps ptxas from spilling (64 on 4 warps, 128 on others: under 64 they spilled, and on 2 warps
-    # without a cap), and so does the reduce of other chains of several terms at HP = 64, which ptxas
-    # kept at 80-128 registers with a stack slot.
+    # without a cap), and so does the reduce of other chains of several terms at HP = 64 on 8 warps,
+    # which ptxas kept at 80-128 registers with a stack slot (on 16, ``reduce_warps``, 128 is the most).
     unpipelined = not gru or (hp == 64 and not has_b)
-    several = 192 if terms > 1 and hp == 64 and not gru else None
+    reducing = reduce_warps(mode, terms, hp)
+    several = 192 if terms > 1 and hp == 64 and not gru and reducing == 8 else None
     stages, reduce_cap = (1, several) if unpipelined else (None, None)
     expand_cap = (64 if walk_num_warps == 4 else 128) if gru and hp == 16 and not has_b else None
     return {
-        "reduce": Launch(_reduce, reduce, warps, num_stages=stages, maxnreg=reduce_cap, sources=sources),
+        "reduce": Launch(_reduce, reduce, reducing, num_stages=stages, maxnreg=reduce_cap, sources=sources),
         "spine": Launch(_spine, walks, walk_num_warps, sources=sources),
         "expand": Launch(_expand, walks, walk_num_warps, maxnreg=expand_cap, sources=sources),
     }

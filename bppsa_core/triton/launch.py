@@ -44,6 +44,9 @@ BY_DATA = (*BOUNDS, "N", "B", "stride_k", "stride_b")
 # of a product); ``benchmarks.capture --matmul-precision highest high`` times both.
 DOT_PRECISION = "ieee"
 LOWERED_DOT_PRECISION = "tf32x3"
+# The installed Triton's (major, minor): compile settings that keep a kernel's values in registers
+# differ by release (``chunk_scan.reduce_warps``).
+TRITON_RELEASE = tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 
 def dot_precision() -> str:

@@ -30,6 +30,7 @@ import pytest
 pytest.importorskip("triton")
 
 from benchmarks import kernels
+from bppsa_core.triton import chunk_scan
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90)
@@ -481,9 +482,26 @@ def test_launch_configs_cover_every_h_once_per_binary() -> None:
     keys = [(c.launch.kernel, tuple(sorted(c.launch.constexprs.items())), c.hidden) for c in configs]
     assert len(keys) == len(set(keys))
     gru = [c for c in configs if c.mode == "GRU" and c.hidden == (48, 64)]
+    reducing = chunk_scan.reduce_warps(chunk_scan.GRU.value, 3, 64)
     assert {(c.role, c.affine, c.launch.num_warps) for c in gru} == {
-        (role, affine, 8) for role in SCAN for affine in (False, True)
+        (role, affine, reducing if role == "reduce" else 8) for role in SCAN for affine in (False, True)
     }
+
+
+def test_from_triton_3_7_the_reduce_spreads_an_hp_64_product_over_more_warps(monkeypatch) -> None:
+    """``chunk_scan.reduce_warps``: 3.6's warps (``num_warps``) below HP = 64 and under Triton 3.6;
+    at HP = 64 from 3.7, 8 for a chain of one term (from 3.8 a transposed one only), 16 for the
+    others, whose reduce then takes no register cap (16 warps hold at most 128 registers a thread)."""
+    cs = chunk_scan
+    one, transposed, gru = (cs.TANH.value, 1), (cs.SCALES_T.value, 1), (cs.GRU.value, 3)
+    expected = {(3, 6): (4, 4, 8), (3, 7): (8, 8, 16), (3, 8): (16, 8, 16), (3, 9): (16, 8, 16)}
+    for release, warps in expected.items():
+        assert tuple(cs.reduce_warps(*chain, 64, release) for chain in (one, transposed, gru)) == warps
+        assert {cs.reduce_warps(*chain, 32, release) for chain in (one, transposed, gru)} == {4}
+    several = (cs.SCALES.value, 3, True, True, 0, False, 64)  # a factored chain of three terms, offsets
+    for release, options in (((3, 6), {"num_warps": 8, "maxnreg": 192}), ((3, 8), {"num_warps": 16})):
+        monkeypatch.setattr(cs, "TRITON_RELEASE", release)
+        assert cs.launch_config.__wrapped__(*several)["reduce"].options() == {**options, "num_stages": 1}
 
 
 def test_the_representative_subset_has_every_kernel_and_mode() -> None:
@@ -517,7 +535,8 @@ def test_a_launch_hands_its_compile_settings_to_the_kernel() -> None:
         "maxnreg": 64,
     }
     gru = ts.launch_config(ts.GRU.value, 3, True, False, 1, True, 64)
-    assert gru["reduce"].options() == {"num_warps": 8, "num_stages": 1}
+    reducing = chunk_scan.reduce_warps(ts.GRU.value, 3, 64)
+    assert gru["reduce"].options() == {"num_warps": reducing, "num_stages": 1}
     assert gru["spine"].options() == {"num_warps": 8}
     assert {launch.sources for launch in gru.values()} == {3}  # gi, gh, h_prev
     with pytest.raises(ValueError, match="1 source tensors for a launch of 3"):

@@ -622,9 +622,10 @@ def test_the_walks_run_on_the_warps_a_program_sets_where_the_weights_fit(monkeyp
     )
     own = [f() for f in backwards]
     warps = {(k, hp): w for k, hp, w in launched if k != "_lstm_cells"}
+    reducing = ts.chunk_scan.reduce_warps(ts.GRU.value, 3, 64)  # 8 under Triton 3.6
     assert warps == {
         ("_reduce", 32): 4, ("_spine", 32): 4, ("_expand", 32): 4,
-        ("_reduce", 64): 8, ("_spine", 64): 8, ("_expand", 64): 8,
+        ("_reduce", 64): reducing, ("_spine", 64): 8, ("_expand", 64): 8,
         ("_lstm_reduce", 32): 8, ("_lstm_spine", 32): 8, ("_lstm_expand", 32): 8,
     }  # fmt: skip
     launched.clear()
