@@ -452,13 +452,16 @@ def num_warps(terms: int, hp: int) -> int:
 def reduce_warps(mode: int, terms: int, hp: int, release: tuple[int, ...] | None = None) -> int:
     """The reduce kernel's warps under Triton ``release`` (None: the installed one): ``num_warps``; but at
     HP = 64 from Triton 3.7, whose HP x HP products ptxas spills on those warps (to 4.7 KB of stack on
-    sm_80 under 3.8), 8 for a chain of one term (from 3.8 a transposed one only) and 16 for the others:
-    so ``python -m benchmarks.kernels`` finds every reduce but a few chains of several terms with
-    offsets compiled without spills. Chosen by compiling, not timed on a GPU (3.6's were)."""
+    sm_80 under 3.8), 8 for a chain of one or two terms (from 3.8 a transposed chain of one term only)
+    and 16 for the others: so ``python -m benchmarks.kernels`` finds every reduce but a few chains of
+    three terms compiled without spills. Chosen by compiling, not timed on a GPU (3.6's
+    were)."""
     release = TRITON_RELEASE if release is None else release
     if hp < 64 or release < (3, 7):
         return num_warps(terms, hp)
-    return 8 if terms == 1 and (mode == SCALES_T.value or release < (3, 8)) else 16
+    if release < (3, 8):
+        return 8 if terms <= 2 else 16
+    return 8 if terms == 1 and mode == SCALES_T.value else 16
 
 
 def source_count(mode: int, has_diag: bool) -> int:
@@ -514,11 +517,12 @@ def launch_config(
     # element a step ahead themselves), except the GRU's below HP = 64 or with offsets, where the
     # unpipelined compile spills; the GRU's expand at HP = 16 without offsets gets a register cap that
     # keeps ptxas from spilling (64 on 4 warps, 128 on others: under 64 they spilled, and on 2 warps
-    # without a cap), and so does the reduce of other chains of several terms at HP = 64 on 8 warps,
-    # which ptxas kept at 80-128 registers with a stack slot (on 16, ``reduce_warps``, 128 is the most).
+    # without a cap), and so does the reduce of other chains of several terms at HP = 64 under Triton
+    # 3.6, which ptxas kept at 80-128 registers with a stack slot (later releases: ``reduce_warps``; on
+    # 16 warps 128 is the most, and 3.7's two-term reduce spilled on 8 under the cap, not without).
     unpipelined = not gru or (hp == 64 and not has_b)
     reducing = reduce_warps(mode, terms, hp)
-    several = 192 if terms > 1 and hp == 64 and not gru and reducing == 8 else None
+    several = 192 if terms > 1 and hp == 64 and not gru and TRITON_RELEASE < (3, 7) else None
     stages, reduce_cap = (1, several) if unpipelined else (None, None)
     expand_cap = (64 if walk_num_warps == 4 else 128) if gru and hp == 16 and not has_b else None
     return {

@@ -31,6 +31,7 @@ from bppsa_core.triton.chunk_scan import _shifted
 from bppsa_core.triton.launch import (
     BY_DATA,
     DOT_PRECISION,
+    TRITON_RELEASE,
     Launch,
     chain_args,
     dot_precision,
@@ -427,12 +428,20 @@ def lstm_launch_config(
     walk_num_warps = warps if walk_warps is None else max(walk_warps, hp // 16)
     launches = {
         "reduce": Launch(_lstm_reduce, reduce, warps, num_stages=1, maxnreg=cap, sources=sources),
-        "spine": Launch(_lstm_spine, settings, walk_num_warps, sources=sources),
+        "spine": Launch(_lstm_spine, settings, walk_num_warps, maxnreg=spine_cap(hp), sources=sources),
         "expand": Launch(_lstm_expand, settings, walk_num_warps, sources=sources),
     }
     if fused:  # the cell states first, from the gates
         launches["cells"] = _cells_launch(hp)
     return launches
+
+
+def spine_cap(hp: int, release: tuple[int, ...] | None = None) -> int | None:
+    """``_lstm_spine``'s register cap under Triton ``release`` (None: the installed one): none; but 255
+    at HP = 32 from Triton 3.8, whose ptxas holds the spine on 8 warps to 128 registers with a stack
+    slot where it needs about 150 (python -m benchmarks.kernels)."""
+    late = (TRITON_RELEASE if release is None else release) >= (3, 8)
+    return 255 if hp == 32 and late else None
 
 
 @cache

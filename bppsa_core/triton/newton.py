@@ -45,7 +45,7 @@ from bppsa_core import dispatch, newton
 from bppsa_core.chain import FactoredChain
 from bppsa_core.jacobians import GRUCell, LayerWeights, RNNCell
 from bppsa_core.triton.chunk_scan import GRU, RELU, TANH, _load_weights, factored_scan, num_warps
-from bppsa_core.triton.launch import BY_DATA, Launch, padded
+from bppsa_core.triton.launch import BY_DATA, TRITON_RELEASE, Launch, padded
 
 BLOCK = 1024  # elements a program of the pointwise kernels takes
 WARPS = (
@@ -268,9 +268,19 @@ def update_launches(quasi: bool, reversed_: bool, sweep: bool = False) -> tuple[
 
 @cache
 def walk_launch(mode: int, hp: int) -> Launch:
-    """``_walk`` for ``mode`` (TANH's, RELU's or GRU's value) at ``hp`` = ``padded(H)``: the scan
-    kernels' warps for its weights (``chunk_scan.num_warps``); made once."""
-    return Launch(_walk, {"MODE": mode, "HP": hp}, num_warps(3 if mode == GRU.value else 1, hp))
+    """``_walk`` for ``mode`` (TANH's, RELU's or GRU's value) at ``hp`` = ``padded(H)``, on
+    ``fallback_warps``; made once."""
+    return Launch(_walk, {"MODE": mode, "HP": hp}, fallback_warps(mode, hp))
+
+
+def fallback_warps(mode: int, hp: int, release: tuple[int, ...] | None = None) -> int:
+    """``_walk``'s warps under Triton ``release`` (None: the installed one): the scan kernels' for its
+    weights (``chunk_scan.num_warps``); but a GRU's at HP = 64 from Triton 3.8 on 16, where on 8 ptxas
+    spills it at 255 registers for sm_90 (python -m benchmarks.kernels)."""
+    gru = mode == GRU.value
+    if gru and hp == 64 and (TRITON_RELEASE if release is None else release) >= (3, 8):
+        return 16
+    return num_warps(3 if gru else 1, hp)
 
 
 def newton_update(

@@ -490,18 +490,41 @@ def test_launch_configs_cover_every_h_once_per_binary() -> None:
 
 def test_from_triton_3_7_the_reduce_spreads_an_hp_64_product_over_more_warps(monkeypatch) -> None:
     """``chunk_scan.reduce_warps``: 3.6's warps (``num_warps``) below HP = 64 and under Triton 3.6;
-    at HP = 64 from 3.7, 8 for a chain of one term (from 3.8 a transposed one only), 16 for the
-    others, whose reduce then takes no register cap (16 warps hold at most 128 registers a thread)."""
+    at HP = 64 from 3.7, 8 for a chain of one or two terms (from 3.8 a transposed chain of one term
+    only), 16 for the others; a reduce of several terms takes its register cap under 3.6 only (on 16
+    warps a thread holds at most 128 registers; 3.7's two-term reduce spilled under it)."""
     cs = chunk_scan
-    one, transposed, gru = (cs.TANH.value, 1), (cs.SCALES_T.value, 1), (cs.GRU.value, 3)
-    expected = {(3, 6): (4, 4, 8), (3, 7): (8, 8, 16), (3, 8): (16, 8, 16), (3, 9): (16, 8, 16)}
+    one, transposed, two = (cs.TANH.value, 1), (cs.SCALES_T.value, 1), (cs.SCALES.value, 2)
+    gru = (cs.GRU.value, 3)
+    expected = {(3, 6): (4, 4, 8, 8), (3, 7): (8, 8, 8, 16), (3, 8): (16, 8, 16, 16), (3, 9): (16, 8, 16, 16)}
     for release, warps in expected.items():
-        assert tuple(cs.reduce_warps(*chain, 64, release) for chain in (one, transposed, gru)) == warps
-        assert {cs.reduce_warps(*chain, 32, release) for chain in (one, transposed, gru)} == {4}
-    several = (cs.SCALES.value, 3, True, True, 0, False, 64)  # a factored chain of three terms, offsets
-    for release, options in (((3, 6), {"num_warps": 8, "maxnreg": 192}), ((3, 8), {"num_warps": 16})):
+        assert tuple(cs.reduce_warps(*chain, 64, release) for chain in (one, transposed, two, gru)) == warps
+        assert {cs.reduce_warps(*chain, 32, release) for chain in (one, transposed, two, gru)} == {4}
+    for terms, release, options in (
+        (3, (3, 6), {"num_warps": 8, "maxnreg": 192}),
+        (3, (3, 8), {"num_warps": 16}),
+        (2, (3, 7), {"num_warps": 8}),
+    ):
         monkeypatch.setattr(cs, "TRITON_RELEASE", release)
+        several = (cs.SCALES.value, terms, True, True, 0, False, 64)  # a factored chain with offsets
         assert cs.launch_config.__wrapped__(*several)["reduce"].options() == {**options, "num_stages": 1}
+
+
+def test_from_triton_3_8_the_lstm_spine_and_the_gru_fallback_walk_take_more_registers(monkeypatch) -> None:
+    """``lstm.spine_cap``: no register cap but at HP = 32 from Triton 3.8, 255 (ptxas held the spine
+    to 128 registers with a stack slot); ``newton.fallback_warps``: the scan kernels' warps, but 16 for
+    a GRU's walk at HP = 64 from 3.8 (on 8 it spilled at 255 registers)."""
+    from bppsa_core.triton import lstm, newton
+
+    releases = ((3, 6), (3, 7), (3, 8), (3, 9))
+    assert [lstm.spine_cap(32, r) for r in releases] == [None, None, 255, 255]
+    assert {lstm.spine_cap(hp, r) for hp in (16, 64) for r in releases} == {None}
+    gru, tanh = newton.GRU.value, newton.TANH.value
+    assert [newton.fallback_warps(gru, 64, r) for r in releases] == [8, 8, 16, 16]
+    assert {newton.fallback_warps(m, hp, (3, 9)) for m, hp in ((gru, 32), (tanh, 64))} == {4}
+    for release, options in (((3, 6), {"num_warps": 8}), ((3, 8), {"num_warps": 8, "maxnreg": 255})):
+        monkeypatch.setattr(lstm, "TRITON_RELEASE", release)
+        assert lstm.lstm_launch_config.__wrapped__(False, False, 32)["spine"].options() == options
 
 
 def test_the_representative_subset_has_every_kernel_and_mode() -> None:
