@@ -454,8 +454,7 @@ def reduce_warps(mode: int, terms: int, hp: int, release: tuple[int, ...] | None
     HP = 64 from Triton 3.7, whose HP x HP products ptxas spills on those warps (to 4.7 KB of stack on
     sm_80 under 3.8), 8 for a chain of one or two terms (from 3.8 a transposed chain of one term only)
     and 16 for the others: so ``python -m benchmarks.kernels`` finds every reduce but a few chains of
-    three terms compiled without spills. Chosen by compiling, not timed on a GPU (3.6's
-    were)."""
+    three terms compiled without spills. Chosen by compiling, not timed on a GPU (3.6's were)."""
     release = TRITON_RELEASE if release is None else release
     if hp < 64 or release < (3, 7):
         return num_warps(terms, hp)
