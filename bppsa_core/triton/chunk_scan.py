@@ -44,12 +44,12 @@ from bppsa_core.scan import chunked_scan
 from bppsa_core.triton.launch import (
     BY_DATA,
     DOT_PRECISION,
-    TRITON_RELEASE,
     Launch,
     chain_args,
     dot_precision,
     padded,
     three_launches,
+    triton_from,
     walk_warps_set,
 )
 
@@ -455,10 +455,9 @@ def reduce_warps(mode: int, terms: int, hp: int, release: tuple[int, ...] | None
     sm_80 under 3.8), 8 for a chain of one or two terms (from 3.8 a transposed chain of one term only)
     and 16 for the others: so ``python -m benchmarks.kernels`` finds every reduce but a few chains of
     three terms compiled without spills. Chosen by compiling, not timed on a GPU (3.6's were)."""
-    release = TRITON_RELEASE if release is None else release
-    if hp < 64 or release < (3, 7):
+    if hp < 64 or not triton_from((3, 7), release):
         return num_warps(terms, hp)
-    if release < (3, 8):
+    if not triton_from((3, 8), release):
         return 8 if terms <= 2 else 16
     return 8 if terms == 1 and mode == SCALES_T.value else 16
 
@@ -521,7 +520,7 @@ def launch_config(
     # 16 warps 128 is the most, and 3.7's two-term reduce spilled on 8 under the cap, not without).
     unpipelined = not gru or (hp == 64 and not has_b)
     reducing = reduce_warps(mode, terms, hp)
-    several = 192 if terms > 1 and hp == 64 and not gru and TRITON_RELEASE < (3, 7) else None
+    several = 192 if terms > 1 and hp == 64 and not gru and not triton_from((3, 7)) else None
     stages, reduce_cap = (1, several) if unpipelined else (None, None)
     expand_cap = (64 if walk_num_warps == 4 else 128) if gru and hp == 16 and not has_b else None
     return {

@@ -49,6 +49,11 @@ LOWERED_DOT_PRECISION = "tf32x3"
 TRITON_RELEASE = tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 
+def triton_from(first: tuple[int, int], release: tuple[int, ...] | None = None) -> bool:
+    """Whether Triton ``release`` (None: the installed one, ``TRITON_RELEASE``) is ``first`` or later."""
+    return (TRITON_RELEASE if release is None else release) >= first
+
+
 def dot_precision() -> str:
     """The reduce kernels' ``tl.dot`` precision for PyTorch's float32 matmul precision now: full
     float32 under "highest", three TF32 products under "high" or "medium"."""

@@ -31,12 +31,12 @@ from bppsa_core.triton.chunk_scan import _shifted
 from bppsa_core.triton.launch import (
     BY_DATA,
     DOT_PRECISION,
-    TRITON_RELEASE,
     Launch,
     chain_args,
     dot_precision,
     padded,
     three_launches,
+    triton_from,
     walk_warps_set,
 )
 
@@ -440,8 +440,7 @@ def spine_cap(hp: int, release: tuple[int, ...] | None = None) -> int | None:
     """``_lstm_spine``'s register cap under Triton ``release`` (None: the installed one): none; but 255
     at HP = 32 from Triton 3.8, whose ptxas holds the spine on 8 warps to 128 registers with a stack
     slot where it needs about 150 (python -m benchmarks.kernels)."""
-    late = (TRITON_RELEASE if release is None else release) >= (3, 8)
-    return 255 if hp == 32 and late else None
+    return 255 if hp == 32 and triton_from((3, 8), release) else None
 
 
 @cache

@@ -45,7 +45,7 @@ from bppsa_core import dispatch, newton
 from bppsa_core.chain import FactoredChain
 from bppsa_core.jacobians import GRUCell, LayerWeights, RNNCell
 from bppsa_core.triton.chunk_scan import GRU, RELU, TANH, _load_weights, factored_scan, num_warps
-from bppsa_core.triton.launch import BY_DATA, TRITON_RELEASE, Launch, padded
+from bppsa_core.triton.launch import BY_DATA, Launch, padded, triton_from
 
 BLOCK = 1024  # elements a program of the pointwise kernels takes
 WARPS = (
@@ -278,7 +278,7 @@ def fallback_warps(mode: int, hp: int, release: tuple[int, ...] | None = None) -
     weights (``chunk_scan.num_warps``); but a GRU's at HP = 64 from Triton 3.8 on 16, where on 8 ptxas
     spills it at 255 registers for sm_90 (python -m benchmarks.kernels)."""
     gru = mode == GRU.value
-    if gru and hp == 64 and (TRITON_RELEASE if release is None else release) >= (3, 8):
+    if gru and hp == 64 and triton_from((3, 8), release):
         return 16
     return num_warps(3 if gru else 1, hp)
 

@@ -493,6 +493,8 @@ def test_from_triton_3_7_the_reduce_spreads_an_hp_64_product_over_more_warps(mon
     at HP = 64 from 3.7, 8 for a chain of one or two terms (from 3.8 a transposed chain of one term
     only), 16 for the others; a reduce of several terms takes its register cap under 3.6 only (on 16
     warps a thread holds at most 128 registers; 3.7's two-term reduce spilled under it)."""
+    from bppsa_core.triton import launch
+
     cs = chunk_scan
     one, transposed, two = (cs.TANH.value, 1), (cs.SCALES_T.value, 1), (cs.SCALES.value, 2)
     gru = (cs.GRU.value, 3)
@@ -505,7 +507,7 @@ def test_from_triton_3_7_the_reduce_spreads_an_hp_64_product_over_more_warps(mon
         (3, (3, 8), {"num_warps": 16}),
         (2, (3, 7), {"num_warps": 8}),
     ):
-        monkeypatch.setattr(cs, "TRITON_RELEASE", release)
+        monkeypatch.setattr(launch, "TRITON_RELEASE", release)
         several = (cs.SCALES.value, terms, True, True, 0, False, 64)  # a factored chain with offsets
         assert cs.launch_config.__wrapped__(*several)["reduce"].options() == {**options, "num_stages": 1}
 
@@ -514,7 +516,7 @@ def test_from_triton_3_8_the_lstm_spine_and_the_gru_fallback_walk_take_more_regi
     """``lstm.spine_cap``: no register cap but at HP = 32 from Triton 3.8, 255 (ptxas held the spine
     to 128 registers with a stack slot); ``newton.fallback_warps``: the scan kernels' warps, but 16 for
     a GRU's walk at HP = 64 from 3.8 (on 8 it spilled at 255 registers)."""
-    from bppsa_core.triton import lstm, newton
+    from bppsa_core.triton import launch, lstm, newton
 
     releases = ((3, 6), (3, 7), (3, 8), (3, 9))
     assert [lstm.spine_cap(32, r) for r in releases] == [None, None, 255, 255]
@@ -523,7 +525,7 @@ def test_from_triton_3_8_the_lstm_spine_and_the_gru_fallback_walk_take_more_regi
     assert [newton.fallback_warps(gru, 64, r) for r in releases] == [8, 8, 16, 16]
     assert {newton.fallback_warps(m, hp, (3, 9)) for m, hp in ((gru, 32), (tanh, 64))} == {4}
     for release, options in (((3, 6), {"num_warps": 8}), ((3, 8), {"num_warps": 8, "maxnreg": 255})):
-        monkeypatch.setattr(lstm, "TRITON_RELEASE", release)
+        monkeypatch.setattr(launch, "TRITON_RELEASE", release)
         assert lstm.lstm_launch_config.__wrapped__(False, False, 32)["spine"].options() == options
 
 
