@@ -579,11 +579,10 @@ def test_the_reduce_products_follow_pytorchs_float32_matmul_precision(monkeypatc
     from bppsa_core import triton as ts
     from bppsa_core.triton.launch import Launch
 
-    dots, real = {}, Launch.run
+    dots = {}
 
-    def run(self, grid, **args):
+    def run(self, grid, **args):  # recorded, not run: the interpreter would take seconds a kernel
         dots.setdefault(self.kernel.__name__, []).append(self.constexprs.get("DOT"))
-        return real(self, grid, **args)
 
     monkeypatch.setattr(Launch, "run", run)
     rnn, _ = fused_rnn_case("tanh", 37, 2, 5, 4, True, torch.float32)
