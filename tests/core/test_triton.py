@@ -572,27 +572,25 @@ def test_a_layer_backward_launches_no_more_than_documented(monkeypatch, kind) ->
     ("precision", "dot"),
     [("highest", "ieee"), ("high", "tf32x3"), pytest.param("medium", "tf32x3", marks=pytest.mark.extended)],
 )
-def test_the_reduce_products_follow_pytorchs_float32_matmul_precision(monkeypatch, precision, dot) -> None:
+def test_the_reduce_products_follow_pytorchs_float32_matmul_precision(precision, dot) -> None:
     """``torch.set_float32_matmul_precision`` sets the ``tl.dot`` precision of an RNN's and an LSTM's
     reduce kernel (``launch.dot_precision``): PyTorch's default, "highest", full float32. A GRU's
     three-term chain stays full float32, and no other kernel has a precision."""
+    from benchmarks.kernels import launches_recorded
     from bppsa_core import triton as ts
-    from bppsa_core.triton.launch import Launch
 
-    dots = {}
-
-    def run(self, grid, **args):  # recorded, not run: the interpreter would take seconds a kernel
-        dots.setdefault(self.kernel.__name__, []).append(self.constexprs.get("DOT"))
-
-    monkeypatch.setattr(Launch, "run", run)
     rnn, _ = fused_rnn_case("tanh", 37, 2, 5, 4, True, torch.float32)
     gru, _ = fused_gru_case(37, 2, 5, 4, True, torch.float32)
     lstm, _ = fused_lstm_case(37, 2, 5, 4, True, torch.float32)
-    with matmul_precision(precision):
+    # recorded, not run: the interpreter would take seconds a kernel, and only the launches are read
+    with launches_recorded() as launches, matmul_precision(precision):
         ts.rnn_layer_backward(*rnn, "tanh", 4)
         ts.gru_layer_backward(*gru, 4)
         ts.lstm_layer_backward(*lstm, 4)
     assert torch.get_float32_matmul_precision() == "highest"  # restored
+    dots = {}
+    for launch, _ in launches:
+        dots.setdefault(launch.kernel.__name__, []).append(launch.constexprs.get("DOT"))
     assert dots.pop("_reduce") == [dot, "ieee"] and dots.pop("_lstm_reduce") == [dot], dots
     assert {d for launches in dots.values() for d in launches} == {None}, dots
 
